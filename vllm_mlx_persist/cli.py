@@ -1,0 +1,40 @@
+"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-mlx-persist", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("patch", help="apply the cache-backend seam to the installed vllm-mlx")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="only report whether the patch is applied")
+    mode.add_argument("--revert", action="store_true", help="restore the pristine vllm-mlx files")
+
+    m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
+    m.add_argument("out_dir")
+    m.add_argument("--arch", default="llama", help="llama, qwen2 or qwen3")
+    m.add_argument("--size", default="tiny", help="preset size (see models.SIZES)")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")
+
+    args = parser.parse_args(argv)
+    if args.command == "patch":
+        from .patcher import run as run_patch
+
+        return run_patch("check" if args.check else "revert" if args.revert else "apply")
+    if args.command == "make-model":
+        from .models import build_model_dir
+
+        path = build_model_dir(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force)
+        print(path)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
