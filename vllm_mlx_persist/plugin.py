@@ -1,0 +1,59 @@
+"""pluggy hook implementations that vllm-mlx loads from the `vllm_mlx.plugins` entry point.
+
+This module must import without vllm-mlx's patch applied (it only needs pluggy), so the marker is
+created here rather than imported from `vllm_mlx.plugins`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping, Optional
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("vllm_mlx")
+
+BACKEND_NAME = "persist_q4"
+AGENT_ID_HEADER = "x-agent-id"
+MAX_AGENT_ID_LEN = 128
+_AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+
+
+def validate_agent_id(agent_id: Any, source: str) -> str:
+    """Return `agent_id` if it is a well-formed agent id, else raise ValueError naming `source`."""
+    if not isinstance(agent_id, str):
+        raise ValueError(f"agent id from {source} must be a string, got {type(agent_id).__name__}")
+    if not 1 <= len(agent_id) <= MAX_AGENT_ID_LEN:
+        raise ValueError(f"agent id from {source} must be 1 to {MAX_AGENT_ID_LEN} characters long")
+    if not _AGENT_ID_RE.fullmatch(agent_id):
+        raise ValueError(
+            f"agent id from {source} may only contain letters, digits and . _ : @ - "
+            f"and must start with a letter or digit: {agent_id[:40]!r}"
+        )
+    return agent_id
+
+
+def resolve_agent_id(request: Any, headers: Mapping[str, str]) -> Optional[str]:
+    """Agent id of a request, by precedence: X-Agent-ID header, metadata.agent_id, prompt_cache_key."""
+    header = headers.get(AGENT_ID_HEADER) if headers is not None else None
+    if header is not None:
+        return validate_agent_id(header, "the X-Agent-ID header")
+    metadata = getattr(request, "metadata", None)
+    if isinstance(metadata, Mapping) and metadata.get("agent_id") is not None:
+        return validate_agent_id(metadata["agent_id"], "metadata.agent_id")
+    key = getattr(request, "prompt_cache_key", None)
+    if key is not None:
+        return validate_agent_id(key, "prompt_cache_key")
+    return None
+
+
+@hookimpl
+def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
+    from .backend import PersistQ4Backend
+
+    return {BACKEND_NAME: PersistQ4Backend}
+
+
+@hookimpl
+def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
+    return resolve_agent_id(request, headers)
