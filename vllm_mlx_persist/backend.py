@@ -1,0 +1,148 @@
+"""The `persist_q4` cache backend: the contract vllm-mlx's scheduler calls (see patches/).
+
+Thin on purpose: options, start-up checks and logging here; the cache math lives in `q4cache`,
+blocks and tiers in `pool`, files in `store`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from .identity import model_fingerprint
+from .pool import BlockPool
+from .q4cache import Q4KVCache, check_model_supported, install_attention_fix, make_q4_prompt_cache
+from .store import FORMAT_VERSION, DiskStore
+
+log = logging.getLogger("vllm_mlx_persist")
+
+DEFAULTS: dict[str, Any] = {
+    "cache_dir": None,  # default: $XDG_CACHE_HOME/vllm-mlx-persist, else ~/.cache/vllm-mlx-persist
+    "hot_mb": 2048.0,  # hot-tier budget: bytes of 4-bit blocks kept in memory
+    "bits": 4,
+    "group_size": 64,
+    "block_size": 256,
+    "durable_writes": True,  # a turn's blocks are on disk before its response completes
+}
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm-mlx-persist"
+
+
+def parse_options(options: Optional[dict]) -> dict[str, Any]:
+    """Merge user options over DEFAULTS; unknown keys and bad values raise ValueError."""
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"unknown persist_q4 option(s) {unknown}; known: {sorted(DEFAULTS)}")
+    opts = {**DEFAULTS, **options}
+    try:
+        opts["hot_mb"] = float(opts["hot_mb"])
+        for key in ("bits", "group_size", "block_size"):
+            opts[key] = int(opts[key])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"bad persist_q4 option value: {e}") from None
+    if opts["bits"] not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"persist_q4 bits must be one of 2, 3, 4, 5, 6, 8; got {opts['bits']}")
+    if opts["group_size"] not in (32, 64, 128):
+        raise ValueError(f"persist_q4 group_size must be 32, 64 or 128; got {opts['group_size']}")
+    if opts["block_size"] < 16 or opts["hot_mb"] < 0:
+        raise ValueError("persist_q4 block_size must be >= 16 and hot_mb >= 0")
+    if not isinstance(opts["durable_writes"], bool):
+        raise ValueError("persist_q4 durable_writes must be true or false")
+    opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
+    return opts
+
+
+class PersistQ4Backend:
+    """Per-agent persistent 4-bit prefix cache for vllm-mlx's continuous-batching scheduler."""
+
+    def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
+        opts = parse_options(options)
+        check_model_supported(model, opts["group_size"])  # refuses sliding-window, sinks, MLA, ...
+        install_attention_fix()
+        self.model = model
+        self.bits, self.group_size = opts["bits"], opts["group_size"]
+        cache_format = {
+            "format_version": FORMAT_VERSION,
+            "bits": self.bits,
+            "group_size": self.group_size,
+            "block_size": opts["block_size"],
+        }
+        self.fingerprint = model_fingerprint(model, tokenizer, cache_format)
+        n_layers = len(make_q4_prompt_cache(model, self.bits, self.group_size))
+        model_info = {"model_type": getattr(getattr(model, "args", None), "model_type", None), "n_layers": n_layers}
+        store = DiskStore(opts["cache_dir"], self.fingerprint, model_info, cache_format)
+        self.pool = BlockPool(
+            fingerprint=self.fingerprint,
+            n_layers=n_layers,
+            bits=self.bits,
+            group_size=self.group_size,
+            block_size=opts["block_size"],
+            hot_bytes=int(opts["hot_mb"] * 2**20),
+            store=store,
+            durable_writes=opts["durable_writes"],
+        )
+        self.cache_dir = opts["cache_dir"]
+        log.info(
+            "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, dir %s (model %s)",
+            self.bits, self.group_size, opts["block_size"], opts["hot_mb"], store.model_dir, self.fingerprint[:16],
+        )
+
+    def fetch(self, request: Any):
+        """Longest reusable prefix of the request's prompt in its agent's namespace."""
+        from vllm_mlx.cache_backend import CacheLookup
+
+        namespace = getattr(request, "cache_namespace", None)
+        cache, n, tier = self.pool.lookup(namespace, list(request.prompt_token_ids))
+        agent = namespace or "<anonymous>"
+        if cache is None:
+            log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
+            return None
+        log.info("[persist_q4] agent=%s HIT %s cached=%d prompt=%d", agent, tier, n, len(request.prompt_token_ids))
+        return CacheLookup(cache=cache, num_tokens=n, hit_type=tier)
+
+    def make_prompt_cache(self, request: Any = None) -> list:
+        """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
+        return make_q4_prompt_cache(self.model, self.bits, self.group_size)
+
+    def validate(self, cache: list) -> bool:
+        return bool(cache) and all(isinstance(c, Q4KVCache) for c in cache)
+
+    def store(self, request: Any, token_ids: list[int], cache: Any) -> bool:
+        """Record the finished sequence's cache (prompt + output) under the request's agent."""
+        if callable(cache):
+            cache = cache()
+        if not self.validate(cache or []):
+            return False
+        try:
+            self.pool.commit(getattr(request, "cache_namespace", None), token_ids, cache)
+        except Exception:  # a failed store must never take the server down; the turn is just not cached
+            log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
+            return False
+        return True
+
+    def on_request_finished(self, request: Any, aborted: bool) -> None:
+        pass  # fetch hands out copies, so nothing is pinned
+
+    def get_stats(self) -> dict:
+        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **self.pool.snapshot()}
+
+    def clear(self) -> None:
+        self.pool.clear()
+
+    def load(self) -> int:
+        n = self.pool.load_manifests()
+        log.info("persist_q4: %d agents on disk", n)
+        return n
+
+    def save(self) -> bool:
+        self.pool.flush()
+        return True
+
+    def close(self) -> None:
+        self.pool.close()
