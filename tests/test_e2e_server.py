@@ -1,0 +1,232 @@
+"""End to end: the real patched vllm-mlx server with --cache-backend persist_q4, driven by the
+official openai and anthropic clients.
+
+Tolerance: greedy decoding; hot and reloaded-from-disk caches hold the same bits, so their outputs
+must be identical. Cold prefill vs reuse of a 4-bit cache is equal up to float rounding in the
+attention (tests/test_q4cache.py bounds the logit difference); on these models the greedy tokens
+are identical and we assert that.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from serving import Server
+from vllm_mlx_persist.models import build_model_dir
+
+MAX_TOKENS = 12
+OPTIONS = {"block_size": 32, "hot_mb": 64}  # small blocks: a few turns span many blocks
+WORDS = ("the cache keeps what the agent has read so that a returning agent only "
+         "prefills what is new while every other agent keeps its own memory ").split()
+
+
+def user_text(agent: str, turn: int) -> str:
+    body = " ".join(WORDS[(turn * 7 + i) % len(WORDS)] for i in range(60 + 10 * turn))
+    return f"{agent} turn {turn}: {body}"
+
+
+class Chat:
+    """One agent's conversation, replayed turn by turn through one API."""
+
+    def __init__(self, agent: str | None, api: str = "openai", id_via: str = "metadata"):
+        self.agent, self.api, self.id_via = agent, api, id_via
+        self.messages: list[dict] = []
+        self.outputs: list[str] = []
+        self.cached: list[int] = []
+        self.prompt_tokens: list[int] = []
+
+    def turn(self, server: Server, turn: int) -> str:
+        self.messages.append({"role": "user", "content": user_text(self.agent or "anon", turn)})
+        text, cached, prompt = self.send(server, self.messages)
+        self.messages.append({"role": "assistant", "content": text})
+        self.outputs.append(text)
+        self.cached.append(cached)
+        self.prompt_tokens.append(prompt)
+        return text
+
+    def send(self, server: Server, messages: list[dict]) -> tuple[str, int, int]:
+        kw: dict = {}
+        if self.api == "openai":
+            if self.agent and self.id_via == "metadata":
+                kw["metadata"] = {"agent_id": self.agent}
+            elif self.agent and self.id_via == "prompt_cache_key":
+                kw["extra_body"] = {"prompt_cache_key": self.agent}
+            elif self.agent:
+                kw["extra_headers"] = {"X-Agent-ID": self.agent}
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+            r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                               temperature=0.0, **kw)
+            details = r.usage.prompt_tokens_details
+            return r.choices[0].message.content, (details.cached_tokens if details else 0) or 0, r.usage.prompt_tokens
+        if self.agent and self.id_via == "metadata":
+            kw["extra_body"] = {"metadata": {"agent_id": self.agent}}
+        elif self.agent:
+            kw["extra_headers"] = {"X-Agent-ID": self.agent}
+        client = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=300)
+        r = client.messages.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, **kw)
+        return r.content[0].text if r.content else "", r.usage.cache_read_input_tokens or 0, r.usage.input_tokens
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": build_model_dir(root / "llama", arch="llama", size="tiny", seed=0),
+        "other": build_model_dir(root / "other", arch="llama", size="tiny", seed=1),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(models, tmp_path_factory):
+    with Server(models["llama"], tmp_path_factory.mktemp("home"), options=OPTIONS) as s:
+        yield s
+
+
+def test_two_agents_concurrent_turns_reuse_their_own_cache(server):
+    alice = Chat("alice", api="openai", id_via="metadata")
+    bob = Chat("bob", api="anthropic", id_via="header")
+    for turn in range(3):
+        threads = [threading.Thread(target=c.turn, args=(server, turn)) for c in (alice, bob)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        assert len(alice.outputs) == len(bob.outputs) == turn + 1, server.log_tail()
+    for chat in (alice, bob):
+        assert chat.cached[0] == 0
+        for t in (1, 2):
+            # the whole previous prompt is a prefix of this one; at least all of it is reused,
+            # and at least one token is always left to prefill
+            assert chat.prompt_tokens[t - 1] <= chat.cached[t] < chat.prompt_tokens[t], (chat.agent, chat.cached)
+
+    # Cold (a new agent) on alice's turn-3 context gives alice's hot output.
+    cold = Chat("dave").send(server, alice.messages[:-1])
+    assert cold[1] == 0 and cold[0] == alice.outputs[2]
+
+    stats = server.get_json("/v1/cache/stats")
+    assert "persist_q4" in str(stats), stats
+
+
+def test_agents_never_see_each_others_cache(server):
+    alice = Chat("alice-iso")
+    alice.turn(server, 0)
+    alice.turn(server, 1)
+    assert alice.cached[1] > 0
+    # Identical prompts from another agent, from the anonymous namespace, via another id source.
+    for other in (Chat("mallory"), Chat("mallory2", api="anthropic", id_via="metadata"), Chat(None)):
+        text, cached, _ = other.send(server, alice.messages[:-1])
+        assert cached == 0, other.agent
+        assert text == alice.outputs[1]
+    # The same agent through prompt_cache_key, and through the header, is the same namespace.
+    _, cached, _ = Chat("alice-iso", id_via="prompt_cache_key").send(server, alice.messages[:-1])
+    assert cached > 0
+    _, cached, _ = Chat("alice-iso", id_via="header").send(server, alice.messages[:-1])
+    assert cached > 0
+
+
+def test_anonymous_requests_reuse_by_prefix(server):
+    anon = Chat(None)
+    anon.turn(server, 5)
+    anon.turn(server, 6)
+    assert anon.cached == [0, anon.cached[1]] and anon.cached[1] >= anon.prompt_tokens[0]
+
+
+@pytest.mark.parametrize("bad", ["../../etc/passwd", "a b", "x" * 129, "", "é"])
+def test_bad_agent_id_is_400_and_server_keeps_serving(server, bad):
+    messages = [{"role": "user", "content": "hello"}]
+    with pytest.raises(openai.BadRequestError) as e:
+        Chat(bad).send(server, messages)
+    assert "agent id" in str(e.value)
+    with pytest.raises(anthropic.BadRequestError):
+        Chat(bad, api="anthropic", id_via="metadata").send(server, messages)
+    if bad.isascii() and bad:  # header values must be ASCII for the HTTP client itself
+        with pytest.raises(openai.BadRequestError):
+            Chat(bad, id_via="header").send(server, messages)
+    text, _, _ = Chat("good").send(server, messages)
+    assert isinstance(text, str)
+
+
+def _block_files(home: Path) -> list[Path]:
+    return sorted((home / ".cache" / "vllm-mlx-persist").glob("*/blocks/*/*.safetensors"))
+
+
+def test_restarts_reload_and_match_a_server_never_restarted(models, tmp_path):
+    reference = Chat("alice")
+    with Server(models["llama"], tmp_path / "ref", options=OPTIONS) as ref:
+        for turn in range(3):
+            reference.turn(ref, turn)
+    assert reference.cached[0] == 0 and all(c > 0 for c in reference.cached[1:])
+
+    home = tmp_path / "home"
+    chat = Chat("alice")
+    srv = Server(models["llama"], home, options=OPTIONS).start()
+    try:
+        chat.turn(srv, 0)
+        srv.restart(signal.SIGTERM)
+        chat.turn(srv, 1)
+        srv.restart(signal.SIGKILL)  # killed right after the response completed
+        chat.turn(srv, 2)
+        assert chat.outputs == reference.outputs, srv.log_tail()
+        assert chat.cached == reference.cached, srv.log_tail()
+        assert chat.cached[1] >= chat.prompt_tokens[0] and chat.cached[2] >= chat.prompt_tokens[1]
+
+        # A corrupted block: detected, set aside, answered correctly from a cold prefill.
+        srv.stop(signal.SIGTERM)
+        files = _block_files(home)
+        assert files, "no block files were written"
+        first = files[0]
+        raw = bytearray(first.read_bytes())
+        raw[len(raw) // 2] ^= 0xFF
+        first.write_bytes(bytes(raw))
+        for f in files[1:]:  # truncate the rest: every block of the chain is now bad
+            f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        srv.start()
+        text, cached, _ = chat.send(srv, reference.messages[:-1])
+        assert cached == 0 and text == reference.outputs[2]
+        quarantined = list((home / ".cache" / "vllm-mlx-persist").glob("*/quarantine/*"))
+        assert quarantined, "bad files were not set aside"
+        # ... and the server keeps serving and caching that agent.
+        text2, cached2, _ = chat.send(srv, reference.messages[:-1])
+        assert cached2 > 0 and text2 == text
+    finally:
+        srv.stop()
+
+
+def test_cache_from_another_model_is_never_served(models, tmp_path):
+    home = tmp_path / "home"
+    chat = Chat("alice")
+    with Server(models["llama"], home, options=OPTIONS) as s:
+        chat.turn(s, 0)
+        chat.turn(s, 1)
+    cache_root = home / ".cache" / "vllm-mlx-persist"
+    (llama_dir,) = [p for p in cache_root.iterdir() if p.is_dir()]
+
+    other = Server(models["other"], home, options=OPTIONS).start()
+    try:
+        text, cached, _ = chat.send(other, chat.messages[:-1])
+        assert cached == 0
+        other.stop()
+        # Plant the first model's agent manifests and blocks in the other model's directory.
+        (other_dir,) = [p for p in cache_root.iterdir() if p.is_dir() and p != llama_dir]
+        for src in llama_dir.rglob("*"):
+            if src.is_file() and src.parent.name != "tmp" and src.name != "model.json":
+                dst = other_dir / src.relative_to(llama_dir)
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                dst.write_bytes(src.read_bytes())
+        other.start()
+        text2, cached2, _ = chat.send(other, chat.messages[:-1])
+        assert cached2 == 0 and text2 == text
+    finally:
+        other.stop()
+
+
+def test_unsupported_model_is_refused_at_startup(tmp_path):
+    gemma = build_model_dir(tmp_path / "gemma", arch="gemma3_text", size="tiny")
+    srv = Server(gemma, tmp_path / "home")
+    with pytest.raises(RuntimeError) as e:
+        srv.start(timeout=120)
+    assert "persist_q4" in str(e.value) or "not supported" in str(e.value).lower(), srv.log_tail()
