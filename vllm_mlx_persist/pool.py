@@ -290,7 +290,9 @@ class BlockPool:
         dead = [bid for bid in old_ids if self._unref(bid)]
         self.stats["tokens_stored"] += n_valid
         if agent.persistent and self.writer is not None:
-            self._write(agent, new_blocks, n_valid, dead)
+            # blocks from an earlier failed write (full disk) are retried with the new ones
+            pending = [self.blocks[bid] for bid in new_ids if not self.blocks[bid].durable]
+            self._write(agent, pending, n_valid, dead)
         else:
             self._drop_blocks(dead, delete_files=False)
         self._enforce_budget(keep=agent.namespace)
@@ -310,38 +312,35 @@ class BlockPool:
         slot = ANON_PREFIX + hashlib.sha256(np.asarray(tokens[: self.block_size], np.int32).tobytes()).hexdigest()
         return Agent(slot, persistent=False)
 
-    def _write(self, agent: Agent, new_blocks: list[Block], n_tokens: int, dead: list[str]) -> None:
-        datas = [_to_numpy(b) for b in new_blocks]  # MLX -> numpy here, on the worker thread
+    def _write(self, agent: Agent, blocks: list[Block], n_tokens: int, dead: list[str]) -> None:
+        datas = [_to_numpy(b) for b in blocks]  # MLX -> numpy here, on the worker thread
         manifest = Manifest(agent.namespace, list(agent.block_ids), n_tokens, time.time())
-        store = self.store
+        store, stats = self.store, self.stats
 
-        def job() -> int:
-            written = sum(store.write_block(d) for d in datas)
-            store.write_manifest(manifest)  # only after every block it names is durable
+        def job() -> None:  # writer thread: files and flags only, no MLX
+            try:
+                sizes = [store.write_block(d) for d in datas]
+                store.write_manifest(manifest)  # only after every block it names is durable
+            except Exception:
+                stats["write_errors"] += 1
+                raise
+            for b in blocks:
+                b.durable = True
+            stats["blocks_written"] += sum(1 for n in sizes if n)
+            stats["bytes_written"] += sum(sizes)
             for bid in dead:
                 store.delete_block(bid)
-            return written
 
         future = self.writer.submit(job)
-        dead_blocks = [self.blocks.pop(bid) for bid in dead if bid in self.blocks]
-        for b in dead_blocks:
-            self.hot_bytes -= b.nbytes
-
-        def done(f) -> None:  # runs on the writer thread: flags only, no MLX
-            if f.exception() is None:
-                for b in new_blocks:
-                    b.durable = True
-                self.stats["blocks_written"] += len(new_blocks)
-                self.stats["bytes_written"] += f.result()
-            else:
-                self.stats["write_errors"] += 1
-
-        future.add_done_callback(done)
+        for bid in dead:
+            block = self.blocks.pop(bid, None)
+            if block is not None:
+                self.hot_bytes -= block.nbytes
         if self.durable_writes:
             try:
                 future.result()
-            except (StoreWriteError, OSError) as e:
-                log.warning("agent %r kept in memory only: %s", agent.namespace, e)
+            except OSError as e:
+                log.warning("agent %r kept in memory only, not on disk: %s", agent.namespace, e)
 
     # ---- memory ---------------------------------------------------------------------------------
 
