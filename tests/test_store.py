@@ -1,0 +1,618 @@
+"""Disk tier: real files in tmp_path, real failures (rlimit, SIGKILL) in subprocesses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_mlx_persist import store as store_mod
+from vllm_mlx_persist.store import (
+    FORMAT_VERSION,
+    BlockData,
+    DiskStore,
+    Manifest,
+    ModelMismatchError,
+    StoreError,
+    StoreWriteError,
+    Writer,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+FP = "ab" * 32
+MODEL_INFO = {"name": "tiny-test-model", "path": "/models/tiny"}
+FORMAT_INFO = {"bits": 4, "group_size": 64, "block_size": 256}
+
+
+def make_block(seed: int, n_tokens: int = 16, layers: int = 2, heads: int = 2, head_dim: int = 64) -> BlockData:
+    rng = np.random.default_rng(seed)
+    arrays, dtypes = {}, {}
+    for layer in range(layers):
+        for kv in "kv":
+            arrays[f"{layer}.{kv}.q"] = rng.integers(0, 2**32, size=(heads, n_tokens, head_dim // 8), dtype=np.uint32)
+            # bfloat16 scales/biases travel as raw uint16 bits (includes NaN/inf patterns: must stay exact)
+            arrays[f"{layer}.{kv}.s"] = rng.integers(0, 2**16, size=(heads, n_tokens, head_dim // 64), dtype=np.uint16)
+            arrays[f"{layer}.{kv}.b"] = rng.integers(0, 2**16, size=(heads, n_tokens, head_dim // 64), dtype=np.uint16)
+            dtypes[f"{layer}.{kv}.s"] = dtypes[f"{layer}.{kv}.b"] = "bfloat16"
+    arrays["extra.f32"] = rng.standard_normal((3, 5)).astype(np.float32)
+    tokens = rng.integers(0, 150_000, size=n_tokens, dtype=np.int32)
+    block_id = hashlib.sha256(f"{seed}:{tokens.tobytes().hex()}".encode()).hexdigest()
+    return BlockData(block_id=block_id, tokens=tokens, arrays=arrays, dtypes=dtypes)
+
+
+def assert_same(a: BlockData, b: BlockData) -> None:
+    assert a.block_id == b.block_id
+    assert b.tokens.dtype == np.int32 and np.array_equal(a.tokens, b.tokens)
+    assert a.dtypes == b.dtypes
+    assert set(a.arrays) == set(b.arrays)
+    for k in a.arrays:
+        assert b.arrays[k].dtype == a.arrays[k].dtype, k
+        assert b.arrays[k].shape == a.arrays[k].shape, k
+        assert a.arrays[k].tobytes() == b.arrays[k].tobytes(), k
+
+
+def open_store(root: Path, fp: str = FP) -> DiskStore:
+    return DiskStore(root, fp, MODEL_INFO, FORMAT_INFO)
+
+
+def quarantined(s: DiskStore) -> list[str]:
+    return sorted(os.listdir(s.quarantine_dir))
+
+
+def run_py(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# --- layout and round trips -----------------------------------------------------------------
+
+
+def test_layout_and_model_json(tmp_path):
+    s = open_store(tmp_path)
+    assert s.dir == s.model_dir == tmp_path / FP[:32]
+    for d in ("blocks", "agents", "quarantine", "tmp"):
+        assert (s.dir / d).is_dir()
+    info = json.loads((s.dir / "model.json").read_text())
+    assert info["fingerprint"] == FP and info["format_version"] == FORMAT_VERSION == 1
+    assert info["model_info"] == MODEL_INFO and info["format_info"] == FORMAT_INFO
+    open_store(tmp_path)  # reopening the same model is fine
+
+
+def test_block_round_trip_bit_exact(tmp_path):
+    s = open_store(tmp_path)
+    blk = make_block(1)
+    n = s.write_block(blk)
+    path = s.dir / "blocks" / blk.block_id[:2] / f"{blk.block_id}.safetensors"
+    assert n == path.stat().st_size > 0
+    assert s.has_block(blk.block_id)
+    got = s.read_block(blk.block_id)
+    assert_same(blk, got)
+    # a fresh store (restart) reads it too
+    assert_same(blk, open_store(tmp_path).read_block(blk.block_id))
+    assert os.listdir(s.tmp_dir) == []
+
+
+def test_partial_tail_block_and_odd_shapes(tmp_path):
+    s = open_store(tmp_path)
+    blk = make_block(2, n_tokens=7)  # tail block: fewer tokens than block_size
+    blk.arrays["empty"] = np.zeros((0, 4), dtype=np.uint32)
+    blk.arrays["odd16"] = np.arange(3, dtype=np.uint16)  # odd byte count before/after 4-byte tensors
+    blk.arrays["f16"] = np.array([1.5, -0.0, np.inf], dtype=np.float16)
+    blk.arrays["noncontig"] = np.arange(24, dtype=np.uint32).reshape(4, 6)[:, ::2]
+    s.write_block(blk)
+    got = s.read_block(blk.block_id)
+    blk.arrays["noncontig"] = np.ascontiguousarray(blk.arrays["noncontig"])
+    assert_same(blk, got)
+    assert got.tokens.shape == (7,)
+
+
+def test_block_file_is_standard_safetensors(tmp_path):
+    from safetensors import safe_open
+    from safetensors.numpy import load_file
+
+    s = open_store(tmp_path)
+    blk = make_block(3)
+    s.write_block(blk)
+    path = s.block_path(blk.block_id)
+    loaded = load_file(str(path))
+    assert np.array_equal(loaded["tokens"], blk.tokens)
+    for k, v in blk.arrays.items():
+        assert np.array_equal(loaded[k], v)
+    with safe_open(str(path), framework="np") as f:
+        meta = f.metadata()
+    assert meta["format_version"] == "1" and meta["block_id"] == blk.block_id
+    assert int(meta["n_tokens"]) == len(blk.tokens)
+    assert json.loads(meta["dtypes"]) == blk.dtypes
+    assert meta["checksum"].startswith("sha256:")
+
+
+def test_write_existing_block_is_skipped(tmp_path):
+    s = open_store(tmp_path)
+    blk = make_block(4)
+    assert s.write_block(blk) > 0
+    mtime = s.block_path(blk.block_id).stat().st_mtime_ns
+    assert s.write_block(blk) == 0
+    assert s.block_path(blk.block_id).stat().st_mtime_ns == mtime
+
+
+def test_write_replaces_truncated_existing_file(tmp_path):
+    s = open_store(tmp_path)
+    blk = make_block(5)
+    s.write_block(blk)
+    p = s.block_path(blk.block_id)
+    p.write_bytes(p.read_bytes()[:-10])
+    assert s.write_block(blk) > 0
+    assert_same(blk, s.read_block(blk.block_id))
+
+
+def test_invalid_inputs_raise(tmp_path):
+    s = open_store(tmp_path)
+    blk = make_block(6)
+    with pytest.raises(ValueError):
+        s.write_block(BlockData("../../etc/passwd", blk.tokens, blk.arrays, blk.dtypes))
+    with pytest.raises(ValueError):
+        s.read_block("../x")
+    with pytest.raises(ValueError):
+        s.write_block(BlockData(blk.block_id, blk.tokens.astype(np.int64), blk.arrays, blk.dtypes))
+    with pytest.raises(ValueError):
+        s.write_block(BlockData(blk.block_id, blk.tokens, {"tokens": blk.tokens}, {}))
+    with pytest.raises(ValueError):
+        s.write_block(BlockData(blk.block_id, blk.tokens, {"x": np.zeros(2, dtype=np.complex64)}, {}))
+    with pytest.raises(ValueError):
+        DiskStore(tmp_path, "short", MODEL_INFO, FORMAT_INFO)
+    with pytest.raises(ValueError):
+        DiskStore(tmp_path, "../" + "a" * 40, MODEL_INFO, FORMAT_INFO)
+
+
+def test_manifest_round_trip(tmp_path):
+    s = open_store(tmp_path)
+    assert s.read_manifest("agent-1") is None
+    m = Manifest("agent-1", ["aa" * 32, "bb" * 32, "cc" * 32], 600, time.time())
+    s.write_manifest(m)
+    assert s.read_manifest("agent-1") == m
+    assert open_store(tmp_path).read_manifest("agent-1") == m
+    m2 = Manifest("agent-1", ["aa" * 32], 10, m.updated_at + 1)
+    s.write_manifest(m2)
+    assert s.read_manifest("agent-1") == m2
+    s.write_manifest(Manifest("agent-2", [], 0, 1.0))
+    assert sorted(x.namespace for x in s.list_manifests()) == ["agent-1", "agent-2"]
+    s.delete_manifest("agent-1")
+    s.delete_manifest("agent-1")
+    assert s.read_manifest("agent-1") is None
+    assert [x.namespace for x in s.list_manifests()] == ["agent-2"]
+    assert os.listdir(s.tmp_dir) == []
+
+
+def test_agent_key_is_hashed_and_paths_stay_inside(tmp_path):
+    root = tmp_path / "cache"
+    s = open_store(root)
+    evil = ["../../etc", "../../../../tmp/pwned", "/abs/path", "a/b", "..", "x\x00y", "é" * 128]
+    for ns in evil:
+        key = s.agent_key(ns)
+        assert key != ns and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+        s.write_manifest(Manifest(ns, [], 0, 1.0))
+        assert s.read_manifest(ns).namespace == ns
+        assert s.manifest_path(ns).resolve().parent == s.agents_dir.resolve()
+    assert sorted(os.listdir(tmp_path)) == ["cache"]
+    assert len(os.listdir(s.agents_dir)) == len(evil)
+    assert sorted(m.namespace for m in s.list_manifests()) == sorted(evil)
+
+
+# --- integrity: bad files are quarantined misses ---------------------------------------------
+
+
+def test_truncated_block_is_quarantined_miss(tmp_path, caplog):
+    s = open_store(tmp_path)
+    blk = make_block(7)
+    s.write_block(blk)
+    p = s.block_path(blk.block_id)
+    p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.store"):
+        assert s.read_block(blk.block_id) is None
+    assert any("quarantined" in r.getMessage() for r in caplog.records)
+    assert not p.exists() and not s.has_block(blk.block_id)
+    q = quarantined(s)
+    assert len(q) == 1 and q[0].startswith(f"{blk.block_id}.safetensors.")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.store"):
+        assert s.read_block(blk.block_id) is None  # clean miss the second time
+    assert caplog.records == [] and len(quarantined(s)) == 1
+
+
+@pytest.mark.parametrize("where", ["length", "header", "tokens", "data", "last"])
+def test_flipped_byte_is_quarantined_miss(tmp_path, where):
+    s = open_store(tmp_path)
+    blk = make_block(8)
+    s.write_block(blk)
+    p = s.block_path(blk.block_id)
+    raw = bytearray(p.read_bytes())
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + hlen])
+    start = 8 + hlen
+    pos = {"length": 0, "header": 8 + hlen // 2, "tokens": start + header["tokens"]["data_offsets"][0] + 1,
+           "data": start + header["0.v.q"]["data_offsets"][0] + 5, "last": len(raw) - 1}[where]
+    raw[pos] ^= 0x10
+    p.write_bytes(bytes(raw))
+    assert s.read_block(blk.block_id) is None
+    assert len(quarantined(s)) == 1 and not p.exists()
+
+
+def test_block_renamed_to_another_id_is_a_miss(tmp_path):
+    s = open_store(tmp_path)
+    a, b = make_block(9), make_block(10)
+    s.write_block(a)
+    dest = s.block_path(b.block_id)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(s.block_path(a.block_id), dest)
+    assert s.read_block(b.block_id) is None
+    assert s.read_block(a.block_id) is None
+    assert len(quarantined(s)) == 1
+
+
+def test_garbage_and_empty_block_files(tmp_path):
+    s = open_store(tmp_path)
+    for i, content in enumerate([b"", b"\x00" * 7, b"\xff" * 64, (10).to_bytes(8, "little") + b"{not json}",
+                                 (2).to_bytes(8, "little") + b"[]"]):
+        bid = f"{i:02x}" * 32
+        p = s.block_path(bid)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(content)
+        assert s.read_block(bid) is None
+        assert not p.exists()
+    assert len(quarantined(s)) == 5
+
+
+def test_block_from_other_format_version_is_a_miss(tmp_path, monkeypatch):
+    s = open_store(tmp_path)
+    blk = make_block(11)
+    monkeypatch.setattr(store_mod, "FORMAT_VERSION", 2)
+    s.write_block(blk)
+    monkeypatch.setattr(store_mod, "FORMAT_VERSION", 1)
+    assert s.read_block(blk.block_id) is None
+    assert len(quarantined(s)) == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "not_json", "edit_field"])
+def test_bad_manifest_is_quarantined_miss(tmp_path, damage):
+    s = open_store(tmp_path)
+    s.write_manifest(Manifest("agent", ["aa" * 32], 256, 1.0))
+    s.write_manifest(Manifest("other", [], 0, 1.0))
+    p = s.manifest_path("agent")
+    raw = p.read_bytes()
+    if damage == "truncate":
+        raw = raw[: len(raw) // 2]
+    elif damage == "flip":
+        i = raw.index(b"aaaa")
+        raw = raw[:i] + b"b" + raw[i + 1:]
+    elif damage == "not_json":
+        raw = b"\x00garbage"
+    else:
+        body = json.loads(raw)
+        body["n_tokens"] = 999
+        raw = json.dumps(body).encode()
+    p.write_bytes(raw)
+    assert s.read_manifest("agent") is None
+    assert len(quarantined(s)) == 1 and not p.exists()
+    assert s.read_manifest("agent") is None
+    assert [m.namespace for m in s.list_manifests()] == ["other"]
+
+
+def test_manifest_under_wrong_key_is_a_miss(tmp_path):
+    s = open_store(tmp_path)
+    s.write_manifest(Manifest("alice", ["aa" * 32], 256, 1.0))
+    os.replace(s.manifest_path("alice"), s.manifest_path("bob"))
+    assert s.read_manifest("bob") is None  # never serve alice's cache to bob
+    assert s.read_manifest("alice") is None
+    assert s.list_manifests() == []
+
+
+def test_list_manifests_quarantines_bad_and_skips(tmp_path):
+    s = open_store(tmp_path)
+    for ns in ("a", "b", "c"):
+        s.write_manifest(Manifest(ns, [], 0, 1.0))
+    s.manifest_path("b").write_text("{}")
+    (s.agents_dir / "stray.json").write_text("[1, 2]")
+    (s.agents_dir / "README.txt").write_text("not a manifest")
+    assert sorted(m.namespace for m in s.list_manifests()) == ["a", "c"]
+    assert len(quarantined(s)) == 2
+
+
+# --- model identity --------------------------------------------------------------------------
+
+
+def test_other_fingerprint_same_prefix_is_refused(tmp_path):
+    open_store(tmp_path, FP)
+    other = FP[:32] + "cd" * 16
+    with pytest.raises(ModelMismatchError, match="another model"):
+        open_store(tmp_path, other)
+    open_store(tmp_path, "ef" * 32)  # a different prefix is simply another directory
+
+
+def test_other_format_version_is_refused(tmp_path):
+    s = open_store(tmp_path)
+    p = s.dir / "model.json"
+    info = json.loads(p.read_text())
+    info["format_version"] = FORMAT_VERSION + 1
+    p.write_text(json.dumps(info))
+    with pytest.raises(ModelMismatchError, match="format version"):
+        open_store(tmp_path)
+
+
+def test_unreadable_model_json_is_refused(tmp_path):
+    s = open_store(tmp_path)
+    (s.dir / "model.json").write_text("{trunc")
+    with pytest.raises(StoreError, match="unreadable"):
+        open_store(tmp_path)
+
+
+# --- write failures --------------------------------------------------------------------------
+
+
+def test_full_disk_raises_store_write_error_and_leaves_nothing(tmp_path):
+    """RLIMIT_FSIZE with SIGXFSZ ignored makes write() fail with EFBIG, as a full disk would (works as root)."""
+    code = f"""
+        import errno, json, os, resource, signal, sys
+        import numpy as np
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+        from test_store import make_block, open_store
+        from vllm_mlx_persist.store import Manifest, StoreWriteError
+        from pathlib import Path
+        s = open_store(Path({str(tmp_path)!r}))
+        big, small = make_block(20, n_tokens=2048, layers=4), make_block(21, n_tokens=4, layers=1)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+        out = {{}}
+        try:
+            s.write_block(big)
+            out["big"] = "written"
+        except StoreWriteError as e:
+            out["big"] = [isinstance(e, OSError), e.errno]
+        out["has_big"] = s.has_block(big.block_id)
+        out["tmp_after_fail"] = os.listdir(s.tmp_dir)
+        out["small"] = s.write_block(small) > 0
+        ns = "x" * 100
+        try:
+            s.write_manifest(Manifest(ns, [big.block_id] * 2000, 1, 1.0))
+            out["manifest"] = "written"
+        except StoreWriteError as e:
+            out["manifest"] = e.errno
+        out["manifest_visible"] = s.read_manifest(ns) is not None
+        out["tmp_end"] = os.listdir(s.tmp_dir)
+        print(json.dumps(out))
+    """
+    r = run_py(code)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["big"] == [True, 27]  # EFBIG
+    assert out["has_big"] is False and out["tmp_after_fail"] == []
+    assert out["small"] is True
+    assert out["manifest"] == 27 and out["manifest_visible"] is False
+    assert out["tmp_end"] == []
+    s = open_store(tmp_path)
+    assert s.read_block(make_block(20, n_tokens=2048, layers=4).block_id) is None
+    assert_same(make_block(21, n_tokens=4, layers=1), s.read_block(make_block(21, n_tokens=4, layers=1).block_id))
+    assert quarantined(s) == []
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_directory_raises_store_write_error(tmp_path):
+    s = open_store(tmp_path)
+    os.chmod(s.tmp_dir, 0o500)
+    try:
+        with pytest.raises(StoreWriteError):
+            s.write_block(make_block(22))
+    finally:
+        os.chmod(s.tmp_dir, 0o700)
+    assert not s.has_block(make_block(22).block_id)
+
+
+def test_sigkill_mid_write_leaves_only_complete_blocks(tmp_path):
+    """A writer killed mid-file: every completed block reads back exactly; nothing partial is visible."""
+    code = f"""
+        import sys
+        sys.path.insert(0, {str(REPO / 'tests')!r})
+        from pathlib import Path
+        from test_store import make_block, open_store
+        s = open_store(Path({str(tmp_path)!r}))
+        i = 0
+        while True:
+            blk = make_block(100 + i, n_tokens=256, layers=48, heads=8, head_dim=128)  # ~ 17 MB
+            s.write_block(blk)
+            print(i, blk.block_id, flush=True)
+            i += 1
+    """
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    done: list[str] = []
+
+    def reader():
+        for line in proc.stdout:
+            done.append(line.split()[1])
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    tmp_dir = tmp_path / FP[:32] / "tmp"
+    saw_partial = False
+    deadline = time.monotonic() + 90
+    try:
+        while time.monotonic() < deadline:
+            if len(done) >= 2 and tmp_dir.is_dir():
+                sizes = []
+                for name in os.listdir(tmp_dir):
+                    try:
+                        sizes.append((tmp_dir / name).stat().st_size)
+                    except FileNotFoundError:
+                        pass
+                if any(0 < sz < 8 << 20 for sz in sizes):  # a block file half written
+                    os.kill(proc.pid, signal.SIGKILL)
+                    saw_partial = True
+                    break
+            if proc.poll() is not None:
+                break
+            time.sleep(0.0005)
+        else:
+            os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        t.join(5)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    assert len(done) >= 2
+    leftovers = os.listdir(tmp_dir)
+    assert saw_partial and leftovers, "the kill did not land mid-write"
+
+    s = open_store(tmp_path)  # fresh store on the same dir: leftovers are garbage
+    assert os.listdir(s.tmp_dir) == []
+    for i, bid in enumerate(done):
+        expect = make_block(100 + i, n_tokens=256, layers=48, heads=8, head_dim=128)
+        assert expect.block_id == bid
+        assert_same(expect, s.read_block(bid))
+    # The block being written when killed is absent or complete, never partial.
+    on_disk = set(s.iter_block_ids())
+    assert set(done) <= on_disk and len(on_disk - set(done)) <= 1
+    for bid in on_disk - set(done):
+        assert s.read_block(bid) is not None
+    assert quarantined(s) == []
+
+
+def test_tmp_leftovers_of_live_process_are_kept(tmp_path):
+    s = open_store(tmp_path)
+    mine = s.tmp_dir / f"block.{os.getpid()}.{'0' * 32}.tmp"
+    dead = s.tmp_dir / f"block.{2**22 + 12345}.{'1' * 32}.tmp"  # beyond pid_max defaults
+    junk = s.tmp_dir / "junk"
+    for p in (mine, dead, junk):
+        p.write_bytes(b"partial")
+    open_store(tmp_path)
+    assert sorted(os.listdir(s.tmp_dir)) == [mine.name]
+    old = time.time() - store_mod.STALE_TMP_S - 10
+    os.utime(mine, (old, old))
+    s.gc(set())
+    assert os.listdir(s.tmp_dir) == []
+
+
+# --- gc, usage -------------------------------------------------------------------------------
+
+
+def test_gc_deletes_only_dead_blocks(tmp_path):
+    s = open_store(tmp_path)
+    blocks = [make_block(30 + i) for i in range(5)]
+    for b in blocks:
+        s.write_block(b)
+    ids = [b.block_id for b in blocks]
+    s.write_manifest(Manifest("agent", [ids[0], ids[1]], 32, 1.0))
+    assert s.gc({ids[2]}) == 2  # live: named by the manifest or by the caller
+    for i in (0, 1, 2):
+        assert_same(blocks[i], s.read_block(ids[i]))
+    assert not s.has_block(ids[3]) and not s.has_block(ids[4])
+    assert s.gc({ids[2]}) == 0
+    s.delete_manifest("agent")
+    assert s.gc(set()) == 3
+    assert list(s.iter_block_ids()) == []
+
+
+def test_disk_bytes_and_stats(tmp_path):
+    s = open_store(tmp_path)
+    base = s.disk_bytes()
+    n = s.write_block(make_block(40))
+    assert s.disk_bytes() == base + n
+    s.write_manifest(Manifest("a", [make_block(40).block_id], 16, 1.0))
+    st = s.stats()
+    assert st["blocks_files"] == 1 and st["blocks_bytes"] == n
+    assert st["agents_files"] == 1 and st["disk_bytes"] == s.disk_bytes() > base + n
+    assert st["block_writes"] == 1 and st["manifest_writes"] == 1 and st["format_version"] == 1
+
+
+def test_concurrent_reads_and_writes(tmp_path):
+    s = open_store(tmp_path)
+    blocks = [make_block(50 + i) for i in range(16)]
+    errors = []
+
+    def work(part):
+        try:
+            for b in part:
+                s.write_block(b)
+                assert_same(b, s.read_block(b.block_id))
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(blocks[i % 2::2] + blocks,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert os.listdir(s.tmp_dir) == [] and quarantined(s) == []
+
+
+# --- Writer ----------------------------------------------------------------------------------
+
+
+def test_writer_runs_jobs_in_order():
+    w = Writer()
+    seen = []
+    futs = [w.submit(lambda i: (time.sleep(0.001 * (i % 3)), seen.append(i), i)[-1], i) for i in range(50)]
+    assert w.flush(timeout=10)
+    assert seen == list(range(50))
+    assert [f.result() for f in futs] == list(range(50))
+    assert w.pending == 0
+    w.close()
+
+
+def test_writer_exception_on_future_and_thread_survives(caplog):
+    w = Writer()
+
+    def boom():
+        raise StoreWriteError(28, "No space left on device")
+
+    with caplog.at_level(logging.ERROR, logger="vllm_mlx_persist.store"):
+        f1 = w.submit(boom)
+        f2 = w.submit(lambda: 42)
+        assert f2.result(timeout=10) == 42
+    assert isinstance(f1.exception(), StoreWriteError) and f1.exception().errno == 28
+    assert any("failed" in r.getMessage() for r in caplog.records)
+    w.close()
+
+
+def test_writer_flush_and_close():
+    w = Writer()
+    gate = threading.Event()
+    done = []
+    w.submit(gate.wait)
+    w.submit(done.append, 1)
+    assert w.flush(timeout=0.05) is False  # blocked job: flush times out
+    gate.set()
+    assert w.flush(timeout=10) is True and done == [1]
+    w.submit(time.sleep, 0.05)
+    w.submit(done.append, 2)
+    w.close()  # drains
+    assert done == [1, 2]
+    w.close()  # idempotent
+    assert w.flush() is True
+    with pytest.raises(RuntimeError):
+        w.submit(done.append, 3)
+
+
+def test_writer_with_store(tmp_path):
+    s = open_store(tmp_path)
+    w = Writer()
+    blocks = [make_block(60 + i) for i in range(4)]
+    futs = [w.submit(s.write_block, b) for b in blocks]
+    m = Manifest("agent", [b.block_id for b in blocks], 64, time.time())
+    fm = w.submit(s.write_manifest, m)
+    w.close()
+    assert all(f.result() > 0 for f in futs) and fm.result() is None
+    assert s.read_manifest("agent") == m

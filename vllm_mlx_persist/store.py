@@ -1,0 +1,771 @@
+"""Disk tier: content-addressed block files and per-agent manifests, durable and self-checking.
+
+Runs on writer/prefetch threads, so it only sees numpy arrays and bytes: no MLX here.
+Layout, file formats and the durability protocol are described in docs/disk-format.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import re
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import numpy as np
+
+logger = logging.getLogger("vllm_mlx_persist.store")
+
+FORMAT_VERSION = 1
+
+_MODEL_FORMAT = "vllm-mlx-persist.model"
+_BLOCK_FORMAT = "vllm-mlx-persist.block"
+_MANIFEST_FORMAT = "vllm-mlx-persist.manifest"
+_TOKENS = "tokens"
+_BLOCK_SUFFIX = ".safetensors"
+_MAX_HEADER = 16 << 20
+# A tmp file of a live process is left alone at open unless it is at least this old.
+STALE_TMP_S = 3600.0
+
+_BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
+_DIR_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+_TMP_RE = re.compile(r"[a-z]+\.(\d+)\.[0-9a-f]{32}\.tmp")
+
+# numpy dtype <-> safetensors dtype code (little-endian only)
+_NP_TO_ST = {
+    np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
+    np.dtype("<u2"): "U16", np.dtype("<i2"): "I16", np.dtype("<f2"): "F16",
+    np.dtype("<u4"): "U32", np.dtype("<i4"): "I32", np.dtype("<f4"): "F32",
+    np.dtype("<u8"): "U64", np.dtype("<i8"): "I64", np.dtype("<f8"): "F64",
+}
+_ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
+
+
+class StoreError(Exception):
+    """The store cannot be opened or used as asked (not a bad cache file: those are misses)."""
+
+
+class ModelMismatchError(StoreError):
+    """The model directory belongs to another model fingerprint or another format version."""
+
+
+class StoreWriteError(OSError):
+    """A write failed (full disk, file too large, I/O error, permission); nothing partial is visible.
+
+    The caller keeps the data in memory and may retry later. errno is the underlying one.
+    """
+
+
+class _BadFile(Exception):
+    """Internal: a file failed its checks; carries the reason for the quarantine log."""
+
+
+@dataclass
+class BlockData:
+    block_id: str
+    tokens: np.ndarray  # int32 (n,)
+    arrays: dict[str, np.ndarray]  # 16-bit floats arrive as uint16 views; real dtype in `dtypes`
+    dtypes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Manifest:
+    namespace: str
+    block_ids: list[str]
+    n_tokens: int
+    updated_at: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while len(data):
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _bytes_view(a: np.ndarray) -> memoryview:
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
+def _check_block_id(block_id: str) -> str:
+    if not isinstance(block_id, str) or not _BLOCK_ID_RE.fullmatch(block_id):
+        raise ValueError(f"block id must be 2 to 128 lowercase hex digits, got {block_id!r:.80}")
+    return block_id
+
+
+def _prepare_array(name: str, a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    if a.dtype.byteorder == ">":
+        a = a.astype(a.dtype.newbyteorder("<"))
+    if a.dtype not in _NP_TO_ST:
+        raise ValueError(f"array {name!r}: dtype {a.dtype} cannot be stored (view 16-bit floats as uint16)")
+    return np.ascontiguousarray(a)
+
+
+def _block_checksum(block_id: str, n_tokens: int, dtypes: dict[str, str],
+                    tensors: list[tuple[str, str, list[int], memoryview]]) -> str:
+    """sha256 over a canonical descriptor (id, n_tokens, dtypes, names/dtypes/shapes) then the data
+    of every tensor in name order: covers tokens, arrays and everything the header says about them."""
+    h = hashlib.sha256()
+    desc = {"block_id": block_id, "n_tokens": n_tokens, "dtypes": dtypes,
+            "tensors": [[n, d, s] for n, d, s, _ in tensors]}
+    h.update(_canonical(desc))
+    for _, _, _, data in tensors:
+        h.update(data)
+    return "sha256:" + h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------
+# DiskStore
+
+
+class DiskStore:
+    """Content-addressed 4-bit KV blocks and per-agent manifests under `root / fingerprint[:32]`.
+
+    Thread-safe: every file appears atomically (tmp, fsync, rename, dir fsync). Bad files found on
+    read are moved to quarantine/ and reported as a miss; write failures raise StoreWriteError.
+    """
+
+    def __init__(self, root: Path, fingerprint: str, model_info: dict, format_info: dict):
+        if not isinstance(fingerprint, str) or len(fingerprint) < 32 or not _DIR_NAME_RE.fullmatch(fingerprint[:32]):
+            raise ValueError("fingerprint must be a string of at least 32 characters from [A-Za-z0-9._-]")
+        self.root = Path(root)
+        self.fingerprint = fingerprint
+        self.model_dir = self.dir = self.root / fingerprint[:32]
+        self.blocks_dir = self.dir / "blocks"
+        self.agents_dir = self.dir / "agents"
+        self.quarantine_dir = self.dir / "quarantine"
+        self.tmp_dir = self.dir / "tmp"
+        self._lock = threading.Lock()
+        self._counts = {"block_writes": 0, "block_write_skips": 0, "block_reads": 0, "block_misses": 0,
+                        "manifest_writes": 0, "manifest_reads": 0, "quarantined": 0,
+                        "write_errors": 0, "bytes_written": 0, "bytes_read": 0}
+        try:
+            self._open_model_dir(model_info, format_info)
+        except OSError as e:
+            raise StoreError(f"cannot open the cache directory {self.dir}: {e}") from e
+        self._clean_tmp(max_age_live=STALE_TMP_S)
+
+    # -- model directory --------------------------------------------------------------------
+
+    def _open_model_dir(self, model_info: dict, format_info: dict) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        created = not self.dir.exists()
+        self.dir.mkdir(exist_ok=True)
+        if created:
+            _fsync_dir(self.root)
+        for d in (self.blocks_dir, self.agents_dir, self.quarantine_dir, self.tmp_dir):
+            if not d.exists():
+                d.mkdir(exist_ok=True)
+                _fsync_dir(self.dir)
+        path = self.dir / "model.json"
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raw = None
+        if raw is None:
+            info = {"format": _MODEL_FORMAT, "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
+                    "model_info": model_info, "format_info": format_info, "created_at": time.time()}
+            body = json.dumps(info, sort_keys=True, indent=1, default=str).encode()
+            try:
+                self._atomic_write(path, [memoryview(body)], "model")
+            except StoreWriteError as e:
+                raise StoreError(f"cannot write {path}: {e}") from e
+            return
+        try:
+            info = json.loads(raw)
+            theirs_fp, theirs_v = info["fingerprint"], info["format_version"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise StoreError(
+                f"{path} is unreadable ({e}); cannot tell which model this cache belongs to. "
+                f"Remove {self.dir} to start this model's cache afresh."
+            ) from None
+        if theirs_fp != self.fingerprint:
+            raise ModelMismatchError(
+                f"cache directory {self.dir} belongs to model fingerprint {str(theirs_fp)[:64]!r}, "
+                f"not {self.fingerprint[:64]!r} (same 32-character prefix): refusing to serve another "
+                f"model's cache. Use another cache root or remove that directory."
+            )
+        if theirs_v != FORMAT_VERSION:
+            raise ModelMismatchError(
+                f"cache directory {self.dir} has disk format version {theirs_v!r}; this build reads "
+                f"version {FORMAT_VERSION}. Remove the directory (or use another cache root) to rebuild it."
+            )
+        if _canonical(info.get("format_info")) != _canonical(json.loads(json.dumps(format_info, default=str))):
+            logger.warning("%s: format_info differs from the one recorded (%s); fingerprint matches, continuing",
+                           self.dir, info.get("format_info"))
+
+    # -- paths, tmp files, quarantine ------------------------------------------------------
+
+    def block_path(self, block_id: str) -> Path:
+        _check_block_id(block_id)
+        return self.blocks_dir / block_id[:2] / f"{block_id}{_BLOCK_SUFFIX}"
+
+    @staticmethod
+    def agent_key(namespace: str) -> str:
+        """File-name key of an agent: sha256 of the namespace, hex (ids never become paths)."""
+        if not isinstance(namespace, str):
+            raise TypeError("namespace must be a str")
+        return hashlib.sha256(namespace.encode("utf-8")).hexdigest()
+
+    def manifest_path(self, namespace: str) -> Path:
+        return self.agents_dir / f"{self.agent_key(namespace)}.json"
+
+    def _tmp_path(self, kind: str) -> Path:
+        return self.tmp_dir / f"{kind}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+
+    def _atomic_write(self, dest: Path, chunks: list[memoryview], kind: str) -> int:
+        """Write chunks to a unique tmp file, fsync, rename onto dest, fsync dest's directory.
+
+        Any OSError removes the tmp file and is raised as StoreWriteError.
+        """
+        tmp = self._tmp_path(kind)
+        fd = -1
+        size = sum(len(c) for c in chunks)
+        try:
+            if not dest.parent.is_dir():
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(dest.parent.parent)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            for c in chunks:
+                _write_all(fd, c)
+            os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, dest)
+            _fsync_dir(dest.parent)
+        except OSError as e:
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            with self._lock:
+                self._counts["write_errors"] += 1
+            raise StoreWriteError(e.errno or errno.EIO, f"writing {dest.name}: {e.strerror or e}", str(dest)) from e
+        return size
+
+    def _quarantine(self, path: Path, reason: str, fd: Optional[int] = None) -> None:
+        """Move a bad file aside (never deleted, never served) and log why."""
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
+        dest = self.quarantine_dir / f"{path.name}.{stamp}"
+        try:
+            if fd is not None:
+                # Only move the file we actually read, not a good copy renamed over it meanwhile.
+                st, cur = os.fstat(fd), os.stat(path)
+                if (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino):
+                    logger.warning("%s failed its checks (%s) but was replaced meanwhile; left alone", path, reason)
+                    return
+            os.replace(path, dest)
+        except FileNotFoundError:
+            return  # someone else moved or deleted it first
+        except OSError as e:
+            logger.warning("%s failed its checks (%s) and could not be quarantined: %s", path, reason, e)
+            return
+        with self._lock:
+            self._counts["quarantined"] += 1
+        logger.warning("quarantined %s -> %s: %s", path, dest.name, reason)
+
+    def _clean_tmp(self, max_age_live: float) -> int:
+        """Remove tmp files of dead processes, and any older than max_age_live seconds."""
+        removed, now = 0, time.time()
+        try:
+            entries = list(os.scandir(self.tmp_dir))
+        except OSError:
+            return 0
+        for e in entries:
+            m = _TMP_RE.fullmatch(e.name)
+            try:
+                if m and _pid_alive(int(m.group(1))) and now - e.stat().st_mtime < max_age_live:
+                    continue
+                os.unlink(e.path)
+                removed += 1
+            except OSError:
+                pass
+        if removed:
+            logger.info("removed %d leftover temp file(s) from %s", removed, self.tmp_dir)
+        return removed
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def write_block(self, block: BlockData) -> int:
+        """Write a block durably; returns bytes written, 0 when a valid copy already exists.
+
+        "Valid copy" is checked cheaply: its header has this format version, id and checksum and the
+        file has the expected size (the data is verified on read).
+        """
+        block_id = _check_block_id(block.block_id)
+        tokens = _prepare_array(_TOKENS, block.tokens)
+        if tokens.dtype != np.int32 or tokens.ndim != 1:
+            raise ValueError(f"block {block_id}: tokens must be 1-D int32, got {tokens.dtype} {tokens.shape}")
+        if _TOKENS in block.arrays:
+            raise ValueError(f"block {block_id}: array name {_TOKENS!r} is reserved")
+        unknown = set(block.dtypes) - set(block.arrays)
+        if unknown:
+            raise ValueError(f"block {block_id}: dtypes names arrays it does not have: {sorted(unknown)}")
+        arrays = {n: _prepare_array(n, a) for n, a in block.arrays.items()}
+        arrays[_TOKENS] = tokens
+        dtypes = {str(k): str(v) for k, v in block.dtypes.items()}
+        n_tokens = int(tokens.shape[0])
+
+        by_name = sorted(arrays)
+        tensors = [(n, _NP_TO_ST[arrays[n].dtype], list(arrays[n].shape), _bytes_view(arrays[n])) for n in by_name]
+        checksum = _block_checksum(block_id, n_tokens, dtypes, tensors)
+
+        # Data section: larger item sizes first so every tensor stays aligned to its item size.
+        order = sorted(by_name, key=lambda n: (-arrays[n].dtype.itemsize, n))
+        header: dict[str, Any] = {"__metadata__": {
+            "format": _BLOCK_FORMAT, "format_version": str(FORMAT_VERSION), "block_id": block_id,
+            "n_tokens": str(n_tokens), "dtypes": json.dumps(dtypes, sort_keys=True), "checksum": checksum}}
+        views = dict((n, v) for n, _, _, v in tensors)
+        off = 0
+        for n in order:
+            size = len(views[n])
+            header[n] = {"dtype": _NP_TO_ST[arrays[n].dtype], "shape": list(arrays[n].shape),
+                         "data_offsets": [off, off + size]}
+            off += size
+        hbytes = json.dumps(header, separators=(",", ":")).encode()
+        hbytes += b" " * (-(8 + len(hbytes)) % 8)  # data starts 8-byte aligned
+        total = 8 + len(hbytes) + off
+
+        path = self.block_path(block_id)
+        if self._existing_block_matches(path, checksum, total):
+            with self._lock:
+                self._counts["block_write_skips"] += 1
+            return 0
+        chunks = [memoryview(len(hbytes).to_bytes(8, "little")), memoryview(hbytes)] + [views[n] for n in order]
+        written = self._atomic_write(path, chunks, "block")
+        with self._lock:
+            self._counts["block_writes"] += 1
+            self._counts["bytes_written"] += written
+        return written
+
+    def _existing_block_matches(self, path: Path, checksum: str, total: int) -> bool:
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size != total:
+                    return False
+                n = int.from_bytes(f.read(8), "little")
+                if n > _MAX_HEADER:
+                    return False
+                meta = json.loads(f.read(n)).get("__metadata__", {})
+            return meta.get("format_version") == str(FORMAT_VERSION) and meta.get("checksum") == checksum
+        except (OSError, ValueError, AttributeError):
+            return False
+
+    def has_block(self, block_id: str) -> bool:
+        """Whether a block file exists (not verified: read_block does that)."""
+        return self.block_path(block_id).is_file()
+
+    def read_block(self, block_id: str) -> Optional[BlockData]:
+        """The block, verified; None when absent or bad (a bad file is quarantined)."""
+        path = self.block_path(block_id)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            with self._lock:
+                self._counts["block_misses"] += 1
+            return None
+        except OSError as e:  # not the file's fault (EMFILE, EACCES...): a miss, file kept
+            logger.warning("cannot open %s: %s", path, e)
+            return None
+        try:
+            try:
+                size = os.fstat(fd).st_size
+                buf = bytearray(size)
+                view, got = memoryview(buf), 0
+                while got < size:
+                    n = os.readv(fd, [view[got:]])
+                    if n == 0:
+                        raise _BadFile(f"file shrank while reading ({got} of {size} bytes)")
+                    got += n
+                block = _parse_block(buf, block_id)
+            except (_BadFile, OSError) as e:
+                self._quarantine(path, str(e) or type(e).__name__, fd)
+                with self._lock:
+                    self._counts["block_misses"] += 1
+                return None
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._counts["block_reads"] += 1
+            self._counts["bytes_read"] += size
+        return block
+
+    def delete_block(self, block_id: str) -> None:
+        try:
+            os.unlink(self.block_path(block_id))
+        except FileNotFoundError:
+            pass
+
+    def iter_block_ids(self) -> Iterator[str]:
+        """Ids of all block files on disk (names only; not verified)."""
+        try:
+            shards = list(os.scandir(self.blocks_dir))
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            if not shard.is_dir():
+                continue
+            try:
+                files = list(os.scandir(shard.path))
+            except OSError:
+                continue
+            for f in files:
+                if f.name.endswith(_BLOCK_SUFFIX):
+                    bid = f.name[: -len(_BLOCK_SUFFIX)]
+                    if _BLOCK_ID_RE.fullmatch(bid) and bid[:2] == shard.name:
+                        yield bid
+
+    # -- manifests ---------------------------------------------------------------------------
+
+    def write_manifest(self, m: Manifest) -> None:
+        """Write an agent's manifest durably. Write the blocks it names first."""
+        if not isinstance(m.namespace, str) or not m.namespace:
+            raise ValueError("manifest namespace must be a non-empty string")
+        for b in m.block_ids:
+            _check_block_id(b)
+        body = {"format": _MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "namespace": m.namespace,
+                "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens), "updated_at": float(m.updated_at)}
+        body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
+        data = json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
+        self._atomic_write(self.manifest_path(m.namespace), [memoryview(data)], "manifest")
+        with self._lock:
+            self._counts["manifest_writes"] += 1
+
+    def read_manifest(self, namespace: str) -> Optional[Manifest]:
+        """The agent's manifest, verified; None when absent or bad (a bad file is quarantined)."""
+        return self._read_manifest_file(self.manifest_path(namespace), namespace)
+
+    def _read_manifest_file(self, path: Path, namespace: Optional[str]) -> Optional[Manifest]:
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("cannot open %s: %s", path, e)
+            return None
+        try:
+            try:
+                with os.fdopen(os.dup(fd), "rb") as f:
+                    raw = f.read()
+                m = _parse_manifest(raw)
+                if path.name != f"{self.agent_key(m.namespace)}.json":
+                    raise _BadFile(f"file name does not match its namespace {m.namespace[:64]!r}")
+                if namespace is not None and m.namespace != namespace:
+                    raise _BadFile("namespace mismatch")
+            except (_BadFile, OSError) as e:
+                self._quarantine(path, str(e) or type(e).__name__, fd)
+                return None
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._counts["manifest_reads"] += 1
+        return m
+
+    def delete_manifest(self, namespace: str) -> None:
+        path = self.manifest_path(namespace)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        try:
+            _fsync_dir(path.parent)
+        except OSError:
+            pass
+
+    def list_manifests(self) -> list[Manifest]:
+        """Every valid manifest; bad ones are quarantined and skipped."""
+        out = []
+        try:
+            entries = sorted(e.name for e in os.scandir(self.agents_dir))
+        except FileNotFoundError:
+            return out
+        for name in entries:
+            if name.endswith(".json"):
+                m = self._read_manifest_file(self.agents_dir / name, None)
+                if m is not None:
+                    out.append(m)
+        return out
+
+    # -- housekeeping ------------------------------------------------------------------------
+
+    def gc(self, live_block_ids: set[str]) -> int:
+        """Delete block files named neither by `live_block_ids` nor by any manifest on disk, and
+        stale tmp files; returns the number of block files deleted.
+
+        Blocks written but not yet named by a manifest must be in `live_block_ids` (or run gc on the
+        Writer, which orders it after pending writes).
+        """
+        live = set(live_block_ids)
+        for m in self.list_manifests():
+            live.update(m.block_ids)
+        deleted = 0
+        for bid in list(self.iter_block_ids()):
+            if bid not in live:
+                self.delete_block(bid)
+                deleted += 1
+        self._clean_tmp(max_age_live=STALE_TMP_S)
+        if deleted:
+            logger.info("gc: deleted %d unreferenced block file(s)", deleted)
+        return deleted
+
+    def _usage(self) -> dict[str, tuple[int, int]]:
+        """(files, bytes) per area, by scanning the directory."""
+        def scan(d: Path, depth: int) -> tuple[int, int]:
+            n = b = 0
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                return 0, 0
+            for e in entries:
+                try:
+                    if depth and e.is_dir(follow_symlinks=False):
+                        dn, db = scan(Path(e.path), depth - 1)
+                        n, b = n + dn, b + db
+                    elif e.is_file(follow_symlinks=False):
+                        n, b = n + 1, b + e.stat(follow_symlinks=False).st_size
+                except OSError:
+                    pass
+            return n, b
+
+        return {"blocks": scan(self.blocks_dir, 1), "agents": scan(self.agents_dir, 0),
+                "tmp": scan(self.tmp_dir, 0), "quarantine": scan(self.quarantine_dir, 0)}
+
+    def disk_bytes(self) -> int:
+        """Bytes of every file in this model directory (blocks, manifests, tmp, quarantine)."""
+        model = (self.dir / "model.json")
+        base = model.stat().st_size if model.exists() else 0
+        return base + sum(b for _, b in self._usage().values())
+
+    def stats(self) -> dict:
+        usage = self._usage()
+        with self._lock:
+            counts = dict(self._counts)
+        out: dict[str, Any] = {"dir": str(self.dir), "format_version": FORMAT_VERSION}
+        for area, (n, b) in usage.items():
+            out[f"{area}_files"] = n
+            out[f"{area}_bytes"] = b
+        out["disk_bytes"] = self.disk_bytes()
+        out.update(counts)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing (pure functions: raise _BadFile on anything unexpected)
+
+
+def _parse_block(buf: bytearray, block_id: str) -> BlockData:
+    size = len(buf)
+    if size < 8:
+        raise _BadFile(f"truncated: {size} bytes")
+    hlen = int.from_bytes(buf[:8], "little")
+    if hlen > _MAX_HEADER or 8 + hlen > size:
+        raise _BadFile(f"header length {hlen} does not fit a {size}-byte file")
+    try:
+        header = json.loads(bytes(buf[8:8 + hlen]))
+        meta = header.pop("__metadata__")
+        if not isinstance(meta, dict):
+            raise TypeError("__metadata__ is not an object")
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise _BadFile(f"bad header: {e}") from None
+    if meta.get("format") != _BLOCK_FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
+        raise _BadFile(f"format {meta.get('format')!r} version {meta.get('format_version')!r}, "
+                       f"expected {_BLOCK_FORMAT!r} version {FORMAT_VERSION}")
+    if meta.get("block_id") != block_id:
+        raise _BadFile(f"file holds block {str(meta.get('block_id'))[:80]!r}, not {block_id!r}")
+    try:
+        n_tokens = int(meta["n_tokens"])
+        dtypes = json.loads(meta["dtypes"])
+        checksum = meta["checksum"]
+        if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
+            raise TypeError("dtypes is not a name -> str map")
+    except (ValueError, KeyError, TypeError) as e:
+        raise _BadFile(f"bad metadata: {e}") from None
+
+    data_start = 8 + hlen
+    data_len = size - data_start
+    base = memoryview(buf)[data_start:]
+    spans, tensors, arrays = [], [], {}
+    for name in sorted(header):
+        t = header[name]
+        try:
+            dt = _ST_TO_NP[t["dtype"]]
+            shape = [int(s) for s in t["shape"]]
+            begin, end = (int(x) for x in t["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise _BadFile(f"tensor {name!r}: bad entry ({e})") from None
+        if any(s < 0 for s in shape) or not 0 <= begin <= end <= data_len:
+            raise _BadFile(f"tensor {name!r}: offsets {begin}..{end} outside the {data_len}-byte data")
+        if end - begin != math.prod(shape) * dt.itemsize:
+            raise _BadFile(f"tensor {name!r}: {end - begin} bytes for shape {shape} {dt}")
+        spans.append((begin, end))
+        view = base[begin:end]
+        tensors.append((name, t["dtype"], shape, view))
+        arrays[name] = np.frombuffer(view, dtype=dt).reshape(shape) if end > begin else np.zeros(shape, dt)
+    # The data section must be covered exactly, without holes or overlaps (as safetensors requires).
+    pos = 0
+    for begin, end in sorted(spans):
+        if begin != pos:
+            raise _BadFile("tensor data has holes or overlaps")
+        pos = end
+    if pos != data_len:
+        raise _BadFile(f"data section is {data_len} bytes, tensors cover {pos}")
+    if _block_checksum(block_id, n_tokens, dtypes, tensors) != checksum:
+        raise _BadFile("checksum mismatch")
+    tokens = arrays.pop(_TOKENS, None)
+    if tokens is None or tokens.dtype != np.int32 or tokens.shape != (n_tokens,):
+        raise _BadFile("missing or malformed tokens")
+    if set(dtypes) - set(arrays):
+        raise _BadFile("dtypes names missing arrays")
+    return BlockData(block_id=block_id, tokens=tokens, arrays=arrays, dtypes=dtypes)
+
+
+def _parse_manifest(raw: bytes) -> Manifest:
+    try:
+        body = json.loads(raw)
+        if not isinstance(body, dict):
+            raise TypeError("not an object")
+        checksum = body.pop("checksum")
+    except (ValueError, KeyError, TypeError) as e:
+        raise _BadFile(f"bad manifest: {e}") from None
+    if body.get("format") != _MANIFEST_FORMAT or body.get("format_version") != FORMAT_VERSION:
+        raise _BadFile(f"manifest format {body.get('format')!r} version {body.get('format_version')!r}")
+    if checksum != "sha256:" + hashlib.sha256(_canonical(body)).hexdigest():
+        raise _BadFile("checksum mismatch")
+    ns, ids, n, ts = body.get("namespace"), body.get("block_ids"), body.get("n_tokens"), body.get("updated_at")
+    if (not isinstance(ns, str) or not isinstance(ids, list) or not isinstance(n, int)
+            or not isinstance(ts, (int, float))
+            or not all(isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b) for b in ids)):
+        raise _BadFile("malformed manifest fields")
+    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts))
+
+
+# ---------------------------------------------------------------------------------------------
+# Writer
+
+
+_STOP = object()
+
+
+class Writer:
+    """One background thread running submitted jobs in submission order.
+
+    A job's exception is set on its Future and logged; the thread keeps running.
+    """
+
+    def __init__(self, name: str = "vllm-mlx-persist-writer"):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        # Daemon thread, so drain pending writes at interpreter exit (atexit runs while it is alive).
+        ref = weakref.ref(self)
+        self._atexit = lambda: (w := ref()) is not None and w.close()
+        atexit.register(self._atexit)
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        fut: Future = Future()
+        with self._close_lock:
+            if self._closed:
+                raise RuntimeError("Writer is closed")
+            with self._pending_lock:
+                self._pending += 1
+            self._q.put((fut, fn, args))
+        return fut
+
+    @property
+    def pending(self) -> int:
+        """Jobs submitted and not yet finished."""
+        return self._pending
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every job submitted before this call has finished; False on timeout."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("flush() called from the writer thread would deadlock")
+        try:
+            fut = self.submit(lambda: None)
+        except RuntimeError:  # closed: close() already drained
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        try:
+            fut.result(timeout)
+        except FutureTimeout:
+            return False
+        return True
+
+    def close(self, timeout: Optional[float] = None) -> None:
+        """Run every pending job, then stop the thread. Idempotent."""
+        with self._close_lock:
+            if not self._closed:
+                self._closed = True
+                self._q.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        atexit.unregister(self._atexit)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is _STOP:
+                return
+            fut, fn, args = item
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        result = fn(*args)
+                    except BaseException as e:
+                        logger.error("writer job %s failed: %s", getattr(fn, "__qualname__", fn), e, exc_info=True)
+                        fut.set_exception(e)
+                    else:
+                        fut.set_result(result)
+            finally:
+                with self._pending_lock:
+                    self._pending -= 1
