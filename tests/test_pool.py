@@ -1,0 +1,168 @@
+"""The block pool on real MLX with a small local model: every cache path against the reference.
+
+Tolerances: cold (full 4-bit prefill) vs hot (reused 4-bit prefix + suffix prefill) logits differ
+only by float rounding of chunked vs whole attention: max abs diff < COLD_HOT_TOL. Hot vs reloaded
+from disk, and reloaded after eviction, must be bit-identical (same arrays, same logits).
+"""
+
+from __future__ import annotations
+
+import resource
+import signal
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_mlx_persist.identity import model_fingerprint
+from vllm_mlx_persist.models import build_model
+from vllm_mlx_persist.pool import BlockPool
+from vllm_mlx_persist.q4cache import make_q4_prompt_cache
+from vllm_mlx_persist.store import DiskStore
+
+BITS, GROUP, BLOCK = 4, 64, 16
+COLD_HOT_TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_model("llama", "tiny", seed=0)
+    return m
+
+
+def prefill(model, tokens, cache=None):
+    """Run `tokens` through the model on a 4-bit cache; returns (cache, last logits)."""
+    cache = cache if cache is not None else make_q4_prompt_cache(model, BITS, GROUP)
+    logits = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits)
+    return cache, logits[0, -1]
+
+
+def make_pool(model, root, hot_bytes=1 << 30, fingerprint=None) -> BlockPool:
+    fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
+    fp = fingerprint or model_fingerprint(model, None, fmt)
+    store = DiskStore(root, fp, {"test": True}, fmt)
+    pool = BlockPool(fingerprint=fp, n_layers=len(model.layers), bits=BITS, group_size=GROUP,
+                     block_size=BLOCK, hot_bytes=hot_bytes, store=store)
+    pool.load_manifests()
+    return pool
+
+
+def tokens(n, seed=0):
+    return np.random.default_rng(seed).integers(5, 500, size=n).tolist()
+
+
+def arrays(cache):
+    return [a for c in cache for part in c.to_arrays() for a in part]
+
+
+def assert_same_cache(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(arrays(a), arrays(b)):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert mx.array_equal(x, y).item()
+
+
+def test_hot_prefix_reuse_matches_cold_prefill(model, tmp_path):
+    pool = make_pool(model, tmp_path)
+    turn1 = tokens(50)
+    cache, _ = prefill(model, turn1)
+    assert pool.commit("a", turn1, cache) == 50
+    turn2 = turn1 + tokens(30, seed=1)
+    hit, n, tier = pool.lookup("a", turn2)
+    assert (n, tier) == (50, "hot")
+    assert_same_cache(hit, cache)  # the reused prefix is exactly what was stored
+    _, hot_logits = prefill(model, turn2[n:], hit)
+    _, cold_logits = prefill(model, turn2)
+    assert mx.abs(hot_logits - cold_logits).max().item() < COLD_HOT_TOL
+    assert mx.argmax(hot_logits).item() == mx.argmax(cold_logits).item()
+
+
+def test_identical_prompt_reuses_all_but_last_token_and_divergent_prompt_trims(model, tmp_path):
+    pool = make_pool(model, tmp_path)
+    seq = tokens(40)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    assert pool.lookup("a", seq)[1] == 39
+    diverged = seq[:21] + [7, 8, 9]  # diverges inside the second block
+    hit, n, _ = pool.lookup("a", diverged)
+    assert n == 21 and hit[0].offset == 21
+    _, logits = prefill(model, diverged[n:], hit)
+    _, cold = prefill(model, diverged)
+    assert mx.abs(logits - cold).max().item() < COLD_HOT_TOL
+
+
+def test_reloaded_from_disk_is_bit_identical_to_hot(model, tmp_path):
+    seq = tokens(70)
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    query = seq + tokens(5, seed=3)
+    hot, n_hot, _ = pool.lookup("a", query)
+    pool.close()
+
+    restarted = make_pool(model, tmp_path)  # a new process: manifests from disk, blocks on demand
+    cold_start, n_disk, tier = restarted.lookup("a", query)
+    assert (n_disk, tier) == (n_hot, "disk")
+    assert_same_cache(hot, cold_start)
+    _, a = prefill(model, query[n_hot:], hot)
+    _, b = prefill(model, query[n_disk:], cold_start)
+    assert mx.array_equal(a, b).item()
+
+
+def test_lru_spills_to_disk_and_reloads_identically(model, tmp_path):
+    seqs = {name: tokens(48, seed=i) for i, name in enumerate("abc")}
+    caches = {name: prefill(model, s)[0] for name, s in seqs.items()}
+    one_agent = sum(a.nbytes for a in arrays(caches["a"]))
+    pool = make_pool(model, tmp_path, hot_bytes=int(one_agent * 1.5))
+    for name in "abc":
+        pool.commit(name, seqs[name], caches[name])
+    assert pool.hot_bytes <= int(one_agent * 1.5)
+    assert pool.stats["evicted_agents"] >= 2
+    hit, n, tier = pool.lookup("a", seqs["a"] + [1])
+    assert (n, tier) == (48, "disk")
+    assert_same_cache(hit, make_pool(model, tmp_path).lookup("a", seqs["a"] + [1])[0])
+
+
+def test_agents_and_models_are_isolated(model, tmp_path):
+    seq = tokens(40)
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    assert pool.lookup("b", seq)[1] == 0
+    assert pool.lookup(None, seq)[1] == 0  # anonymous never sees agents
+    pool.commit(None, seq, prefill(model, seq)[0])
+    assert pool.lookup(None, seq + [3])[1] == 40  # anonymous reuses by prefix among its own
+    pool.close()
+    # Same directory, another model's fingerprint: the store puts it elsewhere, nothing matches.
+    other = make_pool(model, tmp_path, fingerprint="f" * 64)
+    assert other.lookup("a", seq)[1] == 0
+
+
+def test_saving_a_turn_writes_only_new_blocks(model, tmp_path):
+    pool = make_pool(model, tmp_path)
+    turn1 = tokens(40)  # 2 full blocks + a tail of 8
+    pool.commit("a", turn1, prefill(model, turn1)[0])
+    assert pool.stats["blocks_written"] == 3
+    turn2 = turn1 + tokens(10, seed=5)  # 3 full blocks + tail of 2: the old tail is replaced
+    hit, n, _ = pool.lookup("a", turn2 + [1])
+    cache, _ = prefill(model, turn2[n:], hit)
+    pool.commit("a", turn2, cache)
+    assert pool.stats["blocks_written"] == 3 + 2
+    pool.flush()
+    files = list(tmp_path.glob("*/blocks/*/*.safetensors"))
+    assert len(files) == 4  # the replaced tail's file is gone
+
+
+def test_full_disk_keeps_the_agent_hot_and_serving(model, tmp_path):
+    pool = make_pool(model, tmp_path)
+    seq = tokens(40)
+    cache, _ = prefill(model, seq)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # any larger write fails with EFBIG
+    try:
+        pool.commit("a", seq, cache)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert pool.stats["write_errors"] == 1
+    assert pool.lookup("a", seq + [1])[1] == 40  # still served from memory
+    assert not list(tmp_path.glob("*/agents/*.json"))  # and nothing half-written on disk
