@@ -1,0 +1,62 @@
+"""`vllm-mlx serve --cache-backend ...` refuses bad combinations before loading any model.
+
+Assumes the seam is applied to the installed vllm-mlx (`vllm-mlx-persist patch`, done by ./dev).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module", autouse=True)
+def seam_applied():
+    r = subprocess.run([str(BIN / "vllm-mlx-persist"), "patch", "--check"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"the vllm-mlx seam is not applied; run `vllm-mlx-persist patch` first:\n{r.stdout}{r.stderr}")
+
+
+def serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+    model = tmp_path / "no-model-needed"  # validation must fail before anything is loaded
+    model.mkdir(exist_ok=True)
+    cmd = [str(BIN / "vllm-mlx"), "serve", str(model), "--port", "1", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_unknown_backend_lists_registered_ones(tmp_path):
+    r = serve(tmp_path, "--continuous-batching", "--cache-backend", "no_such_backend")
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "no_such_backend" in out and "persist_q4" in out, out
+    assert "Loading model" not in out, out
+
+
+@pytest.mark.parametrize(
+    "args, reason",
+    [
+        ((), "--continuous-batching"),
+        (("--continuous-batching", "--mllm"), "--mllm"),
+        (("--continuous-batching", "--use-paged-cache"), "--use-paged-cache"),
+    ],
+)
+def test_refused_combinations(tmp_path, args, reason):
+    r = serve(tmp_path, "--cache-backend", "persist_q4", *args)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "--cache-backend" in out and reason in out, out
+    assert "Loading model" not in out, out
+
+
+def test_options_without_backend_refused(tmp_path):
+    r = serve(tmp_path, "--continuous-batching", "--cache-backend-options", '{"hot_mb": 1}')
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and "--cache-backend-options requires --cache-backend" in out, out
