@@ -1,0 +1,39 @@
+"""Shared fixtures: locally built models (once per session) and an isolated HOME for subprocesses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+from vllm_mlx_persist.models import build_model_dir
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: `model_dir(arch="llama", size="tiny", seed=0)` -> a model dir, built once per session."""
+    root = tmp_path_factory.mktemp("models")
+    built: dict[tuple[str, str, int], Path] = {}
+
+    def make(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
+        key = (arch, size, seed)
+        if key not in built:
+            built[key] = build_model_dir(root / f"{arch}-{size}-{seed}", arch=arch, size=size, seed=seed)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(model_dir) -> Path:
+    return model_dir("llama", "tiny")
+
+
+@pytest.fixture
+def isolated_home(tmp_path) -> dict[str, str]:
+    """Environment for a subprocess with HOME and XDG_CACHE_HOME inside this test's tmp dir."""
+    home = tmp_path / "home"
+    (home / ".cache").mkdir(parents=True, exist_ok=True)
+    return dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
