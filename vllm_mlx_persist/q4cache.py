@@ -1,0 +1,483 @@
+"""Quantized KV caches that mlx-lm's BatchGenerator can batch without dequantizing.
+
+`Q4KVCache` is the per-sequence cache (a `QuantizedKVCache` with `size()` and `merge()`);
+`BatchQ4KVCache` implements the batch-cache contract of mlx-lm's `BatchKVCache` over the three
+quantized components (packed uint32, scales, biases). mlx quantizes along the head dimension only,
+so every token is quantized on its own: padding, rolling and slicing along the sequence axis are
+exact, and a token quantizes the same way however the prompt was chunked or batched.
+
+Models pick mlx-lm's quantized attention path by duck typing (`hasattr(cache, "bits")`), which has
+a mask-broadcasting bug under grouped-query attention with a batched mask; `install_attention_fix`
+patches it (see patches/README.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models import base as _mlx_base
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+    dynamic_roll,
+    make_prompt_cache,
+)
+
+QTuple = tuple  # (packed uint32, scales, biases), each (B, n_kv_heads, T, ·)
+
+SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+# Models (mlx-lm 0.31.3) whose attention reads what `update_and_fetch` returns with something other
+# than the shared `base.scaled_dot_product_attention` dispatcher, so (packed, scales, biases)
+# tuples would crash them or be misread.
+_OWN_ATTENTION = "its attention computes the scores itself instead of using the shared SDPA"
+_MLA = "it caches a multi-head latent (MLA) and multiplies the fetched latent directly"
+_BYPASS_DISPATCHER = {
+    "gemma2": _OWN_ATTENTION,
+    "olmo": _OWN_ATTENTION,
+    "plamo2": "its attention calls mx.fast.scaled_dot_product_attention directly",
+    "deepseek_v3": _MLA,
+    "deepseek_v32": _MLA,
+    "glm4_moe_lite": _MLA,
+    "kimi_linear": _MLA,
+    "longcat_flash": _MLA,
+}
+
+
+def _check_format(bits: int, group_size: int) -> None:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
+
+
+def _alloc(like: QTuple, B: int, T: int) -> QTuple:
+    """Zeros shaped like the components of `like`, with batch B and length T."""
+    return tuple(mx.zeros((B, x.shape[1], T, x.shape[3]), dtype=x.dtype) for x in like)
+
+
+def _grow(q: QTuple, keep: int, n: int) -> QTuple:
+    """Keep the first `keep` tokens and append `n` zero tokens."""
+    return tuple(
+        mx.concatenate([x[..., :keep, :], mx.zeros((*x.shape[:2], n, x.shape[3]), x.dtype)], axis=2)
+        for x in q
+    )
+
+
+def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
+    """Quantize `keys`/`values` and write them at [prev, prev + S) of `cache`'s storage, growing
+    it in `cache.step` chunks. Returns the (possibly new) storage tuples."""
+    S = keys.shape[2]
+    qk = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
+    qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
+    k, v = cache.keys, cache.values
+    if k is None or prev + S > k[0].shape[2]:
+        n = (cache.step + S - 1) // cache.step * cache.step
+        if k is None:
+            k, v = _alloc(qk, keys.shape[0], n), _alloc(qv, keys.shape[0], n)
+        else:
+            k, v = _grow(k, prev, n), _grow(v, prev, n)
+    for dst, src in zip(k + v, qk + qv):
+        dst[..., prev : prev + S, :] = src
+    return k, v
+
+
+def _qmap(fn, *qs: QTuple) -> QTuple:
+    return tuple(fn(*xs) for xs in zip(*qs))
+
+
+def _qslice(q: QTuple, end: int) -> QTuple:
+    return tuple(x[..., :end, :] for x in q)
+
+
+def _qnbytes(q: Optional[QTuple]) -> int:
+    return 0 if q is None else sum(x.nbytes for x in q)
+
+
+class Q4KVCache(QuantizedKVCache):
+    """Per-sequence quantized KV cache that BatchGenerator can merge into a `BatchQ4KVCache`.
+
+    `keys`/`values` are (packed uint32, scales, biases) tuples shaped (1, n_kv_heads, capacity, ·);
+    only `[..., :offset, :]` is valid.
+    """
+
+    def __init__(self, group_size: int = 64, bits: int = 4):
+        _check_format(bits, group_size)
+        super().__init__(group_size=group_size, bits=bits)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
+        # Not the parent's: it sizes packed storage as `dim // (32 // bits)`, which is wrong for
+        # 5 and 6 bits at head_dim 128.
+        self.keys, self.values = _append(self, self.offset, keys, values)
+        self.offset += keys.shape[2]
+        return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
+
+    def size(self) -> int:
+        return self.offset
+
+    @property
+    def state(self):
+        return (None, None) if self.keys is None else self.to_arrays()
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values = v
+
+    @classmethod
+    def merge(cls, caches: Sequence["Q4KVCache"]) -> "BatchQ4KVCache":
+        return BatchQ4KVCache.merge(caches)
+
+    @classmethod
+    def from_arrays(
+        cls, keys: QTuple, values: QTuple, bits: int, group_size: int
+    ) -> "Q4KVCache":
+        """A cache holding exactly the given (1, n_kv_heads, T, ·) components; offset = T."""
+        if len(keys) != 3 or len(values) != 3:
+            raise ValueError("keys and values must be (packed, scales, biases) tuples")
+        T = keys[0].shape[2]
+        if any(x.ndim != 4 or x.shape[2] != T for x in (*keys, *values)):
+            raise ValueError("all components must be 4-D with the same length on axis 2")
+        if keys[0].dtype != mx.uint32 or values[0].dtype != mx.uint32:
+            raise ValueError("packed components must be uint32")
+        c = cls(group_size=group_size, bits=bits)
+        # Fresh array objects (views, no copy) so that in-place writes after a trim never reach
+        # the caller's arrays.
+        c.keys, c.values = _qslice(keys, T), _qslice(values, T)
+        c.offset = T
+        return c
+
+    def to_arrays(self) -> tuple[QTuple, QTuple]:
+        """(keys, values) components sliced to the valid tokens (views)."""
+        if self.keys is None:
+            raise ValueError("empty cache")
+        return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
+
+    @property
+    def nbytes(self) -> int:
+        return _qnbytes(self.keys) + _qnbytes(self.values)
+
+
+class BatchQ4KVCache(_BaseCache):
+    """Batched quantized KV cache: `BatchKVCache`'s contract over (packed, scales, biases).
+
+    Sequences are left-padded; `_idx` is the physical write index, `offset[b]` the logical
+    position of sequence b (physical index minus its left padding).
+    """
+
+    step = 256
+
+    def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64):
+        _check_format(bits, group_size)
+        self.keys: Optional[QTuple] = None
+        self.values: Optional[QTuple] = None
+        self.left_padding = mx.array(left_padding)
+        self.offset = mx.array([-l for l in left_padding])
+        self._idx = 0
+        self._right_padding = None
+        self.bits = bits
+        self.group_size = group_size
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
+        self.keys, self.values = _append(self, self._idx, keys, values)
+        self.offset += keys.shape[2]
+        self._idx += keys.shape[2]
+        return _qslice(self.keys, self._idx), _qslice(self.values, self._idx)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
+        if left_padding is not None:
+            if self.keys is not None:
+                raise ValueError("Left padding can only be added to an empty BatchQ4KVCache")
+            left_padding = mx.array(left_padding)
+            self.left_padding += left_padding
+            self.offset -= left_padding
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding)
+
+    def finalize(self) -> None:
+        if self._right_padding is not None:
+            pad = self._right_padding
+            roll = lambda x: dynamic_roll(x, pad[:, None], axis=2)
+            self.keys, self.values = tuple(map(roll, self.keys)), tuple(map(roll, self.values))
+            self.offset -= pad
+            self.left_padding += pad
+            self._right_padding = None
+
+    @property
+    def state(self):
+        k, v = self.keys, self.values
+        if k is not None and self._idx < k[0].shape[2]:
+            k, v = _qslice(k, self._idx), _qslice(v, self._idx)
+        return k, v, self.offset, self.left_padding
+
+    @state.setter
+    def state(self, v) -> None:
+        self.keys, self.values, self.offset, self.left_padding = v
+        self._idx = 0 if self.keys is None else self.keys[0].shape[2]
+
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.bits, self.group_size)))
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        self.bits, self.group_size = map(int, v)
+        self._right_padding = None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        self.offset -= n
+        return n
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array:
+        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+
+    def filter(self, batch_indices) -> None:
+        """In-place: keep only the given batch rows, then drop the common left padding."""
+        if not isinstance(batch_indices, mx.array):
+            batch_indices = mx.array(list(batch_indices), dtype=mx.int32)
+        if self.keys is not None:
+            self.keys = tuple(x[batch_indices] for x in self.keys)
+            self.values = tuple(x[batch_indices] for x in self.values)
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        min_left_pad = self.left_padding.min().item() if self.left_padding.size else 0
+        if min_left_pad > 0:
+            if self.keys is not None:
+                self.keys = tuple(x[..., min_left_pad:, :] for x in self.keys)
+                self.values = tuple(x[..., min_left_pad:, :] for x in self.values)
+            self._idx -= min_left_pad
+            self.left_padding -= min_left_pad
+
+    def extend(self, other: "BatchQ4KVCache") -> None:
+        """In-place: append `other`'s rows, right-justifying both to the larger `_idx`."""
+        self._check_compatible(other)
+        if self.keys is None and other.keys is None:
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+
+        like = self if self.keys is not None else other
+        max_idx = max(self._idx, other._idx)
+        max_size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
+
+        def pad(c: "BatchQ4KVCache"):
+            k, v = c.keys, c.values
+            if k is None:  # an empty side still has rows: give them zero-length storage
+                Bc = c.offset.shape[0]
+                k, v = _alloc(like.keys, Bc, 0), _alloc(like.values, Bc, 0)
+            left = max_idx - c._idx
+            right = max_size - k[0].shape[2] - left
+            if right < 0:
+                k, v = _qslice(k, right), _qslice(v, right)
+                right = 0
+            if left or right:
+                widths = [(0, 0), (0, 0), (left, right), (0, 0)]
+                k = tuple(mx.pad(x, widths) for x in k)
+                v = tuple(mx.pad(x, widths) for x in v)
+            return k, v, c.offset, c.left_padding + left
+
+        (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(self), pad(other)
+        cat = lambda a, b: mx.concatenate([a, b], axis=0)
+        self.keys, self.values = _qmap(cat, k1, k2), _qmap(cat, v1, v2)
+        self.offset, self.left_padding = cat(o1, o2), cat(l1, l2)
+        self._idx = max_idx
+
+    def extract(self, idx: int) -> Q4KVCache:
+        """A contiguous per-sequence copy of row `idx`'s valid tokens."""
+        cache = Q4KVCache(group_size=self.group_size, bits=self.bits)
+        if self.keys is None:
+            return cache
+        pad = self.left_padding[idx].item()
+        take = lambda x: mx.contiguous(x[idx : idx + 1, :, pad : self._idx])
+        cache.keys = tuple(map(take, self.keys))
+        cache.values = tuple(map(take, self.values))
+        cache.offset = self._idx - pad
+        return cache
+
+    @classmethod
+    def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQ4KVCache":
+        """Left-pad per-sequence quantized caches into one batch cache."""
+        bits, group_size = caches[0].bits, caches[0].group_size
+        for c in caches:
+            if (c.bits, c.group_size) != (bits, group_size):
+                raise ValueError(
+                    f"cannot batch caches with different formats: {c.bits}-bit/group "
+                    f"{c.group_size} vs {bits}-bit/group {group_size}"
+                )
+        # `offset`, not `size()`: a plain QuantizedKVCache reports size() == 0.
+        lengths = [c.offset if c.keys is not None else 0 for c in caches]
+        max_length = max(lengths)
+        if max_length == 0:
+            return cls([0] * len(caches), bits, group_size)
+
+        padding = [max_length - l for l in lengths]
+        src = next(c for c in caches if c.keys is not None)
+        B = len(caches)
+        keys, values = _alloc(src.keys, B, max_length), _alloc(src.values, B, max_length)
+        for i, (p, c) in enumerate(zip(padding, caches)):
+            if c.keys is None or c.offset == 0:
+                continue
+            for dst, s in zip(keys + values, c.keys + c.values):
+                dst[i : i + 1, :, p : p + c.offset] = s[..., : c.offset, :]
+
+        cache = cls(padding, bits, group_size)
+        cache.keys, cache.values = keys, values
+        cache.offset += max_length
+        cache._idx = max_length
+        return cache
+
+    def _check_compatible(self, other: "BatchQ4KVCache") -> None:
+        if not isinstance(other, BatchQ4KVCache):
+            raise TypeError(f"cannot extend BatchQ4KVCache with {type(other).__name__}")
+        if (other.bits, other.group_size) != (self.bits, self.group_size):
+            raise ValueError("cannot extend a batch cache with one of a different format")
+
+    def size(self) -> int:
+        return self._idx
+
+    def empty(self) -> bool:
+        return self.keys is None
+
+    @property
+    def nbytes(self) -> int:
+        return _qnbytes(self.keys) + _qnbytes(self.values)
+
+
+# ---- attention fix -------------------------------------------------------------------------------
+
+
+def _fix_gqa_mask(mask: Any, n_q_heads: int, n_kv_heads: int) -> Any:
+    """Make a 4-D batch mask broadcast against the 5-D GQA scores (B, n_kv, n_rep, L, T)."""
+    n_repeats = n_q_heads // n_kv_heads
+    if n_repeats > 1 and isinstance(mask, mx.array) and mask.ndim == 4:
+        if mask.shape[1] == 1:
+            return mx.expand_dims(mask, -3)
+        if mask.shape[1] == n_q_heads:
+            return mask.reshape(mask.shape[0], n_kv_heads, n_repeats, *mask.shape[2:])
+    return mask
+
+
+def _make_fixed(original):
+    def quantized_scaled_dot_product_attention(
+        queries: mx.array,
+        q_keys: tuple[mx.array, mx.array, mx.array],
+        q_values: tuple[mx.array, mx.array, mx.array],
+        scale: float,
+        mask: Optional[mx.array],
+        group_size: int = 64,
+        bits: int = 8,
+    ) -> mx.array:
+        mask = _fix_gqa_mask(mask, queries.shape[1], q_keys[0].shape[-3])
+        return original(
+            queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits
+        )
+
+    quantized_scaled_dot_product_attention._vllm_mlx_persist_original = original
+    return quantized_scaled_dot_product_attention
+
+
+def install_attention_fix() -> None:
+    """Patch mlx-lm's quantized SDPA for batched masks under GQA (idempotent).
+
+    `base.scaled_dot_product_attention` looks the function up as a module global at call time,
+    so every model using the shared dispatcher picks the fix up.
+    """
+    current = _mlx_base.quantized_scaled_dot_product_attention
+    if hasattr(current, "_vllm_mlx_persist_original"):
+        return
+    _mlx_base.quantized_scaled_dot_product_attention = _make_fixed(current)
+
+
+def uninstall_attention_fix() -> None:
+    """Undo `install_attention_fix` (for tests)."""
+    current = _mlx_base.quantized_scaled_dot_product_attention
+    original = getattr(current, "_vllm_mlx_persist_original", None)
+    if original is not None:
+        _mlx_base.quantized_scaled_dot_product_attention = original
+
+
+# ---- model support -------------------------------------------------------------------------------
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run on a batched quantized KV cache."""
+
+
+def _model_type(model: nn.Module) -> str:
+    args = getattr(model, "args", None)
+    model_type = getattr(model, "model_type", None) or getattr(args, "model_type", None)
+    return str(model_type or type(model).__module__)
+
+
+def _head_dims(model: nn.Module) -> dict[str, int]:
+    """Key/value head dimensions from the model args (what the cache quantizes along)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return {}
+    nope, rope = getattr(args, "qk_nope_head_dim", None), getattr(args, "qk_rope_head_dim", None)
+    if nope is not None and rope is not None:
+        dims = {"key head_dim": nope + rope}
+        v = getattr(args, "v_head_dim", None)
+        if v is not None:
+            dims["value head_dim"] = v
+        return dims
+    head_dim = getattr(args, "head_dim", None)
+    model_type = getattr(args, "model_type", "")
+    if head_dim is None or model_type == "qwen2":  # qwen2 ignores args.head_dim
+        hidden = getattr(args, "hidden_size", None)
+        heads = getattr(args, "num_attention_heads", None)
+        if not hidden or not heads:
+            return {}
+        head_dim = hidden // heads
+    return {"head_dim": head_dim}
+
+
+def check_model_supported(model: nn.Module, group_size: int) -> None:
+    """Raise `UnsupportedModelError` unless every layer can use a batched quantized cache."""
+    model_type = _model_type(model)
+
+    def refuse(reason: str):
+        raise UnsupportedModelError(
+            f"model type {model_type!r} cannot use the batched quantized KV cache: {reason}"
+        )
+
+    if model_type in _BYPASS_DISPATCHER:
+        refuse(_BYPASS_DISPATCHER[model_type])
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as e:  # a model whose make_cache fails is not one we can serve either
+        refuse(f"could not build its prompt cache ({type(e).__name__}: {e})")
+    for i, c in enumerate(caches):
+        if type(c) is not KVCache:
+            kind = {
+                "RotatingKVCache": "a sliding-window RotatingKVCache",
+                "ArraysCache": "an SSM/linear-attention ArraysCache",
+                "MambaCache": "an SSM MambaCache",
+                "CacheList": "a CacheList (multiple caches per layer)",
+                "ChunkedKVCache": "a chunked-attention ChunkedKVCache",
+            }.get(type(c).__name__, f"a {type(c).__name__}")
+            if isinstance(c, (list, tuple)):
+                kind = "a list of caches (latent/MLA layout)"
+            refuse(f"layer {i} uses {kind}, not a plain KVCache")
+    if any(k.split(".")[-1] == "sinks" for k, _ in tree_flatten(model.parameters())):
+        refuse("it uses attention sinks, which mlx-lm's quantized attention does not support")
+    for name, dim in _head_dims(model).items():
+        if dim % group_size != 0:
+            refuse(f"{name} {dim} is not a multiple of the quantization group size {group_size}")
+
+
+def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -> list[Q4KVCache]:
+    """One fresh `Q4KVCache` per layer, after checking the model is supported."""
+    _check_format(bits, group_size)
+    check_model_supported(model, group_size)
+    return [Q4KVCache(group_size=group_size, bits=bits) for _ in make_prompt_cache(model)]
