@@ -53,20 +53,20 @@ class Chat:
     def send(self, server: Server, messages: list[dict]) -> tuple[str, int, int]:
         kw: dict = {}
         if self.api == "openai":
-            if self.agent and self.id_via == "metadata":
+            if self.agent is not None and self.id_via == "metadata":
                 kw["metadata"] = {"agent_id": self.agent}
-            elif self.agent and self.id_via == "prompt_cache_key":
+            elif self.agent is not None and self.id_via == "prompt_cache_key":
                 kw["extra_body"] = {"prompt_cache_key": self.agent}
-            elif self.agent:
+            elif self.agent is not None:
                 kw["extra_headers"] = {"X-Agent-ID": self.agent}
             client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
             r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
                                                temperature=0.0, **kw)
             details = r.usage.prompt_tokens_details
             return r.choices[0].message.content, (details.cached_tokens if details else 0) or 0, r.usage.prompt_tokens
-        if self.agent and self.id_via == "metadata":
+        if self.agent is not None and self.id_via == "metadata":
             kw["extra_body"] = {"metadata": {"agent_id": self.agent}}
-        elif self.agent:
+        elif self.agent is not None:
             kw["extra_headers"] = {"X-Agent-ID": self.agent}
         client = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=300)
         kw.setdefault("extra_body", {})["temperature"] = 0.0  # this SDK version refuses the keyword
