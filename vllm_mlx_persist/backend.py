@@ -65,33 +65,43 @@ class PersistQ4Backend:
         opts = parse_options(options)
         check_model_supported(model, opts["group_size"])  # refuses sliding-window, sinks, MLA, ...
         install_attention_fix()
-        self.model = model
+        self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self.bits, self.group_size = opts["bits"], opts["group_size"]
-        cache_format = {
-            "format_version": FORMAT_VERSION,
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "block_size": opts["block_size"],
-        }
-        self.fingerprint = model_fingerprint(model, tokenizer, cache_format)
-        n_layers = len(make_q4_prompt_cache(model, self.bits, self.group_size))
-        model_info = {"model_type": getattr(getattr(model, "args", None), "model_type", None), "n_layers": n_layers}
-        store = DiskStore(opts["cache_dir"], self.fingerprint, model_info, cache_format)
-        self.pool = BlockPool(
-            fingerprint=self.fingerprint,
-            n_layers=n_layers,
-            bits=self.bits,
-            group_size=self.group_size,
-            block_size=opts["block_size"],
-            hot_bytes=int(opts["hot_mb"] * 2**20),
-            store=store,
-            durable_writes=opts["durable_writes"],
-        )
-        self.cache_dir = opts["cache_dir"]
-        log.info(
-            "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, dir %s (model %s)",
-            self.bits, self.group_size, opts["block_size"], opts["hot_mb"], store.model_dir, self.fingerprint[:16],
-        )
+        self.cache_dir: Path = opts["cache_dir"]
+        self._pool: Optional[BlockPool] = None
+
+    @property
+    def pool(self) -> BlockPool:
+        """The pool, built on first use. The factory runs on the event-loop thread, but hashing the
+        weights is MLX work, which belongs on the worker thread that calls everything else."""
+        if self._pool is None:
+            opts = self.opts
+            cache_format = {
+                "format_version": FORMAT_VERSION,
+                "bits": self.bits,
+                "group_size": self.group_size,
+                "block_size": opts["block_size"],
+            }
+            self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
+            n_layers = len(make_q4_prompt_cache(self.model, self.bits, self.group_size))
+            model_type = getattr(getattr(self.model, "args", None), "model_type", None)
+            store = DiskStore(self.cache_dir, self.fingerprint, {"model_type": model_type, "n_layers": n_layers},
+                              cache_format)
+            self._pool = BlockPool(
+                fingerprint=self.fingerprint,
+                n_layers=n_layers,
+                bits=self.bits,
+                group_size=self.group_size,
+                block_size=opts["block_size"],
+                hot_bytes=int(opts["hot_mb"] * 2**20),
+                store=store,
+                durable_writes=opts["durable_writes"],
+            )
+            log.info(
+                "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, dir %s (model %s)",
+                self.bits, self.group_size, opts["block_size"], opts["hot_mb"], store.model_dir, self.fingerprint[:16],
+            )
+        return self._pool
 
     def fetch(self, request: Any):
         """Longest reusable prefix of the request's prompt in its agent's namespace."""
@@ -130,10 +140,13 @@ class PersistQ4Backend:
         pass  # fetch hands out copies, so nothing is pinned
 
     def get_stats(self) -> dict:
-        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **self.pool.snapshot()}
+        if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
+            return {"backend": "persist_q4"}
+        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **self._pool.snapshot()}
 
     def clear(self) -> None:
-        self.pool.clear()
+        if self._pool is not None:
+            self._pool.clear()
 
     def load(self) -> int:
         n = self.pool.load_manifests()
@@ -141,8 +154,10 @@ class PersistQ4Backend:
         return n
 
     def save(self) -> bool:
-        self.pool.flush()
+        if self._pool is not None:
+            self._pool.flush()
         return True
 
     def close(self) -> None:
-        self.pool.close()
+        if self._pool is not None:
+            self._pool.close()

@@ -386,7 +386,7 @@ class BlockPool:
                 self._evict(agent)
 
     def _agent_hot_bytes(self, agent: Agent) -> int:
-        return sum(self.blocks[b].nbytes for b in agent.block_ids if b in self.blocks)
+        return sum(b.nbytes for b in map(self.blocks.get, agent.block_ids) if b is not None)
 
     def clear(self) -> None:
         """Drop everything from memory; durable agents stay on disk and come back on demand."""
@@ -403,7 +403,8 @@ class BlockPool:
             self.writer.close()
 
     def snapshot(self) -> dict:
-        agents = [a for a in self.agents.values() if a.persistent]
+        """Counters for /v1/status and /metrics; read from the HTTP thread, so it only copies."""
+        agents = [a for a in list(self.agents.values()) if a.persistent]
         hot = sum(1 for a in agents if self._agent_hot_bytes(a))
         return {
             **self.stats,
