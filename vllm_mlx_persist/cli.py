@@ -1,4 +1,4 @@
-"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models."""
+"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models, benchmark, measure quality."""
 
 from __future__ import annotations
 
@@ -22,6 +22,15 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")
 
+    # bench and quality own their options: everything after the subcommand goes to their main()
+    sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
+    sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("bench", "quality"):
+        from importlib import import_module
+
+        return import_module(f".{argv[0]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "patch":
         from .patcher import run as run_patch
