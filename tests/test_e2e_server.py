@@ -232,3 +232,27 @@ def test_unsupported_model_is_refused_at_startup(tmp_path):
     with pytest.raises(RuntimeError) as e:
         srv.start(timeout=120)
     assert "persist_q4" in str(e.value) or "not supported" in str(e.value).lower(), srv.log_tail()
+
+
+def test_streaming_paths_carry_the_agent_and_report_cached_tokens(server):
+    chat = Chat("streamer")
+    chat.turn(server, 0)
+    messages = chat.messages + [{"role": "user", "content": user_text("streamer", 1)}]
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+    stream = client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"X-Agent-ID": "streamer"})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    usage = [c.usage for c in chunks if c.usage][-1]
+    assert usage.prompt_tokens_details.cached_tokens >= chat.prompt_tokens[0]
+    assert text == Chat("streamer-ref").send(server, messages)[0]  # streamed == non-streamed, cold
+
+    aclient = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=300)
+    with aclient.messages.stream(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                 extra_body={"temperature": 0.0, "metadata": {"agent_id": "streamer"}}) as s:
+        atext = "".join(s.text_stream)
+        final = s.get_final_message()
+    assert final.usage.cache_read_input_tokens >= chat.prompt_tokens[0]
+    assert atext.strip() == text.strip()
