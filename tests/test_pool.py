@@ -166,3 +166,18 @@ def test_full_disk_keeps_the_agent_hot_and_serving(model, tmp_path):
     assert pool.stats["write_errors"] == 1
     assert pool.lookup("a", seq + [1])[1] == 40  # still served from memory
     assert not list(tmp_path.glob("*/agents/*.json"))  # and nothing half-written on disk
+
+
+def test_prefetched_blocks_are_the_blocks_read_on_demand(model, tmp_path):
+    seq = tokens(70)
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    pool.close()
+    on_demand = make_pool(model, tmp_path).lookup("a", seq + [1])[0]
+    ahead = make_pool(model, tmp_path)
+    assert ahead.prefetch("a") == 5  # 4 full blocks of 16 and a tail of 6, all cold
+    assert ahead.prefetch("nobody") == 0
+    hit, n, tier = ahead.lookup("a", seq + [1])
+    assert (n, tier) == (70, "disk") and ahead.stats["blocks_prefetched"] == 5
+    assert_same_cache(hit, on_demand)
+    assert ahead.prefetch("a") == 0 and not ahead._prefetch  # now hot: nothing to read

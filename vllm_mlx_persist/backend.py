@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .identity import model_fingerprint
+from .plugin import LIVE_BACKENDS
 from .pool import BlockPool
 from .q4cache import Q4KVCache, check_model_supported, install_attention_fix, make_q4_prompt_cache
 from .store import FORMAT_VERSION, DiskStore
@@ -69,6 +70,7 @@ class PersistQ4Backend:
         self.bits, self.group_size = opts["bits"], opts["group_size"]
         self.cache_dir: Path = opts["cache_dir"]
         self._pool: Optional[BlockPool] = None
+        LIVE_BACKENDS.add(self)
 
     @property
     def pool(self) -> BlockPool:
@@ -115,6 +117,11 @@ class PersistQ4Backend:
             return None
         log.info("[persist_q4] agent=%s HIT %s cached=%d prompt=%d", agent, tier, n, len(request.prompt_token_ids))
         return CacheLookup(cache=cache, num_tokens=n, hit_type=tier)
+
+    def prefetch(self, namespace: str) -> None:
+        """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
+        if self._pool is not None:
+            self._pool.prefetch(namespace)
 
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""

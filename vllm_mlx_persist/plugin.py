@@ -7,6 +7,7 @@ created here rather than imported from `vllm_mlx.plugins`.
 from __future__ import annotations
 
 import re
+import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import pluggy
@@ -17,6 +18,8 @@ BACKEND_NAME = "persist_q4"
 AGENT_ID_HEADER = "x-agent-id"
 MAX_AGENT_ID_LEN = 128
 _AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+# Backends of this process, so the namespace hook can start disk reads as a request arrives.
+LIVE_BACKENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def validate_agent_id(agent_id: Any, source: str) -> str:
@@ -56,4 +59,10 @@ def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
 
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
-    return resolve_agent_id(request, headers)
+    agent_id = resolve_agent_id(request, headers)
+    if agent_id is not None:
+        # The earliest moment we know the agent: start reading its blocks from disk now, so the
+        # worker thread's fetch, which stalls every running sequence while it waits, finds them read.
+        for backend in list(LIVE_BACKENDS):
+            backend.prefetch(agent_id)
+    return agent_id

@@ -14,6 +14,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -126,13 +127,16 @@ class BlockPool:
         self.durable_writes = durable_writes
         self.max_anonymous = max_anonymous
         self.writer = Writer() if store is not None else None
+        # Reads started when a request arrives (HTTP thread), consumed by lookup (worker thread).
+        self.reader = Writer("vllm-mlx-persist-reader") if store is not None else None
+        self._prefetch: dict[str, Future] = {}
         self.blocks: dict[str, Block] = {}
         self.refs: dict[str, int] = {}
         self.agents: "OrderedDict[str, Agent]" = OrderedDict()  # LRU order: oldest first
         self.hot_bytes = 0
         self.stats = dict.fromkeys(
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_written",
-             "bytes_written", "blocks_loaded", "bytes_loaded", "evicted_agents", "write_errors",
+             "bytes_written", "blocks_loaded", "blocks_prefetched", "bytes_loaded", "evicted_agents", "write_errors",
              "bad_blocks"], 0)
 
     # ---- start-up -------------------------------------------------------------------------------
@@ -156,6 +160,24 @@ class BlockPool:
         return len(self.agents)
 
     # ---- lookup ---------------------------------------------------------------------------------
+
+    def prefetch(self, namespace: str) -> int:
+        """Start reading `namespace`'s cold blocks on the reader thread; returns how many.
+
+        Called from the HTTP thread as a request arrives, so the disk read overlaps the decode steps
+        the worker runs before it gets to this request's lookup. Only dict lookups and file reads
+        happen here: no MLX. Racing a concurrent commit at worst reads a block nobody uses.
+        """
+        agent = self.agents.get(namespace)
+        if agent is None or self.reader is None:
+            return 0
+        started = 0
+        for bid in list(agent.block_ids):
+            block = self.blocks.get(bid)
+            if block is not None and block.layers is None and bid not in self._prefetch:
+                self._prefetch[bid] = self.reader.submit(self.store.read_block, bid)
+                started += 1
+        return started
 
     def lookup(self, namespace: Optional[str], prompt: Sequence[int]) -> tuple[Optional[list], int, str]:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
@@ -192,6 +214,8 @@ class BlockPool:
             covered += n
             if n < len(block.tokens):
                 break
+        for bid in agent.block_ids:  # reads this lookup did not need
+            self._prefetch.pop(bid, None)
         self.agents.move_to_end(agent.namespace)
         self._enforce_budget(keep=agent.namespace)
         if covered == 0:
@@ -225,7 +249,14 @@ class BlockPool:
         return caches
 
     def _load_block(self, block: Block) -> bool:
-        data = self.store.read_block(block.block_id) if self.store is not None else None
+        if self.store is None:
+            return False
+        future = self._prefetch.pop(block.block_id, None)
+        if future is not None:
+            self.stats["blocks_prefetched"] += 1
+            data = future.result()
+        else:
+            data = self.store.read_block(block.block_id)
         if data is None or not self._valid(data):
             self.stats["bad_blocks"] += 1
             return False
@@ -401,6 +432,7 @@ class BlockPool:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+            self.reader.close()
 
     def snapshot(self) -> dict:
         """Counters for /v1/status and /metrics; read from the HTTP thread, so it only copies."""
