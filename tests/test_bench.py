@@ -1,0 +1,59 @@
+"""Smoke test of `vllm-mlx-persist bench --quick`: real servers, tiny model, structure only (no timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_mlx_persist.bench import STATES, classify
+
+
+def test_quick_bench_writes_results(tmp_path: Path):
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "ttft,reload",
+           "--systems", "persist_q4,vllm_default", "--out", str(out), "--work", str(tmp_path / "work"), "--no-plots"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    assert "Reproduce: vllm-mlx-persist bench --quick" in p.stdout
+
+    res = json.loads((out / "bench.json").read_text())
+    assert {"command", "machine", "plan", "systems", "sections", "headline", "duration_s"} <= set(res)
+    assert {"cpu", "cores", "ram_gib", "os", "python", "mlx", "blas"} <= set(res["machine"])
+    assert set(res["sections"]) == {"ttft", "reload"}
+
+    ttft = res["sections"]["ttft"]
+    assert ttft["errors"] == {}
+    for system in ("persist_q4", "vllm_default"):
+        for context in res["plan"]["contexts"]:
+            row = ttft["summary"][system][str(context)]
+            assert set(STATES) <= set(row), row
+            assert row["cold"]["n"] >= 1 and row["cold"]["median_s"] > 0
+            assert {"cold/hot", "cold/restart_sigterm", "cold/restart_sigkill"} <= set(row["ratios"])
+    # persist_q4 serves the returning turns from its cache: memory when hot, disk after a restart
+    tiers = {(x["state"], x["tier"]) for x in ttft["samples"] if x["system"] == "persist_q4"}
+    assert {("cold", "cold"), ("hot", "memory"), ("restart_sigterm", "disk"), ("restart_sigkill", "disk")} <= tiers
+    assert ttft["page_cache_drops"] and all(d["files"] > 0 for d in ttft["page_cache_drops"]
+                                            if d["system"] == "persist_q4")
+
+    rel = res["sections"]["reload"]
+    assert rel["bandwidth"]["buffered_after_drop_mb_s"] > 0
+    assert [r["tokens"] for r in rel["summary"]] == res["plan"]["reload_sizes"]
+    assert all(r["reload_ms"] > 0 and r["file_mb"] > 0 for r in rel["summary"])
+    assert "ttft_ratios" in res["headline"] and "reload" in res["headline"]
+
+    md = (out / "bench.md").read_text()
+    assert "Time to first token" in md and "Reload against the physical limit" in md and res["command"] in md
+
+
+def test_classify_reads_both_servers_log_lines():
+    persist = ("INFO:vllm_mlx_persist:[persist_q4] agent=a HIT disk cached=1225 prompt=1269\n"
+               "INFO:vllm_mlx.scheduler:[cache_fetch] request=f08e5bf0-1e4 HOT prompt_tokens=1269 cached=1225\n")
+    assert classify(persist, "a") == ("disk", 1225)
+    assert classify("[persist_q4] agent=a MISS prompt=13\n", "a") == ("cold", 0)
+    hit = "[cache_fetch] request=708bf183-9ca HIT prompt_tokens=192 cached=153 remaining=39 time=0.000s\n"
+    assert classify(hit, "x") == ("memory", 153)
+    assert classify("[cache_fetch] request=1 MISS prompt_tokens=36 time=0.000s entries=0\n", "x") == ("cold", 0)
+    ssd = "[ssd_promote] request=abc prefix promote: 900/1000 tokens from SSD in 0.1s\n"
+    assert classify(hit.replace("HIT", "MISS") + ssd, "x") == ("disk", 900)

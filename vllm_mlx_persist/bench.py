@@ -1,0 +1,1205 @@
+"""`vllm-mlx-persist bench`: persist_q4 against vllm-mlx's own caches, on real servers.
+
+Four sections, each selectable with --sections:
+
+- ttft: time to first token against context length, cold / hot / after a restart (SIGTERM, and
+  SIGKILL), for persist_q4, vllm-mlx's default prefix cache and vllm-mlx's 4-bit + SSD tier.
+- agents: N agents round-robin in a memory budget too small for all of them: per-turn TTFT, turns
+  served from memory / disk / cold, prompt tokens prefilled, peak RSS of the server.
+- batch: 1..8 agents decoding at once from warm caches: system and per-agent tokens/s.
+- reload: in-process, time to load an agent's cache from disk (page cache dropped) against its size
+  and against the sequential read bandwidth of the same disk.
+
+Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
+each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
+bench.json, bench.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from .serving import RssSampler, Server, openblas_path
+
+SYSTEMS = ("persist_q4", "vllm_default", "vllm_q4_ssd")
+LABELS = {
+    "persist_q4": "persist_q4",
+    "vllm_default": "vllm-mlx default prefix cache",
+    "vllm_q4_ssd": "vllm-mlx 4-bit + SSD tier",
+}
+SECTIONS = ("ttft", "agents", "batch", "reload")
+STATES = ("cold", "hot", "restart_sigterm", "restart_sigkill")
+MB = 2**20
+
+# ---------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclass
+class Plan:
+    model_size: str = "bench"
+    # ttft
+    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    reps: int = 3  # conversations per context (each gives one cold sample)
+    reps_by_context: dict[int, int] = field(default_factory=lambda: {4096: 2, 8192: 1})
+    hot_turns: int = 2  # hot turns per conversation after its cold turn
+    restart_cycles: int = 2  # SIGTERM restarts; each gives one turn per conversation
+    kill_cycles: int = 1  # SIGKILL restarts; each gives one turn for the first conversation of each context
+    user_words: int = 30  # the short new user turn
+    ttft_max_tokens: int = 8
+    ttft_cache_mb: int = 4096  # hot_mb / --cache-memory-mb: room for every context
+    ttft_systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    # agents
+    agents: int = 5
+    agent_tokens: int = 2048
+    agent_rounds: int = 3
+    agent_budget_mb: int = 32
+    agent_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    # batch
+    batch_levels: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    batch_tokens: int = 512
+    batch_max_tokens: int = 32
+    batch_reps: int = 2
+    batch_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    # reload
+    reload_sizes: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192, 16384, 32768])
+    reload_reps: int = 3
+    bandwidth_mb: int = 1024
+
+    def reps_for(self, context: int) -> int:
+        return self.reps_by_context.get(context, self.reps)
+
+
+QUICK = Plan(
+    model_size="tiny", contexts=[128, 256, 512], reps=1, reps_by_context={}, hot_turns=1,
+    restart_cycles=1, kill_cycles=1, user_words=12, ttft_max_tokens=4, ttft_cache_mb=256,
+    agents=3, agent_tokens=2048, agent_rounds=2, agent_budget_mb=1,
+    batch_levels=[1, 2, 4], batch_tokens=128, batch_max_tokens=16, batch_reps=1,
+    reload_sizes=[256, 1024, 4096], reload_reps=1, bandwidth_mb=64,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Small helpers
+
+_T0 = time.perf_counter()
+
+
+def say(msg: str) -> None:
+    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def median(xs: list[float]) -> Optional[float]:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def seed_of(*parts: Any) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def version(dist: str) -> Optional[str]:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as v
+
+    try:
+        return v(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def machine_info(work: Path) -> dict:
+    import psutil
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        try:
+            cpu = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
+        except OSError:
+            pass
+    blas = openblas_path()
+    try:
+        df = subprocess.run(["df", "-hT", str(work)], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        df = ""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "mlx": version("mlx"),
+        "mlx_backend": version("mlx-cpu") and f"mlx-cpu {version('mlx-cpu')}" or version("mlx-metal") and "metal",
+        "mlx_lm": version("mlx-lm"),
+        "vllm_mlx": version("vllm-mlx"),
+        "vllm_mlx_persist": version("vllm-mlx-persist"),
+        "git_commit": commit,
+        "blas": (f"OpenBLAS preloaded into every server (LD_PRELOAD={blas} -> {os.path.realpath(blas)})"
+                 if blas else ("Accelerate/Metal (macOS)" if platform.system() == "Darwin"
+                               else "mlx-cpu's bundled reference BLAS (OpenBLAS not found: 15-35x slower)")),
+        "disk": df,
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Page cache
+
+
+def _files(paths: list[Path]) -> list[Path]:
+    out = []
+    for p in paths:
+        p = Path(p)
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            out.extend(f for f in p.rglob("*") if f.is_file() and not f.is_symlink())
+    return out
+
+
+def drop_page_cache(paths: list[Path]) -> dict:
+    """fsync then posix_fadvise(DONTNEED) every file under `paths`; reports how much stayed resident."""
+    files = _files(paths)
+    total = 0
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            total += os.fstat(fd).st_size
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+            except OSError:
+                pass
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return {"files": len(files), "bytes": total, "resident_after": resident_fraction(files)}
+
+
+def resident_fraction(files: list[Path]) -> Optional[float]:
+    """Fraction of the files' pages in the page cache (mincore; Linux only, else None)."""
+    if platform.system() != "Linux" or not files:
+        return None
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    resident = pages = 0
+    for f in files:
+        try:
+            size = f.stat().st_size
+            if size == 0:
+                continue
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                continue
+            n = (size + page - 1) // page
+            vec = (ctypes.c_ubyte * n)()
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) == 0:
+                resident += sum(v & 1 for v in vec)
+                pages += n
+            libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+    return round(resident / pages, 4) if pages else None
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+WORDS = (
+    "the agent reads a file and writes a short plan before it calls the next tool with the result of "
+    "every step so that later turns can refer back to what was found earlier in the session while "
+    "other agents keep working on their own tasks in parallel and report progress to the planner "
+    "which merges their notes into one summary for the user who asked for a review of the code the "
+    "tests the build and the deployment including logs metrics traces errors warnings and the time "
+    "each stage took on the machine that ran it yesterday and today after the cache was cleared"
+).split()
+
+
+class Prompts:
+    """Chat histories of a given token length, counted with the served model's own chat template."""
+
+    def __init__(self, model_dir: Path):
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
+
+    def count(self, messages: list[dict]) -> int:
+        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
+
+    @staticmethod
+    def words(rng: random.Random, n: int) -> str:
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+
+    def history(self, seed: int, n_tokens: int, turn_words: int = 120) -> list[dict]:
+        """Alternating user/assistant turns, about `n_tokens` long in the template. The first words
+        are a per-seed nonce so that no two histories share more than the template's first tokens."""
+        rng = random.Random(seed)
+        msgs = [{"role": "user", "content": f"session {seed:016x}: " + self.words(rng, turn_words)}]
+        while self.count(msgs) < n_tokens:
+            role = "assistant" if msgs[-1]["role"] == "user" else "user"
+            msgs.append({"role": role, "content": self.words(rng, turn_words)})
+        if msgs[-1]["role"] == "user" and len(msgs) > 1:
+            msgs.append({"role": "assistant", "content": self.words(rng, 8)})
+        # trim the last message so the history (without the next user turn) is close to n_tokens
+        words = msgs[-1]["content"].split(" ")
+        lo, hi = 1, len(words)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            msgs[-1]["content"] = " ".join(words[:mid])
+            if self.count(msgs) <= n_tokens:
+                lo = mid
+            else:
+                hi = mid - 1
+        msgs[-1]["content"] = " ".join(words[:lo])
+        return msgs
+
+
+class Conversation:
+    """One agent's conversation: a history, then short new user turns and the replies it got."""
+
+    def __init__(self, agent: str, messages: list[dict], seed: int, user_words: int, **meta: Any):
+        self.agent, self.messages, self.seed, self.user_words = agent, messages, seed, user_words
+        self.meta = meta
+        self.turns = 0
+
+    def ask(self) -> list[dict]:
+        rng = random.Random(self.seed * 1000 + self.turns)
+        self.messages.append({"role": "user", "content": f"turn {self.turns}: " + Prompts.words(rng, self.user_words)})
+        self.turns += 1
+        return self.messages
+
+    def answer(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+
+# ---------------------------------------------------------------------------------------------
+# Servers and requests
+
+COMMON_ARGS = ("--stream-interval", "1", "--timeout", "7200")
+
+
+def make_server(system: str, model: Path, home: Path, cache_mb: float) -> Server:
+    if system == "persist_q4":
+        return Server(model, home, backend="persist_q4", options={"hot_mb": cache_mb}, extra_args=COMMON_ARGS)
+    args = COMMON_ARGS + ("--cache-memory-mb", str(max(1, int(cache_mb))))
+    if system == "vllm_q4_ssd":
+        args += ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4", "--ssd-cache-dir", str(home / "ssd"))
+    elif system != "vllm_default":
+        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+    return Server(model, home, backend=None, extra_args=args)
+
+
+def server_flags(system: str, cache_mb: float) -> str:
+    s = make_server(system, Path("MODEL"), Path("/tmp/HOME"), cache_mb)
+    return " ".join(shlex.quote(a) for a in s.command()[2:] if a not in ("--port", "0", "--host", "127.0.0.1"))
+
+
+def cache_paths(home: Path) -> list[Path]:
+    """Everything a server may persist: persist_q4's dir, vllm-mlx's snapshot and its SSD tier."""
+    return [home / ".cache", home / "ssd"]
+
+
+class Session:
+    """A server plus its event log (start/stop timings) and one OpenAI client."""
+
+    def __init__(self, system: str, server: Server, events: list[dict], phase: str):
+        self.system, self.server, self.events, self.phase = system, server, events, phase
+        self.client = None
+
+    def start(self, note: str = "") -> float:
+        import openai
+
+        t = time.perf_counter()
+        self.server.start(timeout=900)
+        dt = time.perf_counter() - t
+        self.events.append({"system": self.system, "phase": self.phase, "event": "start", "note": note,
+                            "seconds": round(dt, 3)})
+        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="bench", max_retries=0, timeout=7200)
+        # One short anonymous request: one-off costs (persist_q4 hashes the weights on first use,
+        # first-call allocations) do not land in the first measured turn.
+        w = send(self, [{"role": "user", "content": f"warm up {time.time_ns()}"}], None, 2)
+        self.events.append({"system": self.system, "phase": self.phase, "event": "warmup", "note": note,
+                            "seconds": round(w["total_s"], 3)})
+        return dt
+
+    def stop(self, sig: int = signal.SIGTERM, note: str = "") -> float:
+        t = time.perf_counter()
+        self.server.stop(sig, timeout=900)
+        dt = time.perf_counter() - t
+        self.events.append({"system": self.system, "phase": self.phase, "event": f"stop {signal.Signals(sig).name}",
+                            "note": note, "seconds": round(dt, 3)})
+        return dt
+
+
+_PERSIST_RE = re.compile(r"\[persist_q4\] agent=(\S+) (?:HIT (hot|disk) cached=(\d+)|MISS)")
+_FETCH_RE = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS)(?:[^\n]*? cached=(\d+))?")
+_SSD_RE = re.compile(r"\[ssd_promote\] request=\S+ [^\n]*?promote: (\d+)/(\d+) tokens from SSD")
+
+
+def classify(log: str, agent: Optional[str]) -> tuple[str, int]:
+    """(tier, reused tokens) of one turn from the server log lines it produced:
+    memory / disk / cold, from persist_q4's lookup lines or vllm-mlx's cache_fetch / ssd_promote lines."""
+    hits = [m for m in _PERSIST_RE.finditer(log) if m.group(1) == (agent or "<anonymous>")]
+    if hits:
+        m = hits[-1]
+        return {"hot": "memory", "disk": "disk"}.get(m.group(2) or "", "cold"), int(m.group(3) or 0)
+    ssd = list(_SSD_RE.finditer(log))
+    if ssd:
+        return "disk", int(ssd[-1].group(1))
+    fetch = list(_FETCH_RE.finditer(log))
+    if fetch and fetch[-1].group(1) == "HIT" and int(fetch[-1].group(2) or 0) > 0:
+        return "memory", int(fetch[-1].group(2))
+    return "cold", 0
+
+
+def send(session: Session, messages: list[dict], agent: Optional[str], max_tokens: int,
+         client: Any = None, classify_log: bool = True) -> dict:
+    """One streamed chat turn. TTFT = send to first non-empty content chunk."""
+    srv = session.server
+    pos = srv.log_path.stat().st_size if classify_log else 0
+    client = client or session.client
+    headers = {"X-Agent-ID": agent} if agent else None
+    t0 = time.perf_counter()
+    stream = client.chat.completions.create(
+        model=srv.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, extra_headers=headers)
+    first = last = None
+    parts: list[str] = []
+    usage = None
+    for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
+            if first is None:
+                first = now
+            last = now
+            parts.append(chunk.choices[0].delta.content)
+        if getattr(chunk, "usage", None):
+            usage = chunk.usage
+    end = time.perf_counter()
+    out = {
+        "ttft_s": round((first if first is not None else end) - t0, 4),
+        "total_s": round(end - t0, 4),
+        "t_send": t0, "t_first": first, "t_last": last, "t_end": end,
+        "text": "".join(parts),
+        "prompt_tokens": getattr(usage, "prompt_tokens", None),
+        "completion_tokens": getattr(usage, "completion_tokens", None),
+    }
+    details = getattr(usage, "prompt_tokens_details", None)
+    out["usage_cached_tokens"] = getattr(details, "cached_tokens", None) if details else None
+    if classify_log:
+        time.sleep(0.05)  # let the log line of the store/lookup reach the file
+        with open(srv.log_path, errors="replace") as f:
+            f.seek(pos)
+            seg = f.read()
+        out["tier"], out["reused_tokens"] = classify(seg, agent)
+    return out
+
+
+def _turn_record(r: dict, **kw: Any) -> dict:
+    keep = ("ttft_s", "total_s", "prompt_tokens", "completion_tokens", "usage_cached_tokens", "tier", "reused_tokens")
+    return {**kw, **{k: r.get(k) for k in keep}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Section: TTFT against context length
+
+
+def section_ttft(ctx: "Ctx") -> dict:
+    plan = ctx.plan
+    samples: list[dict] = []
+    events: list[dict] = []
+    drops: list[dict] = []
+    errors: dict[str, str] = {}
+    histories = {(L, rep): ctx.prompts.history(seed_of("ttft", L, rep), L)
+                 for L in plan.contexts for rep in range(plan.reps_for(L))}
+    for system in plan.ttft_systems:
+        say(f"ttft: {system}")
+        home = ctx.work / f"ttft-{system}"
+        s = Session(system, make_server(system, ctx.model, home, plan.ttft_cache_mb), events, "ttft")
+        convs = [Conversation(f"ttft-{L}-{rep}", [dict(m) for m in histories[L, rep]], seed_of("ttft-u", L, rep),
+                              plan.user_words, context=L, rep=rep)
+                 for rep in range(plan.reps) for L in plan.contexts if rep < plan.reps_for(L)]
+
+        def turn(conv: Conversation, state: str, cycle: int = 0) -> None:
+            r = send(s, conv.ask(), conv.agent, plan.ttft_max_tokens)
+            conv.answer(r["text"])
+            samples.append(_turn_record(r, system=system, context=conv.meta["context"], rep=conv.meta["rep"],
+                                        state=state, cycle=cycle))
+            say(f"  {system} {conv.meta['context']:>6} rep {conv.meta['rep']} {state:<16} "
+                f"ttft {r['ttft_s']:8.3f}s  prompt {r['prompt_tokens']}  {r['tier']} {r['reused_tokens']}")
+
+        try:
+            s.start("fresh")
+            for conv in convs:
+                turn(conv, "cold")
+                for h in range(plan.hot_turns):
+                    turn(conv, "hot", h)
+            for cycle in range(plan.restart_cycles):
+                s.stop(signal.SIGTERM, f"restart {cycle}")
+                drops.append({"system": system, "before": f"restart_sigterm {cycle}", **drop_page_cache(cache_paths(home))})
+                s.start(f"after SIGTERM {cycle}")
+                for conv in convs:
+                    turn(conv, "restart_sigterm", cycle)
+            firsts = [c for c in convs if c.meta["rep"] == 0]
+            for cycle in range(plan.kill_cycles):
+                s.stop(signal.SIGKILL, f"kill {cycle}")
+                # The snapshot vllm-mlx wrote at the last SIGTERM holds these conversations only because
+                # this benchmark stopped it gracefully a minute ago; a crash loses what was not in it.
+                shutil.rmtree(home / ".cache" / "vllm-mlx" / "prefix_cache", ignore_errors=True)
+                drops.append({"system": system, "before": f"restart_sigkill {cycle}", **drop_page_cache(cache_paths(home))})
+                s.start(f"after SIGKILL {cycle}")
+                for conv in firsts:
+                    turn(conv, "restart_sigkill", cycle)
+        except Exception as e:
+            errors[system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+            say(f"ttft: {system} FAILED: {e}")
+            traceback.print_exc()
+        finally:
+            s.stop(signal.SIGTERM, "end")
+    return {"samples": samples, "events": events, "page_cache_drops": drops, "errors": errors,
+            "summary": summarize_ttft(samples, plan)}
+
+
+def summarize_ttft(samples: list[dict], plan: Plan) -> dict:
+    out: dict = {}
+    for system in plan.ttft_systems:
+        per: dict = {}
+        for L in plan.contexts:
+            row: dict = {}
+            for state in STATES:
+                xs = [x["ttft_s"] for x in samples if x["system"] == system and x["context"] == L and x["state"] == state]
+                if xs:
+                    these = [x for x in samples if x["system"] == system and x["context"] == L and x["state"] == state]
+                    row[state] = {"median_s": round(median(xs), 4), "min_s": min(xs), "max_s": max(xs), "n": len(xs),
+                                  "tiers": sorted({x["tier"] for x in these}),
+                                  "prompt_tokens": median([x["prompt_tokens"] for x in these if x["prompt_tokens"]]),
+                                  "reused_tokens": median([x["reused_tokens"] or 0 for x in these])}
+            cold = row.get("cold", {}).get("median_s")
+            row["ratios"] = {f"cold/{st}": round(cold / row[st]["median_s"], 2)
+                             for st in STATES[1:] if cold and st in row and row[st]["median_s"] > 0}
+            prompts = [x["prompt_tokens"] for x in samples if x["system"] == system and x["context"] == L
+                       and x["state"] == "cold" and x["prompt_tokens"]]
+            row["cold_prompt_tokens"] = median(prompts)
+            per[str(L)] = row
+        out[system] = per
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Section: many agents in a fixed memory budget
+
+
+def section_agents(ctx: "Ctx") -> dict:
+    plan = ctx.plan
+    histories = [ctx.prompts.history(seed_of("agents", i), plan.agent_tokens) for i in range(plan.agents)]
+    result: dict = {"events": [], "systems": {}, "errors": {}}
+    for system in plan.agent_systems:
+        say(f"agents: {system} ({plan.agents} agents, budget {plan.agent_budget_mb} MB)")
+        home = ctx.work / f"agents-{system}"
+        s = Session(system, make_server(system, ctx.model, home, plan.agent_budget_mb), result["events"], "agents")
+        convs = [Conversation(f"agent-{i}", [dict(m) for m in histories[i]], seed_of("agents-u", i), plan.user_words)
+                 for i in range(plan.agents)]
+        turns: list[dict] = []
+        sampler = RssSampler(0.1)
+        try:
+            s.start("fresh")
+            sampler.start(s.server.pid)
+            time.sleep(0.3)
+            baseline = sampler.rss()
+            for rnd in range(plan.agent_rounds):
+                for i, conv in enumerate(convs):
+                    r = send(s, conv.ask(), conv.agent, plan.ttft_max_tokens)
+                    conv.answer(r["text"])
+                    rec = _turn_record(r, round=rnd, agent=i, rss_bytes=sampler.rss())
+                    rec["prefilled_tokens"] = (r["prompt_tokens"] or 0) - (r["reused_tokens"] or 0)
+                    turns.append(rec)
+                    say(f"  {system} round {rnd} agent {i}: ttft {r['ttft_s']:7.3f}s {r['tier']:<6} "
+                        f"reused {r['reused_tokens']}/{r['prompt_tokens']}")
+            stats = s.server.get_json("/v1/cache/stats").get("engine_cache")
+        except Exception as e:
+            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+            say(f"agents: {system} FAILED: {e}")
+            traceback.print_exc()
+            stats, baseline = None, 0
+        finally:
+            peak = sampler.stop()
+            s.stop(signal.SIGTERM, "end")
+        ret = [t for t in turns if t["round"] > 0]
+        result["systems"][system] = {
+            "turns": turns,
+            "cache_stats": stats,
+            "baseline_rss_bytes": baseline,
+            "peak_rss_bytes": peak,
+            "rss_series": sampler.series,
+            "summary": {
+                "turns": len(turns),
+                "returning_turns": len(ret),
+                "returning": {t: sum(1 for x in ret if x["tier"] == t) for t in ("memory", "disk", "cold")},
+                "all": {t: sum(1 for x in turns if x["tier"] == t) for t in ("memory", "disk", "cold")},
+                "median_ttft_returning_s": median([x["ttft_s"] for x in ret]),
+                "median_ttft_first_s": median([x["ttft_s"] for x in turns if x["round"] == 0]),
+                "prompt_tokens": sum(x["prompt_tokens"] or 0 for x in turns),
+                "prefilled_tokens": sum(x["prefilled_tokens"] for x in turns),
+                "prefilled_tokens_returning": sum(x["prefilled_tokens"] for x in ret),
+                "peak_rss_mb": round(peak / MB, 1),
+                "baseline_rss_mb": round(baseline / MB, 1),
+                "total_time_s": round(sum(x["total_s"] for x in turns), 2),
+            },
+        }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Section: batched decoding
+
+
+def section_batch(ctx: "Ctx") -> dict:
+    import openai
+
+    plan = ctx.plan
+    n_agents = max(plan.batch_levels)
+    histories = [ctx.prompts.history(seed_of("batch", i), plan.batch_tokens) for i in range(n_agents)]
+    result: dict = {"events": [], "systems": {}, "errors": {}}
+    for system in plan.batch_systems:
+        say(f"batch: {system}")
+        home = ctx.work / f"batch-{system}"
+        s = Session(system, make_server(system, ctx.model, home, plan.ttft_cache_mb), result["events"], "batch")
+        convs = [Conversation(f"batch-{i}", [dict(m) for m in histories[i]], seed_of("batch-u", i), plan.user_words)
+                 for i in range(n_agents)]
+        runs: list[dict] = []
+        try:
+            s.start("fresh")
+            for conv in convs:  # warm every agent's cache
+                conv.answer(send(s, conv.ask(), conv.agent, 4)["text"])
+            clients = [openai.OpenAI(base_url=s.server.url + "/v1", api_key="bench", max_retries=0, timeout=7200)
+                       for _ in range(n_agents)]
+            for level in plan.batch_levels:
+                for rep in range(plan.batch_reps):
+                    group = convs[:level]
+                    barrier = threading.Barrier(level)
+                    res: list[Optional[dict]] = [None] * level
+                    errs: list[BaseException] = []
+
+                    def worker(i: int) -> None:
+                        try:
+                            msgs = group[i].ask()
+                            barrier.wait()
+                            res[i] = send(s, msgs, group[i].agent, plan.batch_max_tokens, client=clients[i],
+                                          classify_log=False)
+                            group[i].answer(res[i]["text"])
+                        except BaseException as e:  # noqa: BLE001 - surfaced below
+                            errs.append(e)
+
+                    pos = s.server.log_path.stat().st_size
+                    threads = [threading.Thread(target=worker, args=(i,)) for i in range(level)]
+                    [t.start() for t in threads]
+                    [t.join() for t in threads]
+                    if errs:
+                        raise errs[0]
+                    time.sleep(0.05)
+                    with open(s.server.log_path, errors="replace") as f:
+                        f.seek(pos)
+                        seg = f.read()
+                    t0 = min(r["t_send"] for r in res)
+                    t_end = max(r["t_last"] or r["t_end"] for r in res)
+                    toks = [r["completion_tokens"] or 0 for r in res]
+                    per_agent = [(n - 1) / (r["t_last"] - r["t_first"]) for n, r in zip(toks, res)
+                                 if n > 1 and r["t_last"] and r["t_first"] and r["t_last"] > r["t_first"]]
+                    hits = [classify(seg, c.agent) for c in group] if system == "persist_q4" else []
+                    run = {
+                        "level": level, "rep": rep,
+                        "completion_tokens": toks,
+                        "ttft_s": [r["ttft_s"] for r in res],
+                        "wall_s": round(t_end - t0, 4),
+                        "system_tok_s": round(sum(toks) / (t_end - t0), 2),
+                        "per_agent_tok_s": [round(x, 2) for x in per_agent],
+                        "per_agent_tok_s_mean": round(statistics.mean(per_agent), 2) if per_agent else None,
+                        "cache_hits": (sum(1 for t, _ in hits if t != "cold") if hits
+                                       else len(re.findall(r"\[cache_fetch\] request=\S+ HIT", seg))),
+                    }
+                    runs.append(run)
+                    say(f"  {system} x{level} rep {rep}: {run['system_tok_s']} tok/s system, "
+                        f"{run['per_agent_tok_s_mean']} tok/s per agent, tokens {toks}, hits {run['cache_hits']}")
+        except Exception as e:
+            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+            say(f"batch: {system} FAILED: {e}")
+            traceback.print_exc()
+        finally:
+            s.stop(signal.SIGTERM, "end")
+        summary = {}
+        for level in plan.batch_levels:
+            rs = [r for r in runs if r["level"] == level]
+            if rs:
+                summary[str(level)] = {
+                    "system_tok_s": median([r["system_tok_s"] for r in rs]),
+                    "per_agent_tok_s": median([r["per_agent_tok_s_mean"] for r in rs]),
+                    "median_ttft_s": median([x for r in rs for x in r["ttft_s"]]),
+                    "tokens_per_agent": median([x for r in rs for x in r["completion_tokens"]]),
+                    "cache_hits": sum(r["cache_hits"] for r in rs),
+                    "requests": sum(r["level"] for r in rs),
+                }
+        result["systems"][system] = {"runs": runs, "summary": summary}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Section: reload against the physical limit (in-process)
+
+
+def _read_file(path: Path, direct: bool, chunk: int = 8 * MB) -> float:
+    """Seconds to read the whole file sequentially (O_DIRECT into an aligned buffer if `direct`)."""
+    import mmap
+
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0)
+    fd = os.open(path, flags)
+    buf = mmap.mmap(-1, chunk)  # page-aligned, as O_DIRECT needs
+    try:
+        t = time.perf_counter()
+        while os.readv(fd, [buf]) > 0:
+            pass
+        return time.perf_counter() - t
+    finally:
+        buf.close()
+        os.close(fd)
+
+
+def measure_bandwidth(path: Path, size_mb: int, reps: int) -> dict:
+    """Sequential read bandwidth of the disk under `path`: buffered reads after dropping the file from
+    the page cache (posix_fadvise DONTNEED), O_DIRECT reads, and reads from the page cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(8 * MB)
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        for _ in range(max(1, size_mb // 8)):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t
+    size = path.stat().st_size
+    res: dict = {"file_mb": round(size / MB), "write_fsync_mb_s": round(size / MB / write_s, 1)}
+    cold, direct, warm, resident = [], [], [], []
+    for _ in range(reps):
+        d = drop_page_cache([path])
+        resident.append(d["resident_after"])
+        cold.append(size / MB / _read_file(path, direct=False))
+        warm.append(size / MB / _read_file(path, direct=False))
+        try:
+            drop_page_cache([path])
+            direct.append(size / MB / _read_file(path, direct=True))
+        except OSError as e:
+            res["direct_error"] = str(e)
+    res.update({
+        "buffered_after_drop_mb_s": round(median(cold), 1), "buffered_after_drop_samples": [round(x, 1) for x in cold],
+        "o_direct_mb_s": round(median(direct), 1) if direct else None, "o_direct_samples": [round(x, 1) for x in direct],
+        "page_cache_mb_s": round(median(warm), 1), "resident_after_drop": resident,
+    })
+    path.unlink()
+    return res
+
+
+def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int) -> list:
+    import mlx.core as mx
+
+    from .q4cache import Q4KVCache
+
+    mx.random.seed(seed)
+    caches = []
+    for _ in range(n_layers):
+        c = Q4KVCache(group_size=64, bits=4)
+        k = mx.random.normal((1, n_kv, n, head_dim))
+        v = mx.random.normal((1, n_kv, n, head_dim))
+        c.update_and_fetch(k, v)
+        mx.eval(c.keys, c.values)
+        caches.append(c)
+    return caches
+
+
+def section_reload(ctx: "Ctx") -> dict:
+    import mlx.core as mx
+
+    from .pool import BlockPool
+    from .store import FORMAT_VERSION, DiskStore
+
+    plan = ctx.plan
+    cfg = json.loads((ctx.model / "config.json").read_text())
+    n_layers, n_kv, head_dim = cfg["num_hidden_layers"], cfg["num_key_value_heads"], cfg["head_dim"]
+    root = ctx.work / "reload"
+    say(f"reload: sequential read bandwidth ({plan.bandwidth_mb} MB file)")
+    bw = measure_bandwidth(root / "bandwidth.bin", plan.bandwidth_mb, plan.reload_reps)
+    say(f"  buffered after drop {bw['buffered_after_drop_mb_s']} MB/s, O_DIRECT {bw['o_direct_mb_s']} MB/s, "
+        f"page cache {bw['page_cache_mb_s']} MB/s")
+    fingerprint = "bench" + hashlib.sha256(b"reload").hexdigest()
+    fmt = {"format_version": FORMAT_VERSION, "bits": 4, "group_size": 64, "block_size": 256}
+
+    def open_pool() -> BlockPool:
+        store = DiskStore(root / "cache", fingerprint, {"model_type": cfg["model_type"], "n_layers": n_layers}, fmt)
+        return BlockPool(fingerprint=fingerprint, n_layers=n_layers, bits=4, group_size=64, block_size=256,
+                         hot_bytes=1 << 40, store=store)
+
+    pool = open_pool()
+    tokens: dict[int, list[int]] = {}
+    for n in plan.reload_sizes:
+        rng = random.Random(n)
+        tokens[n] = [rng.randrange(4, cfg["vocab_size"]) for _ in range(n)]
+        pool.commit(f"reload-{n}", tokens[n], _random_q4_cache(n_layers, n_kv, head_dim, n, n))
+        pool.flush()
+    pool.close()
+    del pool
+    warm = open_pool()  # first-use costs (MLX kernels, allocations) are not a reload's
+    warm.load_manifests()
+    warm.lookup(f"reload-{plan.reload_sizes[0]}", tokens[plan.reload_sizes[0]] + [1])
+    warm.close()
+    del warm
+    rows = []
+    for rep in range(plan.reload_reps):
+        for n in plan.reload_sizes:
+            ns = f"reload-{n}"
+            pool = open_pool()
+            pool.load_manifests()
+            ids = list(pool.agents[ns].block_ids)
+            files = [pool.store.block_path(b) for b in ids]
+            nbytes = sum(f.stat().st_size for f in files)
+            drop = drop_page_cache(files)
+            t = time.perf_counter()
+            cache, covered, tier = pool.lookup(ns, tokens[n] + [1])
+            cold_s = time.perf_counter() - t
+            kv_bytes = sum(c.nbytes for c in cache) if cache else 0
+            pool.close()
+            del cache, pool
+            if covered != n or tier != "disk":
+                raise RuntimeError(f"reload of {n} tokens covered {covered} from {tier}")
+            # the store alone: read + verify every block file, no MLX
+            drop_page_cache(files)
+            store = DiskStore(root / "cache", fingerprint, {"model_type": cfg["model_type"], "n_layers": n_layers}, fmt)
+            t = time.perf_counter()
+            for b in ids:
+                store.read_block(b)
+            read_s = time.perf_counter() - t
+            # page cache warm: what a reload costs when the OS still holds the files
+            pool = open_pool()
+            pool.load_manifests()
+            t = time.perf_counter()
+            cache, covered, tier = pool.lookup(ns, tokens[n] + [1])
+            warm_s = time.perf_counter() - t
+            pool.close()
+            del cache, pool
+            mx.clear_cache()
+            row = {"tokens": n, "rep": rep, "blocks": len(ids), "file_bytes": nbytes, "kv_bytes": kv_bytes,
+                   "resident_after_drop": drop["resident_after"], "reload_s": round(cold_s, 5),
+                   "store_read_s": round(read_s, 5), "reload_page_cache_s": round(warm_s, 5)}
+            rows.append(row)
+            say(f"  {n:>6} tokens {nbytes / MB:7.1f} MB: reload {cold_s * 1e3:8.1f} ms "
+                f"({nbytes / MB / cold_s:6.0f} MB/s), read+verify {read_s * 1e3:8.1f} ms, warm {warm_s * 1e3:7.1f} ms")
+    summary = []
+    for n in plan.reload_sizes:
+        rs = [r for r in rows if r["tokens"] == n]
+        mb = rs[0]["file_bytes"] / MB
+        cold, read, warm = (median([r[k] for r in rs]) for k in ("reload_s", "store_read_s", "reload_page_cache_s"))
+        limit = mb / bw["buffered_after_drop_mb_s"]
+        summary.append({
+            "tokens": n, "file_mb": round(mb, 2), "reload_ms": round(cold * 1e3, 2),
+            "reload_mb_s": round(mb / cold, 1), "store_read_ms": round(read * 1e3, 2),
+            "reload_page_cache_ms": round(warm * 1e3, 2),
+            "disk_limit_ms": round(limit * 1e3, 2), "reload_over_limit": round(cold / limit, 2),
+        })
+    shutil.rmtree(root / "cache", ignore_errors=True)
+    return {"bandwidth": bw, "rows": rows, "summary": summary,
+            "layout": {"layers": n_layers, "kv_heads": n_kv, "head_dim": head_dim, "bits": 4, "group_size": 64,
+                       "block_size": 256, "kv_dtype": "float32 scales/biases (the model's dtype)"}}
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+@dataclass
+class Ctx:
+    plan: Plan
+    work: Path
+    model: Path
+    prompts: Prompts
+
+
+def headline(results: dict) -> dict:
+    h: dict = {}
+    ttft = results.get("ttft")
+    if ttft:
+        ctxs = list(ttft["summary"].get(next(iter(ttft["summary"]), ""), {}).keys())
+        at = "4096" if "4096" in ctxs else (ctxs[-1] if ctxs else None)
+        if at:
+            h["ttft_ratios_at"] = int(at)
+            h["ttft_ratios"] = {s: ttft["summary"][s][at]["ratios"] for s in ttft["summary"] if at in ttft["summary"][s]}
+            h["ttft_medians_s"] = {s: {st: v["median_s"] for st, v in ttft["summary"][s][at].items()
+                                       if isinstance(v, dict) and "median_s" in v} for s in ttft["summary"]}
+    agents = results.get("agents")
+    if agents:
+        h["agents"] = {s: {**v["summary"]["returning"], "peak_rss_mb": v["summary"]["peak_rss_mb"],
+                           "prefilled_tokens": v["summary"]["prefilled_tokens"]}
+                       for s, v in agents["systems"].items()}
+    batch = results.get("batch")
+    if batch:
+        lv = "4" if any("4" in v["summary"] for v in batch["systems"].values()) else None
+        if lv:
+            h["batch_at"] = int(lv)
+            h["batch"] = {s: v["summary"].get(lv) for s, v in batch["systems"].items()}
+    rel = results.get("reload")
+    if rel:
+        big = rel["summary"][-1]
+        h["reload"] = {"largest": big, "bandwidth_mb_s": rel["bandwidth"]["buffered_after_drop_mb_s"],
+                       "o_direct_mb_s": rel["bandwidth"]["o_direct_mb_s"]}
+    return h
+
+
+def _f(x: Optional[float], nd: int = 3) -> str:
+    return "–" if x is None else f"{x:.{nd}f}"
+
+
+def render_markdown(res: dict) -> str:
+    m, plan = res["machine"], res["plan"]
+    L = [f"# Benchmark results{' (quick mode)' if res['quick'] else ''}", ""]
+    L += [f"Command: `{res['command']}`", "",
+          f"Run {res['started_at']} → {res['finished_at']}, total {res['duration_s'] / 60:.1f} min. "
+          f"Model: {res['model']['description']}.", "",
+          "| machine | |", "|---|---|",
+          f"| CPU | {m['cpu']}, {m['cores']} cores |", f"| RAM | {m['ram_gib']} GiB |", f"| OS | {m['os']} |",
+          f"| Python / MLX | {m['python']} / mlx {m['mlx']} ({m['mlx_backend']}), mlx-lm {m['mlx_lm']}, "
+          f"vllm-mlx {m['vllm_mlx']}, vllm-mlx-persist {m['vllm_mlx_persist']} (git {m['git_commit']}) |",
+          f"| BLAS | {m['blas']} |", f"| disk | `{' '.join(m['disk'].splitlines()[-1].split()) if m['disk'] else '?'}` |",
+          f"| load average at start / end | {m['load_average_at_start']} / {m.get('load_average_at_end')} |", ""]
+    L += ["Systems (every server: `vllm-mlx serve MODEL --continuous-batching --stream-interval 1 --timeout 7200`, "
+          "own HOME in a temp dir):", ""]
+    for s, flags in res["systems"].items():
+        L.append(f"- **{s}**: {LABELS[s]}: `{flags}`")
+    L.append("")
+    if "ttft" in res["sections"]:
+        L += _md_ttft(res["sections"]["ttft"], plan)
+    if "agents" in res["sections"]:
+        L += _md_agents(res["sections"]["agents"], plan)
+    if "batch" in res["sections"]:
+        L += _md_batch(res["sections"]["batch"], plan)
+    if "reload" in res["sections"]:
+        L += _md_reload(res["sections"]["reload"], plan)
+    errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
+            for s, e in v.get("errors", {}).items()}
+    if errs:
+        L += ["## Errors", ""] + [f"- {k}: ```{e.splitlines()[0]}```" for k, e in errs.items()] + [""]
+    return "\n".join(L) + "\n"
+
+
+def _md_ttft(t: dict, plan: dict) -> list[str]:
+    L = ["## Time to first token against context length", "",
+         f"Each conversation: a history of the nominal length plus a short new user turn ({plan['user_words']} "
+         f"words), `max_tokens={plan['ttft_max_tokens']}`, streamed; TTFT = send to first content chunk. Cold: the "
+         f"first turn of a new agent. Hot: the next turn ({plan['hot_turns']} per conversation), cache in memory. "
+         f"Restart (SIGTERM): server stopped gracefully and started again between turns "
+         f"({plan['restart_cycles']} cycles). Restart (SIGKILL): killed, then started (first conversation of each "
+         "context). Before every restart the cache files are fsync'd and dropped from the page cache "
+         "(posix_fadvise DONTNEED); vllm-mlx's SIGTERM snapshot is removed before a SIGKILL restart (a crash keeps "
+         "only what an earlier graceful stop saved, and none of these conversations predate one). After every start "
+         "one short anonymous request is served before measuring. Medians; n = samples. "
+         "Conversations per context: " + ", ".join(f"{c}: {plan['reps_by_context'].get(str(c), plan['reps_by_context'].get(c, plan['reps']))}"
+                                                   for c in plan["contexts"]) + ".", "",
+         "Cells: median TTFT (samples, where the server says the prefix came from, median prompt tokens). "
+         "Every turn adds a short user turn and a short reply, so later states have slightly longer prompts: "
+         "a restart that falls back to a cold prefill is slower than the first cold turn.", "",
+         "| system | context | prompt tok | cold s | hot s | restart TERM s | restart KILL s | cold/hot | cold/TERM | cold/KILL |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
+    for s, per in t["summary"].items():
+        for c, row in per.items():
+            def cell(st: str) -> str:
+                v = row.get(st)
+                return (f"{v['median_s']:.3f} (n={v['n']}, {'/'.join(v['tiers'])}, {v['prompt_tokens']:.0f} tok)"
+                        if v else "–")
+            r = row["ratios"]
+            L.append(f"| {s} | {c} | {_f(row['cold_prompt_tokens'], 0)} | {cell('cold')} | {cell('hot')} | "
+                     f"{cell('restart_sigterm')} | {cell('restart_sigkill')} | {r.get('cold/hot', '–')} | "
+                     f"{r.get('cold/restart_sigterm', '–')} | {r.get('cold/restart_sigkill', '–')} |")
+    L += ["", "Server stop and start times (start = until /health answers; includes loading vllm-mlx's snapshot):", "",
+          "| system | event | seconds |", "|---|---|---|"]
+    for e in t["events"]:
+        if e["event"] != "warmup" and e["note"] != "end":
+            L.append(f"| {e['system']} | {e['event']} ({e['note']}) | {e['seconds']:.2f} |")
+    L += ["", "![TTFT against context](ttft.png)", ""]
+    return L
+
+
+def _md_agents(a: dict, plan: dict) -> list[str]:
+    L = ["## Many agents in a fixed memory budget", "",
+         f"{plan['agents']} agents, each with a history of about {plan['agent_tokens']} tokens, take "
+         f"{plan['agent_rounds']} rounds of turns round-robin. Memory budget {plan['agent_budget_mb']} MB for the "
+         "cache (`hot_mb` for persist_q4, `--cache-memory-mb` for vllm-mlx). Round 0 is every agent's first turn "
+         "(necessarily cold); the counts below are the returning turns (rounds 1+). Tier from the server's own log "
+         "line for each lookup. Peak memory: RSS of the server process, sampled every 0.1 s.", "",
+         "| system | returning turns | from memory | from disk | cold | median TTFT returning s | median TTFT first s | "
+         "prompt tokens | prefilled tokens | peak RSS MB | RSS after start MB |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s, v in a["systems"].items():
+        x = v["summary"]
+        r = x["returning"]
+        L.append(f"| {s} | {x['returning_turns']} | {r['memory']} | {r['disk']} | {r['cold']} | "
+                 f"{_f(x['median_ttft_returning_s'])} | {_f(x['median_ttft_first_s'])} | {x['prompt_tokens']} | "
+                 f"{x['prefilled_tokens']} | {x['peak_rss_mb']} | {x['baseline_rss_mb']} |")
+    L += ["", "![Per-turn TTFT and RSS](agents.png)", ""]
+    return L
+
+
+def _md_batch(b: dict, plan: dict) -> list[str]:
+    L = ["## Batched decoding from warm caches", "",
+         f"Agents with about {plan['batch_tokens']} tokens of history each, caches warmed by one turn; then k of them "
+         f"send a new turn at the same moment, `max_tokens={plan['batch_max_tokens']}`, {plan['batch_reps']} "
+         "repetitions. System tok/s = all completion tokens / (first send to last token). Per-agent tok/s = "
+         "(tokens - 1) / (first to last token of that agent), mean over agents.", "",
+         "| agents | " + " | ".join(f"{s} system tok/s | {s} per-agent tok/s | {s} TTFT s" for s in b["systems"]) + " |",
+         "|---|" + "---|---|---|" * len(b["systems"])]
+    for lv in plan["batch_levels"]:
+        cells = []
+        for s, v in b["systems"].items():
+            x = v["summary"].get(str(lv))
+            cells += [_f(x and x["system_tok_s"], 1), _f(x and x["per_agent_tok_s"], 1), _f(x and x["median_ttft_s"])] \
+                if x else ["–"] * 3
+        L.append(f"| {lv} | " + " | ".join(cells) + " |")
+    L += ["", "![Batched decoding](batch.png)", ""]
+    return L
+
+
+def _md_reload(r: dict, plan: dict) -> list[str]:
+    bw = r["bandwidth"]
+    lay = r["layout"]
+    L = ["## Reload against the physical limit", "",
+         f"In-process: agents of each size committed through `BlockPool` into a `DiskStore` (layout of the served "
+         f"model: {lay['layers']} layers, {lay['kv_heads']} KV heads, head_dim {lay['head_dim']}, 4-bit, group 64, "
+         f"blocks of 256 tokens, {lay['kv_dtype']}). Reload = `BlockPool.lookup` on a freshly opened pool, after "
+         "fsync + posix_fadvise(DONTNEED) on the agent's block files (mincore confirms what stayed resident); it "
+         "reads, verifies (sha256), converts to MLX and concatenates. Read+verify = `DiskStore.read_block` for "
+         "every block, no MLX. Page-cache reload = the same lookup without dropping the files.", "",
+         f"Sequential read bandwidth of the same disk, {bw['file_mb']} MB file: **{bw['buffered_after_drop_mb_s']} "
+         f"MB/s** buffered after DONTNEED (resident after drop: {bw['resident_after_drop']}), "
+         f"{bw['o_direct_mb_s']} MB/s with O_DIRECT, {bw['page_cache_mb_s']} MB/s from the page cache; "
+         f"write+fsync {bw['write_fsync_mb_s']} MB/s. The disk limit below = size / buffered bandwidth.", "",
+         "| tokens | file MB | reload ms | reload MB/s | read+verify ms | page-cache reload ms | disk limit ms | reload / limit |",
+         "|---|---|---|---|---|---|---|---|"]
+    for x in r["summary"]:
+        L.append(f"| {x['tokens']} | {x['file_mb']} | {x['reload_ms']} | {x['reload_mb_s']} | {x['store_read_ms']} | "
+                 f"{x['reload_page_cache_ms']} | {x['disk_limit_ms']} | {x['reload_over_limit']} |")
+    L += ["", "![Reload time against size](reload.png)", ""]
+    return L
+
+
+def print_summary(res: dict) -> None:
+    h = res["headline"]
+    print(f"\n== vllm-mlx-persist bench: {res['duration_s'] / 60:.1f} min on {res['machine']['cpu']} "
+          f"({res['machine']['cores']} cores), {res['machine']['blas']}")
+    if "ttft_ratios" in h:
+        print(f"TTFT at {h['ttft_ratios_at']} tokens (median s) and ratios:")
+        for s, med in h["ttft_medians_s"].items():
+            print(f"  {s:<14} " + "  ".join(f"{k}={v:.3f}" for k, v in med.items()) + "  " +
+                  "  ".join(f"{k}={v}" for k, v in h["ttft_ratios"].get(s, {}).items()))
+    if "agents" in h:
+        print("Agents in a fixed budget (returning turns memory/disk/cold, prefilled tokens, peak RSS):")
+        for s, v in h["agents"].items():
+            print(f"  {s:<14} {v['memory']}/{v['disk']}/{v['cold']}  prefilled {v['prefilled_tokens']}  "
+                  f"peak {v['peak_rss_mb']} MB")
+    if "batch" in h:
+        print(f"Batched decoding at {h['batch_at']} agents:")
+        for s, v in h["batch"].items():
+            if v:
+                print(f"  {s:<14} system {v['system_tok_s']} tok/s, per agent {v['per_agent_tok_s']} tok/s")
+    if "reload" in h:
+        b = h["reload"]["largest"]
+        print(f"Reload of {b['tokens']} tokens ({b['file_mb']} MB): {b['reload_ms']} ms = {b['reload_mb_s']} MB/s; "
+              f"disk {h['reload']['bandwidth_mb_s']} MB/s buffered, {h['reload']['o_direct_mb_s']} MB/s O_DIRECT")
+    print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
+    print(f"Reproduce: {res['command']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="vllm-mlx-persist bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, short contexts, 1 repetition (a couple of minutes)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    p.add_argument("--systems", default=None,
+                   help=f"comma-separated subset of {','.join(SYSTEMS)} for every server section "
+                        "(default: all three for ttft, persist_q4 and vllm_default for agents and batch)")
+    p.add_argument("--out", default=None, help="results directory (default docs/results; --quick: a temp dir)")
+    p.add_argument("--work", default=None, help="scratch directory for models and server homes (default: a temp dir)")
+    p.add_argument("--keep-work", action="store_true", help="keep the scratch directory (server logs, caches)")
+    p.add_argument("--model-size", default=None, help="models.SIZES preset (default bench; --quick: tiny)")
+    p.add_argument("--contexts", default=None, help="ttft context lengths, e.g. 1024,2048,4096,8192")
+    p.add_argument("--reps", type=int, default=None, help="ttft conversations per context")
+    p.add_argument("--reps-by-context", default=None, help="overrides, e.g. 4096:2,8192:1 ('' for none)")
+    p.add_argument("--agents", type=int, default=None, help="agents in the fixed-budget section")
+    p.add_argument("--agent-budget-mb", type=int, default=None, help="memory budget of the agents section")
+    p.add_argument("--agent-tokens", type=int, default=None, help="history tokens per agent in the agents section")
+    p.add_argument("--batch-levels", default=None, help="concurrency levels, e.g. 1,2,4,8")
+    p.add_argument("--reload-sizes", default=None, help="agent sizes in tokens for the reload section")
+    p.add_argument("--no-plots", action="store_true")
+    return p.parse_args(argv)
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    plan = dataclasses.replace(QUICK) if args.quick else Plan()
+    if args.model_size:
+        plan.model_size = args.model_size
+    if args.contexts:
+        plan.contexts = [int(x) for x in args.contexts.split(",")]
+    if args.reps is not None:
+        plan.reps = args.reps
+    if args.reps_by_context is not None:
+        plan.reps_by_context = {int(k): int(v) for k, v in (x.split(":") for x in args.reps_by_context.split(",") if x)}
+    if args.agents is not None:
+        plan.agents = args.agents
+    if args.agent_budget_mb is not None:
+        plan.agent_budget_mb = args.agent_budget_mb
+    if args.agent_tokens is not None:
+        plan.agent_tokens = args.agent_tokens
+    if args.batch_levels:
+        plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
+    if args.reload_sizes:
+        plan.reload_sizes = [int(x) for x in args.reload_sizes.split(",")]
+    if args.systems:
+        systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+        bad = set(systems) - set(SYSTEMS)
+        if bad:
+            raise SystemExit(f"unknown systems {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
+        plan.ttft_systems = plan.agent_systems = plan.batch_systems = systems
+    return plan
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    plan = build_plan(args)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = set(sections) - set(SECTIONS)
+    if bad:
+        print(f"unknown sections {sorted(bad)}; choose from {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="vmp-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = Path(args.out) if args.out else (
+        Path(tempfile.mkdtemp(prefix="vmp-bench-quick-")) if args.quick else Path("docs/results"))
+    out.mkdir(parents=True, exist_ok=True)
+    command = shlex.join(["vllm-mlx-persist", "bench", *argv])
+    started = time.time()
+    say(f"work dir {work}; results to {out}")
+    if not openblas_path() and platform.system() == "Linux":
+        say("WARNING: OpenBLAS not found (apt-get install libopenblas0-pthread): MLX on CPU will be 15-35x slower")
+    else:
+        say(f"BLAS: {openblas_path() or 'platform default'} preloaded into every server")
+
+    from .models import SIZES, build_model_dir
+
+    model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
+    sz = SIZES[plan.model_size]
+    ctx = Ctx(plan, work, model, Prompts(model))
+    results: dict = {}
+    runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
+                                                 "batch": section_batch, "reload": section_reload}
+    failed = False
+    try:
+        for sec in sections:
+            t = time.perf_counter()
+            try:
+                results[sec] = runners[sec](ctx)
+                results[sec]["seconds"] = round(time.perf_counter() - t, 1)
+                failed |= bool(results[sec].get("errors"))
+            except Exception as e:
+                failed = True
+                say(f"section {sec} FAILED: {e}")
+                traceback.print_exc()
+                results[sec] = {"errors": {"section": f"{type(e).__name__}: {e}"}, "seconds": round(time.perf_counter() - t, 1)}
+            say(f"section {sec} done in {results[sec]['seconds']} s")
+    finally:
+        finished = time.time()
+        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems") for s in getattr(plan, k)},
+                      key=SYSTEMS.index)
+        res = {
+            "command": command,
+            "quick": args.quick,
+            "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+            "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(finished)),
+            "duration_s": round(finished - started, 1),
+            "machine": machine_info(work),
+            "model": {"arch": "llama", "size": plan.model_size, **dataclasses.asdict(sz),
+                      "dtype": "float32", "weights": "random (seeded), locally built",
+                      "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
+                                     f"{sz.heads} query / {sz.kv_heads} KV heads, head_dim {sz.head_dim}, vocab "
+                                     f"{sz.vocab}), float32, random weights built locally by "
+                                     "vllm_mlx_persist.models.build_model_dir"},
+            "plan": json.loads(json.dumps(dataclasses.asdict(plan))),
+            "systems": {s: server_flags(s, plan.ttft_cache_mb) for s in used},
+            "sections": results,
+            "out": str(out),
+        }
+        res["headline"] = headline(results)
+        (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+        if not args.no_plots:
+            try:
+                from .bench_plots import write_plots
+
+                res["plots"] = write_plots(res, out)
+            except Exception as e:  # plots are a convenience; the numbers are in the JSON
+                say(f"plots skipped: {type(e).__name__}: {e}")
+                res["plots"] = []
+            (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+        res["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        md = render_markdown(res)
+        (out / "bench.md").write_text(md)
+        (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+        print(md)
+        print_summary(res)
+        if not args.keep_work and not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+        elif args.keep_work or args.work:
+            say(f"scratch kept in {work}")
+    return 1 if failed else 0

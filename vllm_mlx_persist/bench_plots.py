@@ -1,0 +1,178 @@
+"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend; installed on demand if missing)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green"}
+STATE_STYLE = {
+    "cold": ("black", "-", "o", "cold"),
+    "hot": ("tab:green", "-", "s", "hot (in memory)"),
+    "restart_sigterm": ("tab:blue", "-", "^", "after restart (SIGTERM)"),
+    "restart_sigkill": ("tab:red", "--", "v", "after restart (SIGKILL)"),
+}
+TIER_COLORS = {"memory": "tab:green", "disk": "tab:blue", "cold": "tab:red"}
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        print("[bench] matplotlib missing: installing it (pip install matplotlib; the 'bench' extra)", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib>=3.7"], check=True)
+        import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_plots(res: dict, out: Path) -> list[str]:
+    """Write every plot the results have data for; returns the file names."""
+    plt = _pyplot()
+    secs = res["sections"]
+    written = []
+    for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload)):
+        data = secs.get(name)
+        if not data or ("summary" not in data and "systems" not in data):
+            continue
+        fig = fn(plt, data, res)
+        if fig is None:
+            continue
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+        written.append(path.name)
+    return written
+
+
+def _title(res: dict) -> str:
+    m = res["machine"]
+    return f"{res['model']['size']} model (float32), {m['cpu']} x{m['cores']}, {'OpenBLAS' if 'OpenBLAS' in m['blas'] else 'BLAS: see bench.md'}"
+
+
+def plot_ttft(plt: Any, t: dict, res: dict):
+    systems = list(t["summary"])
+    if not systems:
+        return None
+    fig, axes = plt.subplots(1, len(systems), figsize=(5.2 * len(systems), 4.6), sharey=True, squeeze=False)
+    contexts = res["plan"]["contexts"]
+    for ax, s in zip(axes[0], systems):
+        for state, (color, ls, marker, label) in STATE_STYLE.items():
+            xs, ys = [], []
+            for c in contexts:
+                v = t["summary"][s].get(str(c), {}).get(state)
+                if v:
+                    xs.append(c)
+                    ys.append(v["median_s"])
+            if not xs:
+                continue
+            ax.plot(xs, ys, ls=ls, marker=marker, color=color, label=label)
+            pts = [(x["context"], x["ttft_s"]) for x in t["samples"] if x["system"] == s and x["state"] == state]
+            ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, alpha=0.25, s=12)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(contexts)
+        ax.set_xticklabels([f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])
+        ax.set_title(s)
+        ax.set_xlabel("tokens of history")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("time to first token (s, log)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"TTFT against context: medians (lines), samples (dots). {_title(res)}", fontsize=10)
+    return fig
+
+
+def plot_agents(plt: Any, a: dict, res: dict):
+    systems = a.get("systems", {})
+    if not systems:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    n_agents = res["plan"]["agents"]
+    for s, v in systems.items():
+        turns = v["turns"]
+        xs = list(range(1, len(turns) + 1))
+        ax.plot(xs, [x["ttft_s"] for x in turns], color=COLORS.get(s), lw=1, label=s)
+        for tier, c in TIER_COLORS.items():
+            pts = [(i, x["ttft_s"]) for i, x in zip(xs, turns) if x["tier"] == tier]
+            if pts:
+                ax.scatter(*zip(*pts), color=c, s=22, zorder=3, edgecolor=COLORS.get(s), linewidth=1)
+        series = v.get("rss_series") or []
+        if series:
+            ax2.plot([p[0] for p in series], [p[1] / 2**20 for p in series], color=COLORS.get(s),
+                     label=f"{s} (peak {v['summary']['peak_rss_mb']:.0f} MB)")
+    for r in range(1, res["plan"]["agent_rounds"]):
+        ax.axvline(r * n_agents + 0.5, color="grey", lw=0.8, ls=":")
+    for tier, c in TIER_COLORS.items():
+        ax.scatter([], [], color=c, s=22, label=f"served {'from ' if tier != 'cold' else ''}{tier}")
+    ax.set_yscale("log")
+    ax.set_xlabel(f"turn ({n_agents} agents round-robin; dotted lines separate rounds)")
+    ax.set_ylabel("time to first token (s, log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"Per-turn TTFT, cache budget {res['plan']['agent_budget_mb']} MB")
+    ax2.set_xlabel("seconds since the server finished starting")
+    ax2.set_ylabel("server RSS (MB)")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    ax2.set_title("Server memory (RSS, sampled every 0.1 s)")
+    fig.suptitle(_title(res), fontsize=10)
+    return fig
+
+
+def plot_batch(plt: Any, b: dict, res: dict):
+    systems = b.get("systems", {})
+    if not systems:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for s, v in systems.items():
+        levels = sorted(int(k) for k in v["summary"])
+        if not levels:
+            continue
+        ax.plot(levels, [v["summary"][str(k)]["system_tok_s"] for k in levels], marker="o", color=COLORS.get(s), label=s)
+        ax2.plot(levels, [v["summary"][str(k)]["per_agent_tok_s"] for k in levels], marker="o", color=COLORS.get(s),
+                 label=s)
+    for a, t in ((ax, "system tokens/s"), (ax2, "per-agent decode tokens/s")):
+        a.set_xscale("log", base=2)
+        a.set_xticks(res["plan"]["batch_levels"])
+        a.set_xticklabels([str(x) for x in res["plan"]["batch_levels"]])
+        a.set_xlabel("agents generating at once")
+        a.set_ylabel(t)
+        a.set_ylim(bottom=0)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"Batched decoding from warm caches ({res['plan']['batch_tokens']} tokens of history each). "
+                 f"{_title(res)}", fontsize=10)
+    return fig
+
+
+def plot_reload(plt: Any, r: dict, res: dict):
+    rows = r.get("summary")
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    mb = [x["file_mb"] for x in rows]
+    ax.plot(mb, [x["reload_ms"] for x in rows], marker="o", color="tab:blue", label="reload from disk (page cache dropped)")
+    ax.plot(mb, [x["store_read_ms"] for x in rows], marker="s", color="tab:purple", ls="--",
+            label="read + verify only (no MLX)")
+    ax.plot(mb, [x["reload_page_cache_ms"] for x in rows], marker="^", color="tab:green",
+            label="reload, files in page cache")
+    bw = r["bandwidth"]
+    lo, hi = min(mb), max(mb)
+    for key, ls, label in (("buffered_after_drop_mb_s", "-", "disk limit: size / sequential read"),
+                           ("o_direct_mb_s", ":", "disk limit with O_DIRECT")):
+        if bw.get(key):
+            ax.plot([lo, hi], [lo / bw[key] * 1e3, hi / bw[key] * 1e3], color="black", ls=ls,
+                    label=f"{label} ({bw[key]:.0f} MB/s)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("agent cache on disk (MB, 4-bit)")
+    ax.set_ylabel("time (ms, log)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    toks = [x["tokens"] for x in rows]
+    ax.set_title(f"Reload against the physical limit ({toks[0]}..{toks[-1]} tokens)", fontsize=10)
+    return fig
