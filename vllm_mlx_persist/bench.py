@@ -599,6 +599,12 @@ def section_agents(ctx: "Ctx") -> dict:
 # ---------------------------------------------------------------------------------------------
 # Section: batched decoding
 
+# The batch section records this as each assistant turn instead of the random model's output, which
+# often does not survive a detokenize/retokenize round trip: vllm-mlx then prefers an older entry that
+# is an exact prefix over the newest one (an LCP match) and re-prefills hundreds of tokens per turn,
+# which would turn a decoding benchmark into a prefill one. Both systems see the same prompts.
+FIXED_REPLY = "noted, continuing with the next step"
+
 
 def section_batch(ctx: "Ctx") -> dict:
     import openai
@@ -617,7 +623,8 @@ def section_batch(ctx: "Ctx") -> dict:
         try:
             s.start("fresh")
             for conv in convs:  # warm every agent's cache
-                conv.answer(send(s, conv.ask(), conv.agent, 4)["text"])
+                send(s, conv.ask(), conv.agent, 4)
+                conv.answer(FIXED_REPLY)
             clients = [openai.OpenAI(base_url=s.server.url + "/v1", api_key="bench", max_retries=0, timeout=7200)
                        for _ in range(n_agents)]
             for level in plan.batch_levels:
@@ -633,7 +640,7 @@ def section_batch(ctx: "Ctx") -> dict:
                             barrier.wait()
                             res[i] = send(s, msgs, group[i].agent, plan.batch_max_tokens, client=clients[i],
                                           classify_log=False)
-                            group[i].answer(res[i]["text"])
+                            group[i].answer(FIXED_REPLY)
                         except BaseException as e:  # noqa: BLE001 - surfaced below
                             errs.append(e)
 
@@ -653,9 +660,17 @@ def section_batch(ctx: "Ctx") -> dict:
                     per_agent = [(n - 1) / (r["t_last"] - r["t_first"]) for n, r in zip(toks, res)
                                  if n > 1 and r["t_last"] and r["t_first"] and r["t_last"] > r["t_first"]]
                     hits = [classify(seg, c.agent) for c in group] if system == "persist_q4" else []
+                    # tokens each request had to prefill, from the server's own lookup lines
+                    if system == "persist_q4":
+                        prefilled = [r["prompt_tokens"] - n for r, (_, n) in zip(res, hits)]
+                    else:
+                        prefilled = [int(x) for x in re.findall(r"\[cache_fetch\] request=\S+ (?:HIT|MISS) prompt_tokens=\d+"
+                                                                  r"(?: cached=\d+ remaining=(\d+))?", seg) if x]
                     run = {
                         "level": level, "rep": rep,
                         "completion_tokens": toks,
+                        "prompt_tokens": [r["prompt_tokens"] for r in res],
+                        "prefilled_tokens": prefilled,
                         "ttft_s": [r["ttft_s"] for r in res],
                         "wall_s": round(t_end - t0, 4),
                         "system_tok_s": round(sum(toks) / (t_end - t0), 2),
@@ -678,11 +693,13 @@ def section_batch(ctx: "Ctx") -> dict:
             rs = [r for r in runs if r["level"] == level]
             if rs:
                 summary[str(level)] = {
-                    "system_tok_s": median([r["system_tok_s"] for r in rs]),
-                    "per_agent_tok_s": median([r["per_agent_tok_s_mean"] for r in rs]),
+                    "system_tok_s": round(median([r["system_tok_s"] for r in rs]), 2),
+                    "per_agent_tok_s": round(median([r["per_agent_tok_s_mean"] or 0 for r in rs]), 2),
                     "median_ttft_s": median([x for r in rs for x in r["ttft_s"]]),
                     "tokens_per_agent": median([x for r in rs for x in r["completion_tokens"]]),
                     "cache_hits": sum(r["cache_hits"] for r in rs),
+                    "median_prompt_tokens": median([x for r in rs for x in r.get("prompt_tokens", [])]),
+                    "median_prefilled_tokens": median([x for r in rs for x in r.get("prefilled_tokens", [])]),
                     "requests": sum(r["level"] for r in rs),
                 }
         result["systems"][system] = {"runs": runs, "summary": summary}
@@ -904,9 +921,14 @@ def _f(x: Optional[float], nd: int = 3) -> str:
 def render_markdown(res: dict) -> str:
     m, plan = res["machine"], res["plan"]
     L = [f"# Benchmark results{' (quick mode)' if res['quick'] else ''}", ""]
-    L += [f"Command: `{res['command']}`", "",
-          f"Run {res['started_at']} → {res['finished_at']}, total {res['duration_s'] / 60:.1f} min. "
-          f"Model: {res['model']['description']}.", "",
+    runs = res.get("runs") or [{"command": res["command"], "started_at": res["started_at"],
+                                "duration_s": res["duration_s"], "sections": list(res["sections"])}]
+    for r in runs:
+        L.append(f"Command: `{r['command']}` (started {r['started_at']}, {r['duration_s'] / 60:.1f} min; "
+                 f"sections: {', '.join(r['sections'])})  ")
+    if len(runs) > 1:
+        L.append("(A later command's sections replace the same sections of an earlier one.)  ")
+    L += ["", f"Model: {res['model']['description']}.", "",
           "| machine | |", "|---|---|",
           f"| CPU | {m['cpu']}, {m['cores']} cores |", f"| RAM | {m['ram_gib']} GiB |", f"| OS | {m['os']} |",
           f"| Python / MLX | {m['python']} / mlx {m['mlx']} ({m['mlx_backend']}), mlx-lm {m['mlx_lm']}, "
@@ -994,8 +1016,13 @@ def _md_batch(b: dict, plan: dict) -> list[str]:
     L = ["## Batched decoding from warm caches", "",
          f"Agents with about {plan['batch_tokens']} tokens of history each, caches warmed by one turn; then k of them "
          f"send a new turn at the same moment, `max_tokens={plan['batch_max_tokens']}`, {plan['batch_reps']} "
-         "repetitions. System tok/s = all completion tokens / (first send to last token). Per-agent tok/s = "
-         "(tokens - 1) / (first to last token of that agent), mean over agents.", "",
+         "repetitions; every turn extends each agent's history, and each request hits its agent's cache and prefills "
+         "only the new tokens (median prompt / prefilled tokens below, from the servers' lookup lines). The "
+         f"assistant turns in these histories are a fixed text (\"{FIXED_REPLY}\"): the random model's replies do "
+         "not survive detokenize + retokenize, and vllm-mlx then prefers an older entry that is an exact prefix over "
+         "the newest (longest) one and re-prefills hundreds of tokens per turn. System tok/s = all completion tokens "
+         "/ (first send to last token), so it includes the concurrent prefills. Per-agent tok/s = (tokens - 1) / "
+         "(first to last token of that agent), mean over agents.", "",
          "| agents | " + " | ".join(f"{s} system tok/s | {s} per-agent tok/s | {s} TTFT s" for s in b["systems"]) + " |",
          "|---|" + "---|---|---|" * len(b["systems"])]
     for lv in plan["batch_levels"]:
@@ -1004,6 +1031,14 @@ def _md_batch(b: dict, plan: dict) -> list[str]:
             x = v["summary"].get(str(lv))
             cells += [_f(x and x["system_tok_s"], 1), _f(x and x["per_agent_tok_s"], 1), _f(x and x["median_ttft_s"])] \
                 if x else ["–"] * 3
+        L.append(f"| {lv} | " + " | ".join(cells) + " |")
+    L += ["", "| agents | " + " | ".join(f"{s} prompt / prefilled tok" for s in b["systems"]) + " |",
+          "|---|" + "---|" * len(b["systems"])]
+    for lv in plan["batch_levels"]:
+        cells = []
+        for v in b["systems"].values():
+            x = v["summary"].get(str(lv)) or {}
+            cells.append(f"{_f(x.get('median_prompt_tokens'), 0)} / {_f(x.get('median_prefilled_tokens'), 0)}")
         L.append(f"| {lv} | " + " | ".join(cells) + " |")
     L += ["", "![Batched decoding](batch.png)", ""]
     return L
@@ -1034,7 +1069,8 @@ def _md_reload(r: dict, plan: dict) -> list[str]:
 
 def print_summary(res: dict) -> None:
     h = res["headline"]
-    print(f"\n== vllm-mlx-persist bench: {res['duration_s'] / 60:.1f} min on {res['machine']['cpu']} "
+    total = sum(r["duration_s"] for r in res.get("runs") or [res])
+    print(f"\n== vllm-mlx-persist bench: {total / 60:.1f} min on {res['machine']['cpu']} "
           f"({res['machine']['cores']} cores), {res['machine']['blas']}")
     if "ttft_ratios" in h:
         print(f"TTFT at {h['ttft_ratios_at']} tokens (median s) and ratios:")
@@ -1056,7 +1092,8 @@ def print_summary(res: dict) -> None:
         print(f"Reload of {b['tokens']} tokens ({b['file_mb']} MB): {b['reload_ms']} ms = {b['reload_mb_s']} MB/s; "
               f"disk {h['reload']['bandwidth_mb_s']} MB/s buffered, {h['reload']['o_direct_mb_s']} MB/s O_DIRECT")
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
-    print(f"Reproduce: {res['command']}")
+    for r in res.get("runs") or [res]:
+        print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1083,6 +1120,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agent-tokens", type=int, default=None, help="history tokens per agent in the agents section")
     p.add_argument("--batch-levels", default=None, help="concurrency levels, e.g. 1,2,4,8")
     p.add_argument("--reload-sizes", default=None, help="agent sizes in tokens for the reload section")
+    p.add_argument("--merge", action="store_true",
+                   help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
 
@@ -1146,6 +1185,9 @@ def main(argv: list[str]) -> int:
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
                                                  "batch": section_batch, "reload": section_reload}
     failed = False
+    previous: dict = {}
+    if args.merge and (out / "bench.json").exists():
+        previous = json.loads((out / "bench.json").read_text())
     try:
         for sec in sections:
             t = time.perf_counter()
@@ -1163,8 +1205,17 @@ def main(argv: list[str]) -> int:
         finished = time.time()
         used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems") for s in getattr(plan, k)},
                       key=SYSTEMS.index)
+        run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
+               "duration_s": round(finished - started, 1), "sections": list(results)}
+        runs = previous.get("runs", [])
+        if previous and not runs:
+            runs = [{k: previous.get(k) for k in ("command", "started_at", "duration_s")} | {
+                "sections": list(previous.get("sections", {}))}]
+        results = {**{k: v for k, v in previous.get("sections", {}).items() if k not in results}, **results}
+        results = {k: results[k] for k in SECTIONS if k in results}
         res = {
             "command": command,
+            "runs": [*runs, run],
             "quick": args.quick,
             "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(finished)),
