@@ -26,6 +26,7 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
+from vllm_mlx_persist import q4cache
 from vllm_mlx_persist.q4cache import (
     BatchQ4KVCache,
     Q4KVCache,
@@ -33,6 +34,7 @@ from vllm_mlx_persist.q4cache import (
     check_model_supported,
     install_attention_fix,
     make_q4_prompt_cache,
+    set_prefill_attention,
 )
 
 VOCAB = 512
@@ -77,6 +79,15 @@ def _llama(n_kv_heads: int = 2, head_dim: int = 64, std: float = 0.1, seed: int 
 def model():
     install_attention_fix()
     return _llama()
+
+
+@pytest.fixture(params=["quantized", "dequantized"])
+def attention_mode(request):
+    """Run a test with prefill chunks on mlx's quantized matmuls, then on transient dequantized K/V
+    (the CPU default). Decode steps use the quantized matmuls either way."""
+    set_prefill_attention(request.param)
+    yield request.param
+    set_prefill_attention("auto")
 
 
 def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -143,7 +154,7 @@ def extend_sides(monkeypatch):
     return seen
 
 
-def test_batched_matches_per_sequence(model, extend_sides):
+def test_batched_matches_per_sequence(model, extend_sides, attention_mode):
     """Staggered inserts, prompt lengths 3..29 (right padding), chunked prefill, a prefix-cached
     insert and per-sequence max_tokens: batched 4-bit greedy == per-sequence 4-bit greedy."""
     prompts = _prompts(6, 3, 30, seed=1)
@@ -208,7 +219,7 @@ def test_extracted_cache_continues_like_reference(model):
     assert out2[uids2[0]][0] == ref2
 
 
-def test_gqa_batch_equals_kv_heads(model, monkeypatch):
+def test_gqa_batch_equals_kv_heads(model, monkeypatch, attention_mode):
     """B == n_kv_heads == 2 with left padding: the unpatched quantized SDPA silently attends with
     the other sequence's mask; the fixed one matches the per-sequence reference."""
     prompts = [[5, 17, 300, 42, 8, 99, 100, 1, 2, 3, 4], [77, 3, 250]]
@@ -270,6 +281,28 @@ def test_attention_fix_function_level():
     _check_attention(fixed, original)
 
 
+def test_prefill_attention_modes_agree(model):
+    """Dequantizing K/V for a multi-token chunk computes the same attention as the quantized
+    matmuls (float rounding only), on a 200-token prefill over a 300-token cached prefix; "auto"
+    dequantizes on the CPU and only for chunks of >= DEQUANT_MIN_QUERIES queries."""
+    prefix, chunk = _prompts(2, 200, 301, seed=5)
+    logits = {}
+    for mode in ("quantized", "dequantized", "auto"):
+        set_prefill_attention(mode)
+        cache = make_q4_prompt_cache(model)
+        _prefill(model, cache, prefix)
+        logits[mode] = model(mx.array([chunk]), cache=cache)
+    set_prefill_attention("auto")
+    assert mx.abs(logits["quantized"] - logits["dequantized"]).max().item() < 1e-4
+    assert mx.array_equal(logits["auto"], logits["dequantized"]).item()  # tests run on the CPU
+    assert q4cache.DEQUANT_MIN_QUERIES > 1
+    set_prefill_attention("dequantized")
+    assert not q4cache._dequantize_for(1)  # decode stays on the quantized matmuls
+    set_prefill_attention("auto")
+    with pytest.raises(ValueError, match="prefill_attention"):
+        set_prefill_attention("fp16")
+
+
 def test_attention_fix_patch_file(tmp_path):
     """The upstream patch applies to the installed base.py and fixes the same cases."""
     patch = PATCHES / "mlx-lm-0.31.3-quantized-sdpa-gqa-mask.patch"
@@ -291,7 +324,7 @@ def test_attention_fix_patch_file(tmp_path):
 
 
 @pytest.mark.parametrize("bits,group_size", [(8, 32), (6, 64), (2, 128)])
-def test_other_formats(bits, group_size):
+def test_other_formats(bits, group_size, attention_mode):
     """Other bit widths and group sizes batch exactly like their per-sequence reference."""
     install_attention_fix()
     model = _llama(head_dim=128, seed=1)

@@ -14,7 +14,14 @@ from typing import Any, Optional
 from .identity import model_fingerprint
 from .plugin import LIVE_BACKENDS
 from .pool import BlockPool
-from .q4cache import Q4KVCache, check_model_supported, install_attention_fix, make_q4_prompt_cache
+from .q4cache import (
+    PREFILL_ATTENTION_MODES,
+    Q4KVCache,
+    check_model_supported,
+    install_attention_fix,
+    make_q4_prompt_cache,
+    set_prefill_attention,
+)
 from .store import FORMAT_VERSION, DiskStore
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -26,6 +33,7 @@ DEFAULTS: dict[str, Any] = {
     "group_size": 64,
     "block_size": 256,
     "durable_writes": True,  # a turn's blocks are on disk before its response completes
+    "prefill_attention": "auto",  # see q4cache.set_prefill_attention
 }
 
 
@@ -53,6 +61,11 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"persist_q4 group_size must be 32, 64 or 128; got {opts['group_size']}")
     if opts["block_size"] < 16 or opts["hot_mb"] < 0:
         raise ValueError("persist_q4 block_size must be >= 16 and hot_mb >= 0")
+    if opts["prefill_attention"] not in PREFILL_ATTENTION_MODES:
+        raise ValueError(
+            f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
+            f"got {opts['prefill_attention']!r}"
+        )
     if not isinstance(opts["durable_writes"], bool):
         raise ValueError("persist_q4 durable_writes must be true or false")
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
@@ -66,6 +79,7 @@ class PersistQ4Backend:
         opts = parse_options(options)
         check_model_supported(model, opts["group_size"])  # refuses sliding-window, sinks, MLA, ...
         install_attention_fix()
+        set_prefill_attention(opts["prefill_attention"])
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self.bits, self.group_size = opts["bits"], opts["group_size"]
         self.cache_dir: Path = opts["cache_dir"]
@@ -100,8 +114,10 @@ class PersistQ4Backend:
                 durable_writes=opts["durable_writes"],
             )
             log.info(
-                "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, dir %s (model %s)",
-                self.bits, self.group_size, opts["block_size"], opts["hot_mb"], store.model_dir, self.fingerprint[:16],
+                "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
+                "dir %s (model %s)",
+                self.bits, self.group_size, opts["block_size"], opts["hot_mb"], opts["prefill_attention"],
+                store.model_dir, self.fingerprint[:16],
             )
         return self._pool
 

@@ -8,7 +8,8 @@ exact, and a token quantizes the same way however the prompt was chunked or batc
 
 Models pick mlx-lm's quantized attention path by duck typing (`hasattr(cache, "bits")`), which has
 a mask-broadcasting bug under grouped-query attention with a batched mask; `install_attention_fix`
-patches it (see patches/README.md).
+patches it (see patches/README.md) and, on the CPU, routes multi-token chunks (prefill) through
+the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_attention`).
 """
 
 from __future__ import annotations
@@ -367,6 +368,34 @@ def _fix_gqa_mask(mask: Any, n_q_heads: int, n_kv_heads: int) -> Any:
     return mask
 
 
+# mlx's CPU `quantized_matmul` has no BLAS path: its cost grows linearly with the number of query
+# rows, so a 2048-token prefill chunk over 4k cached tokens takes ~5x as long as the fast SDPA on the
+# dequantized K/V (measured in docs/design.md). From this many queries per step on, dequantizing the
+# layer's K/V (a temporary freed right after the op; the cache itself stays quantized) is cheaper.
+DEQUANT_MIN_QUERIES = 4
+PREFILL_ATTENTION_MODES = ("auto", "quantized", "dequantized")
+_prefill_attention = "auto"
+
+
+def set_prefill_attention(mode: str) -> None:
+    """How attention reads 4-bit K/V for chunks of >= DEQUANT_MIN_QUERIES queries.
+
+    "quantized": always mlx's quantized matmuls. "dequantized": dequantize the layer's K/V for the
+    op, then the fast SDPA. "auto" (default): dequantized on the CPU, quantized on a GPU. Decode
+    steps (fewer queries) always use the quantized matmuls.
+    """
+    global _prefill_attention
+    if mode not in PREFILL_ATTENTION_MODES:
+        raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION_MODES}; got {mode!r}")
+    _prefill_attention = mode
+
+
+def _dequantize_for(n_queries: int) -> bool:
+    if n_queries < DEQUANT_MIN_QUERIES or _prefill_attention == "quantized":
+        return False
+    return _prefill_attention == "dequantized" or mx.default_device().type == mx.DeviceType.cpu
+
+
 def _make_fixed(original):
     def quantized_scaled_dot_product_attention(
         queries: mx.array,
@@ -377,6 +406,10 @@ def _make_fixed(original):
         group_size: int = 64,
         bits: int = 8,
     ) -> mx.array:
+        if _dequantize_for(queries.shape[2]):
+            keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
+            values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         mask = _fix_gqa_mask(mask, queries.shape[1], q_keys[0].shape[-3])
         return original(
             queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits
