@@ -60,3 +60,23 @@ def test_options_without_backend_refused(tmp_path):
     r = serve(tmp_path, "--continuous-batching", "--cache-backend-options", '{"hot_mb": 1}')
     out = r.stdout + r.stderr
     assert r.returncode != 0 and "--cache-backend-options requires --cache-backend" in out, out
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ('{"prefill_attention": "fp16"}', "prefill_attention must be one of"),
+        ('{"hot_gb": 1}', "unknown persist_q4 option(s) ['hot_gb']"),
+        ('{"bits": 7}', "bits must be one of"),
+        ("{not json", "must be a valid JSON object"),
+    ],
+)
+def test_bad_backend_options_refused(tiny_llama_dir, isolated_home, options, message):
+    """Bad option values stop the server at start-up with a message that names them."""
+    cmd = [str(BIN / "vllm-mlx"), "serve", str(tiny_llama_dir), "--port", "1", "--continuous-batching",
+           "--cache-backend", "persist_q4", "--cache-backend-options", options]
+    r = subprocess.run(cmd, env=isolated_home, capture_output=True, text=True, timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert message in out, out
+    assert "Uvicorn running" not in out, out
