@@ -64,7 +64,7 @@ class Server:
     def env(self) -> dict:
         env = dict(os.environ)
         env.update(HOME=str(self.home), XDG_CACHE_HOME=str(self.home / ".cache"), PYTHONUNBUFFERED="1")
-        if self.blas:
+        if self.blas and self.blas not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = self.blas + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
         return env
 
