@@ -17,7 +17,7 @@ import anthropic
 import openai
 import pytest
 
-from serving import Server
+from vllm_mlx_persist.serving import Server
 from vllm_mlx_persist.models import build_model_dir
 
 MAX_TOKENS = 12
@@ -71,7 +71,9 @@ class Chat:
         client = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=300)
         kw.setdefault("extra_body", {})["temperature"] = 0.0  # this SDK version refuses the keyword
         r = client.messages.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS, **kw)
-        return r.content[0].text if r.content else "", r.usage.cache_read_input_tokens or 0, r.usage.input_tokens
+        cached = r.usage.cache_read_input_tokens or 0
+        # Anthropic's convention: input_tokens excludes the tokens read from the cache.
+        return r.content[0].text if r.content else "", cached, r.usage.input_tokens + cached
 
 
 @pytest.fixture(scope="module")
@@ -255,4 +257,47 @@ def test_streaming_paths_carry_the_agent_and_report_cached_tokens(server):
         atext = "".join(s.text_stream)
         final = s.get_final_message()
     assert final.usage.cache_read_input_tokens >= chat.prompt_tokens[0]
+    # The same messages: Anthropic splits OpenAI's prompt_tokens into uncached + cache reads.
+    assert final.usage.input_tokens + final.usage.cache_read_input_tokens == usage.prompt_tokens
+    assert final.usage.input_tokens < usage.prompt_tokens
     assert atext.strip() == text.strip()
+
+
+def test_second_server_on_the_same_cache_dir_is_refused(server, models):
+    """A second server on a cache directory in use exits at start-up, naming the holder; the
+    first keeps serving."""
+    second = Server(models["llama"], server.home, options=OPTIONS)
+    with pytest.raises(RuntimeError, match="in use by another server"):
+        second.start(timeout=120)
+    assert second.proc is None or second.proc.poll() is not None
+    chat = Chat("after-refusal")
+    chat.turn(server, 0)
+    assert chat.outputs[0]
+
+
+def test_responses_api_carries_the_agent_and_reports_cached_tokens(server):
+    """/v1/responses: metadata.agent_id and prompt_cache_key name the agent, streamed and not;
+    input_tokens_details.cached_tokens reports reuse; output equals chat completions; bad id 400."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": user_text("resp", 0)}]
+    r1 = client.responses.create(model=server.model, input=messages, max_output_tokens=MAX_TOKENS,
+                                 temperature=0.0, metadata={"agent_id": "resp-agent"})
+    assert r1.usage.input_tokens_details.cached_tokens == 0
+    assert r1.output_text == Chat("resp-ref").send(server, messages)[0]
+    messages += [{"role": "assistant", "content": r1.output_text},
+                 {"role": "user", "content": user_text("resp", 1)}]
+    r2 = client.responses.create(model=server.model, input=messages, max_output_tokens=MAX_TOKENS,
+                                 temperature=0.0, extra_body={"prompt_cache_key": "resp-agent"})
+    assert r1.usage.input_tokens <= r2.usage.input_tokens_details.cached_tokens < r2.usage.input_tokens
+    # Streamed, same agent, same messages: all but the last token reused; another agent: nothing.
+    with client.responses.stream(model=server.model, input=messages, max_output_tokens=MAX_TOKENS,
+                                 temperature=0.0, metadata={"agent_id": "resp-agent"}) as s:
+        final = s.get_final_response()
+    assert final.usage.input_tokens_details.cached_tokens == r2.usage.input_tokens - 1
+    assert final.output_text == r2.output_text
+    other = client.responses.create(model=server.model, input=messages, max_output_tokens=MAX_TOKENS,
+                                    temperature=0.0, metadata={"agent_id": "resp-other"})
+    assert other.usage.input_tokens_details.cached_tokens == 0 and other.output_text == r2.output_text
+    with pytest.raises(openai.BadRequestError, match="agent"):
+        client.responses.create(model=server.model, input=messages, max_output_tokens=MAX_TOKENS,
+                                metadata={"agent_id": "../etc"})

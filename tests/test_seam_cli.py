@@ -46,6 +46,7 @@ def test_unknown_backend_lists_registered_ones(tmp_path):
         ((), "--continuous-batching"),
         (("--continuous-batching", "--mllm"), "--mllm"),
         (("--continuous-batching", "--use-paged-cache"), "--use-paged-cache"),
+        (("--continuous-batching", "--max-kv-size", "4096"), "--max-kv-size"),
     ],
 )
 def test_refused_combinations(tmp_path, args, reason):
