@@ -21,6 +21,7 @@ from vllm_mlx_persist import store as store_mod
 from vllm_mlx_persist.store import (
     FORMAT_VERSION,
     BlockData,
+    CacheDirLock,
     DiskStore,
     Manifest,
     ModelMismatchError,
@@ -616,3 +617,73 @@ def test_writer_with_store(tmp_path):
     w.close()
     assert all(f.result() > 0 for f in futs) and fm.result() is None
     assert s.read_manifest("agent") == m
+
+
+def _try_lock_elsewhere(root: Path) -> subprocess.CompletedProcess:
+    code = ("import sys; from vllm_mlx_persist.store import CacheDirLock, StoreError\n"
+            "try:\n    CacheDirLock(sys.argv[1])\nexcept StoreError as e:\n    print(e); sys.exit(3)\n")
+    return subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
+
+
+def test_cache_dir_lock_one_process_at_a_time(tmp_path):
+    """Another process cannot take a held cache root (and is told which pid holds it); the same
+    process can (a rebuilt backend); the lock goes with the last holder, or with the process."""
+    root = tmp_path / "cache"
+    first = CacheDirLock(root)
+    second = CacheDirLock(root)  # same process: shared
+    r = _try_lock_elsewhere(root)
+    assert r.returncode == 3 and f"in use by another server (pid {os.getpid()})" in r.stdout, r
+    first.release()
+    first.release()  # idempotent per holder
+    assert _try_lock_elsewhere(root).returncode == 3  # `second` still holds it
+    second.release()
+    r = _try_lock_elsewhere(root)
+    assert r.returncode == 0, r
+    # A holder killed with SIGKILL leaves no stale lock behind.
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vllm_mlx_persist.store import "
+                               "CacheDirLock; CacheDirLock(sys.argv[1]); print('held', flush=True); "
+                               "time.sleep(600)", str(root)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _try_lock_elsewhere(root).returncode == 3
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _try_lock_elsewhere(root).returncode == 0
+
+
+def test_quarantine_is_pruned_at_open(tmp_path):
+    """Quarantined files stay for inspection, but at most QUARANTINE_KEEP_FILES of them and none
+    older than QUARANTINE_KEEP_S; the newest survive."""
+    s = open_store(tmp_path)
+    now = time.time()
+    n_old, n_new = 5, store_mod.QUARANTINE_KEEP_FILES + 10
+    for i in range(n_old):
+        p = s.quarantine_dir / f"old{i}"
+        p.write_bytes(b"x")
+        os.utime(p, (now - store_mod.QUARANTINE_KEEP_S - 60, now - store_mod.QUARANTINE_KEEP_S - 60))
+    for i in range(n_new):
+        p = s.quarantine_dir / f"new{i:04d}"
+        p.write_bytes(b"x")
+        os.utime(p, (now - i, now - i))  # new0000 is the newest
+    open_store(tmp_path)
+    left = sorted(p.name for p in s.quarantine_dir.iterdir())
+    assert left == [f"new{i:04d}" for i in range(store_mod.QUARANTINE_KEEP_FILES)]
+
+
+def test_cache_is_private_to_its_owner(tmp_path):
+    """Token ids and KV can be decoded back to the conversation: directories 0700, files 0600."""
+    root = tmp_path / "root"
+    lock = CacheDirLock(root)
+    s = open_store(root)
+    s.write_block(make_block(3))
+    s.write_manifest(Manifest("agent-1", [make_block(3).block_id], 16, time.time()))
+    paths = [root, *root.rglob("*")]
+    assert any(p.suffix == ".safetensors" for p in paths) and any(p.name == ".lock" for p in paths)
+    for p in paths:
+        mode = p.stat().st_mode & 0o777
+        assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))
+    lock.release()
+    root.chmod(0o755)  # a root left open by hand (or by an older version) is closed again
+    CacheDirLock(root).release()
+    assert root.stat().st_mode & 0o777 == 0o700

@@ -22,7 +22,7 @@ from .q4cache import (
     make_q4_prompt_cache,
     set_prefill_attention,
 )
-from .store import FORMAT_VERSION, DiskStore
+from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
 
@@ -83,6 +83,10 @@ class PersistQ4Backend:
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self.bits, self.group_size = opts["bits"], opts["group_size"]
         self.cache_dir: Path = opts["cache_dir"]
+        try:  # here, not with the pool: a second server on the same directory fails at start-up
+            self._dir_lock = CacheDirLock(self.cache_dir)
+        except (StoreError, OSError) as e:
+            raise ValueError(f"persist_q4: {e}") from None
         self._pool: Optional[BlockPool] = None
         LIVE_BACKENDS.add(self)
 
@@ -184,3 +188,4 @@ class PersistQ4Backend:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.close()
+        self._dir_lock.release()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
 import hashlib
 import json
 import logging
@@ -39,6 +40,12 @@ _BLOCK_SUFFIX = ".safetensors"
 _MAX_HEADER = 16 << 20
 # A tmp file of a live process is left alone at open unless it is at least this old.
 STALE_TMP_S = 3600.0
+# The cache holds conversations in recoverable form (token ids, and KV that can be decoded back to
+# tokens), so it is private to its owner like ~/.ssh: directories 0700, files 0600.
+_DIR_MODE, _FILE_MODE = 0o700, 0o600
+# Quarantined files are kept for inspection, but not forever: pruned at open past either bound.
+QUARANTINE_KEEP_S = 7 * 86400.0
+QUARANTINE_KEEP_FILES = 256
 
 _BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 _DIR_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -127,6 +134,20 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _remove_files(paths: list[str], what: str, directory: Path) -> int:
+    """Unlink `paths`, skipping any already gone or not removable; log and return the count."""
+    removed = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            pass
+    if removed:
+        logger.info("removed %d %s from %s", removed, what, directory)
+    return removed
+
+
 def _check_block_id(block_id: str) -> str:
     if not isinstance(block_id, str) or not _BLOCK_ID_RE.fullmatch(block_id):
         raise ValueError(f"block id must be 2 to 128 lowercase hex digits, got {block_id!r:.80}")
@@ -159,6 +180,61 @@ def _block_checksum(block_id: str, n_tokens: int, dtypes: dict[str, str],
 # DiskStore
 
 
+class CacheDirLock:
+    """An exclusive lock on a cache root, held by one server process for its whole life.
+
+    Two servers on one cache directory would garbage-collect each other's not-yet-named blocks and
+    overwrite each other's agent manifests. `flock` is released by the kernel when the process
+    dies, SIGKILL included, so a crash never leaves a stale lock. Within one process the lock is
+    shared (a backend rebuilt after an idle unload must not lock itself out).
+    """
+
+    _held: dict[Path, list] = {}  # resolved root -> [fd, users]
+    _guard = threading.Lock()
+
+    def __init__(self, root: Path):
+        Path(root).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        self.root = Path(root).resolve()
+        st = os.stat(self.root)
+        if st.st_mode & 0o077 and st.st_uid == os.getuid():  # a root made before, or by hand
+            os.chmod(self.root, _DIR_MODE)
+        self._released = False
+        with self._guard:
+            entry = self._held.get(self.root)
+            if entry is None:
+                entry = self._held[self.root] = [self._acquire(), 0]
+            entry[1] += 1
+
+    def _acquire(self) -> int:
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, _FILE_MODE)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise StoreError(f"cannot lock the cache directory {self.root}: {e}") from e
+            raise StoreError(
+                f"cache directory {self.root} is in use by another server (pid {holder}); give each "
+                f"server its own cache_dir (--cache-backend-options '{{\"cache_dir\": ...}}')"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def release(self) -> None:
+        """Drop this holder; the last one in the process closes the descriptor, freeing the lock."""
+        with self._guard:
+            if self._released:
+                return
+            self._released = True
+            entry = self._held[self.root]
+            entry[1] -= 1
+            if entry[1] == 0:
+                os.close(entry[0])
+                del self._held[self.root]
+
+
 class DiskStore:
     """Content-addressed 4-bit KV blocks and per-agent manifests under `root / fingerprint[:32]`.
 
@@ -185,18 +261,19 @@ class DiskStore:
         except OSError as e:
             raise StoreError(f"cannot open the cache directory {self.dir}: {e}") from e
         self._clean_tmp(max_age_live=STALE_TMP_S)
+        self._prune_quarantine()
 
     # -- model directory --------------------------------------------------------------------
 
     def _open_model_dir(self, model_info: dict, format_info: dict) -> None:
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
         created = not self.dir.exists()
-        self.dir.mkdir(exist_ok=True)
+        self.dir.mkdir(mode=_DIR_MODE, exist_ok=True)
         if created:
             _fsync_dir(self.root)
         for d in (self.blocks_dir, self.agents_dir, self.quarantine_dir, self.tmp_dir):
             if not d.exists():
-                d.mkdir(exist_ok=True)
+                d.mkdir(mode=_DIR_MODE, exist_ok=True)
                 _fsync_dir(self.dir)
         path = self.dir / "model.json"
         try:
@@ -264,9 +341,9 @@ class DiskStore:
         size = sum(len(c) for c in chunks)
         try:
             if not dest.parent.is_dir():
-                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
                 _fsync_dir(dest.parent.parent)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
             for c in chunks:
                 _write_all(fd, c)
             os.fsync(fd)
@@ -310,9 +387,21 @@ class DiskStore:
             self._counts["quarantined"] += 1
         logger.warning("quarantined %s -> %s: %s", path, dest.name, reason)
 
+    def _prune_quarantine(self) -> int:
+        """Delete quarantined files older than QUARANTINE_KEEP_S, and all but the newest
+        QUARANTINE_KEEP_FILES; returns how many were deleted."""
+        try:
+            entries = sorted(((e.stat().st_mtime, e.path) for e in os.scandir(self.quarantine_dir)
+                              if e.is_file(follow_symlinks=False)), reverse=True)
+        except OSError:
+            return 0
+        cutoff = time.time() - QUARANTINE_KEEP_S
+        old = [path for i, (mtime, path) in enumerate(entries) if i >= QUARANTINE_KEEP_FILES or mtime < cutoff]
+        return _remove_files(old, "old quarantined file(s)", self.quarantine_dir)
+
     def _clean_tmp(self, max_age_live: float) -> int:
         """Remove tmp files of dead processes, and any older than max_age_live seconds."""
-        removed, now = 0, time.time()
+        now, leftovers = time.time(), []
         try:
             entries = list(os.scandir(self.tmp_dir))
         except OSError:
@@ -320,15 +409,11 @@ class DiskStore:
         for e in entries:
             m = _TMP_RE.fullmatch(e.name)
             try:
-                if m and _pid_alive(int(m.group(1))) and now - e.stat().st_mtime < max_age_live:
-                    continue
-                os.unlink(e.path)
-                removed += 1
+                if not (m and _pid_alive(int(m.group(1))) and now - e.stat().st_mtime < max_age_live):
+                    leftovers.append(e.path)
             except OSError:
                 pass
-        if removed:
-            logger.info("removed %d leftover temp file(s) from %s", removed, self.tmp_dir)
-        return removed
+        return _remove_files(leftovers, "leftover temp file(s)", self.tmp_dir)
 
     # -- blocks ------------------------------------------------------------------------------
 
