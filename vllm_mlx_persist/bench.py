@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .serving import RssSampler, Server, openblas_path
+from .serving import RssSampler, Server, cpu_name, openblas_path
 
 SYSTEMS = ("persist_q4", "vllm_default", "vllm_q4_ssd")
 LABELS = {
@@ -130,19 +130,6 @@ def version(dist: str) -> Optional[str]:
 def machine_info(work: Path) -> dict:
     import psutil
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if platform.system() == "Darwin":
-        try:
-            cpu = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True).stdout.strip()
-        except OSError:
-            pass
     blas = openblas_path()
     try:
         df = subprocess.run(["df", "-hT", str(work)], capture_output=True, text=True, timeout=10).stdout.strip()
@@ -154,7 +141,7 @@ def machine_info(work: Path) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "os": platform.platform(),

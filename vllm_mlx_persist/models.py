@@ -19,7 +19,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +287,24 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def write_model_files(dest: Path, model: Any, config: dict[str, Any], tokenizer_json: str,
+                      stamp: dict[str, Any]) -> None:
+    """Write a servable model's files into the existing directory `dest`; the stamp goes last,
+    marking the directory complete."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    weights = dict(sorted(tree_flatten(model.parameters())))
+    mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _write_json(dest / "config.json", config)
+    (dest / "tokenizer.json").write_text(tokenizer_json)
+    _write_json(dest / "tokenizer_config.json", tokenizer_config())
+    _write_json(dest / "generation_config.json",
+                {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "pad_token_id": PAD_ID})
+    _write_json(dest / STAMP_FILE, stamp)
+    os.chmod(dest, 0o755)  # mkdtemp makes it 0700
+
+
 def build_model_dir(
     out_dir: str | os.PathLike,
     arch: str = "llama",
@@ -300,9 +318,6 @@ def build_model_dir(
     `force`. Builds into a sibling temp dir and renames it into place, so a half-built directory is
     never mistaken for a model. Refuses to replace a non-empty directory it did not build.
     """
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     out = Path(out_dir).expanduser().resolve()
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
@@ -317,17 +332,9 @@ def build_model_dir(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        weights = dict(sorted(tree_flatten(model.parameters())))
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        _write_json(tmp / "config.json", config)
-        (tmp / "tokenizer.json").write_text(tokenizer_json)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config())
-        _write_json(tmp / "generation_config.json",
-                    {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "pad_token_id": PAD_ID})
         stamp = _stamp(arch, size, seed)
         stamp["tokenizer_sha256"] = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-        _write_json(tmp / STAMP_FILE, stamp)  # last: marks the build complete
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        write_model_files(tmp, model, config, tokenizer_json, stamp)
 
         old = None
         if out.exists():

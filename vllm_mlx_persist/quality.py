@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .serving import cpu_name
 from .train import EVAL_SOURCES, QUALITY_SIZE, QUICK_CONFIG, TrainConfig, corpus, load_tokenizer, train
 
 OPENBLAS = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libblas.so.3"
@@ -257,17 +258,9 @@ def _machine() -> dict[str, Any]:
     import mlx.core as mx
     import mlx_lm
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
         "system": f"{platform.system()} {platform.machine()}",
-        "cpu": cpu,
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "mlx": mx.__version__,

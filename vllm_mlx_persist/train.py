@@ -26,15 +26,13 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .models import (
-    BOS_ID,
-    EOS_IDS,
     PAD_ID,
     STAMP_FILE,
     TOKENIZER_SOURCES,
     Size,
     model_config,
-    tokenizer_config,
     train_tokenizer,
+    write_model_files,
 )
 
 TRAIN_FORMAT = 1  # bumped when training changes what it produces, so stale model dirs retrain
@@ -234,21 +232,10 @@ def _write_json(path: Path, obj: Any) -> None:
 def save_model_dir(out: Path, model: Any, config: dict[str, Any], tokenizer_json: str,
                    stamp: dict[str, Any]) -> None:
     """Write the files `build_model_dir` writes into `out` (replaced atomically by rename)."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        weights = dict(sorted(tree_flatten(model.parameters())))
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, metadata={"format": "mlx"})
-        _write_json(tmp / "config.json", config)
-        (tmp / "tokenizer.json").write_text(tokenizer_json)
-        _write_json(tmp / "tokenizer_config.json", tokenizer_config())
-        _write_json(tmp / "generation_config.json",
-                    {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "pad_token_id": PAD_ID})
-        _write_json(tmp / STAMP_FILE, stamp)  # last: marks the model complete
-        os.chmod(tmp, 0o755)
+        write_model_files(tmp, model, config, tokenizer_json, stamp)
         if out.exists():
             if not (out / STAMP_FILE).is_file():
                 raise FileExistsError(f"{out} exists and was not written by vllm-mlx-persist")
