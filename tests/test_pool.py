@@ -1,7 +1,9 @@
 """The block pool on real MLX with a small local model: every cache path against the reference.
 
 Tolerances: cold (full 4-bit prefill) vs hot (reused 4-bit prefix + suffix prefill) logits differ
-only by float rounding of chunked vs whole attention: max abs diff < COLD_HOT_TOL. Hot vs reloaded
+only by float rounding of chunked vs whole attention: max abs diff < COLD_HOT_TOL (logits here are
+within +-4; single-threaded BLAS gives 0.0, multi-threaded OpenBLAS 4.1e-3 on the 2-core CI machine,
+since its kernels split a 30-row and an 80-row product differently). Hot vs reloaded
 from disk, and reloaded after eviction, must be bit-identical (same arrays, same logits).
 """
 
@@ -21,7 +23,7 @@ from vllm_mlx_persist.q4cache import make_q4_prompt_cache
 from vllm_mlx_persist.store import DiskStore
 
 BITS, GROUP, BLOCK = 4, 64, 16
-COLD_HOT_TOL = 1e-3
+COLD_HOT_TOL = 1e-2
 
 
 @pytest.fixture(scope="module")
@@ -140,12 +142,12 @@ def test_saving_a_turn_writes_only_new_blocks(model, tmp_path):
     pool = make_pool(model, tmp_path)
     turn1 = tokens(40)  # 2 full blocks + a tail of 8
     pool.commit("a", turn1, prefill(model, turn1)[0])
-    assert pool.stats["blocks_written"] == 3
+    assert pool.snapshot()["blocks_written"] == 3
     turn2 = turn1 + tokens(10, seed=5)  # 3 full blocks + tail of 2: the old tail is replaced
     hit, n, _ = pool.lookup("a", turn2 + [1])
     cache, _ = prefill(model, turn2[n:], hit)
     pool.commit("a", turn2, cache)
-    assert pool.stats["blocks_written"] == 3 + 2
+    assert pool.snapshot()["blocks_written"] == 3 + 2
     pool.flush()
     files = list(tmp_path.glob("*/blocks/*/*.safetensors"))
     assert len(files) == 4  # the replaced tail's file is gone

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from .identity import model_fingerprint
-from .plugin import LIVE_BACKENDS
+from .persister import Persister
 from .pool import BlockPool
 from .q4cache import (
     PREFILL_ATTENTION_MODES,
@@ -33,6 +33,9 @@ DEFAULTS: dict[str, Any] = {
     "group_size": 64,
     "block_size": 256,
     "durable_writes": True,  # a turn's blocks are on disk before its response completes
+    "disk_mb": 16384.0,  # disk-tier budget for the whole cache root (see docs/operations.md)
+    "ttl_hours": None,  # erase agents unused for this long (None: never)
+    "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
     "prefill_attention": "auto",  # see q4cache.set_prefill_attention
 }
 
@@ -50,11 +53,16 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"unknown persist_q4 option(s) {unknown}; known: {sorted(DEFAULTS)}")
     opts = {**DEFAULTS, **options}
     try:
-        opts["hot_mb"] = float(opts["hot_mb"])
+        for key in ("hot_mb", "disk_mb", "write_timeout_s"):
+            opts[key] = float(opts[key])
         for key in ("bits", "group_size", "block_size"):
             opts[key] = int(opts[key])
+        if opts["ttl_hours"] is not None:
+            opts["ttl_hours"] = float(opts["ttl_hours"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad persist_q4 option value: {e}") from None
+    if opts["disk_mb"] <= 0 or opts["write_timeout_s"] <= 0 or (opts["ttl_hours"] is not None and opts["ttl_hours"] <= 0):
+        raise ValueError("persist_q4 disk_mb, write_timeout_s and ttl_hours must be > 0")
     if opts["bits"] not in (2, 3, 4, 5, 6, 8):
         raise ValueError(f"persist_q4 bits must be one of 2, 3, 4, 5, 6, 8; got {opts['bits']}")
     if opts["group_size"] not in (32, 64, 128):
@@ -88,7 +96,7 @@ class PersistQ4Backend:
         except (StoreError, OSError) as e:
             raise ValueError(f"persist_q4: {e}") from None
         self._pool: Optional[BlockPool] = None
-        LIVE_BACKENDS.add(self)
+        self.closed = False
 
     @property
     def pool(self) -> BlockPool:
@@ -107,6 +115,10 @@ class PersistQ4Backend:
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)
             store = DiskStore(self.cache_dir, self.fingerprint, {"model_type": model_type, "n_layers": n_layers},
                               cache_format)
+            ttl = opts["ttl_hours"]
+            persister = Persister(store, disk_budget=int(opts["disk_mb"] * 2**20),
+                                  ttl_s=None if ttl is None else ttl * 3600.0,
+                                  queue_bytes=max(64 << 20, int(opts["hot_mb"] * 2**20) // 4))
             self._pool = BlockPool(
                 fingerprint=self.fingerprint,
                 n_layers=n_layers,
@@ -114,8 +126,9 @@ class PersistQ4Backend:
                 group_size=self.group_size,
                 block_size=opts["block_size"],
                 hot_bytes=int(opts["hot_mb"] * 2**20),
-                store=store,
+                persister=persister,
                 durable_writes=opts["durable_writes"],
+                write_timeout_s=opts["write_timeout_s"],
             )
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
@@ -125,12 +138,18 @@ class PersistQ4Backend:
             )
         return self._pool
 
+    @property
+    def loaded_pool(self) -> Optional[BlockPool]:
+        """The pool if it has been built (by the worker), else None; for other threads."""
+        return self._pool
+
     def fetch(self, request: Any):
         """Longest reusable prefix of the request's prompt in its agent's namespace."""
         from vllm_mlx.cache_backend import CacheLookup
 
         namespace = getattr(request, "cache_namespace", None)
-        cache, n, tier = self.pool.lookup(namespace, list(request.prompt_token_ids))
+        cache, n, tier = self.pool.lookup(namespace, list(request.prompt_token_ids),
+                                          getattr(request, "request_id", None))
         agent = namespace or "<anonymous>"
         if cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
@@ -157,14 +176,17 @@ class PersistQ4Backend:
         if not self.validate(cache or []):
             return False
         try:
-            self.pool.commit(getattr(request, "cache_namespace", None), token_ids, cache)
+            n = self.pool.commit(getattr(request, "cache_namespace", None), token_ids, cache,
+                                 getattr(request, "request_id", None))
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False
-        return True
+        return n > 0
 
     def on_request_finished(self, request: Any, aborted: bool) -> None:
-        pass  # fetch hands out copies, so nothing is pinned
+        # fetch hands out copies, so no block is held; only the in-flight mark is dropped
+        if self._pool is not None and getattr(request, "request_id", None) is not None:
+            self._pool.finish(request.request_id)
 
     def get_stats(self) -> dict:
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
@@ -186,6 +208,7 @@ class PersistQ4Backend:
         return True
 
     def close(self) -> None:
+        self.closed = True
         if self._pool is not None:
             self._pool.close()
         self._dir_lock.release()

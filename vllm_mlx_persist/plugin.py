@@ -18,8 +18,9 @@ BACKEND_NAME = "persist_q4"
 AGENT_ID_HEADER = "x-agent-id"
 MAX_AGENT_ID_LEN = 128
 _AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
-# Backends of this process, so the namespace hook can start disk reads as a request arrives.
-LIVE_BACKENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+# Backends this plugin created in this process: the namespace hook starts their disk reads as a
+# request arrives, and the admin routes find them here (backend.py never imports this module).
+_LIVE_BACKENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def validate_agent_id(agent_id: Any, source: str) -> str:
@@ -50,11 +51,31 @@ def resolve_agent_id(request: Any, headers: Mapping[str, str]) -> Optional[str]:
     return None
 
 
-@hookimpl
-def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
+def create_backend(**kwargs: Any) -> Any:
+    """The `persist_q4` factory vllm-mlx calls: a backend, registered for the hooks below."""
     from .backend import PersistQ4Backend
 
-    return {BACKEND_NAME: PersistQ4Backend}
+    backend = PersistQ4Backend(**kwargs)
+    _LIVE_BACKENDS.add(backend)
+    return backend
+
+
+def live_backend() -> Optional[Any]:
+    """The backend serving in this process, if any (the newest one)."""
+    backends = [b for b in list(_LIVE_BACKENDS) if not getattr(b, "closed", False)]
+    return backends[-1] if backends else None
+
+
+@hookimpl
+def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
+    return {BACKEND_NAME: create_backend}
+
+
+@hookimpl
+def vllm_mlx_api_routers() -> Any:
+    from .admin import make_router
+
+    return make_router(live_backend, validate_agent_id)
 
 
 @hookimpl
@@ -63,6 +84,6 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
     if agent_id is not None:
         # The earliest moment we know the agent: start reading its blocks from disk now, so the
         # worker thread's fetch, which stalls every running sequence while it waits, finds them read.
-        for backend in list(LIVE_BACKENDS):
+        for backend in list(_LIVE_BACKENDS):
             backend.prefetch(agent_id)
     return agent_id

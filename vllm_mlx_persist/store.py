@@ -49,6 +49,7 @@ QUARANTINE_KEEP_FILES = 256
 
 _BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 _DIR_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+_MODEL_DIR_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{31}")
 _TMP_RE = re.compile(r"[a-z]+\.(\d+)\.[0-9a-f]{32}\.tmp")
 
 # numpy dtype <-> safetensors dtype code (little-endian only)
@@ -94,6 +95,7 @@ class Manifest:
     block_ids: list[str]
     n_tokens: int
     updated_at: float
+    pinned: bool = False  # exempt from hot-tier eviction, the disk budget and the TTL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,10 +106,25 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def _fsync(fd: int) -> None:
+    """Flush a file to stable storage. On macOS `fsync` only reaches the drive's cache;
+    `F_FULLFSYNC` flushes the drive too (as SQLite does), so a power loss keeps what we acked."""
+    if _FULLFSYNC is not None:
+        try:
+            fcntl.fcntl(fd, _FULLFSYNC)
+            return
+        except OSError:  # file systems without it (e.g. some network mounts): plain fsync
+            pass
+    os.fsync(fd)
+
+
+_FULLFSYNC = getattr(fcntl, "F_FULLFSYNC", None)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        os.fsync(fd)
+        _fsync(fd)
     finally:
         os.close(fd)
 
@@ -346,7 +363,7 @@ class DiskStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
             for c in chunks:
                 _write_all(fd, c)
-            os.fsync(fd)
+            _fsync(fd)
             os.close(fd)
             fd = -1
             os.replace(tmp, dest)
@@ -556,6 +573,8 @@ class DiskStore:
             _check_block_id(b)
         body = {"format": _MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "namespace": m.namespace,
                 "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens), "updated_at": float(m.updated_at)}
+        if m.pinned:  # optional field: manifests of unpinned agents read the same as before
+            body["pinned"] = True
         body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
         data = json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
         self._atomic_write(self.manifest_path(m.namespace), [memoryview(data)], "manifest")
@@ -639,6 +658,71 @@ class DiskStore:
             logger.info("gc: deleted %d unreferenced block file(s)", deleted)
         return deleted
 
+    def block_file_sizes(self) -> dict[str, int]:
+        """Size in bytes of every block file, by id (one directory walk: start-up and offline use)."""
+        sizes = {}
+        for bid in self.iter_block_ids():
+            try:
+                sizes[bid] = self.block_path(bid).stat().st_size
+            except OSError:
+                pass
+        return sizes
+
+    def block_file_size(self, block_id: str) -> int:
+        try:
+            return self.block_path(block_id).stat().st_size
+        except OSError:
+            return 0
+
+    def delete_agent(self, namespace: str, block_ids: list[str]) -> None:
+        """Erase an agent durably: its manifest first (so no reader follows it to missing blocks),
+        then the given blocks (those no other manifest names), then the directories' entries."""
+        path = self.manifest_path(namespace)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        shards = set()
+        for bid in block_ids:
+            try:
+                os.unlink(self.block_path(bid))
+                shards.add(self.block_path(bid).parent)
+            except FileNotFoundError:
+                pass
+        for d in (path.parent, *shards):
+            try:
+                _fsync_dir(d)
+            except OSError:
+                pass
+
+    def other_model_dirs(self) -> list[tuple[Path, int, float]]:
+        """(path, bytes, last modified) of the other model/format directories under the root,
+        oldest first: what a disk budget reclaims before any agent of this model."""
+        out = []
+        try:
+            entries = list(os.scandir(self.root))
+        except OSError:
+            return out
+        for e in entries:
+            if e.name == self.dir.name or not _MODEL_DIR_RE.fullmatch(e.name):
+                continue
+            if not e.is_dir(follow_symlinks=False) or not os.path.exists(os.path.join(e.path, "model.json")):
+                continue
+            total, newest = _tree_usage(Path(e.path))
+            out.append((Path(e.path), total, newest))
+        return sorted(out, key=lambda t: t[2])
+
+    @classmethod
+    def open_existing(cls, model_dir: Path) -> "DiskStore":
+        """Open a model directory from what its model.json records (offline tools: no model loaded)."""
+        model_dir = Path(model_dir)
+        try:
+            info = json.loads((model_dir / "model.json").read_bytes())
+            return cls(model_dir.parent, info["fingerprint"], info.get("model_info") or {},
+                       info.get("format_info") or {})
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+            raise StoreError(f"{model_dir}: not a readable cache directory ({type(e).__name__}: {e})") from None
+
     def _usage(self) -> dict[str, tuple[int, int]]:
         """(files, bytes) per area, by scanning the directory."""
         def scan(d: Path, depth: int) -> tuple[int, int]:
@@ -678,6 +762,20 @@ class DiskStore:
         out["disk_bytes"] = self.disk_bytes()
         out.update(counts)
         return out
+
+
+def _tree_usage(path: Path) -> tuple[int, float]:
+    """(bytes, newest mtime) of the regular files below `path` (symlinks are not followed)."""
+    total, newest = 0, 0.0
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            try:
+                st = os.lstat(os.path.join(dirpath, f))
+            except OSError:
+                continue
+            total += st.st_size
+            newest = max(newest, st.st_mtime)
+    return total, newest
 
 
 # ---------------------------------------------------------------------------------------------
@@ -763,11 +861,12 @@ def _parse_manifest(raw: bytes) -> Manifest:
     if checksum != "sha256:" + hashlib.sha256(_canonical(body)).hexdigest():
         raise _BadFile("checksum mismatch")
     ns, ids, n, ts = body.get("namespace"), body.get("block_ids"), body.get("n_tokens"), body.get("updated_at")
+    pinned = body.get("pinned", False)
     if (not isinstance(ns, str) or not isinstance(ids, list) or not isinstance(n, int)
-            or not isinstance(ts, (int, float))
+            or not isinstance(ts, (int, float)) or not isinstance(pinned, bool)
             or not all(isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b) for b in ids)):
         raise _BadFile("malformed manifest fields")
-    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts))
+    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,87 @@
+"""The agent admin API that persist_q4 adds to vllm-mlx (through the `vllm_mlx_api_routers` hook).
+
+    GET    /v1/agents              every agent: id, tokens, bytes hot and on disk, tier, pinned, last used
+    GET    /v1/agents/{id}         one agent (404 if unknown)
+    DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown)
+    PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL
+    DELETE /v1/agents/{id}/pin     unpin
+
+vllm-mlx mounts the router behind `--api-key`. Handlers run the pool's calls in a thread: they take the
+pool's lock and wait for the disk, which must never block the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Callable, Optional
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+
+
+def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[[Any, str], str]) -> APIRouter:
+    """Routes over the backend `get_backend()` returns; `validate_id` checks path agent ids."""
+    router = APIRouter()
+
+    def pool_or_error():
+        backend = get_backend()
+        pool = backend.loaded_pool if backend is not None else None
+        if pool is None:  # never built here: building hashes the weights, MLX work for the worker
+            return None, _error(503, "the persist_q4 cache backend is not running")
+        return pool, None
+
+    def checked(agent_id: str):
+        try:
+            return validate_id(agent_id, "the URL path"), None
+        except ValueError as e:
+            return None, _error(400, str(e))
+
+    @router.get("/v1/agents")
+    async def list_agents():
+        pool, err = pool_or_error()
+        if err:
+            return err
+        agents = await asyncio.to_thread(pool.list_agents)
+        return {"object": "list", "data": agents}
+
+    @router.get("/v1/agents/{agent_id}")
+    async def show_agent(agent_id: str):
+        agent_id, err = checked(agent_id)
+        pool, err = (None, err) if err else pool_or_error()
+        if err:
+            return err
+        info = await asyncio.to_thread(pool.agent_info, agent_id)
+        return info if info is not None else _error(404, f"no agent {agent_id!r}")
+
+    @router.delete("/v1/agents/{agent_id}")
+    async def erase_agent(agent_id: str):
+        agent_id, err = checked(agent_id)
+        pool, err = (None, err) if err else pool_or_error()
+        if err:
+            return err
+        if not await asyncio.to_thread(pool.erase, agent_id):
+            return _error(404, f"no agent {agent_id!r}")
+        return {"id": agent_id, "deleted": True}
+
+    async def pin(agent_id: str, pinned: bool):
+        agent_id, err = checked(agent_id)
+        pool, err = (None, err) if err else pool_or_error()
+        if err:
+            return err
+        if not await asyncio.to_thread(pool.set_pinned, agent_id, pinned):
+            return _error(404, f"no agent {agent_id!r}")
+        return {"id": agent_id, "pinned": pinned}
+
+    @router.put("/v1/agents/{agent_id}/pin")
+    async def pin_agent(agent_id: str):
+        return await pin(agent_id, True)
+
+    @router.delete("/v1/agents/{agent_id}/pin")
+    async def unpin_agent(agent_id: str):
+        return await pin(agent_id, False)
+
+    return router
