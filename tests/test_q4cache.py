@@ -465,9 +465,22 @@ def test_check_model_supported():
         gemma3_text, model_type="gemma3_text", head_dim=64, sliding_window=16,
         sliding_window_pattern=2, num_hidden_layers=2,
     )
-    with pytest.raises(UnsupportedModelError, match=r"gemma3_text.*sliding-window"):
-        check_model_supported(gemma, 64)
-    with pytest.raises(UnsupportedModelError):
-        make_q4_prompt_cache(gemma)
+    # sliding-window layers are 4-bit linear caches; the window comes from the mask
+    check_model_supported(gemma, 64)
+    assert all(isinstance(c, Q4KVCache) for c in make_q4_prompt_cache(gemma))
     with pytest.raises(ValueError):
         make_q4_prompt_cache(small(llama, model_type="llama", head_dim=64), bits=7)
+
+
+def test_mask_fix_detected_not_assumed():
+    """The GQA mask fix is applied only where the installed mlx-lm needs it (0.31.3 does; 0.32.x
+    fixed it upstream, and wrapping again there breaks batched decode)."""
+    assert q4cache.mask_needs_fix(_ORIGINAL_QSDPA) == (tuple(map(int, mlx_lm_version().split(".")[:2])) < (0, 32))
+    fixed = q4cache._make_fixed(_ORIGINAL_QSDPA, fix_mask=True)
+    assert not q4cache.mask_needs_fix(fixed)
+
+
+def mlx_lm_version() -> str:
+    from importlib.metadata import version
+
+    return version("mlx-lm")

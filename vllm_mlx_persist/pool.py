@@ -3,9 +3,9 @@
 Runs on vllm-mlx's worker thread (it does MLX work); disk I/O is handed to `store.Writer`.
 
 A block holds `block_size` consecutive tokens (the last block of an agent may be a partial tail)
-for all layers: per layer the six arrays (keys packed/scales/biases, values packed/scales/biases),
-each shaped (1, n_kv_heads, n_tokens, .). 4-bit packing runs along the head dimension, so slicing
-and concatenating along the token axis is exact.
+for all layers, as one name -> array map whose layout per layer kind (4-bit K/V, full-precision
+latent, recurrent-state checkpoints) is `caches.ModelCodec`'s. 4-bit packing runs along the head
+dimension, so slicing and concatenating along the token axis is exact.
 """
 
 from __future__ import annotations
@@ -21,15 +21,12 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .q4cache import Q4KVCache
+from .caches import ModelCodec
+from .q4cache import Q4
 from .store import BlockData, DiskStore, Manifest, StoreWriteError, Writer
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
-LayerKV = tuple  # (kq, ks, kb, vq, vs, vb)
-_PARTS = ("k.q", "k.s", "k.b", "v.q", "v.s", "v.b")
-# numpy has no bfloat16: such arrays travel to and from disk as raw 16-bit views.
-_RAW16 = {mx.bfloat16: "bfloat16"}
 ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous entries never collide
 
 
@@ -37,14 +34,14 @@ ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous
 class Block:
     block_id: str
     tokens: tuple[int, ...]
-    layers: Optional[list[LayerKV]]  # None while the block lives only on disk
+    layers: Optional[dict]  # name -> mx.array (see caches.codec); None while only on disk
     durable: bool = False
 
     @property
     def nbytes(self) -> int:
         if self.layers is None:
             return 0
-        return sum(a.nbytes for layer in self.layers for a in layer)
+        return sum(a.nbytes for a in self.layers.values())
 
 
 @dataclass
@@ -75,30 +72,9 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _to_numpy(block: Block) -> BlockData:
-    arrays, dtypes = {}, {}
-    for l, layer in enumerate(block.layers):
-        for part, a in zip(_PARTS, layer):
-            name = f"{l}.{part}"
-            if a.dtype in _RAW16:
-                dtypes[name] = _RAW16[a.dtype]
-                a = a.view(mx.uint16)
-            arrays[name] = np.array(a)
+def _to_numpy(block: Block, codec: ModelCodec) -> BlockData:
+    arrays, dtypes = codec.to_numpy(block.layers)
     return BlockData(block.block_id, np.asarray(block.tokens, dtype=np.int32), arrays, dtypes)
-
-
-def _from_numpy(data: BlockData, n_layers: int) -> list[LayerKV]:
-    layers = []
-    for l in range(n_layers):
-        parts = []
-        for part in _PARTS:
-            name = f"{l}.{part}"
-            a = mx.array(data.arrays[name])
-            if data.dtypes.get(name) == "bfloat16":
-                a = a.view(mx.bfloat16)
-            parts.append(a)
-        layers.append(tuple(parts))
-    return layers
 
 
 class BlockPool:
@@ -116,9 +92,12 @@ class BlockPool:
         store: Optional[DiskStore],
         durable_writes: bool = True,
         max_anonymous: int = 32,
+        codec: Optional[ModelCodec] = None,
     ):
         self.fingerprint = fingerprint
         self.n_layers = n_layers
+        # Default: every layer plain 4-bit attention (the pool's unit tests build it like that).
+        self.codec = codec or ModelCodec([Q4] * n_layers, bits, group_size)
         self.bits = bits
         self.group_size = group_size
         self.block_size = block_size
@@ -182,8 +161,8 @@ class BlockPool:
     def lookup(self, namespace: Optional[str], prompt: Sequence[int]) -> tuple[Optional[list], int, str]:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
 
-        Returns (per-layer Q4KVCache list or None, tokens covered, tier). At least one prompt
-        token is always left to prefill.
+        Returns (per-layer cache list or None, tokens covered, tier). At least one prompt
+        token is always left to prefill; recurrent models stop at their last state checkpoint.
         """
         limit = len(prompt) - 1
         agent = self._find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
@@ -218,13 +197,14 @@ class BlockPool:
             self._prefetch.pop(bid, None)
         self.agents.move_to_end(agent.namespace)
         self._enforce_budget(keep=agent.namespace)
+        cache, covered = self.codec.build([(b.layers, n) for b, n in used]) if used else (None, 0)
         if covered == 0:
             self.stats["misses"] += 1
             return None, 0, "miss"
         tier = "disk" if from_disk else "hot"
         self.stats["hits_disk" if from_disk else "hits_hot"] += 1
         self.stats["tokens_reused"] += covered
-        return self._build_cache(used), covered, tier
+        return cache, covered, tier
 
     def _find_anonymous(self, prompt: Sequence[int]) -> Optional[Agent]:
         best, best_n = None, 0
@@ -236,17 +216,6 @@ class BlockPool:
             if n > best_n:
                 best, best_n = agent, n
         return best
-
-    def _build_cache(self, used: list[tuple[Block, int]]) -> list[Q4KVCache]:
-        caches = []
-        for l in range(self.n_layers):
-            parts = []
-            for p in range(len(_PARTS)):
-                pieces = [b.layers[l][p][..., :n, :] for b, n in used]
-                parts.append(mx.concatenate(pieces, axis=2) if len(pieces) > 1 else mx.contiguous(pieces[0]))
-            caches.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size))
-        mx.eval([c.keys for c in caches], [c.values for c in caches])
-        return caches
 
     def _load_block(self, block: Block) -> bool:
         if self.store is None:
@@ -261,7 +230,7 @@ class BlockPool:
             self.stats["bad_blocks"] += 1
             return False
         block.tokens = tuple(int(t) for t in data.tokens)
-        block.layers = _from_numpy(data, self.n_layers)
+        block.layers = self.codec.from_numpy(data.arrays, data.dtypes)
         self.hot_bytes += block.nbytes
         self.stats["blocks_loaded"] += 1
         self.stats["bytes_loaded"] += block.nbytes
@@ -269,14 +238,7 @@ class BlockPool:
 
     def _valid(self, data: BlockData) -> bool:
         n = len(data.tokens)
-        if not 0 < n <= self.block_size:
-            return False
-        for l in range(self.n_layers):
-            for part in _PARTS:
-                a = data.arrays.get(f"{l}.{part}")
-                if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
-                    return False
-        return len(data.arrays) == self.n_layers * len(_PARTS)
+        return 0 < n <= self.block_size and self.codec.valid(data.arrays, n)
 
     # ---- store ----------------------------------------------------------------------------------
 
@@ -286,8 +248,7 @@ class BlockPool:
         Blocks the agent already holds are kept; only new blocks are sliced, kept hot and written.
         Returns the number of tokens now cached.
         """
-        layers = [c.to_arrays() for c in cache]
-        n_valid = min(len(tokens), int(cache[0].offset))
+        n_valid = min(len(tokens), self.codec.length(cache))
         tokens = [int(t) for t in tokens[:n_valid]]
         if n_valid == 0:
             return 0
@@ -295,6 +256,7 @@ class BlockPool:
             agent = self._anonymous_slot(tokens)
         else:
             agent = self.agents.get(namespace) or Agent(namespace)
+        checkpoints = self.codec.live_checkpoints(cache, n_valid) + self._old_checkpoints(agent, tokens)
         new_ids, new_blocks = [], []
         prev = chain_seed(self.fingerprint, agent.namespace)
         for start in range(0, n_valid, self.block_size):
@@ -303,15 +265,14 @@ class BlockPool:
             # A block that is missing or only on disk (possibly unreadable) is rebuilt from the
             # cache we hold anyway; the writer skips files that are already valid.
             if bid not in self.blocks or self.blocks[bid].layers is None:
-                kv = [tuple(mx.contiguous(a[..., start : start + len(chunk), :]) for a in k + v) for k, v in layers]
-                block = Block(bid, chunk, kv)
+                block = Block(bid, chunk, self.codec.slice(cache, start, start + len(chunk), checkpoints))
                 self.blocks[bid] = block
                 self.hot_bytes += block.nbytes
                 new_blocks.append(block)
             new_ids.append(bid)
             prev = bid
         if new_blocks:
-            mx.eval([a for b in new_blocks for layer in b.layers for a in layer])
+            mx.eval([a for b in new_blocks for a in b.layers.values()])
         old_ids = agent.block_ids
         for bid in new_ids:
             self._ref(bid)
@@ -329,6 +290,24 @@ class BlockPool:
         self._enforce_budget(keep=agent.namespace)
         return n_valid
 
+    def _old_checkpoints(self, agent: Agent, tokens: list[int]) -> list:
+        """Recurrent-state checkpoints in the agent's hot blocks that still lie on `tokens`, so that
+        rebuilding the block holding one (a grown tail) carries it over."""
+        if not self.codec.has_state:
+            return []
+        out, start = [], 0
+        for bid in agent.block_ids:
+            block = self.blocks.get(bid)
+            if block is None or block.layers is None:
+                break
+            n = len(block.tokens)
+            ok = _lcp(block.tokens, tokens[start : start + n])
+            out += [(p, s) for p, s in self.codec.block_checkpoints(block.layers, start) if p - start <= ok]
+            if ok < n:
+                break
+            start += n
+        return out
+
     def _anonymous_slot(self, tokens: list[int]) -> Agent:
         """The anonymous entry this sequence extends, or a new one (evicting the oldest past the cap)."""
         for agent in self.agents.values():
@@ -344,7 +323,7 @@ class BlockPool:
         return Agent(slot, persistent=False)
 
     def _write(self, agent: Agent, blocks: list[Block], n_tokens: int, dead: list[str]) -> None:
-        datas = [_to_numpy(b) for b in blocks]  # MLX -> numpy here, on the worker thread
+        datas = [_to_numpy(b, self.codec) for b in blocks]  # MLX -> numpy here, on the worker thread
         manifest = Manifest(agent.namespace, list(agent.block_ids), n_tokens, time.time())
         store, stats = self.store, self.stats
 
