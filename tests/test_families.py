@@ -82,9 +82,11 @@ def _flat(cache):
             yield from c.cache
         elif hasattr(c, "caches"):
             for s in c.caches:
-                yield from s.state
+                yield from (s.keys[..., : s.offset, :], s.values[..., : s.offset, :])
+        elif isinstance(c.keys, tuple):
+            yield from c.keys + c.values
         else:
-            yield from (c.keys + c.values if isinstance(c.keys, tuple) else c.state)
+            yield from (c.keys[..., : c.offset, :], c.values[..., : c.offset, :])
 
 
 def _same(a, b):

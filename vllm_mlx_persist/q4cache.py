@@ -136,6 +136,25 @@ class Q4KVCache(QuantizedKVCache):
     def state(self, v) -> None:
         self.keys, self.values = v
 
+    # mlx-lm 0.32 dropped meta_state and takes from_state(state); ours keeps both forms working.
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.offset, self.group_size, self.bits)))
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        self.offset, self.group_size, self.bits = map(int, v)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "Q4KVCache":
+        keys, values = state[:2]
+        if meta_state is None:
+            return cls.from_arrays(keys, values, *state[3:5][::-1]) if len(state) == 5 else cls.from_arrays(keys, values, 4, 64)
+        obj = cls(group_size=int(meta_state[1]), bits=int(meta_state[2]))
+        obj.keys, obj.values = keys, values
+        obj.offset = int(meta_state[0])
+        return obj
+
     @classmethod
     def merge(cls, caches: Sequence["Q4KVCache"]) -> "BatchQ4KVCache":
         return BatchQ4KVCache.merge(caches)
@@ -403,8 +422,9 @@ def _dequantize_for(n_queries: int) -> bool:
 
 
 def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits):
-    """mlx-lm's quantized SDPA plus attention sinks: one extra logit per query head that joins the
-    softmax and contributes no value (what mx.fast.scaled_dot_product_attention does with sinks)."""
+    """mlx-lm's quantized SDPA with the GQA mask broadcast right (batched and per-head masks) and
+    optional attention sinks: one extra logit per query head that joins the softmax and contributes
+    no value (what mx.fast.scaled_dot_product_attention does with sinks)."""
     B, n_q, L, D = queries.shape
     n_kv = q_keys[0].shape[-3]
     n_rep = n_q // n_kv
@@ -423,9 +443,12 @@ def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, 
             scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
         else:
             scores = scores + mask
-    sink = sinks.astype(scores.dtype).reshape(scores.shape[1:-2] + (1, 1))
-    sink = mx.broadcast_to(sink, scores.shape[:-1] + (1,))
-    probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+    if sinks is None:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    else:
+        sink = sinks.astype(scores.dtype).reshape(scores.shape[1:-2] + (1, 1))
+        sink = mx.broadcast_to(sink, scores.shape[:-1] + (1,))
+        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
     out = mx.quantized_matmul(probs, *q_values, transpose=False, group_size=group_size, bits=bits)
     return out.reshape(B, n_q, L, D) if n_rep > 1 else out
 
@@ -447,10 +470,9 @@ def _make_fixed(original, fix_mask: bool):
             return mx.fast.scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask, sinks=sinks
             )
-        if sinks is not None:
+        per_head = isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] > 1
+        if sinks is not None or fix_mask or per_head:  # mlx-lm 0.32 still mis-broadcasts per-head masks
             return _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits)
-        if fix_mask:
-            mask = _fix_gqa_mask(mask, queries.shape[1], q_keys[0].shape[-3])
         return original(
             queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits
         )

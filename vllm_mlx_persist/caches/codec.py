@@ -124,13 +124,11 @@ class ModelCodec:
             if k == Q4:
                 keys, values = c.to_arrays()
                 out.update({f"{l}.{p}": cut(a) for p, a in zip(_Q4_PARTS, keys + values)})
-            elif k == FULL:
-                keys, values = c.state
-                out.update({f"{l}.k": cut(keys), f"{l}.v": cut(values)})
+            elif k == FULL:  # keys/values directly: `state` differs between mlx-lm 0.31 and 0.32
+                out.update({f"{l}.k": cut(c.keys), f"{l}.v": cut(c.values)})
             elif k != STATE:
                 for j, sub in enumerate(c.caches):
-                    keys, values = sub.state
-                    out.update({f"{l}.{j}.k": cut(keys), f"{l}.{j}.v": cut(values)})
+                    out.update({f"{l}.{j}.k": cut(sub.keys), f"{l}.{j}.v": cut(sub.values)})
         mine = sorted({p: s for p, s in checkpoints if start < p <= end}.items())[-MAX_CHECKPOINTS:]
         state_layers = [l for l, k in enumerate(self.kinds) if k == STATE]
         for c, (p, states) in enumerate(mine):
