@@ -229,11 +229,22 @@ def test_cache_from_another_model_is_never_served(models, tmp_path):
 
 
 def test_unsupported_model_is_refused_at_startup(tmp_path):
-    gemma = build_model_dir(tmp_path / "gemma", arch="gemma3_text", size="tiny")
-    srv = Server(gemma, tmp_path / "home")
+    """gemma2 computes attention scores itself (no shared SDPA): refused, naming type and reason."""
+    from mlx_lm.utils import _get_classes
+
+    from vllm_mlx_persist.models import _draw_weights, model_config, train_tokenizer, write_model_files
+
+    config = {**model_config("llama", "tiny"), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
+              "query_pre_attn_scalar": 64}
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    model.load_weights(list(_draw_weights(model, "gemma2", 0).items()))
+    (tmp_path / "gemma2").mkdir()
+    write_model_files(tmp_path / "gemma2", model, config, train_tokenizer(config["vocab_size"]), {})
+    srv = Server(tmp_path / "gemma2", tmp_path / "home")
     with pytest.raises(RuntimeError) as e:
         srv.start(timeout=120)
-    assert "persist_q4" in str(e.value) or "not supported" in str(e.value).lower(), srv.log_tail()
+    assert "gemma2" in str(e.value) + srv.log_tail() and "computes the scores itself" in str(e.value) + srv.log_tail()
 
 
 def test_streaming_paths_carry_the_agent_and_report_cached_tokens(server):

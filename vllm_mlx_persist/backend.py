@@ -11,17 +11,11 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from .caches import ModelCodec
 from .identity import model_fingerprint
 from .persister import Persister
 from .pool import BlockPool
-from .q4cache import (
-    PREFILL_ATTENTION_MODES,
-    Q4KVCache,
-    check_model_supported,
-    install_attention_fix,
-    make_q4_prompt_cache,
-    set_prefill_attention,
-)
+from .q4cache import PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
 from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -85,8 +79,9 @@ class PersistQ4Backend:
 
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         opts = parse_options(options)
-        check_model_supported(model, opts["group_size"])  # refuses sliding-window, sinks, MLA, ...
-        install_attention_fix()
+        # Refuses, naming the model type and the reason, the few models that cannot work.
+        self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
+        install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
         set_prefill_attention(opts["prefill_attention"])
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self.bits, self.group_size = opts["bits"], opts["group_size"]
@@ -111,7 +106,7 @@ class PersistQ4Backend:
                 "block_size": opts["block_size"],
             }
             self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
-            n_layers = len(make_q4_prompt_cache(self.model, self.bits, self.group_size))
+            n_layers = self.codec.n_layers
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)
             store = DiskStore(self.cache_dir, self.fingerprint, {"model_type": model_type, "n_layers": n_layers},
                               cache_format)
@@ -129,6 +124,7 @@ class PersistQ4Backend:
                 persister=persister,
                 durable_writes=opts["durable_writes"],
                 write_timeout_s=opts["write_timeout_s"],
+                codec=self.codec,
             )
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
@@ -164,10 +160,10 @@ class PersistQ4Backend:
 
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
-        return make_q4_prompt_cache(self.model, self.bits, self.group_size)
+        return self.codec.make_cache()
 
     def validate(self, cache: list) -> bool:
-        return bool(cache) and all(isinstance(c, Q4KVCache) for c in cache)
+        return self.codec.is_cache(cache)
 
     def store(self, request: Any, token_ids: list[int], cache: Any) -> bool:
         """Record the finished sequence's cache (prompt + output) under the request's agent."""

@@ -101,13 +101,17 @@ SIZES: dict[str, Size] = {
                   vocab=4096, sliding_window=512),
 }
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",  # sliding window + attention sinks + MoE (float32 only on the CPU)
+    "qwen3_next": "Qwen3NextForCausalLM",  # gated-delta linear attention (ArraysCache) + attention
+    "lfm2": "Lfm2ForCausalLM",  # short convolutions (ArraysCache) + attention
+    "deepseek_v3": "DeepseekV3ForCausalLM",  # multi-head latent attention (MLA)
 }
 
 
@@ -151,6 +155,31 @@ def model_config(arch: str, size: str | Size) -> dict[str, Any]:
             # Every `pattern`-th layer is global, the rest slide; must be <= layers.
             sliding_window_pattern=min(2, s.layers),
         )
+    elif arch == "gpt_oss":
+        config.update(
+            sliding_window=s.sliding_window, num_local_experts=4, num_experts_per_tok=2,
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(s.layers)],
+        )
+    elif arch == "qwen3_next":
+        config.update(
+            linear_num_value_heads=s.heads, linear_num_key_heads=s.kv_heads, linear_key_head_dim=32,
+            linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, shared_expert_intermediate_size=s.intermediate,
+            moe_intermediate_size=s.intermediate // 2, mlp_only_layers=[], partial_rotary_factor=0.25,
+            full_attention_interval=2,
+        )
+    elif arch == "lfm2":
+        config.update(
+            norm_eps=1e-5, conv_bias=False, conv_L_cache=3, block_dim=s.hidden, block_ff_dim=s.intermediate,
+            block_multiple_of=64, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
+            layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(s.layers)],
+        )
+    elif arch == "deepseek_v3":
+        config.update(
+            moe_intermediate_size=s.intermediate // 2, n_shared_experts=1, n_routed_experts=4,
+            num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=128,
+            qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, n_group=1, topk_group=1,
+        )
     return config
 
 
@@ -171,19 +200,21 @@ def _draw_weights(model: Any, arch: str, seed: int) -> dict[str, Any]:
     # gemma's RMSNorm scales by (1 + weight), so its identity is 0.
     norm_value = 0.0 if arch.startswith("gemma") else 1.0
     weights = {}
-    for name, p in sorted(tree_flatten(model.parameters())):
+    params = sorted(tree_flatten(model.parameters()))
+    has_head = any(name == "lm_head.weight" for name, _ in params)
+    for name, p in params:
         if name.endswith("norm.weight"):
             a = np.full(p.shape, norm_value, dtype=np.float32)
         else:
-            if "embed_tokens" in name:
-                std = 1.0
+            if "embed_tokens" in name or name.endswith("sinks"):
+                std = 1.0  # sinks of order one, so a wrong sink term changes the output
             elif p.ndim == 2:
                 std = WEIGHT_GAIN / p.shape[1] ** 0.5
             else:
                 std = 0.02
             a = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
-            if name == "lm_head.weight":
-                a[: len(SPECIAL_TOKENS)] = 0.0
+            if name == "lm_head.weight" or (name.endswith("embed_tokens.weight") and not has_head):
+                a[: len(SPECIAL_TOKENS)] = 0.0  # tied embeddings (lfm2) are the output layer
         weights[name] = mx.array(a)
     return weights
 

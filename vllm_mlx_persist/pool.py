@@ -5,9 +5,9 @@ HTTP threads, so every public method takes the pool's lock. Disk writes go to th
 to a small reader pool (numpy only).
 
 A block holds `block_size` consecutive tokens (the last block of an agent may be a partial tail)
-for all layers: per layer the six arrays (keys packed/scales/biases, values packed/scales/biases),
-each shaped (1, n_kv_heads, n_tokens, .). 4-bit packing runs along the head dimension, so slicing
-and concatenating along the token axis is exact.
+for all layers, as one name -> array map whose layout per layer kind (4-bit K/V, full-precision
+latent, recurrent-state checkpoints) is `caches.ModelCodec`'s. 4-bit packing runs along the head
+dimension, so slicing and concatenating along the token axis is exact.
 
 A block is in one of three states: PENDING (in memory, its write not yet durable), DURABLE (in
 memory and on disk) and COLD (on disk only). Leaving the hot tier makes a DURABLE block COLD and
@@ -30,16 +30,13 @@ from typing import Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from .caches import ModelCodec
 from .persister import Persister
-from .q4cache import Q4KVCache
+from .q4cache import Q4
 from .store import BlockData, Manifest
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
-LayerKV = tuple  # (kq, ks, kb, vq, vs, vb)
-_PARTS = ("k.q", "k.s", "k.b", "v.q", "v.s", "v.b")
-# numpy has no bfloat16: such arrays travel to and from disk as raw 16-bit views.
-_RAW16 = {mx.bfloat16: "bfloat16"}
 ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous entries never collide
 READ_TIMEOUT_S = 30.0  # a block read slower than this (a hung disk) is a miss, not a hung worker
 PREFETCH_MAX_BLOCKS = 1024  # read-ahead results waiting for their lookup, at most
@@ -56,15 +53,15 @@ class BlockState(enum.Enum):
 class Block:
     block_id: str
     tokens: tuple[int, ...]
-    layers: Optional[list[LayerKV]]  # None while COLD
+    layers: Optional[dict]  # name -> mx.array (see caches.codec); None while COLD
     state: BlockState = BlockState.PENDING
     nbytes: int = 0  # bytes in memory; fixed when the layers are set, so readers never sum arrays
 
-    def set_layers(self, layers: Optional[list[LayerKV]]) -> int:
+    def set_layers(self, layers: Optional[dict]) -> int:
         """Set (or drop, with None) the in-memory arrays; returns the change in bytes."""
         before = self.nbytes
         self.layers = layers
-        self.nbytes = 0 if layers is None else sum(a.nbytes for layer in layers for a in layer)
+        self.nbytes = 0 if layers is None else sum(a.nbytes for a in layers.values())
         return self.nbytes - before
 
 
@@ -100,30 +97,9 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def _to_numpy(block: Block) -> BlockData:
-    arrays, dtypes = {}, {}
-    for l, layer in enumerate(block.layers):
-        for part, a in zip(_PARTS, layer):
-            name = f"{l}.{part}"
-            if a.dtype in _RAW16:
-                dtypes[name] = _RAW16[a.dtype]
-                a = a.view(mx.uint16)
-            arrays[name] = np.array(a)
+def _to_numpy(block: Block, codec: ModelCodec) -> BlockData:
+    arrays, dtypes = codec.to_numpy(block.layers)
     return BlockData(block.block_id, np.asarray(block.tokens, dtype=np.int32), arrays, dtypes)
-
-
-def _from_numpy(data: BlockData, n_layers: int) -> list[LayerKV]:
-    layers = []
-    for l in range(n_layers):
-        parts = []
-        for part in _PARTS:
-            name = f"{l}.{part}"
-            a = mx.array(data.arrays[name])
-            if data.dtypes.get(name) == "bfloat16":
-                a = a.view(mx.bfloat16)
-            parts.append(a)
-        layers.append(tuple(parts))
-    return layers
 
 
 class AnonymousCache:
@@ -177,9 +153,12 @@ class BlockPool:
         max_anonymous: int = 32,
         store=None,
         disk_budget: int = 1 << 62,
+        codec: Optional[ModelCodec] = None,
     ):
         self.fingerprint = fingerprint
         self.n_layers = n_layers
+        # Default: every layer plain 4-bit attention (the pool's unit tests build it like that).
+        self.codec = codec or ModelCodec([Q4] * n_layers, bits, group_size)
         self.bits = bits
         self.group_size = group_size
         self.block_size = block_size
@@ -269,8 +248,8 @@ class BlockPool:
                request_id: Optional[str] = None) -> tuple[Optional[list], int, str]:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
 
-        Returns (per-layer Q4KVCache list or None, tokens covered, tier). At least one prompt
-        token is always left to prefill. With `request_id`, the request counts as in flight until
+        Returns (per-layer cache list or None, tokens covered, tier). At least one prompt token is
+        always left to prefill; recurrent models stop at their last state checkpoint. With `request_id`, the request counts as in flight until
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
         with self._lock:
@@ -293,14 +272,14 @@ class BlockPool:
                     entry[0].cancel()
             self._touch(agent)
             self._enforce_budget(keep=agent.namespace)
-            covered = sum(n for _, n in used)
+            cache, covered = self.codec.build([(b.layers, n) for b, n in used]) if used else (None, 0)
             if covered == 0:
                 self.stats["misses"] += 1
                 return None, 0, "miss"
             tier = "disk" if from_disk else "hot"
             self.stats["hits_disk" if from_disk else "hits_hot"] += 1
             self.stats["tokens_reused"] += covered
-            return self._build_cache(used), covered, tier
+            return cache, covered, tier
 
     def _match(self, agent: Agent, prompt: Sequence[int], limit: int) -> tuple[list[tuple[Block, int]], bool]:
         """Walk the agent's chain against `prompt`: the blocks used and how many tokens of each."""
@@ -334,17 +313,6 @@ class BlockPool:
     def _first_block(self, agent: Agent) -> Block:
         return self.blocks[agent.block_ids[0]]
 
-    def _build_cache(self, used: list[tuple[Block, int]]) -> list[Q4KVCache]:
-        caches = []
-        for l in range(self.n_layers):
-            parts = []
-            for p in range(len(_PARTS)):
-                pieces = [b.layers[l][p][..., :n, :] for b, n in used]
-                parts.append(mx.concatenate(pieces, axis=2) if len(pieces) > 1 else mx.contiguous(pieces[0]))
-            caches.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size))
-        mx.eval([c.keys for c in caches], [c.values for c in caches])
-        return caches
-
     def _load_block(self, agent: Agent, block: Block) -> bool:
         if self.store is None:
             return False
@@ -367,7 +335,7 @@ class BlockPool:
             self.stats["bad_blocks"] += 1
             return False
         block.tokens = tuple(int(t) for t in data.tokens)
-        self._add_hot(agent, block.set_layers(_from_numpy(data, self.n_layers)))
+        self._add_hot(agent, block.set_layers(self.codec.from_numpy(data.arrays, data.dtypes)))
         block.state = BlockState.DURABLE
         self.stats["blocks_loaded"] += 1
         self.stats["bytes_loaded"] += block.nbytes
@@ -375,14 +343,7 @@ class BlockPool:
 
     def _valid(self, data: BlockData) -> bool:
         n = len(data.tokens)
-        if not 0 < n <= self.block_size:
-            return False
-        for l in range(self.n_layers):
-            for part in _PARTS:
-                a = data.arrays.get(f"{l}.{part}")
-                if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
-                    return False
-        return len(data.arrays) == self.n_layers * len(_PARTS)
+        return 0 < n <= self.block_size and self.codec.valid(data.arrays, n)
 
     # ---- store ----------------------------------------------------------------------------------
 
@@ -395,7 +356,7 @@ class BlockPool:
         cover. Blocks the agent already holds are kept; only new blocks are sliced, kept hot and
         written. Returns the number of tokens now cached.
         """
-        offset = int(cache[0].offset)
+        offset = self.codec.length(cache)
         if not 0 <= len(tokens) - offset <= 1:
             with self._lock:
                 self.stats["store_refused"] += 1
@@ -424,7 +385,6 @@ class BlockPool:
         return n_valid
 
     def _commit_locked(self, namespace: Optional[str], tokens: list[int], cache: list):
-        layers = [c.to_arrays() for c in cache]
         n_valid = len(tokens)
         if namespace is None:
             agent, evicted = self.anonymous.slot(tokens, self._first_block, self.block_size)
@@ -432,6 +392,7 @@ class BlockPool:
                 self._drop_anonymous(evicted)
         else:
             agent = self.agents.get(namespace) or Agent(namespace)
+        checkpoints = self.codec.live_checkpoints(cache, n_valid) + self._old_checkpoints(agent, tokens)
         new_ids, new_blocks = [], []
         prev = chain_seed(self.fingerprint, agent.namespace)
         for start in range(0, n_valid, self.block_size):
@@ -441,7 +402,7 @@ class BlockPool:
             # cache we hold anyway; the writer skips files that are already valid.
             block = self.blocks.get(bid)
             if block is None or block.layers is None:
-                kv = [tuple(mx.contiguous(a[..., start : start + len(chunk), :]) for a in k + v) for k, v in layers]
+                kv = self.codec.slice(cache, start, start + len(chunk), checkpoints)
                 if block is None:
                     block = self.blocks[bid] = Block(bid, chunk, None)
                 block.tokens = chunk
@@ -451,7 +412,7 @@ class BlockPool:
             new_ids.append(bid)
             prev = bid
         if new_blocks:
-            mx.eval([a for b in new_blocks for layer in b.layers for a in layer])
+            mx.eval([a for b in new_blocks for a in b.layers.values()])
         old_ids = agent.block_ids
         for bid in new_ids:
             self._ref(bid)
@@ -474,8 +435,26 @@ class BlockPool:
         self._enforce_budget(keep=agent.namespace)
         return agent, future
 
+    def _old_checkpoints(self, agent: Agent, tokens: list[int]) -> list:
+        """Recurrent-state checkpoints in the agent's hot blocks that still lie on `tokens`, so that
+        rebuilding the block holding one (a grown tail) carries it over."""
+        if not self.codec.has_state:
+            return []
+        out, start = [], 0
+        for bid in agent.block_ids:
+            block = self.blocks.get(bid)
+            if block is None or block.layers is None:
+                break
+            n = len(block.tokens)
+            ok = _lcp(block.tokens, tokens[start : start + n])
+            out += [(p, s) for p, s in self.codec.block_checkpoints(block.layers, start) if p - start <= ok]
+            if ok < n:
+                break
+            start += n
+        return out
+
     def _save(self, agent: Agent, blocks: list[Block], dead: list[str]) -> Future:
-        datas = [_to_numpy(b) for b in blocks]  # MLX -> numpy here, on the worker thread
+        datas = [_to_numpy(b, self.codec) for b in blocks]  # MLX -> numpy here, on the worker thread
         manifest = Manifest(agent.namespace, list(agent.block_ids), agent.n_tokens, time.time(), agent.pinned)
         stats = self.stats
 

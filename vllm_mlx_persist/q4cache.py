@@ -14,15 +14,18 @@ the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_a
 
 from __future__ import annotations
 
+import sys
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
     KVCache,
+    RotatingKVCache,
     QuantizedKVCache,
     _BaseCache,
     dynamic_roll,
@@ -38,17 +41,20 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)
 # than the shared `base.scaled_dot_product_attention` dispatcher, so (packed, scales, biases)
 # tuples would crash them or be misread.
 _OWN_ATTENTION = "its attention computes the scores itself instead of using the shared SDPA"
-_MLA = "it caches a multi-head latent (MLA) and multiplies the fetched latent directly"
 _BYPASS_DISPATCHER = {
     "gemma2": _OWN_ATTENTION,
     "olmo": _OWN_ATTENTION,
     "plamo2": "its attention calls mx.fast.scaled_dot_product_attention directly",
-    "deepseek_v3": _MLA,
-    "deepseek_v32": _MLA,
-    "glm4_moe_lite": _MLA,
-    "kimi_linear": _MLA,
-    "longcat_flash": _MLA,
+    "gemma3n": "its layers share K/V across layers through the cache objects",
+    "recurrent_gemma": "its attention reads the rotating cache's ring layout",
 }
+# Multi-head latent attention (MLA): the model multiplies the cached latent and rope key directly
+# (`q_pe @ k_pe.T`, `q_nope @ kv_latent.T`), so no quantized op reads them: those layers keep
+# mlx-lm's own full-precision KVCache (model dtype), persisted as is.
+MLA_MODEL_TYPES = {"deepseek_v3", "deepseek_v32", "glm4_moe_lite", "kimi_linear", "longcat_flash"}
+
+# Layer kinds (see vllm_mlx_persist/caches): what the cache of one layer is and how blocks hold it.
+Q4, FULL, STATE, LIST = "q4", "full", "state", "list"
 
 
 def _check_format(bits: int, group_size: int) -> None:
@@ -129,6 +135,25 @@ class Q4KVCache(QuantizedKVCache):
     @state.setter
     def state(self, v) -> None:
         self.keys, self.values = v
+
+    # mlx-lm 0.32 dropped meta_state and takes from_state(state); ours keeps both forms working.
+    @property
+    def meta_state(self):
+        return tuple(map(str, (self.offset, self.group_size, self.bits)))
+
+    @meta_state.setter
+    def meta_state(self, v) -> None:
+        self.offset, self.group_size, self.bits = map(int, v)
+
+    @classmethod
+    def from_state(cls, state, meta_state=None) -> "Q4KVCache":
+        keys, values = state[:2]
+        if meta_state is None:
+            return cls.from_arrays(keys, values, *state[3:5][::-1]) if len(state) == 5 else cls.from_arrays(keys, values, 4, 64)
+        obj = cls(group_size=int(meta_state[1]), bits=int(meta_state[2]))
+        obj.keys, obj.values = keys, values
+        obj.offset = int(meta_state[0])
+        return obj
 
     @classmethod
     def merge(cls, caches: Sequence["Q4KVCache"]) -> "BatchQ4KVCache":
@@ -396,7 +421,39 @@ def _dequantize_for(n_queries: int) -> bool:
     return _prefill_attention == "dequantized" or mx.default_device().type == mx.DeviceType.cpu
 
 
-def _make_fixed(original):
+def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits):
+    """mlx-lm's quantized SDPA with the GQA mask broadcast right (batched and per-head masks) and
+    optional attention sinks: one extra logit per query head that joins the softmax and contributes
+    no value (what mx.fast.scaled_dot_product_attention does with sinks)."""
+    B, n_q, L, D = queries.shape
+    n_kv = q_keys[0].shape[-3]
+    n_rep = n_q // n_kv
+    queries = queries * scale
+    if n_rep > 1:
+        queries = queries.reshape(B, n_kv, n_rep, L, D)
+        q_keys = tuple(mx.expand_dims(x, -3) for x in q_keys)
+        q_values = tuple(mx.expand_dims(x, -3) for x in q_values)
+        mask = _fix_gqa_mask(mask, n_q, n_kv)
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    if isinstance(mask, str):
+        qL, kL = scores.shape[-2:]
+        mask = mx.arange(kL - qL, kL)[:, None] >= mx.arange(kL)[None]
+    if mask is not None:
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    if sinks is None:
+        probs = mx.softmax(scores, axis=-1, precise=True)
+    else:
+        sink = sinks.astype(scores.dtype).reshape(scores.shape[1:-2] + (1, 1))
+        sink = mx.broadcast_to(sink, scores.shape[:-1] + (1,))
+        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
+    out = mx.quantized_matmul(probs, *q_values, transpose=False, group_size=group_size, bits=bits)
+    return out.reshape(B, n_q, L, D) if n_rep > 1 else out
+
+
+def _make_fixed(original, fix_mask: bool):
     def quantized_scaled_dot_product_attention(
         queries: mx.array,
         q_keys: tuple[mx.array, mx.array, mx.array],
@@ -405,12 +462,17 @@ def _make_fixed(original):
         mask: Optional[mx.array],
         group_size: int = 64,
         bits: int = 8,
+        sinks: Optional[mx.array] = None,
     ) -> mx.array:
         if _dequantize_for(queries.shape[2]):
             keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
             values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        mask = _fix_gqa_mask(mask, queries.shape[1], q_keys[0].shape[-3])
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks
+            )
+        per_head = isinstance(mask, mx.array) and mask.ndim == 4 and mask.shape[1] > 1
+        if sinks is not None or fix_mask or per_head:  # mlx-lm 0.32 still mis-broadcasts per-head masks
+            return _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits)
         return original(
             queries, q_keys, q_values, scale=scale, mask=mask, group_size=group_size, bits=bits
         )
@@ -419,16 +481,73 @@ def _make_fixed(original):
     return quantized_scaled_dot_product_attention
 
 
-def install_attention_fix() -> None:
-    """Patch mlx-lm's quantized SDPA for batched masks under GQA (idempotent).
+def _make_dispatcher(original):
+    """base.scaled_dot_product_attention, with quantized caches going to our quantized SDPA, which
+    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache)."""
 
-    `base.scaled_dot_product_attention` looks the function up as a module global at call time,
-    so every model using the shared dispatcher picks the fix up.
+    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if hasattr(cache, "bits"):
+            kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
+            return _mlx_base.quantized_scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask,
+                group_size=cache.group_size, bits=cache.bits, **kw,
+            )
+        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
+
+    scaled_dot_product_attention._vllm_mlx_persist_original = original
+    return scaled_dot_product_attention
+
+
+def mask_needs_fix(qsdpa=None) -> bool:
+    """Whether mlx-lm's quantized SDPA mis-broadcasts a batched (B, 1, L, T) mask under GQA.
+
+    mlx-lm 0.31.3 does (shape error for B != n_kv_heads, silently wrong for B == n_kv_heads);
+    0.32.x fixed it upstream, and wrapping the fixed function again crashes batched decode. Probed
+    on tiny arrays (B == n_kv_heads, the silent case) against the dequantized reference, not by version.
+    """
+    qsdpa = qsdpa or getattr(
+        _mlx_base.quantized_scaled_dot_product_attention, "_vllm_mlx_persist_original",
+        _mlx_base.quantized_scaled_dot_product_attention,
+    )
+    B, n_q, n_kv, L, T, D = 2, 4, 2, 1, 4, 64
+    q = mx.arange(B * n_q * L * D, dtype=mx.float32).reshape(B, n_q, L, D) % 7 / 7
+    kv = mx.arange(B * n_kv * T * D, dtype=mx.float32).reshape(B, n_kv, T, D) % 5 / 5
+    qk = mx.quantize(kv, group_size=64, bits=8)
+    qv = mx.quantize(kv[..., ::-1], group_size=64, bits=8)
+    mask = mx.array([[True, True, True, True], [False, False, False, True]]).reshape(B, 1, L, T)
+    deq = lambda x: mx.repeat(mx.dequantize(*x, group_size=64, bits=8), n_q // n_kv, axis=1)
+    want = mx.fast.scaled_dot_product_attention(q, deq(qk), deq(qv), scale=0.125, mask=mask)
+    try:
+        got = qsdpa(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=8)
+        return mx.abs(got - want).max().item() > 1e-3
+    except ValueError:
+        return True
+
+
+def _model_modules():
+    return [m for name, m in list(sys.modules.items()) if name.startswith("mlx_lm.models.") and m is not None]
+
+
+def install_attention_fix() -> None:
+    """Patch mlx-lm's quantized SDPA (idempotent): the batched GQA mask fix where the installed
+    mlx-lm needs it (`mask_needs_fix`), dequantized prefill on the CPU, and attention sinks.
+
+    `base.quantized_scaled_dot_product_attention` is looked up as a module global at call time.
+    The dispatcher `scaled_dot_product_attention` is imported by name into each model module, so it
+    is replaced in base and in every loaded mlx_lm.models module that bound it (call this after
+    loading the model).
     """
     current = _mlx_base.quantized_scaled_dot_product_attention
-    if hasattr(current, "_vllm_mlx_persist_original"):
-        return
-    _mlx_base.quantized_scaled_dot_product_attention = _make_fixed(current)
+    if not hasattr(current, "_vllm_mlx_persist_original"):
+        _mlx_base.quantized_scaled_dot_product_attention = _make_fixed(current, mask_needs_fix(current))
+    dispatcher = _mlx_base.scaled_dot_product_attention
+    original = getattr(dispatcher, "_vllm_mlx_persist_original", dispatcher)
+    if dispatcher is original:
+        dispatcher = _make_dispatcher(original)
+        _mlx_base.scaled_dot_product_attention = dispatcher
+    for m in _model_modules():
+        if getattr(m, "scaled_dot_product_attention", None) is original:
+            m.scaled_dot_product_attention = dispatcher
 
 
 def uninstall_attention_fix() -> None:
@@ -437,6 +556,12 @@ def uninstall_attention_fix() -> None:
     original = getattr(current, "_vllm_mlx_persist_original", None)
     if original is not None:
         _mlx_base.quantized_scaled_dot_product_attention = original
+    dispatcher = _mlx_base.scaled_dot_product_attention
+    original = getattr(dispatcher, "_vllm_mlx_persist_original", None)
+    if original is not None:
+        for m in _model_modules():
+            if getattr(m, "scaled_dot_product_attention", None) is dispatcher:
+                m.scaled_dot_product_attention = original
 
 
 # ---- model support -------------------------------------------------------------------------------
@@ -475,13 +600,19 @@ def _head_dims(model: nn.Module) -> dict[str, int]:
     return {"head_dim": head_dim}
 
 
-def check_model_supported(model: nn.Module, group_size: int) -> None:
-    """Raise `UnsupportedModelError` unless every layer can use a batched quantized cache."""
+def layer_kinds(model: nn.Module, group_size: int) -> list:
+    """Per layer, the cache kind persist_q4 gives it; raise `UnsupportedModelError` for a model
+    that cannot run on it, with the model type and the reason.
+
+    Q4: plain attention (`KVCache`) and sliding-window attention (`RotatingKVCache`, keep 0; the
+    window is applied by the mask every such model asks for with `window_size`). FULL: MLA layers'
+    `KVCache`. STATE: `ArraysCache` (SSM / linear attention). (LIST, [kinds]): a `CacheList`.
+    """
     model_type = _model_type(model)
 
     def refuse(reason: str):
         raise UnsupportedModelError(
-            f"model type {model_type!r} cannot use the batched quantized KV cache: {reason}"
+            f"model type {model_type!r} cannot use the persist_q4 cache: {reason}"
         )
 
     if model_type in _BYPASS_DISPATCHER:
@@ -490,27 +621,44 @@ def check_model_supported(model: nn.Module, group_size: int) -> None:
         caches = make_prompt_cache(model)
     except Exception as e:  # a model whose make_cache fails is not one we can serve either
         refuse(f"could not build its prompt cache ({type(e).__name__}: {e})")
-    for i, c in enumerate(caches):
-        if type(c) is not KVCache:
-            kind = {
-                "RotatingKVCache": "a sliding-window RotatingKVCache",
-                "ArraysCache": "an SSM/linear-attention ArraysCache",
-                "MambaCache": "an SSM MambaCache",
-                "CacheList": "a CacheList (multiple caches per layer)",
-                "ChunkedKVCache": "a chunked-attention ChunkedKVCache",
-            }.get(type(c).__name__, f"a {type(c).__name__}")
-            if isinstance(c, (list, tuple)):
-                kind = "a list of caches (latent/MLA layout)"
-            refuse(f"layer {i} uses {kind}, not a plain KVCache")
-    if any(k.split(".")[-1] == "sinks" for k, _ in tree_flatten(model.parameters())):
-        refuse("it uses attention sinks, which mlx-lm's quantized attention does not support")
-    for name, dim in _head_dims(model).items():
-        if dim % group_size != 0:
-            refuse(f"{name} {dim} is not a multiple of the quantization group size {group_size}")
+    mla = model_type in MLA_MODEL_TYPES
+
+    def kind(i: int, c) -> Any:
+        if type(c) is KVCache:
+            return FULL if mla else Q4
+        if type(c) is RotatingKVCache and not mla:
+            if c.keep:
+                refuse(f"layer {i} uses a RotatingKVCache that keeps {c.keep} tokens")
+            return Q4
+        if type(c) is ArraysCache:
+            return STATE
+        if type(c) is CacheList:
+            sub = [kind(i, s) for s in c.caches]
+            if any(k != FULL for k in sub):
+                refuse(f"layer {i} uses a CacheList of {[type(s).__name__ for s in c.caches]}")
+            return (LIST, sub)
+        refuse(f"layer {i} uses a {type(c).__name__}, which persist_q4 does not batch")
+
+    kinds = [kind(i, c) for i, c in enumerate(caches)]
+    if Q4 in kinds:
+        for name, dim in _head_dims(model).items():
+            if dim % group_size != 0:
+                refuse(f"{name} {dim} is not a multiple of the quantization group size {group_size}")
+    return kinds
+
+
+def check_model_supported(model: nn.Module, group_size: int) -> None:
+    """Raise `UnsupportedModelError` unless persist_q4 can serve the model (see `layer_kinds`)."""
+    layer_kinds(model, group_size)
 
 
 def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -> list[Q4KVCache]:
-    """One fresh `Q4KVCache` per layer, after checking the model is supported."""
+    """One fresh `Q4KVCache` per layer, for models whose layers are all of the Q4 kind (plain and
+    sliding-window attention); `caches.ModelCodec` builds the caches of every other model."""
     _check_format(bits, group_size)
-    check_model_supported(model, group_size)
-    return [Q4KVCache(group_size=group_size, bits=bits) for _ in make_prompt_cache(model)]
+    kinds = layer_kinds(model, group_size)
+    if any(k != Q4 for k in kinds):
+        raise UnsupportedModelError(
+            f"model type {_model_type(model)!r} has non-attention or latent layers; use caches.ModelCodec"
+        )
+    return [Q4KVCache(group_size=group_size, bits=bits) for _ in kinds]

@@ -1,0 +1,264 @@
+"""What a block holds for each layer kind, and how a per-sequence cache is cut into blocks and
+rebuilt from them. The pool calls only this module for per-layer work.
+
+A block's arrays are one flat name -> array map (the disk format stores it as is):
+
+* Q4 layer l (plain or sliding-window attention, `Q4KVCache`): `l.k.q l.k.s l.k.b l.v.q l.v.s l.v.b`,
+  each (1, n_kv_heads, n_tokens, .). Sliding-window layers keep every token: the window is applied
+  by the mask, so a prefix can be reused at any point.
+* FULL layer l (MLA latent, mlx-lm's `KVCache` in the model's dtype): `l.k l.v`, (1, H, n_tokens, .).
+* LIST layer l (`CacheList` of FULL caches): `l.j.k l.j.v` for sub-cache j.
+* STATE layer l (`StateCache`): no per-token arrays. A block may carry up to MAX_CHECKPOINTS
+  recurrent-state checkpoints: `ckpt{c}.pos` (int32 (1,), the position within the block, 1..n:
+  the state after that many of the block's tokens) and `l.ckpt{c}.{i}` for each state array i.
+
+16-bit floats travel to numpy as raw uint16 views, named in `dtypes`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import CacheList, KVCache
+
+from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds
+from .recurrent import StateCache
+
+Arrays = dict  # name -> mx.array
+_Q4_PARTS = ("k.q", "k.s", "k.b", "v.q", "v.s", "v.b")
+_RAW16 = {mx.bfloat16: "bfloat16"}
+# Per block: a turn's prefill end and its final state, or two turns' ends. A checkpoint costs a
+# whole recurrent state (for a 30B-class hybrid, tens of MB): bounded per block, newest kept.
+MAX_CHECKPOINTS = 2
+
+
+class ModelCodec:
+    """Layer kinds of one model and the block <-> cache conversions for them."""
+
+    def __init__(self, kinds: Sequence[Any], bits: int = 4, group_size: int = 64,
+                 state_sizes: Optional[dict[int, int]] = None):
+        self.kinds = list(kinds)
+        self.bits, self.group_size = bits, group_size
+        self.state_sizes = dict(state_sizes or {})
+        self.has_state = STATE in self.kinds
+
+    @classmethod
+    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64) -> "ModelCodec":
+        """Raises `UnsupportedModelError` (naming the model type and why) for what cannot work."""
+        kinds = layer_kinds(model, group_size)
+        sizes = {l: len(c.cache) for l, c in enumerate(model.make_cache() if hasattr(model, "make_cache") else [])
+                 if kinds[l] == STATE}
+        return cls(kinds, bits, group_size, sizes)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.kinds)
+
+    # ---- live caches --------------------------------------------------------------------------
+
+    def make_cache(self) -> list:
+        """A fresh per-sequence cache; every sequence gets the same class per layer (BatchGenerator
+        cannot batch mixed classes at one layer)."""
+        return [self._fresh(k, l) for l, k in enumerate(self.kinds)]
+
+    def _fresh(self, kind, l: int):
+        if kind == Q4:
+            return Q4KVCache(group_size=self.group_size, bits=self.bits)
+        if kind == FULL:
+            return KVCache()
+        if kind == STATE:
+            return StateCache(self.state_sizes[l])
+        return CacheList(*(KVCache() for _ in kind[1]))
+
+    def is_cache(self, cache: list) -> bool:
+        if not cache or len(cache) != self.n_layers:
+            return False
+        want = {Q4: Q4KVCache, FULL: KVCache, STATE: StateCache}
+        return all(type(c) is want.get(k if isinstance(k, str) else LIST, CacheList)
+                   for c, k in zip(cache, self.kinds))
+
+    def length(self, cache: list) -> int:
+        """Tokens the cache covers (all layers agree)."""
+        for c, k in zip(cache, self.kinds):
+            if k == STATE:
+                continue
+            if k == Q4 or k == FULL:
+                return int(c.offset)
+            return int(c.caches[0].offset)
+        return int(cache[0].pos[0])
+
+    # ---- cache -> blocks ------------------------------------------------------------------------
+
+    def live_checkpoints(self, cache: list, n_valid: int) -> list[tuple[int, list]]:
+        """(position, per-STATE-layer arrays) for the checkpoints of an extracted cache at or before
+        `n_valid` (a state past the stored tokens is useless)."""
+        if not self.has_state:
+            return []
+        per_layer = [cache[l].checkpoints() for l, k in enumerate(self.kinds) if k == STATE]
+        out = []
+        for i, (pos, _) in enumerate(per_layer[0]):
+            if pos <= n_valid and all(len(p) > i and p[i][0] == pos for p in per_layer):
+                out.append((pos, [p[i][1] for p in per_layer]))
+        return out
+
+    def block_checkpoints(self, arrays: Arrays, start: int) -> list[tuple[int, list]]:
+        """A block's checkpoints as (absolute position, per-STATE-layer arrays)."""
+        out = []
+        for c in range(MAX_CHECKPOINTS):
+            p = arrays.get(f"ckpt{c}.pos")
+            if p is None:
+                continue
+            states = [[arrays[f"{l}.ckpt{c}.{i}"] for i in range(self.state_sizes[l])]
+                      for l, k in enumerate(self.kinds) if k == STATE]
+            out.append((start + int(p.item()), states))
+        return out
+
+    def slice(self, cache: list, start: int, end: int, checkpoints: Sequence[tuple[int, list]] = ()) -> Arrays:
+        """The arrays of the block holding tokens [start, end) of a per-sequence cache, with the
+        newest MAX_CHECKPOINTS of `checkpoints` (absolute positions) that fall in (start, end]."""
+        out: Arrays = {}
+        cut = lambda a: mx.contiguous(a[..., start:end, :])
+        for l, (c, k) in enumerate(zip(cache, self.kinds)):
+            if k == Q4:
+                keys, values = c.to_arrays()
+                out.update({f"{l}.{p}": cut(a) for p, a in zip(_Q4_PARTS, keys + values)})
+            elif k == FULL:  # keys/values directly: `state` differs between mlx-lm 0.31 and 0.32
+                out.update({f"{l}.k": cut(c.keys), f"{l}.v": cut(c.values)})
+            elif k != STATE:
+                for j, sub in enumerate(c.caches):
+                    out.update({f"{l}.{j}.k": cut(sub.keys), f"{l}.{j}.v": cut(sub.values)})
+        mine = sorted({p: s for p, s in checkpoints if start < p <= end}.items())[-MAX_CHECKPOINTS:]
+        state_layers = [l for l, k in enumerate(self.kinds) if k == STATE]
+        for c, (p, states) in enumerate(mine):
+            out[f"ckpt{c}.pos"] = mx.array([p - start], dtype=mx.int32)
+            for l, arrays in zip(state_layers, states):
+                out.update({f"{l}.ckpt{c}.{i}": mx.contiguous(a) for i, a in enumerate(arrays)})
+        return out
+
+    # ---- blocks -> cache ------------------------------------------------------------------------
+
+    def build(self, used: Sequence[tuple[Arrays, int]]) -> tuple[Optional[list], int]:
+        """A per-sequence cache from the first n tokens of each block in `used` (consecutive from
+        position 0). Recurrent models stop at the last checkpoint at or before the end; returns
+        (cache, tokens covered), or (None, 0) when nothing can be reused."""
+        covered = sum(n for _, n in used)
+        state = None
+        if self.has_state:
+            start, best = 0, None
+            for arrays, n in used:
+                for p, s in self.block_checkpoints(arrays, start):
+                    if p <= covered and (best is None or p > best[0]):
+                        best = (p, s)
+                start += n  # every block but the last is used whole
+            if best is None:
+                return None, 0
+            covered, state = best
+            used = _truncate(used, covered)
+        if covered == 0:
+            return None, 0
+        cat = lambda name: _concat([arrays[name][..., :n, :] for arrays, n in used])
+        cache, si = [], 0
+        for l, k in enumerate(self.kinds):
+            if k == Q4:
+                parts = [cat(f"{l}.{p}") for p in _Q4_PARTS]
+                cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size))
+            elif k == FULL:
+                cache.append(_kv(cat(f"{l}.k"), cat(f"{l}.v")))
+            elif k == STATE:
+                cache.append(StateCache.from_checkpoint(covered, state[si]))
+                si += 1
+            else:
+                cache.append(CacheList(*(_kv(cat(f"{l}.{j}.k"), cat(f"{l}.{j}.v")) for j in range(len(k[1])))))
+        mx.eval([a for _, a in _flat(cache)])
+        return cache, covered
+
+    # ---- disk -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def to_numpy(arrays: Arrays) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        out, dtypes = {}, {}
+        for name, a in arrays.items():
+            if a.dtype in _RAW16:
+                dtypes[name] = _RAW16[a.dtype]
+                a = a.view(mx.uint16)
+            out[name] = np.array(a)
+        return out, dtypes
+
+    @staticmethod
+    def from_numpy(arrays: dict[str, np.ndarray], dtypes: dict[str, str]) -> Arrays:
+        out = {}
+        for name, a in arrays.items():
+            x = mx.array(a)
+            out[name] = x.view(mx.bfloat16) if dtypes.get(name) == "bfloat16" else x
+        return out
+
+    def valid(self, arrays: dict[str, np.ndarray], n: int) -> bool:
+        """Whether a block read from disk has exactly the arrays this model's layers need for n tokens."""
+        want = set()
+        for l, k in enumerate(self.kinds):
+            if k == Q4:
+                want |= {f"{l}.{p}" for p in _Q4_PARTS}
+            elif k == FULL:
+                want |= {f"{l}.k", f"{l}.v"}
+            elif k != STATE:
+                want |= {f"{l}.{j}.{x}" for j in range(len(k[1])) for x in "kv"}
+        for name in want:
+            a = arrays.get(name)
+            if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
+                return False
+        for c in range(MAX_CHECKPOINTS):
+            p = arrays.get(f"ckpt{c}.pos")
+            if p is None:
+                continue
+            if not self.has_state or p.shape != (1,) or not 0 < int(p[0]) <= n:
+                return False
+            for l, k in enumerate(self.kinds):
+                if k != STATE:
+                    continue
+                for i in range(self.state_sizes[l]):
+                    a = arrays.get(f"{l}.ckpt{c}.{i}")
+                    if a is None or a.ndim < 1 or a.shape[0] != 1:
+                        return False
+                    want.add(f"{l}.ckpt{c}.{i}")
+            want.add(f"ckpt{c}.pos")
+        return set(arrays) == want
+
+
+def _truncate(used, covered: int):
+    out, left = [], covered
+    for arrays, n in used:
+        if left <= 0:
+            break
+        out.append((arrays, min(n, left)))
+        left -= n
+    return out
+
+
+def _concat(pieces: list) -> mx.array:
+    return mx.concatenate(pieces, axis=2) if len(pieces) > 1 else mx.contiguous(pieces[0])
+
+
+def _kv(keys: mx.array, values: mx.array) -> KVCache:
+    c = KVCache()
+    c.keys, c.values, c.offset = keys, values, keys.shape[2]
+    return c
+
+
+def _flat(cache: list):
+    for l, c in enumerate(cache):
+        if isinstance(c, Q4KVCache):
+            for a in c.keys + c.values:
+                yield l, a
+        elif isinstance(c, StateCache):
+            for a in c.cache:
+                if a is not None:
+                    yield l, a
+        elif isinstance(c, CacheList):
+            for s in c.caches:
+                yield l, s.keys
+                yield l, s.values
+        else:
+            yield l, c.keys
+            yield l, c.values

@@ -1,0 +1,123 @@
+"""Recurrent state (SSM / linear attention) that knows its position and keeps checkpoints.
+
+`StateCache` is mlx-lm's `ArraysCache` (full precision, batched natively by `BatchGenerator`) plus
+what persisting needs, since the state cannot be trimmed back to an earlier token:
+
+* `pos`: per row, how many real tokens the state has consumed (counted in `advance`, which every
+  mlx-lm SSM/linear-attention layer calls once per forward; right padding is excluded through
+  `lengths`).
+* a snapshot of the state after the last multi-token chunk (prefill). `BatchGenerator` prefills
+  all but the last prompt token, then decodes one token per step, so at extraction the snapshot is
+  the state at `len(prompt) - 1`: exactly the reuse limit of a resent or extended prompt.
+
+`checkpoints()` of an extracted cache gives both (snapshot, final state) as (position, arrays).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+Checkpoint = tuple  # (position, [arrays of shape (1, ...)])
+
+
+def _cat(a: Optional[mx.array], b: Optional[mx.array], na: int, nb: int) -> Optional[mx.array]:
+    """Concatenate two per-row state arrays on axis 0; a missing side is zeros (mlx-lm's initial state)."""
+    like = a if a is not None else b
+    if like is None:
+        return None
+    a = a if a is not None else mx.zeros((na, *like.shape[1:]), like.dtype)
+    b = b if b is not None else mx.zeros((nb, *like.shape[1:]), like.dtype)
+    return mx.concatenate([a, b])
+
+
+class StateCache(ArraysCache):
+    """`ArraysCache` with per-row positions and a prefill-end snapshot (see module docstring)."""
+
+    def __init__(self, size: int, left_padding: Optional[List[int]] = None):
+        super().__init__(size, left_padding)
+        self.pos: list[int] = [0] * (len(left_padding) if left_padding else 1)
+        self.snap: list = [None] * size
+        self.snap_pos: list[int] = list(self.pos)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.pos)
+
+    def advance(self, N: int) -> None:
+        if self.lengths is not None:
+            inc = mx.clip(self.lengths, 0, N).tolist()
+        elif self.left_padding is not None:
+            inc = (N - mx.clip(self.left_padding, 0, N)).tolist()
+        else:
+            inc = [N] * len(self.pos)
+        self.pos = [p + i for p, i in zip(self.pos, inc)]
+        super().advance(N)
+        if N > 1:  # a prefill chunk: remember where it left the state
+            self.snap, self.snap_pos = list(self.cache), list(self.pos)
+
+    @classmethod
+    def merge(cls, caches: List["StateCache"]) -> "StateCache":
+        n, B = len(caches[0].cache), len(caches)
+        out = cls(n)
+        out.pos = [c.pos[0] for c in caches]
+        for e in range(n):
+            init = next((c.cache[e] for c in caches if c.cache[e] is not None), None)
+            if init is None:
+                continue
+            rows = [c.cache[e] if c.cache[e] is not None else mx.zeros((1, *init.shape[1:]), init.dtype)
+                    for c in caches]
+            out.cache[e] = mx.concatenate(rows) if B > 1 else rows[0]
+        # No left padding: a state has no time axis, and mlx-lm's ArraysCache.make_mask would let
+        # a zero left padding mask override the right-padding `lengths` during prefill.
+        out.snap, out.snap_pos = list(out.cache), list(out.pos)
+        return out
+
+    def filter(self, batch_indices) -> None:
+        idx = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
+        sel = mx.array(idx, dtype=mx.int32)
+        super().filter(sel)
+        self.snap = [s[sel] if s is not None else None for s in self.snap]
+        self.pos = [self.pos[i] for i in idx]
+        self.snap_pos = [self.snap_pos[i] for i in idx]
+
+    def extend(self, other: "StateCache") -> None:
+        na, nb = len(self.pos), len(other.pos)
+        self.cache = [_cat(a, b, na, nb) for a, b in zip(self.cache, other.cache)]
+        self.snap = [_cat(a, b, na, nb) for a, b in zip(self.snap, other.snap)]
+        cat = lambda a, b, fill: _cat(a, b, na, nb) if (a is not None or b is not None) else None
+        if self.lengths is not None or other.lengths is not None:
+            self.lengths = cat(self.lengths, other.lengths, 0)
+        if self.left_padding is not None or other.left_padding is not None:
+            self.left_padding = cat(self.left_padding, other.left_padding, 0)
+        self.pos += other.pos
+        self.snap_pos += other.snap_pos
+
+    def extract(self, idx: int) -> "StateCache":
+        out = StateCache(len(self.cache))
+        out.cache = [c[idx : idx + 1] if c is not None else None for c in self.cache]
+        out.pos = [self.pos[idx]]
+        out.snap = [s[idx : idx + 1] if s is not None else None for s in self.snap]
+        out.snap_pos = [self.snap_pos[idx]]
+        return out
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """(position, state arrays) of a one-row cache: the prefill-end snapshot and the current state."""
+        out = []
+        if 0 < self.snap_pos[0] < self.pos[0] and all(s is not None for s in self.snap):
+            out.append((self.snap_pos[0], list(self.snap)))
+        if self.pos[0] > 0 and all(c is not None for c in self.cache):
+            out.append((self.pos[0], list(self.cache)))
+        return out
+
+    @classmethod
+    def from_checkpoint(cls, pos: int, arrays: list) -> "StateCache":
+        out = cls(len(arrays))
+        out.cache = list(arrays)
+        out.pos, out.snap, out.snap_pos = [pos], list(arrays), [pos]
+        return out
+
+    def empty(self) -> bool:
+        return self.cache[0] is None
