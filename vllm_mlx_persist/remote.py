@@ -668,24 +668,20 @@ class RemoteTier:
             else:
                 pipe.exists(k)
         present = pipe.execute()
-        uploaded = up_bytes = 0
+        self._count("blocks_present", sum(1 for there in present if there))
         for bid, key, there in zip(m.block_ids, keys, present):
             if there:
                 continue
             value = self._block_bytes(bid, p.blocks.get(bid))
             if value is None:
-                with self._lock:
-                    self._c["puts_incomplete"] += 1
+                self._count("puts_incomplete")
                 logger.warning("fleet: block %s of an agent is in neither the put nor the local store; "
                                "manifest not published", bid)
                 return
             self._write_client.set(key, value, nx=True, ex=self.block_ttl_s if self.block_ttl_s > 0 else None)
-            uploaded += 1
-            up_bytes += len(value)
-        with self._lock:
-            self._c["blocks_uploaded"] += uploaded
-            self._c["blocks_present"] += len(keys) - uploaded
-            self._c["bytes_up"] += up_bytes
+            with self._lock:
+                self._c["blocks_uploaded"] += 1
+                self._c["bytes_up"] += len(value)
         # The erasure check and the base version are read together: an erasure seen after this point
         # has a version above `base`, so the script refuses this put.
         with self._lock:
