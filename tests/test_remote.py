@@ -31,12 +31,12 @@ SLACK_S = 1.5
 class RedisServer:
     """A real redis-server on a free local port, without persistence; can be killed, hung, restarted."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, *args: str):
         exe = shutil.which("redis-server")
         if exe is None:
             pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; "
                         "./dev test installs it when run as root)")
-        self.exe, self.dir = exe, tmp
+        self.exe, self.dir, self.args = exe, tmp, list(args)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -47,13 +47,15 @@ class RedisServer:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--dir", str(self.dir), *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
         for _ in range(100):
             try:
                 if client.ping():
                     client.close()
                     return
+            except redis.exceptions.AuthenticationError:
+                return  # up, and asking for a password
             except redis.exceptions.ConnectionError:
                 time.sleep(0.05)
         raise RuntimeError("redis-server did not start")
@@ -450,3 +452,19 @@ def test_missing_client_library_gives_a_clear_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_redis)
     with pytest.raises(ImportError, match=r"vllm-mlx-persist\[fleet\]"):
         RemoteTier("redis://127.0.0.1:1/0", "f" * 64)
+
+
+def test_password_in_the_url_and_never_in_stats(tmp_path, fp, tiers):
+    srv = RedisServer(tmp_path, "--requirepass", "s3cret")
+    try:
+        blocks = chain(fp, "pw", 1)
+        good = tiers(srv.url.replace("://", "://:s3cret@"), fp)
+        assert good.put(manifest("pw", blocks), {blocks[0].block_id: blocks[0]}) and good.flush(10)
+        assert same_block(good.get_block(blocks[0].block_id), blocks[0])
+        assert "s3cret" not in repr(good.stats()) and good.stats()["url"].startswith("redis://***@")
+        bad = tiers(srv.url.replace("://", "://:wrong@"), fp)
+        assert bad.get_block(blocks[0].block_id) is None and bad.get_manifest("pw") is None
+        s = bad.stats()
+        assert s["errors"] + s["skipped"] >= 2 and not s["connected"] and "wrong" not in repr(s)
+    finally:
+        srv.stop()

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict, deque
@@ -286,10 +287,11 @@ class RemoteTier:
 
     @staticmethod
     def _redact(url: str) -> str:
+        """The URL without credentials (user:password@ and a password= query option)."""
         head, sep, tail = url.partition("://")
-        if sep and "@" in tail:
+        if sep and "@" in tail.split("/", 1)[0]:
             tail = "***@" + tail.split("@", 1)[1]
-        return head + sep + tail
+        return re.sub(r"(?i)(password=)[^&]*", r"\1***", head + sep + tail)
 
     # ---- reads (any thread, bounded) ------------------------------------------------------------
 
