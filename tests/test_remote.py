@@ -5,7 +5,6 @@ reaching the caller and within the stated time bound."""
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import signal
 import socket

@@ -29,19 +29,19 @@ run reads so a caller can give up at its deadline even on a hung socket.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import logging
 import re
 import threading
 import time
+import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
-
-import numpy as np
 
 from .store import FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id, decode_block, encode_block
 
@@ -66,7 +66,7 @@ if v then
   if base ~= v then
     if cur[4] == '1' then return {3, v} end
     if cur[3] == ARGV[3] then return {2, v} end
-    if tonumber(ARGV[2]) <= tonumber(cur[2]) then return {0, v} end
+    if tonumber(ARGV[2]) <= (tonumber(cur[2]) or -1) then return {0, v} end
   end
   v = v + 1
 else
@@ -253,7 +253,7 @@ class RemoteTier:
         self._erase_script = self._write_client.register_script(_ERASE_LUA)
         self._del_if_script = self._client.register_script(_DEL_IF_LUA)
         self._breaker = _Breaker(breaker_failures, breaker_open_s)
-        self._connected = False
+        self._connected: Optional[bool] = None  # None: no command answered or failed yet
 
         self._lock = threading.Lock()  # counters, agent states
         self._agents: "OrderedDict[str, _AgentState]" = OrderedDict()
@@ -276,6 +276,10 @@ class RemoteTier:
         self._thread.start()
         self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="vllm-mlx-persist-remote-reader")
         self._read_slots = threading.BoundedSemaphore(read_threads)
+        # The writer is a daemon thread: give queued writes a short, bounded chance at exit.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
+        atexit.register(self._atexit)
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -461,6 +465,7 @@ class RemoteTier:
         if erasures:
             logger.error("fleet: %d agent erasure(s) could not reach Redis before shutdown", len(erasures))
             self._count("errors", len(erasures))
+        atexit.unregister(self._atexit)
         self._thread.join(timeout=max(1.0, timeout))
         self._readers.shutdown(wait=False, cancel_futures=True)
         for client in (self._client, self._write_client):
@@ -480,8 +485,9 @@ class RemoteTier:
             out["erasures_pending"] = len(self._pending_erase)
         out["breaker_opens"] = self._breaker.opens
         out["breaker_open"] = not self._breaker.allow()
-        out["connected"] = self._connected and self._breaker.allow() and not self._disabled
-        out["state"] = self._disabled or ("ok" if out["connected"] else "unreachable")
+        out["connected"] = bool(self._connected) and self._breaker.allow() and not self._disabled
+        out["state"] = self._disabled or ("ok" if out["connected"] else
+                                          "not contacted yet" if self._connected is None else "unreachable")
         out["url"] = self.url_redacted
         return out
 
