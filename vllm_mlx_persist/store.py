@@ -440,46 +440,12 @@ class DiskStore:
         "Valid copy" is checked cheaply: its header has this format version, id and checksum and the
         file has the expected size (the data is verified on read).
         """
-        block_id = _check_block_id(block.block_id)
-        tokens = _prepare_array(_TOKENS, block.tokens)
-        if tokens.dtype != np.int32 or tokens.ndim != 1:
-            raise ValueError(f"block {block_id}: tokens must be 1-D int32, got {tokens.dtype} {tokens.shape}")
-        if _TOKENS in block.arrays:
-            raise ValueError(f"block {block_id}: array name {_TOKENS!r} is reserved")
-        unknown = set(block.dtypes) - set(block.arrays)
-        if unknown:
-            raise ValueError(f"block {block_id}: dtypes names arrays it does not have: {sorted(unknown)}")
-        arrays = {n: _prepare_array(n, a) for n, a in block.arrays.items()}
-        arrays[_TOKENS] = tokens
-        dtypes = {str(k): str(v) for k, v in block.dtypes.items()}
-        n_tokens = int(tokens.shape[0])
-
-        by_name = sorted(arrays)
-        tensors = [(n, _NP_TO_ST[arrays[n].dtype], list(arrays[n].shape), _bytes_view(arrays[n])) for n in by_name]
-        checksum = _block_checksum(block_id, n_tokens, dtypes, tensors)
-
-        # Data section: larger item sizes first so every tensor stays aligned to its item size.
-        order = sorted(by_name, key=lambda n: (-arrays[n].dtype.itemsize, n))
-        header: dict[str, Any] = {"__metadata__": {
-            "format": _BLOCK_FORMAT, "format_version": str(FORMAT_VERSION), "block_id": block_id,
-            "n_tokens": str(n_tokens), "dtypes": json.dumps(dtypes, sort_keys=True), "checksum": checksum}}
-        views = dict((n, v) for n, _, _, v in tensors)
-        off = 0
-        for n in order:
-            size = len(views[n])
-            header[n] = {"dtype": _NP_TO_ST[arrays[n].dtype], "shape": list(arrays[n].shape),
-                         "data_offsets": [off, off + size]}
-            off += size
-        hbytes = json.dumps(header, separators=(",", ":")).encode()
-        hbytes += b" " * (-(8 + len(hbytes)) % 8)  # data starts 8-byte aligned
-        total = 8 + len(hbytes) + off
-
-        path = self.block_path(block_id)
+        chunks, checksum, total = _encode_block(block)
+        path = self.block_path(block.block_id)
         if self._existing_block_matches(path, checksum, total):
             with self._lock:
                 self._counts["block_write_skips"] += 1
             return 0
-        chunks = [memoryview(len(hbytes).to_bytes(8, "little")), memoryview(hbytes)] + [views[n] for n in order]
         written = self._atomic_write(path, chunks, "block")
         with self._lock:
             self._counts["block_writes"] += 1
@@ -779,10 +745,70 @@ def _tree_usage(path: Path) -> tuple[int, float]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Block encoding (pure functions, shared by the disk tier and the fleet tier in remote.py)
+
+
+class BadBlockError(ValueError):
+    """Bytes that are not a valid block file for the requested id (decode_block)."""
+
+
+def _encode_block(block: BlockData) -> tuple[list[memoryview], str, int]:
+    """The block file as (chunks, checksum, total size), straight from the arrays' buffers."""
+    block_id = _check_block_id(block.block_id)
+    tokens = _prepare_array(_TOKENS, block.tokens)
+    if tokens.dtype != np.int32 or tokens.ndim != 1:
+        raise ValueError(f"block {block_id}: tokens must be 1-D int32, got {tokens.dtype} {tokens.shape}")
+    if _TOKENS in block.arrays:
+        raise ValueError(f"block {block_id}: array name {_TOKENS!r} is reserved")
+    unknown = set(block.dtypes) - set(block.arrays)
+    if unknown:
+        raise ValueError(f"block {block_id}: dtypes names arrays it does not have: {sorted(unknown)}")
+    arrays = {n: _prepare_array(n, a) for n, a in block.arrays.items()}
+    arrays[_TOKENS] = tokens
+    dtypes = {str(k): str(v) for k, v in block.dtypes.items()}
+    n_tokens = int(tokens.shape[0])
+
+    by_name = sorted(arrays)
+    tensors = [(n, _NP_TO_ST[arrays[n].dtype], list(arrays[n].shape), _bytes_view(arrays[n])) for n in by_name]
+    checksum = _block_checksum(block_id, n_tokens, dtypes, tensors)
+
+    # Data section: larger item sizes first so every tensor stays aligned to its item size.
+    order = sorted(by_name, key=lambda n: (-arrays[n].dtype.itemsize, n))
+    header: dict[str, Any] = {"__metadata__": {
+        "format": _BLOCK_FORMAT, "format_version": str(FORMAT_VERSION), "block_id": block_id,
+        "n_tokens": str(n_tokens), "dtypes": json.dumps(dtypes, sort_keys=True), "checksum": checksum}}
+    views = dict((n, v) for n, _, _, v in tensors)
+    off = 0
+    for n in order:
+        size = len(views[n])
+        header[n] = {"dtype": _NP_TO_ST[arrays[n].dtype], "shape": list(arrays[n].shape),
+                     "data_offsets": [off, off + size]}
+        off += size
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-(8 + len(hbytes)) % 8)  # data starts 8-byte aligned
+    chunks = [memoryview(len(hbytes).to_bytes(8, "little")), memoryview(hbytes)] + [views[n] for n in order]
+    return chunks, checksum, 8 + len(hbytes) + off
+
+
+def encode_block(block: BlockData) -> bytes:
+    """The exact bytes write_block puts in the block's file."""
+    return b"".join(_encode_block(block)[0])
+
+
+def decode_block(buf: bytes | bytearray, block_id: str) -> BlockData:
+    """Parse and fully verify a block file's bytes, exactly as read_block does; BadBlockError if
+    they are not a valid block `block_id`. Arrays are views of `buf` (read-only when it is bytes)."""
+    try:
+        return _parse_block(buf, block_id)
+    except _BadFile as e:
+        raise BadBlockError(str(e)) from None
+
+
+# ---------------------------------------------------------------------------------------------
 # Parsing (pure functions: raise _BadFile on anything unexpected)
 
 
-def _parse_block(buf: bytearray, block_id: str) -> BlockData:
+def _parse_block(buf: bytes | bytearray, block_id: str) -> BlockData:
     size = len(buf)
     if size < 8:
         raise _BadFile(f"truncated: {size} bytes")

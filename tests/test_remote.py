@@ -1,0 +1,469 @@
+"""Fleet tier (remote.py) against a real redis-server: bytes, sharing, compare-and-set, refusal of bad
+values, erasure across servers, and every fault (killed, hung, restarted Redis) without an exception
+reaching the caller and within the stated time bound."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from vllm_mlx_persist.store import BlockData, DiskStore, Manifest, encode_block
+
+redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
+
+from vllm_mlx_persist.remote import RemoteTier  # noqa: E402
+
+TOKENS_PER_BLOCK = 16
+# Generous: a bound is a property we check, not a timing; CI machines are shared and slow.
+SLACK_S = 1.5
+
+
+class RedisServer:
+    """A real redis-server on a free local port, without persistence; can be killed, hung, restarted."""
+
+    def __init__(self, tmp: Path, *args: str):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            pytest.skip("redis-server is not installed (Debian: apt-get install redis-server; "
+                        "./dev test installs it when run as root)")
+        self.exe, self.dir, self.args = exe, tmp, list(args)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir), *self.args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+        for _ in range(100):
+            try:
+                if client.ping():
+                    client.close()
+                    return
+            except redis.exceptions.AuthenticationError:
+                return  # up, and asking for a password
+            except redis.exceptions.ConnectionError:
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def client(self) -> "redis.Redis":
+        return redis.Redis(port=self.port, socket_timeout=5)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def own_server(tmp_path):
+    """A server of this test's own, for tests that kill or hang it."""
+    srv = RedisServer(tmp_path)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fp(request) -> str:
+    """A fingerprint per test, so tests sharing the module's Redis never see each other's keys."""
+    return hashlib.sha256(request.node.nodeid.encode()).hexdigest()
+
+
+@pytest.fixture
+def tiers():
+    made = []
+
+    def make(url: str, fingerprint: str, **kw) -> RemoteTier:
+        t = RemoteTier(url, fingerprint, **kw)
+        made.append(t)
+        return t
+
+    yield make
+    for t in made:
+        t.close(2)
+
+
+def chain(fingerprint: str, agent: str, n_blocks: int, seed: int = 0) -> list[BlockData]:
+    """Blocks shaped as the pool makes them (2 layers, 2 KV heads, head_dim 32, 4-bit, bfloat16
+    scales/biases as raw uint16), with chained ids like pool.block_id."""
+    rng = np.random.default_rng(seed)
+    prev = hashlib.sha256(f"{fingerprint}\n{agent}".encode()).hexdigest()
+    out = []
+    for i in range(n_blocks):
+        tokens = np.arange(i * TOKENS_PER_BLOCK, (i + 1) * TOKENS_PER_BLOCK, dtype=np.int32) + seed * 1000
+        h = hashlib.sha256(bytes.fromhex(prev))
+        h.update(tokens.tobytes())
+        bid = prev = h.hexdigest()
+        arrays, dtypes = {}, {}
+        for l in range(2):
+            for kv in "kv":
+                arrays[f"{l}.{kv}.q"] = rng.integers(0, 2**32, (1, 2, TOKENS_PER_BLOCK, 4), dtype=np.uint32)
+                for part in "sb":
+                    arrays[f"{l}.{kv}.{part}"] = rng.integers(0, 2**16, (1, 2, TOKENS_PER_BLOCK, 1), dtype=np.uint16)
+                    dtypes[f"{l}.{kv}.{part}"] = "bfloat16"
+        out.append(BlockData(bid, tokens, arrays, dtypes))
+    return out
+
+
+def slow_source(blocks: dict[str, BlockData], delay_s: float):
+    """A local store that takes `delay_s` per block read (a slow disk)."""
+    def read(block_id: str):
+        time.sleep(delay_s)
+        return blocks.get(block_id)
+    return read
+
+
+def manifest(agent: str, blocks: list[BlockData]) -> Manifest:
+    return Manifest(agent, [b.block_id for b in blocks], sum(len(b.tokens) for b in blocks), time.time())
+
+
+def same_block(a: BlockData, b: BlockData) -> bool:
+    return (a.block_id == b.block_id and np.array_equal(a.tokens, b.tokens) and a.dtypes == b.dtypes
+            and a.arrays.keys() == b.arrays.keys()
+            and all(a.arrays[k].dtype == b.arrays[k].dtype and np.array_equal(a.arrays[k], b.arrays[k])
+                    for k in a.arrays))
+
+
+# ---- bytes and sharing -----------------------------------------------------------------------------
+
+
+def test_block_round_trip_is_the_disk_file(server, fp, tiers, tmp_path):
+    blocks = chain(fp, "agent-1", 3)
+    a = tiers(server.url, fp)
+    assert a.put(manifest("agent-1", blocks), {b.block_id: b for b in blocks})
+    assert a.flush(10)
+    disk = DiskStore(tmp_path / "cache", fp, {}, {})
+    raw = server.client()
+    for b in blocks:
+        disk.write_block(b)
+        assert raw.get(a.block_key(b.block_id)) == disk.block_path(b.block_id).read_bytes()
+    b_tier = tiers(server.url, fp)  # a second server
+    m = b_tier.get_manifest("agent-1")
+    assert m is not None and m.block_ids == [b.block_id for b in blocks] and m.n_tokens == 48 and m.version == 1
+    for b in blocks:
+        got = b_tier.get_block(b.block_id)
+        assert got is not None and same_block(got, b) and encode_block(got) == encode_block(b)
+    s = b_tier.stats()
+    assert (s["hits"], s["misses"], s["refused"], s["connected"]) == (3, 0, 0, True)
+    assert b_tier.get_block("ab" * 32) is None and b_tier.stats()["misses"] == 1
+    assert b_tier.get_manifest("nobody") is None
+
+
+def test_two_servers_store_a_block_once(server, fp, tiers):
+    blocks = chain(fp, "shared", 4)
+    a, b = tiers(server.url, fp), tiers(server.url, fp)
+    assert a.put(manifest("shared", blocks), {x.block_id: x for x in blocks}) and a.flush(10)
+    assert b.put(manifest("shared", blocks), {x.block_id: x for x in blocks}) and b.flush(10)
+    sa, sb = a.stats(), b.stats()
+    assert (sa["blocks_uploaded"], sb["blocks_uploaded"], sb["blocks_present"]) == (4, 0, 4)
+    assert sb["puts_same"] == 1 and sb["puts_published"] == 0  # nothing new: no version churn
+    keys = server.client().keys(a.block_key("00")[:-2] + "*")
+    assert len(keys) == 4
+    assert b.get_manifest("shared").version == 1
+
+
+def test_missing_blocks_come_from_block_source_or_the_manifest_waits(server, fp, tiers, tmp_path):
+    blocks = chain(fp, "src", 3)
+    disk = DiskStore(tmp_path / "cache", fp, {}, {})
+    for b in blocks[:2]:
+        disk.write_block(b)
+    a = tiers(server.url, fp, block_source=disk.read_block)
+    # Block 3 is neither on disk nor in the put: the manifest must not name it yet.
+    assert a.put(manifest("src", blocks)) and a.flush(10)
+    assert a.stats()["puts_incomplete"] == 1 and a.get_manifest("src") is None
+    disk.write_block(blocks[2])
+    assert a.put(manifest("src", blocks)) and a.flush(10)
+    m = a.get_manifest("src")
+    assert m is not None and len(m.block_ids) == 3
+    s = a.stats()
+    assert s["puts_published"] == 1 and s["blocks_uploaded"] == 3  # 2 from the first try, 1 now
+    # bytes from a source are verified before upload: a damaged local file is not sent
+    raw_source = {blocks[0].block_id: b"\0" * 64}
+    c = tiers(server.url, hashlib.sha256(b"other" + fp.encode()).hexdigest(), block_source=raw_source.get)
+    assert c.put(manifest("src", blocks[:1])) and c.flush(10)
+    assert c.stats()["puts_incomplete"] == 1 and c.stats()["blocks_uploaded"] == 0
+
+
+# ---- manifests: compare-and-set ---------------------------------------------------------------------
+
+
+def test_conflict_rule(server, fp, tiers):
+    hist = chain(fp, "cas", 6)
+    a, b = tiers(server.url, fp), tiers(server.url, fp)
+    blocks = {x.block_id: x for x in hist}
+    a.put(manifest("cas", hist[:4]), blocks); a.flush(10)  # v1, 4 blocks
+    b.put(manifest("cas", hist[:3]), blocks); b.flush(10)  # B never saw v1: concurrent, shorter -> kept
+    assert b.stats()["puts_kept_other"] == 1 and len(b.get_manifest("cas").block_ids) == 4
+    b.put(manifest("cas", hist[:5]), blocks); b.flush(10)  # concurrent but longer -> wins (v2)
+    assert b.get_manifest("cas").version == 2
+    a.put(manifest("cas", hist[:4] + chain(fp, "x", 1)), {**blocks, **{x.block_id: x for x in chain(fp, "x", 1)}})
+    a.flush(10)  # A's base v1 is stale and its history is not longer: B's stays
+    m = a.get_manifest("cas")
+    assert (m.version, m.block_ids) == (2, [x.block_id for x in hist[:5]])
+    b.put(manifest("cas", hist[:2]), blocks); b.flush(10)  # B's base is current: a rewind wins
+    m = a.get_manifest("cas")
+    assert (m.version, len(m.block_ids), m.n_tokens) == (3, 2, 32)
+
+
+def test_alternating_servers_lose_no_turn(server, fp, tiers):
+    """A conversation whose turns land on either server, with both writers racing to Redis."""
+    n_turns = 24
+    hist = chain(fp, "busy", n_turns)
+    # Each server holds the history it served on its local disk (block_source). A's disk is slow, so
+    # its uploads lag and B publishes later turns before A publishes earlier ones.
+    local = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp, block_source=slow_source(local, 0.01))
+    b = tiers(server.url, fp, block_source=local.get)
+    for k in range(1, n_turns + 1):
+        (a if k % 2 else b).put(manifest("busy", hist[:k]))
+    assert a.flush(20) and b.flush(20)
+    m = a.get_manifest("busy")
+    assert m.block_ids == [x.block_id for x in hist] and m.n_tokens == n_turns * TOKENS_PER_BLOCK
+    sa, sb = a.stats(), b.stats()
+    assert sa["dropped"] == sb["dropped"] == 0 and sa["errors"] == sb["errors"] == 0
+
+
+def test_concurrent_threads_keep_the_longest_history(server, fp, tiers):
+    n = 40
+    hist = chain(fp, "race", n)
+    blocks = {x.block_id: x for x in hist}
+    tier_list = [tiers(server.url, fp, block_source=slow_source(blocks, 0.005)),
+                 tiers(server.url, fp, block_source=blocks.get)]
+    start = threading.Barrier(2)
+
+    def worker(t: RemoteTier, offset: int) -> None:
+        start.wait()
+        for k in range(1 + offset, n + 1, 2):
+            assert t.put(manifest("race", hist[:k]))
+            time.sleep(0.001)
+
+    threads = [threading.Thread(target=worker, args=(t, i)) for i, t in enumerate(tier_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(t.flush(30) for t in tier_list)
+    m = tier_list[0].get_manifest("race")
+    assert m.n_tokens == n * TOKENS_PER_BLOCK and m.block_ids == list(blocks)
+    # every block the manifest names is in Redis
+    raw = server.client()
+    assert all(raw.exists(tier_list[0].block_key(b)) for b in m.block_ids)
+
+
+# ---- refusal ----------------------------------------------------------------------------------------
+
+
+def test_damaged_block_is_refused_deleted_and_healed(server, fp, tiers):
+    blocks = chain(fp, "dmg", 2)
+    by_id = {x.block_id: x for x in blocks}
+    a = tiers(server.url, fp, block_source=by_id.get)
+    a.put(manifest("dmg", blocks), by_id); a.flush(10)
+    raw = server.client()
+    key = a.block_key(blocks[1].block_id)
+    value = raw.get(key)
+    raw.setrange(key, len(value) - 3, bytes([value[-3] ^ 0x10]))  # one flipped bit in the data
+    assert a.get_block(blocks[1].block_id) is None
+    assert a.stats()["refused"] == 1 and raw.get(key) is None  # deleted: SET NX could not repair it
+    assert a.get_block(blocks[0].block_id) is not None
+    a.put(manifest("dmg", blocks)); a.flush(10)  # the next put re-uploads it from the local store
+    got = a.get_block(blocks[1].block_id)
+    assert got is not None and same_block(got, blocks[1])
+
+
+def test_foreign_values_are_refused(server, fp, tiers):
+    blocks = chain(fp, "mine", 2)
+    a = tiers(server.url, fp)
+    a.put(manifest("mine", blocks), {x.block_id: x for x in blocks}); a.flush(10)
+    raw = server.client()
+    # another block's bytes under this id
+    raw.set(a.block_key(blocks[1].block_id), raw.get(a.block_key(blocks[0].block_id)))
+    assert a.get_block(blocks[1].block_id) is None and a.stats()["refused"] == 1
+    # another agent's manifest under this agent's key
+    a.put(manifest("other", blocks[:1]), {}); a.flush(10)
+    raw.hset(a.manifest_key("mine"), "body", raw.hget(a.manifest_key("other"), "body"))
+    assert a.get_manifest("mine") is None and a.stats()["refused"] == 2
+    # a damaged manifest
+    body = raw.hget(a.manifest_key("other"), "body")
+    raw.hset(a.manifest_key("other"), "body", body.replace(b'"n_tokens":16', b'"n_tokens":17'))
+    assert a.get_manifest("other") is None and a.stats()["refused"] == 3
+    # another model never sees this model's keys
+    other_model = tiers(server.url, hashlib.sha256(fp.encode()).hexdigest())
+    assert other_model.get_block(blocks[0].block_id) is None and other_model.get_manifest("other") is None
+    # a fingerprint sharing the key prefix but not equal: the tier refuses to run, serves nothing
+    clash = tiers(server.url, fp[:32] + "0" * 32)
+    assert clash.get_block(blocks[0].block_id) is None
+    assert not clash.put(manifest("mine", blocks), {})
+    s = clash.stats()
+    assert s["state"].startswith("refused") and not s["connected"] and s["hits"] == 0
+
+
+# ---- erasure ----------------------------------------------------------------------------------------
+
+
+def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
+    hist = chain(fp, "gone", 3)
+    blocks = {x.block_id: x for x in hist}
+    erased_seen = []
+    a = tiers(server.url, fp)
+    b = tiers(server.url, fp, on_erased=erased_seen.append)
+    c = tiers(server.url, fp)
+    b.put(manifest("gone", hist[:2]), blocks); b.flush(10)
+    c.put(manifest("gone", hist[:2]), blocks); c.flush(10)
+    assert a.get_manifest("gone").version == 1
+    assert a.erase("gone") and a.flush(10)
+    m = b.get_manifest("gone")
+    assert m.erased and m.block_ids == [] and m.version == 2
+    # C published before the erasure and never looked since: its next turn must not revive it
+    c.put(manifest("gone", hist[:3]), blocks); c.flush(10)
+    assert c.stats()["puts_erased"] == 1 and a.get_manifest("gone").erased
+    # B saw the erasure; a new conversation under the same id starts afresh
+    new = chain(fp, "gone", 1, seed=7)
+    b.put(manifest("gone", new), {x.block_id: x for x in new}); b.flush(10)
+    m = a.get_manifest("gone")
+    assert not m.erased and m.block_ids == [new[0].block_id] and m.version == 3
+    assert erased_seen == []
+    # a put queued before an erasure on the same server is discarded, or published then erased
+    a.put(manifest("gone", hist), blocks)
+    a.erase("gone")
+    assert a.flush(10) and a.get_manifest("gone").erased
+    # B learns of the erasure through its own refused put: the callback fires
+    b.put(manifest("gone", new + hist[:1]), {**blocks, **{x.block_id: x for x in new}}); b.flush(10)
+    assert erased_seen == ["gone"] and a.get_manifest("gone").erased
+
+
+# ---- faults ------------------------------------------------------------------------------------------
+
+
+def test_redis_killed_and_restarted(own_server, fp, tiers):
+    hist = chain(fp, "k", 4)
+    by_id = {x.block_id: x for x in hist}
+    bound = 0.5
+    t = tiers(own_server.url, fp, block_source=by_id.get, read_timeout_s=bound, connect_timeout_s=0.2,
+              breaker_open_s=0.3, breaker_failures=2, max_attempts=2, backoff_s=0.05)
+    assert t.put(manifest("k", hist[:2])) and t.flush(10) and t.get_block(hist[0].block_id) is not None
+
+    own_server.kill()
+    for _ in range(5):  # no exception, each call within the bound
+        t0 = time.monotonic()
+        assert t.get_block(hist[0].block_id) is None and t.get_manifest("k") is None
+        assert time.monotonic() - t0 < 2 * bound + SLACK_S
+    assert t.put(manifest("k", hist[:3]))
+    assert t.flush(30)
+    s = t.stats()
+    assert s["put_failures"] == 1 and s["errors"] >= 2 and s["breaker_opens"] >= 1 and not s["connected"]
+
+    own_server.start()  # empty: no persistence
+    time.sleep(0.4)  # past the breaker's open time
+    assert t.put(manifest("k", hist)) and t.flush(10)  # missing blocks re-read from the source
+    m = t.get_manifest("k")
+    assert m is not None and m.block_ids == list(by_id)
+    assert all(same_block(t.get_block(b), by_id[b]) for b in by_id)
+    s = t.stats()
+    assert s["connected"] and s["state"] == "ok" and s["puts_published"] == 2
+
+
+def test_hung_redis_costs_a_bounded_wait_and_the_queue_holds(own_server, fp, tiers):
+    hist = chain(fp, "h", 2)
+    by_id = {x.block_id: x for x in hist}
+    bound = 0.5
+    t = tiers(own_server.url, fp, block_source=by_id.get, read_timeout_s=bound, connect_timeout_s=0.2,
+              write_timeout_s=0.5, breaker_open_s=0.5, breaker_failures=1, max_attempts=2, backoff_s=0.05,
+              queue_max=4)
+    assert t.put(manifest("h", hist[:1])) and t.flush(10)
+
+    own_server.proc.send_signal(signal.SIGSTOP)  # accepts connections, answers nothing
+    try:
+        t0 = time.monotonic()
+        assert t.get_block(hist[0].block_id) is None
+        assert time.monotonic() - t0 < bound + SLACK_S
+        t0 = time.monotonic()
+        assert t.get_manifest("h") is None  # breaker open: skipped at once
+        assert time.monotonic() - t0 < 0.2
+        accepted = [t.put(manifest("h", hist[:2])) for _ in range(20)]
+        s = t.stats()
+        assert s["queue_depth"] <= 4 and s["dropped"] >= 15 and accepted.count(False) == s["dropped"]
+        assert s["timeouts"] >= 1 and not s["connected"]
+    finally:
+        own_server.proc.send_signal(signal.SIGCONT)
+    assert t.flush(30)
+    time.sleep(0.6)
+    assert t.put(manifest("h", hist)) and t.flush(10)
+    m = t.get_manifest("h")
+    assert m is not None and len(m.block_ids) == 2 and t.stats()["connected"]
+
+
+def test_queue_bytes_bound_and_close_bound(own_server, fp, tiers):
+    hist = chain(fp, "q", 3)
+    one = len(encode_block(hist[0]))
+    t = tiers(own_server.url, fp, write_timeout_s=0.5, connect_timeout_s=0.2, breaker_failures=1,
+              breaker_open_s=5.0, queue_max_bytes=2 * one)
+    own_server.proc.send_signal(signal.SIGSTOP)
+    try:
+        results = [t.put(manifest("q", hist[:k + 1]), {hist[k].block_id: hist[k]}) for k in range(3)]
+        for _ in range(10):
+            t.put(manifest("q", hist[:3]), {x.block_id: x for x in hist})
+        s = t.stats()
+        assert s["queue_bytes"] <= 2 * one + one and s["dropped"] >= 10 and results[0]
+        t0 = time.monotonic()
+        t.close(1.0)
+        assert time.monotonic() - t0 < 1.0 + 0.5 + SLACK_S  # flush bound + one write timeout
+        s = t.stats()
+        assert s["queue_depth"] == 0 and s["puts"] == s["dropped"] + s["put_failures"] + s["puts_published"]
+        assert not t.put(manifest("q", hist[:1]))  # closed: dropped, no exception
+    finally:
+        own_server.proc.send_signal(signal.SIGCONT)
+
+
+def test_missing_client_library_gives_a_clear_error(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_redis(name, *args, **kw):
+        if name == "redis" or name.startswith("redis."):
+            raise ImportError("No module named 'redis'")
+        return real_import(name, *args, **kw)
+
+    monkeypatch.setattr(builtins, "__import__", no_redis)
+    with pytest.raises(ImportError, match=r"vllm-mlx-persist\[fleet\]"):
+        RemoteTier("redis://127.0.0.1:1/0", "f" * 64)
+
+
+def test_password_in_the_url_and_never_in_stats(tmp_path, fp, tiers):
+    srv = RedisServer(tmp_path, "--requirepass", "s3cret")
+    try:
+        blocks = chain(fp, "pw", 1)
+        good = tiers(srv.url.replace("://", "://:s3cret@"), fp)
+        assert good.put(manifest("pw", blocks), {blocks[0].block_id: blocks[0]}) and good.flush(10)
+        assert same_block(good.get_block(blocks[0].block_id), blocks[0])
+        assert "s3cret" not in repr(good.stats()) and good.stats()["url"].startswith("redis://***@")
+        bad = tiers(srv.url.replace("://", "://:wrong@"), fp)
+        assert bad.get_block(blocks[0].block_id) is None and bad.get_manifest("pw") is None
+        s = bad.stats()
+        assert s["errors"] + s["skipped"] >= 2 and not s["connected"] and "wrong" not in repr(s)
+    finally:
+        srv.stop()

@@ -1,0 +1,753 @@
+"""Fleet tier: KV blocks and agent manifests in Redis, shared by every server serving one model.
+
+Runtime module: numpy and bytes only, never MLX. Layout, conflict rule, sizing and faults are in
+docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
+
+    tier = RemoteTier(url, fingerprint, block_source=...)   # start-up; connects lazily, never raises
+                                                            # for an unreachable Redis
+    tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s
+    tier.get_block(block_id) -> BlockData | None            # any thread; at most read_timeout_s;
+                                                            # verified exactly as a disk block
+    tier.put(manifest, blocks=None) -> bool                 # any thread; never blocks: queues the
+                                                            # upload, False when dropped (queue full)
+    tier.erase(agent) -> bool                               # any thread; never blocks: queued ahead
+                                                            # of the bound, retried until done or close()
+    tier.flush(timeout) -> bool                             # wait for queued writes (tests, shutdown)
+    tier.stats() -> dict                                    # O(1) counters
+    tier.close(timeout)                                     # flush within the bound, stop the threads
+
+`get_*` return None for every failure (absent, refused, Redis down or slow, breaker open): the
+caller treats it as a miss and carries on from memory and local disk. `put` is meant to be called
+once the turn is durable locally (e.g. at the end of the local write job), with the new blocks'
+data if at hand; blocks the manifest names that Redis lacks and `blocks` does not hold are read
+through `block_source(block_id)` (the local disk), so a dropped put heals at the agent's next one.
+No method raises for a Redis fault; only misuse (bad ids, wrong types) raises.
+
+Threads: one daemon writer thread runs puts and erasures in order; `read_threads` daemon threads
+run reads so a caller can give up at its deadline even on a hung socket.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+import weakref
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Union
+
+from .store import FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id, decode_block, encode_block
+
+logger = logging.getLogger("vllm_mlx_persist.remote")
+
+_MANIFEST_FORMAT = "vllm-mlx-persist.remote-manifest"
+_MODEL_FORMAT = "vllm-mlx-persist.remote-model"
+
+BlockSource = Callable[[str], Union[BlockData, bytes, None]]
+
+# Manifests live in a hash: v (version), n (n_tokens), d (digest of the block ids), e ("1": erased,
+# a tombstone), body (the checked JSON manifest). One key per agent, so the script works unchanged
+# on Redis Cluster.
+#   ARGV: base version the writer last published (-1: none), n_tokens, ids digest, body, ttl (0: none)
+#   returns {status, version}: 1 published, 2 the same blocks were already there, 0 kept the other
+#   (longer or as long) history, 3 refused: erased since this writer last published
+_PUT_LUA = """
+local cur = redis.call('HMGET', KEYS[1], 'v', 'n', 'd', 'e')
+local base = tonumber(ARGV[1])
+local v = tonumber(cur[1])
+if v then
+  if base ~= v then
+    if cur[4] == '1' then return {3, v} end
+    if cur[3] == ARGV[3] then return {2, v} end
+    if tonumber(ARGV[2]) <= (tonumber(cur[2]) or -1) then return {0, v} end
+  end
+  v = v + 1
+else
+  v = math.max(base, 0) + 1
+end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'v', v, 'n', ARGV[2], 'd', ARGV[3], 'body', ARGV[4])
+if tonumber(ARGV[5]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
+return {1, v}
+"""
+
+# Replace the manifest by a tombstone one version up.  ARGV: writer's base version, ttl (0: none)
+_ERASE_LUA = """
+local v = tonumber(redis.call('HGET', KEYS[1], 'v')) or 0
+v = math.max(v, tonumber(ARGV[1])) + 1
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'v', v, 'e', '1')
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return v
+"""
+
+# Delete a refused value only if it is still the one we read (not a good copy written meanwhile).
+_DEL_IF_LUA = """
+local cur = redis.call('GET', KEYS[1])
+if cur and redis.sha1hex(cur) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+_FAILED = object()  # a read that did not reach Redis (as opposed to a key that is absent)
+
+
+class RemoteUnavailable(Exception):
+    """Internal: Redis could not be reached (or the tier is disabled); the operation was not done."""
+
+
+@dataclass
+class RemoteManifest:
+    """An agent's manifest as Redis holds it. `erased`: a tombstone (no blocks)."""
+
+    namespace: str
+    block_ids: list[str]
+    n_tokens: int
+    updated_at: float
+    version: int
+    erased: bool = False
+
+
+@dataclass
+class _Put:
+    manifest: Manifest
+    blocks: dict[str, Union[BlockData, bytes]]
+    gen: int
+    nbytes: int
+
+
+@dataclass
+class _Erase:
+    namespace: str
+    attempts: int = 0
+
+
+@dataclass
+class _AgentState:
+    seen: int = -1  # the manifest version this server last published (or saw erased); -1: none
+    gen: int = 0  # changes on every erasure seen here: queued puts from before it are stale
+
+
+class _Breaker:
+    """After `failures` consecutive transport failures, refuse calls for `open_s` seconds; then let
+    calls through again (one more failure reopens it at once, a success closes it)."""
+
+    def __init__(self, failures: int, open_s: float):
+        self.failures, self.open_s = failures, open_s
+        self._fails, self._open_until, self.opens = 0, 0.0, 0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        return time.monotonic() >= self._open_until
+
+    def wait_s(self) -> float:
+        return max(0.0, self._open_until - time.monotonic())
+
+    def ok(self) -> None:
+        self._fails = 0
+
+    def fail(self) -> None:
+        with self._lock:
+            self._fails += 1
+            if self._fails >= self.failures:
+                self._open_until = time.monotonic() + self.open_s
+                self.opens += 1
+
+
+def _block_nbytes(b: Union[BlockData, bytes]) -> int:
+    if isinstance(b, (bytes, bytearray, memoryview)):
+        return len(b)
+    return int(b.tokens.nbytes) + sum(int(a.nbytes) for a in b.arrays.values())
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _agent_key(namespace: str) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise ValueError("agent id (namespace) must be a non-empty string")
+    return hashlib.sha256(namespace.encode("utf-8")).hexdigest()
+
+
+def _import_redis():
+    try:
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+    except ImportError:
+        raise ImportError(
+            "remote_url is set but the Redis client is not installed: "
+            'pip install "vllm-mlx-persist[fleet]" (or: pip install "redis>=5")'
+        ) from None
+    return redis, Retry, NoBackoff
+
+
+class RemoteTier:
+    """Blocks (content-addressed, SET NX) and per-agent manifests (versioned, compare-and-set by a
+    Lua script) in one Redis, for one model fingerprint. See the module docstring for the interface."""
+
+    def __init__(
+        self,
+        url: str,
+        fingerprint: str,
+        *,
+        block_source: Optional[BlockSource] = None,
+        read_timeout_s: float = 2.0,
+        connect_timeout_s: float = 0.5,
+        write_timeout_s: float = 10.0,
+        queue_max: int = 256,
+        queue_max_bytes: int = 1 << 30,
+        max_attempts: int = 4,
+        backoff_s: float = 0.2,
+        backoff_max_s: float = 5.0,
+        breaker_failures: int = 3,
+        breaker_open_s: float = 5.0,
+        read_threads: int = 2,
+        block_ttl_s: int = 7 * 86400,
+        manifest_ttl_s: int = 30 * 86400,
+        tombstone_ttl_s: int = 86400,
+        key_prefix: str = "vmp",
+        max_agents: int = 100_000,
+        max_erasures: int = 10_000,
+        on_erased: Optional[Callable[[str], None]] = None,
+    ):
+        if not isinstance(fingerprint, str) or len(fingerprint) < 32:
+            raise ValueError("fingerprint must be a string of at least 32 characters")
+        if queue_max < 1 or read_threads < 1 or max_attempts < 1:
+            raise ValueError("queue_max, read_threads and max_attempts must be at least 1")
+        redis, Retry, NoBackoff = _import_redis()
+        self._redis_errors = (redis.exceptions.RedisError, OSError)
+        self._transport_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        # One attempt per command (our breaker and writer retries decide what happens next); every
+        # socket operation is bounded. The pool holds at most one connection per thread of ours.
+        self._client = redis.Redis.from_url(
+            url, socket_timeout=read_timeout_s, socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0), max_connections=read_threads + 2, health_check_interval=0)
+        self._write_client = redis.Redis.from_url(
+            url, socket_timeout=write_timeout_s, socket_connect_timeout=connect_timeout_s,
+            retry=Retry(NoBackoff(), 0), max_connections=1, health_check_interval=0)
+        self.url_redacted = self._redact(url)
+        self.fingerprint = fingerprint
+        self.block_source = block_source
+        self.read_timeout_s = read_timeout_s
+        self.queue_max, self.queue_max_bytes = queue_max, queue_max_bytes
+        self.max_attempts, self.backoff_s, self.backoff_max_s = max_attempts, backoff_s, backoff_max_s
+        self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
+        self.max_agents, self.max_erasures = max_agents, max_erasures
+        self.on_erased = on_erased
+        self._prefix = f"{key_prefix}:{fingerprint[:32]}:"
+        self._model_key = self._prefix + "model"
+        self._model_value = _canonical({"format": _MODEL_FORMAT, "format_version": FORMAT_VERSION,
+                                        "fingerprint": fingerprint})
+        self._model_ok = False
+        self._disabled: Optional[str] = None  # why the tier refuses to run (another model's keys)
+        self._put_script = self._write_client.register_script(_PUT_LUA)
+        self._erase_script = self._write_client.register_script(_ERASE_LUA)
+        self._del_if_script = self._client.register_script(_DEL_IF_LUA)
+        self._breaker = _Breaker(breaker_failures, breaker_open_s)
+        self._connected: Optional[bool] = None  # None: no command answered or failed yet
+
+        self._lock = threading.Lock()  # counters, agent states
+        self._agents: "OrderedDict[str, _AgentState]" = OrderedDict()
+        self._pending_erase: dict[str, int] = {}  # namespace -> erasures queued
+        self._gen_counter = 0
+        self._c = dict.fromkeys(
+            ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
+             "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "hits",
+             "misses", "refused", "bytes_down", "manifest_gets", "manifest_hits", "erases", "erases_done",
+             "errors", "timeouts", "skipped"], 0)
+
+        self._q: deque = deque()
+        self._q_puts = 0
+        self._q_bytes = 0
+        self._busy = False
+        self._cond = threading.Condition(self._lock)
+        self._closing = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="vllm-mlx-persist-remote-writer", daemon=True)
+        self._thread.start()
+        self._readers = ThreadPoolExecutor(read_threads, thread_name_prefix="vllm-mlx-persist-remote-reader")
+        self._read_slots = threading.BoundedSemaphore(read_threads)
+        # The writer is a daemon thread: give queued writes a short, bounded chance at exit.
+        ref = weakref.ref(self)
+        self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
+        atexit.register(self._atexit)
+
+    # ---- keys -----------------------------------------------------------------------------------
+
+    def block_key(self, block_id: str) -> str:
+        return self._prefix + "b:" + _check_block_id(block_id)
+
+    def manifest_key(self, namespace: str) -> str:
+        return self._prefix + "a:" + _agent_key(namespace)
+
+    @staticmethod
+    def _redact(url: str) -> str:
+        """The URL without credentials (user:password@ and a password= query option)."""
+        head, sep, tail = url.partition("://")
+        if sep and "@" in tail.split("/", 1)[0]:
+            tail = "***@" + tail.split("@", 1)[1]
+        return re.sub(r"(?i)(password=)[^&]*", r"\1***", head + sep + tail)
+
+    # ---- reads (any thread, bounded) ------------------------------------------------------------
+
+    def get_manifest(self, namespace: str) -> Optional[RemoteManifest]:
+        """The agent's manifest in Redis (erased=True for a tombstone); None when absent, refused
+        or unreachable within read_timeout_s."""
+        key = self.manifest_key(namespace)
+        with self._lock:
+            self._c["manifest_gets"] += 1
+            if namespace in self._pending_erase:
+                return None  # erased here, not yet in Redis: never serve it back
+        raw = self._bounded_read(lambda: self._client.hmget(key, "v", "e", "body"))
+        if raw is _FAILED:
+            return None
+        v, e, body = raw
+        if v is None:
+            return None
+        try:
+            version = int(v)
+        except ValueError:
+            self._count("refused")
+            logger.warning("fleet: manifest of an agent has a bad version %r; ignored", v[:32])
+            return None
+        if e == b"1":
+            self._saw_erased(namespace, version)
+            return RemoteManifest(namespace, [], 0, 0.0, version, erased=True)
+        m = self._parse_manifest(body, namespace)
+        if m is None:
+            self._count("refused")
+            return None
+        self._count("manifest_hits")
+        return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, version)
+
+    def get_block(self, block_id: str) -> Optional[BlockData]:
+        """The block, verified exactly as a disk block (store.decode_block); None when absent,
+        refused (damaged or foreign: deleted from Redis if unchanged) or unreachable in time."""
+        key = self.block_key(block_id)
+        self._count("gets")
+        if self.block_ttl_s > 0:
+            fetch = lambda: self._client.getex(key, ex=self.block_ttl_s)  # a hit keeps the block alive
+        else:
+            fetch = lambda: self._client.get(key)
+        raw = self._bounded_read(fetch)
+        if raw is _FAILED:
+            return None
+        if raw is None:
+            self._count("misses")
+            return None
+        try:
+            block = decode_block(raw, block_id)
+        except BadBlockError as e:
+            self._count("refused")
+            logger.warning("fleet: refused block %s from Redis (%s); deleting it", block_id, e)
+            digest = hashlib.sha1(raw).hexdigest()
+            self._bounded_read(lambda: self._del_if_script(keys=[key], args=[digest], client=self._client))
+            return None
+        with self._lock:
+            self._c["hits"] += 1
+            self._c["bytes_down"] += len(raw)
+        return block
+
+    def _bounded_read(self, fn: Callable[[], Any]) -> Any:
+        """Run a Redis read on a reader thread; _FAILED on any failure or after read_timeout_s."""
+        if self._disabled or self._stop or not self._breaker.allow():
+            self._count("skipped")
+            return _FAILED
+        if not self._read_slots.acquire(blocking=False):
+            self._count("skipped")  # every reader is stuck on a slow Redis: do not queue behind it
+            return _FAILED
+
+        def job() -> Any:
+            try:
+                self._ensure_model(self._client)
+                return fn()
+            finally:
+                self._read_slots.release()
+
+        try:
+            fut = self._readers.submit(job)
+        except RuntimeError:  # executor shut down by close()
+            self._read_slots.release()
+            self._count("skipped")
+            return _FAILED
+        try:
+            result = fut.result(timeout=self.read_timeout_s)
+        except FutureTimeout:
+            self._failed("timeouts", "read timed out after %.2fs" % self.read_timeout_s, transport=True)
+            return _FAILED
+        except RemoteUnavailable:
+            self._count("skipped")
+            return _FAILED
+        except self._redis_errors as e:
+            self._failed("errors", e, transport=isinstance(e, self._transport_errors))
+            return _FAILED
+        self._succeeded()
+        return result
+
+    # ---- writes (queued) --------------------------------------------------------------------------
+
+    def put(self, manifest: Manifest, blocks: Optional[Mapping[str, Union[BlockData, bytes]]] = None) -> bool:
+        """Queue publishing `manifest` after the blocks it names (from `blocks`, else block_source);
+        False when dropped (queue full by count or bytes, tier closed or disabled)."""
+        _agent_key(manifest.namespace)
+        for b in manifest.block_ids:
+            _check_block_id(b)
+        blocks = dict(blocks or {})
+        nbytes = sum(_block_nbytes(b) for b in blocks.values())
+        with self._cond:
+            self._c["puts"] += 1
+            if (self._closing or self._disabled or self._q_puts >= self.queue_max
+                    or (self._q_puts and self._q_bytes + nbytes > self.queue_max_bytes)):
+                self._c["dropped"] += 1
+                return False
+            st = self._agent(manifest.namespace)
+            self._q.append(_Put(manifest, blocks, st.gen, nbytes))
+            self._q_puts += 1
+            self._q_bytes += nbytes
+            self._cond.notify()
+        return True
+
+    def erase(self, namespace: str) -> bool:
+        """Queue erasing the agent from Redis (manifest replaced by a tombstone one version up, so a
+        put from before the erasure cannot bring it back); queued puts for it are discarded. Not
+        bounded by queue_max; retried until done or close(). False if it cannot be queued."""
+        _agent_key(namespace)
+        with self._cond:
+            self._c["erases"] += 1
+            if self._closing or len(self._pending_erase) >= self.max_erasures:
+                self._c["errors"] += 1
+                logger.error("fleet: cannot queue the erasure of an agent (closing or %d pending)",
+                             len(self._pending_erase))
+                return False
+            self._bump_gen(namespace)
+            self._pending_erase[namespace] = self._pending_erase.get(namespace, 0) + 1
+            self._q.append(_Erase(namespace))
+            self._cond.notify()
+        return True
+
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every queued write has been done or given up; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._q or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking writes, finish queued ones within `timeout` (one attempt each, none while the
+        breaker is open), count the rest as dropped, and stop the threads. Idempotent."""
+        with self._cond:
+            if self._stop:
+                return
+            self._closing = True
+            self._cond.notify_all()
+        self.flush(timeout)
+        with self._cond:
+            self._stop = True
+            left = [i for i in self._q if isinstance(i, _Put)]
+            erasures = [i.namespace for i in self._q if isinstance(i, _Erase)]
+            self._c["dropped"] += len(left)
+            self._q.clear()
+            self._q_puts = self._q_bytes = 0
+            self._cond.notify_all()
+        if erasures:
+            logger.error("fleet: %d agent erasure(s) could not reach Redis before shutdown", len(erasures))
+            self._count("errors", len(erasures))
+        atexit.unregister(self._atexit)
+        self._thread.join(timeout=max(1.0, timeout))
+        self._readers.shutdown(wait=False, cancel_futures=True)
+        for client in (self._client, self._write_client):
+            try:
+                client.close()
+            except Exception:  # closing sockets of a dead Redis: nothing to do
+                pass
+
+    # ---- stats ---------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters and state (O(1))."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._c)
+            out["queue_depth"] = len(self._q)
+            out["queue_bytes"] = self._q_bytes
+            out["erasures_pending"] = len(self._pending_erase)
+        out["breaker_opens"] = self._breaker.opens
+        out["breaker_open"] = not self._breaker.allow()
+        out["connected"] = bool(self._connected) and self._breaker.allow() and not self._disabled
+        out["state"] = self._disabled or ("ok" if out["connected"] else
+                                          "not contacted yet" if self._connected is None else "unreachable")
+        out["url"] = self.url_redacted
+        return out
+
+    # ---- internals: bookkeeping ---------------------------------------------------------------------
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def _failed(self, counter: str, err: Any, transport: bool) -> None:
+        self._count(counter)
+        if transport:
+            self._connected = False
+            was_open = not self._breaker.allow()
+            self._breaker.fail()
+            if not was_open and not self._breaker.allow():
+                logger.warning("fleet: Redis at %s unreachable (%s); skipping it for %.1fs",
+                               self.url_redacted, err, self._breaker.open_s)
+        else:
+            logger.warning("fleet: Redis error: %s", err)
+
+    def _succeeded(self) -> None:
+        if not self._connected:
+            self._connected = True
+        self._breaker.ok()
+
+    def _agent(self, namespace: str) -> _AgentState:
+        """This server's state for an agent (LRU-bounded; a forgotten one is simply 'never seen')."""
+        st = self._agents.get(namespace)
+        if st is None:
+            st = self._agents[namespace] = _AgentState()
+            if len(self._agents) > self.max_agents:
+                self._agents.popitem(last=False)
+        else:
+            self._agents.move_to_end(namespace)
+        return st
+
+    def _bump_gen(self, namespace: str) -> None:
+        self._gen_counter += 1
+        self._agent(namespace).gen = self._gen_counter
+
+    def _saw_erased(self, namespace: str, version: int) -> None:
+        with self._lock:
+            st = self._agent(namespace)
+            if version > st.seen:  # a new erasure: queued puts from before it must not revive it
+                st.seen = version
+                self._bump_gen(namespace)
+
+    def _ensure_model(self, client: Any) -> None:
+        """Check once per connection life that these keys belong to this exact model (as model.json
+        does on disk); a mismatch disables the tier rather than serve another model's KV."""
+        if self._model_ok:
+            return
+        if self._disabled:
+            raise RemoteUnavailable(self._disabled)
+        pipe = client.pipeline(transaction=False)
+        pipe.set(self._model_key, self._model_value, nx=True)
+        pipe.get(self._model_key)
+        _, theirs = pipe.execute()
+        if theirs != self._model_value:
+            self._disabled = (f"refused: Redis keys {self._prefix}* belong to another model or format "
+                              f"({(theirs or b'')[:200]!r}); the fleet tier is off")
+            logger.error("fleet: %s", self._disabled)
+            raise RemoteUnavailable(self._disabled)
+        self._model_ok = True
+
+    def _parse_manifest(self, body: Optional[bytes], namespace: str) -> Optional[Manifest]:
+        try:
+            d = json.loads(body)
+            checksum = d.pop("checksum")
+            if checksum != "sha256:" + hashlib.sha256(_canonical(d)).hexdigest():
+                raise ValueError("checksum mismatch")
+            if d.get("format") != _MANIFEST_FORMAT or d.get("format_version") != FORMAT_VERSION:
+                raise ValueError(f"format {d.get('format')!r} version {d.get('format_version')!r}")
+            if d.get("fingerprint") != self.fingerprint:
+                raise ValueError("another model's manifest")
+            if d.get("namespace") != namespace:
+                raise ValueError("another agent's manifest")
+            ids, n, ts = d["block_ids"], d["n_tokens"], d["updated_at"]
+            if not isinstance(ids, list) or not isinstance(n, int) or not isinstance(ts, (int, float)):
+                raise ValueError("malformed fields")
+            for b in ids:
+                _check_block_id(b)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            logger.warning("fleet: refused a manifest from Redis: %s", e)
+            return None
+        return Manifest(namespace, list(ids), n, float(ts))
+
+    def _manifest_body(self, m: Manifest) -> bytes:
+        d = {"format": _MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
+             "namespace": m.namespace, "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens),
+             "updated_at": float(m.updated_at)}
+        d["checksum"] = "sha256:" + hashlib.sha256(_canonical(d)).hexdigest()
+        return _canonical(d)
+
+    # ---- internals: the writer thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._q and not self._stop:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                item = self._q.popleft()
+                if isinstance(item, _Put):
+                    self._q_puts -= 1
+                    self._q_bytes -= item.nbytes
+                self._busy = True
+            try:
+                requeue = self._do(item)
+            except Exception:  # a bug must not kill the writer thread
+                logger.exception("fleet: writer job failed")
+                requeue = False
+                self._count("errors")
+            with self._cond:
+                if requeue and not self._stop:
+                    self._q.append(item)
+                self._busy = False
+                self._cond.notify_all()
+
+    def _do(self, item: Union[_Put, _Erase]) -> bool:
+        """Run one write with retries and back-off; True to requeue it (an erasure not yet done)."""
+        for attempt in range(self.max_attempts):
+            if not self._breaker.allow():
+                if self._closing:
+                    break
+                self._sleep(self._breaker.wait_s())
+                if self._stop:
+                    break
+            try:
+                self._ensure_model(self._write_client)
+                if isinstance(item, _Erase):
+                    self._erase_now(item.namespace)
+                else:
+                    self._put_now(item)
+                self._succeeded()
+                return False
+            except RemoteUnavailable:
+                break
+            except self._redis_errors as e:
+                self._failed("errors", e, transport=isinstance(e, self._transport_errors))
+                if self._closing:
+                    break
+                self._sleep(min(self.backoff_max_s, self.backoff_s * 2 ** attempt))
+        if isinstance(item, _Erase):
+            item.attempts += 1
+            if self._closing or self._disabled:
+                logger.error("fleet: an agent erasure could not reach Redis before shutdown")
+                return False
+            return True  # an erasure is never given up while the server runs
+        self._count("put_failures")
+        return False
+
+    def _sleep(self, s: float) -> None:
+        with self._cond:
+            if not self._closing:
+                self._cond.wait_for(lambda: self._closing, timeout=s)
+
+    def _erase_now(self, namespace: str) -> None:
+        with self._lock:
+            base = self._agent(namespace).seen
+        v = int(self._erase_script(keys=[self.manifest_key(namespace)], args=[base, self.tombstone_ttl_s],
+                                   client=self._write_client))
+        with self._lock:
+            st = self._agent(namespace)
+            st.seen = max(st.seen, v)  # puts queued after the erasure may recreate the agent
+            left = self._pending_erase.get(namespace, 1) - 1
+            if left > 0:
+                self._pending_erase[namespace] = left
+            else:
+                self._pending_erase.pop(namespace, None)
+            self._c["erases_done"] += 1
+
+    def _put_now(self, p: _Put) -> None:
+        m = p.manifest
+        if self._stale(p):
+            return
+        # Blocks first: which does Redis lack? (EXPIRE doubles as EXISTS and keeps a live agent's
+        # blocks from expiring.) Single-key commands only, so this works on Redis Cluster too.
+        keys = [self.block_key(b) for b in m.block_ids]
+        pipe = self._write_client.pipeline(transaction=False)
+        for k in keys:
+            if self.block_ttl_s > 0:
+                pipe.expire(k, self.block_ttl_s)
+            else:
+                pipe.exists(k)
+        present = pipe.execute()
+        self._count("blocks_present", sum(1 for there in present if there))
+        for bid, key, there in zip(m.block_ids, keys, present):
+            if there:
+                continue
+            value = self._block_bytes(bid, p.blocks.get(bid))
+            if value is None:
+                self._count("puts_incomplete")
+                logger.warning("fleet: block %s of an agent is in neither the put nor the local store; "
+                               "manifest not published", bid)
+                return
+            self._write_client.set(key, value, nx=True, ex=self.block_ttl_s if self.block_ttl_s > 0 else None)
+            with self._lock:
+                self._c["blocks_uploaded"] += 1
+                self._c["bytes_up"] += len(value)
+        # The erasure check and the base version are read together: an erasure seen after this point
+        # has a version above `base`, so the script refuses this put.
+        with self._lock:
+            if self._stale(p, locked=True):
+                return
+            st = self._agent(m.namespace)
+            base = st.seen
+        digest = hashlib.sha256("\n".join(m.block_ids).encode()).hexdigest()
+        status, version = self._put_script(
+            keys=[self.manifest_key(m.namespace)],
+            args=[base, int(m.n_tokens), digest, self._manifest_body(m), self.manifest_ttl_s],
+            client=self._write_client)
+        status, version = int(status), int(version)
+        with self._lock:
+            if status in (1, 2):
+                st.seen = version
+            self._c[{1: "puts_published", 2: "puts_same", 0: "puts_kept_other", 3: "puts_erased"}[status]] += 1
+        if status == 3 and self.on_erased is not None:
+            # Another server erased the agent. The owner drops it locally; from then on its puts for
+            # this agent id start a new history (without a callback they stay refused: no revival).
+            self._saw_erased(m.namespace, version)
+            try:
+                self.on_erased(m.namespace)
+            except Exception:
+                logger.exception("fleet: on_erased callback failed")
+
+    def _stale(self, p: _Put, locked: bool = False) -> bool:
+        """Whether the put's agent was erased (here, or seen erased) after the put was queued."""
+        if not locked:
+            with self._lock:
+                return self._stale(p, locked=True)
+        if self._agent(p.manifest.namespace).gen != p.gen or p.manifest.namespace in self._pending_erase:
+            self._c["puts_stale"] += 1
+            return True
+        return False
+
+    def _block_bytes(self, block_id: str, given: Union[BlockData, bytes, None]) -> Optional[bytes]:
+        """The block file's bytes, verified before they leave this server."""
+        data = given
+        if data is None and self.block_source is not None:
+            try:
+                data = self.block_source(block_id)
+            except Exception as e:  # the local store's trouble is a missing block here, not a crash
+                logger.warning("fleet: block_source(%s) failed: %s", block_id, e)
+                data = None
+        if data is None:
+            return None
+        if isinstance(data, BlockData):
+            if data.block_id != block_id:
+                raise ValueError(f"put: block {data.block_id} given for id {block_id}")
+            return encode_block(data)
+        raw = bytes(data)
+        try:
+            decode_block(raw, block_id)
+        except BadBlockError as e:
+            logger.warning("fleet: local block %s is damaged (%s); not uploaded", block_id, e)
+            return None
+        return raw
+
+
+__all__ = ["RemoteTier", "RemoteManifest", "BlockSource"]
