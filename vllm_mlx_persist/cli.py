@@ -25,12 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     # bench and quality own their options: everything after the subcommand goes to their main()
     sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
+    sub.add_parser("agents", help="list, show, erase (rm) agents or gc a cache root offline", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("bench", "quality"):
+    routes = {"bench": "bench", "quality": "quality", "agents": "offline"}
+    if argv and argv[0] in routes:
         from importlib import import_module
 
-        return import_module(f".{argv[0]}", __package__).main(argv[1:])
+        return import_module(f".{routes[argv[0]]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "patch":
         from .patcher import run as run_patch

@@ -1,0 +1,346 @@
+"""A server that runs for months, at pool level on real MLX: disk budget, TTL, pinning, erasure,
+bounded memory on a failing disk, refusal of caches that do not cover their tokens, O(1) stats."""
+
+from __future__ import annotations
+
+import errno
+import time
+
+import mlx.core as mx
+import pytest
+
+from test_pool import BITS, BLOCK, GROUP, assert_same_cache, make_pool, prefill, tokens
+from vllm_mlx_persist.identity import model_fingerprint
+from vllm_mlx_persist.models import build_model
+from vllm_mlx_persist.persister import Persister
+from vllm_mlx_persist.pool import BlockPool, BlockState
+from vllm_mlx_persist.store import DiskStore, Manifest, StoreWriteError
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_model("llama", "tiny", seed=0)
+    return m
+
+
+def budget_pool(model, root, *, disk_budget=1 << 40, hot_bytes=1 << 30, ttl_s=None, retry_delays=(0.2, 0.2)):
+    fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
+    fp = model_fingerprint(model, None, fmt)
+    store = DiskStore(root, fp, {"test": True}, fmt)
+    persister = Persister(store, disk_budget=disk_budget, ttl_s=ttl_s, retry_delays=retry_delays)
+    pool = BlockPool(fingerprint=fp, n_layers=len(model.layers), bits=BITS, group_size=GROUP,
+                     block_size=BLOCK, hot_bytes=hot_bytes, persister=persister)
+    pool.load_manifests()
+    return pool
+
+
+def files_naming(root, agent_id: str) -> list:
+    """Every file under root holding `agent_id` as a JSON string (ids are stored in manifests only)."""
+    needle = f'"{agent_id}"'.encode()
+    return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+def agent_bytes_on_disk(model, tmp_path) -> int:
+    pool = budget_pool(model, tmp_path / "probe")
+    seq = tokens(40)
+    pool.commit("probe", seq, prefill(model, seq)[0])
+    pool.flush()
+    n = pool.snapshot()["disk_bytes"]
+    pool.close()
+    return n
+
+
+def test_disk_budget_holds_across_many_agents_and_keeps_the_recent_ones(model, tmp_path):
+    one = agent_bytes_on_disk(model, tmp_path)
+    budget = one * 8 + one // 2  # room for 8 agents
+    root = tmp_path / "root"
+    pool = budget_pool(model, root, disk_budget=budget, hot_bytes=one)
+    seqs = {f"agent-{i}": tokens(40, seed=i) for i in range(32)}
+    for name, seq in seqs.items():
+        pool.commit(name, seq, prefill(model, seq)[0])
+        pool.flush()
+        assert pool.snapshot()["disk_bytes"] <= budget
+    stats = pool.snapshot()
+    assert stats["budget_erasures"] >= 24 and stats["disk_agents"] <= 8
+    on_disk = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert on_disk <= budget + 4096  # counters agree with the disk (model.json and .lock aside)
+    assert not files_naming(root, "agent-0") and not files_naming(root, "agent-3")
+    pool.close()
+
+    restarted = budget_pool(model, root, disk_budget=budget, hot_bytes=one)  # as after a crash: disk only
+    for name in ("agent-31", "agent-30", "agent-25"):
+        hit, n, tier = restarted.lookup(name, seqs[name] + [1])
+        assert (n, tier) == (40, "disk")
+    assert restarted.lookup("agent-0", seqs["agent-0"] + [1])[1] == 0
+    restarted.close()
+
+
+def test_pinned_agents_are_erased_last_and_never_evicted_from_memory(model, tmp_path):
+    one = agent_bytes_on_disk(model, tmp_path)
+    pool = budget_pool(model, tmp_path / "root", disk_budget=one * 3 + one // 2, hot_bytes=one)
+    seqs = {f"a{i}": tokens(40, seed=i) for i in range(6)}
+    pool.commit("a0", seqs["a0"], prefill(model, seqs["a0"])[0])
+    assert pool.set_pinned("a0", True) and not pool.set_pinned("nobody", True)
+    for name in list(seqs)[1:]:
+        pool.commit(name, seqs[name], prefill(model, seqs[name])[0])
+        pool.flush()
+    assert pool.agent_info("a0")["pinned"] and pool.agent_info("a0")["tier"] == "hot"
+    assert pool.lookup("a0", seqs["a0"] + [1])[2] == "hot"  # the oldest, yet neither evicted nor erased
+    assert pool.agent_info("a1") is None  # the oldest unpinned agent went instead
+    pool.close()
+    again = budget_pool(model, tmp_path / "root")
+    assert again.agent_info("a0")["pinned"]  # the pin is in the manifest: it survives a restart
+    again.close()
+
+
+def test_ttl_erases_unused_agents(model, tmp_path):
+    pool = budget_pool(model, tmp_path, ttl_s=3600)
+    for name in ("old", "new"):
+        seq = tokens(20, seed=len(name))
+        pool.commit(name, seq, prefill(model, seq)[0])
+    pool.flush()
+    with pool.persister._cv:  # as if "old" was last used two hours ago
+        pool.persister.agents["old"].last_used -= 7200
+    pool.persister._sweep()
+    assert pool.agent_info("old") is None and pool.agent_info("new") is not None
+    assert not files_naming(tmp_path, "old") and pool.snapshot()["ttl_erasures"] == 1
+    pool.close()
+
+
+def test_erase_leaves_no_file_naming_the_agent_and_spares_the_others(model, tmp_path):
+    pool = budget_pool(model, tmp_path)
+    a, b = tokens(40, seed=1), tokens(40, seed=2)
+    pool.commit("secret-agent", a, prefill(model, a)[0])
+    pool.commit("other", b, prefill(model, b)[0])
+    pool.flush()
+    blocks_before = set(tmp_path.rglob("*.safetensors"))
+    assert files_naming(tmp_path, "secret-agent")
+    assert pool.erase("secret-agent") and not pool.erase("secret-agent")
+    assert not files_naming(tmp_path, "secret-agent")
+    assert len(set(tmp_path.rglob("*.safetensors"))) == len(blocks_before) - 3  # its 3 blocks, nothing else
+    assert pool.lookup("secret-agent", a + [1])[1] == 0
+    assert pool.lookup("other", b + [1])[1] == 40
+    pool.close()
+    assert budget_pool(model, tmp_path).lookup("secret-agent", a + [1])[1] == 0
+
+
+def test_erasure_during_a_request_is_not_undone_by_its_store(model, tmp_path):
+    pool = budget_pool(model, tmp_path)
+    seq = tokens(30)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    hit, n, _ = pool.lookup("a", seq + [5, 6], request_id="r1")  # a request in flight
+    cache, _ = prefill(model, [5, 6], hit)
+    assert pool.erase("a")
+    assert pool.commit("a", seq + [5, 6], cache, request_id="r1") == 0
+    pool.finish("r1")
+    pool.flush()
+    assert pool.agent_info("a") is None and not files_naming(tmp_path, "a")
+    pool.close()
+
+
+def test_a_cache_is_never_stored_under_tokens_it_does_not_cover(model, tmp_path):
+    pool = budget_pool(model, tmp_path)
+    seq = tokens(30)
+    cache, _ = prefill(model, seq)
+    # vllm-mlx's recovery re-runs a request from its prompt but keeps its old output ids: the
+    # cache then covers fewer tokens than it is stored under.
+    assert pool.commit("a", seq + tokens(5, seed=9), cache) == 0
+    assert pool.snapshot()["store_refused"] == 1 and pool.agent_info("a") is None
+    assert pool.commit("a", seq + [7], cache) == 30  # one more: the last generated token, never fed
+    pool.close()
+
+
+class FailingWrites:
+    """Injects ENOSPC into the store's block writes while `failing` is set."""
+
+    def __init__(self, store):
+        self.failing, self.calls, self._write = True, 0, store.write_block
+        store.write_block = self
+
+    def __call__(self, block):
+        self.calls += 1
+        if self.failing:
+            raise StoreWriteError(errno.ENOSPC, "No space left on device (injected)")
+        return self._write(block)
+
+
+def test_full_disk_keeps_memory_within_the_hot_budget_and_recovers(model, tmp_path):
+    seq0 = tokens(40)
+    one = sum(a.nbytes for c in prefill(model, seq0)[0] for part in c.to_arrays() for a in part)
+    budget = int(one * 3.5)
+    pool = budget_pool(model, tmp_path, hot_bytes=budget, retry_delays=(30.0,))
+    writes = FailingWrites(pool.store)
+    for i in range(20):
+        seq = tokens(40, seed=i)
+        pool.commit(f"a{i}", seq, prefill(model, seq)[0])
+        assert pool.hot_bytes <= budget + one  # plus at most the turn in flight
+    stats = pool.snapshot()
+    assert stats["write_errors"] == 20 and stats["unsaved_blocks_dropped"] > 0
+    assert stats["write_queue_bytes"] <= pool.persister.queue_bytes
+    assert not list(tmp_path.glob("*/agents/*.json"))
+    writes.failing = False  # space is back: new turns are cached and durable again
+    seq = tokens(40, seed=99)
+    pool.commit("back", seq, prefill(model, seq)[0])
+    assert all(pool.blocks[b].state == BlockState.DURABLE for b in pool.agents["back"].block_ids)
+    pool.close()
+    assert budget_pool(model, tmp_path).lookup("back", seq + [1])[1] == 40
+
+
+def test_failed_writes_are_retried_without_waiting_for_the_agent(model, tmp_path):
+    pool = budget_pool(model, tmp_path, retry_delays=(0.3, 0.3))
+    writes = FailingWrites(pool.store)
+    seq = tokens(40)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    assert pool.snapshot()["write_errors"] == 1
+    writes.failing = False
+    deadline = time.time() + 10
+    while time.time() < deadline and pool.snapshot()["saves"] == 0:
+        time.sleep(0.05)
+    assert all(pool.blocks[b].state == BlockState.DURABLE for b in pool.agents["a"].block_ids)
+    pool.close()
+    assert budget_pool(model, tmp_path).lookup("a", seq + [1])[1] == 40
+
+
+def test_erased_agent_is_not_resurrected_by_a_pending_retry(model, tmp_path):
+    pool = budget_pool(model, tmp_path, retry_delays=(0.3,))
+    writes = FailingWrites(pool.store)
+    seq = tokens(40)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    assert pool.erase("a") is True
+    writes.failing = False
+    time.sleep(0.8)
+    pool.flush()
+    assert not files_naming(tmp_path, "a") and pool.snapshot()["saves_retrying"] == 0
+    pool.close()
+
+
+def test_read_ahead_of_a_request_that_never_comes_expires(model, tmp_path, monkeypatch):
+    import vllm_mlx_persist.pool as pool_module
+
+    seq = tokens(70)
+    pool = budget_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    pool.close()
+    pool = budget_pool(model, tmp_path)
+    assert pool.prefetch("a") == 5
+    monkeypatch.setattr(pool_module, "PREFETCH_TTL_S", 0.0)
+    assert pool.prefetch("nobody") == 0 and not pool._prefetch  # expired on the next call
+    pool.close()
+    assert pool.prefetch("a") == 0  # closed: no read is started, nothing raises
+
+
+def test_stats_take_constant_time_with_a_hundred_thousand_blocks(model, tmp_path):
+    fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
+    fp = model_fingerprint(model, None, fmt)
+    store = DiskStore(tmp_path, fp, {"test": True}, fmt)
+    for a in range(100):  # manifests only: 100 agents x 1000 blocks, registered cold
+        ids = [f"{a:04x}{b:060x}" for b in range(1000)]
+        store.write_manifest(Manifest(f"agent-{a}", ids, 1000 * BLOCK, time.time()))
+    pool = budget_pool(model, tmp_path)
+    pool.flush()
+    with pool.persister._cv:
+        for bid in pool.blocks:
+            pool.persister._set_size(bid, 4096)
+    assert len(pool.blocks) == 100_000
+    timings = []
+    for _ in range(50):
+        t = time.perf_counter()
+        s = pool.snapshot()
+        timings.append(time.perf_counter() - t)
+    assert s["blocks"] == 100_000 and s["disk_bytes"] >= 100_000 * 4096
+    assert sorted(timings)[25] < 1e-3
+    pool.close()
+
+
+def test_hot_and_reloaded_stay_bit_identical_through_the_persister(model, tmp_path):
+    seq = tokens(50)
+    pool = budget_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    hot = pool.lookup("a", seq + [1])[0]
+    pool.close()
+    cold = budget_pool(model, tmp_path).lookup("a", seq + [1])[0]
+    assert_same_cache(hot, cold)
+    _, x = prefill(model, [1], hot)
+    _, y = prefill(model, [1], cold)
+    assert mx.array_equal(x, y).item()
+
+
+def test_recovery_rerun_is_refused_not_stored_under_wrong_tokens(tmp_path, tiny_llama_dir):
+    """Drive vllm-mlx's own recovery (what `Scheduler.step` does on a cache-corruption error): the
+    request re-runs from its prompt while keeping the output ids it had, so its final cache covers
+    prompt + new output but is stored under prompt + old + new output. That store must be refused."""
+    from mlx_lm import load
+    from vllm_mlx.request import Request, SamplingParams
+    from vllm_mlx.scheduler import Scheduler, SchedulerConfig
+
+    model, tokenizer = load(str(tiny_llama_dir))
+    config = SchedulerConfig(cache_backend="persist_q4",
+                             cache_backend_options={"cache_dir": str(tmp_path), "block_size": 16})
+    sched = Scheduler(model, tokenizer, config)
+    backend = sched.cache_backend
+    backend.load()
+    prompt = tokens(40)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    sched.add_request(Request("r1", prompt, params, prompt_token_ids=prompt, cache_namespace="agent"))
+    for _ in range(6):
+        sched.step()
+    assert 0 < len(sched.requests["r1"].output_token_ids) < 12
+    sched._recover_from_cache_error()
+    sched._reschedule_running_requests()
+    for _ in range(60):
+        if not sched.has_requests():
+            break
+        sched.step()
+    assert not sched.has_requests()
+    stats = backend.get_stats()
+    assert stats["store_refused"] == 1 and stats["agents"] == 0, stats
+    backend.save()
+    assert not list(tmp_path.glob("*/agents/*.json"))
+
+    sched.add_request(Request("r2", prompt, params, prompt_token_ids=prompt, cache_namespace="agent"))
+    while sched.has_requests():
+        sched.step()
+    assert backend.get_stats()["agents"] == 1  # an ordinary run is stored as usual
+    sched.close_cache_backend()
+
+
+def test_offline_agents_command_lists_shows_erases_and_refuses_a_held_root(model, tmp_path):
+    import subprocess
+    import sys
+
+    from vllm_mlx_persist.store import CacheDirLock
+
+    pool = budget_pool(model, tmp_path)
+    for name in ("keep", "drop"):
+        seq = tokens(40, seed=len(name))
+        pool.commit(name, seq, prefill(model, seq)[0])
+    pool.close()
+
+    def agents(*args):
+        return subprocess.run([sys.executable, "-m", "vllm_mlx_persist.cli", "agents", *args,
+                               "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+
+    listed = agents("list", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert {r["id"] for r in json_rows(listed.stdout)} == {"keep", "drop"}
+    shown = agents("show", "drop", "--json")
+    assert shown.returncode == 0 and json_rows(shown.stdout)[0]["tokens"] == 40
+    assert agents("show", "nobody").returncode == 1
+    assert agents("rm", "drop").returncode == 0
+    assert not files_naming(tmp_path, "drop") and files_naming(tmp_path, "keep")
+    assert agents("rm", "drop").returncode == 1
+    assert agents("gc").returncode == 0
+
+    lock = CacheDirLock(tmp_path)  # a server holding the root
+    try:
+        refused = agents("list")
+    finally:
+        lock.release()
+    assert refused.returncode == 2 and "in use by another server" in refused.stderr
+    assert f"pid {__import__('os').getpid()}" in refused.stderr and "/v1/agents" in refused.stderr
+
+
+def json_rows(text: str) -> list:
+    import json
+
+    return json.loads(text)

@@ -1,0 +1,104 @@
+"""`vllm-mlx-persist agents list|show|rm|gc --cache-dir DIR`: the agents of a cache root, offline.
+
+For a root no server is using: it takes the root's lock, so while a server holds it the command
+refuses, names the server's pid and points to the HTTP API (`/v1/agents`) instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+from .store import CacheDirLock, DiskStore, Manifest, StoreError, _MODEL_DIR_RE
+
+
+def _model_stores(root: Path) -> Iterator[DiskStore]:
+    """Every model directory under the root that can be opened (others are reported and skipped)."""
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if entry.is_dir(follow_symlinks=False) and _MODEL_DIR_RE.fullmatch(entry.name) \
+                and os.path.exists(os.path.join(entry.path, "model.json")):
+            try:
+                yield DiskStore.open_existing(Path(entry.path))
+            except StoreError as e:
+                print(f"skipped: {e}", file=sys.stderr)
+
+
+def _describe(store: DiskStore, m: Manifest) -> dict:
+    return {
+        "id": m.namespace,
+        "model_dir": store.dir.name,
+        "tokens": m.n_tokens,
+        "blocks": len(m.block_ids),
+        "bytes_disk": sum(store.block_file_size(b) for b in m.block_ids),
+        "pinned": m.pinned,
+        "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.updated_at)),
+    }
+
+
+def _erase(store: DiskStore, namespace: str) -> bool:
+    manifests = store.list_manifests()
+    target = next((m for m in manifests if m.namespace == namespace), None)
+    if target is None:
+        return False
+    others = {b for m in manifests if m.namespace != namespace for b in m.block_ids}
+    store.delete_agent(namespace, [b for b in target.block_ids if b not in others])
+    return True
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-mlx-persist agents", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["list", "show", "rm", "gc"])
+    parser.add_argument("agent_id", nargs="?")
+    parser.add_argument("--cache-dir", required=True, help="the cache root (persist_q4's cache_dir)")
+    parser.add_argument("--json", action="store_true", help="print JSON")
+    args = parser.parse_args(argv)
+    if args.action in ("show", "rm") and not args.agent_id:
+        parser.error(f"{args.action} needs an agent id")
+    root = Path(os.path.expanduser(args.cache_dir))
+    if not root.is_dir():
+        print(f"error: {root} is not a directory", file=sys.stderr)
+        return 2
+    try:
+        lock = CacheDirLock(root)
+    except (StoreError, OSError) as e:
+        print(f"error: {e}. While a server runs, use its HTTP API: GET /v1/agents, GET or DELETE "
+              f"/v1/agents/ID.", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, root)
+    finally:
+        lock.release()
+
+
+def _run(args: argparse.Namespace, root: Path) -> int:
+    stores = list(_model_stores(root))
+    if args.action == "gc":
+        removed = sum(s.gc(set()) for s in stores)  # blocks no manifest names, stale temp files
+        print(f"removed {removed} unreferenced block file(s) in {len(stores)} model director(ies)")
+        return 0
+    if args.action == "rm":
+        erased = [s.dir.name for s in stores if _erase(s, args.agent_id)]
+        if not erased:
+            print(f"no agent {args.agent_id!r} under {root}", file=sys.stderr)
+            return 1
+        print(f"erased {args.agent_id!r} from {len(erased)} model director(ies)")
+        return 0
+    rows = [_describe(s, m) for s in stores for m in s.list_manifests()
+            if args.action == "list" or m.namespace == args.agent_id]
+    if args.action == "show" and not rows:
+        print(f"no agent {args.agent_id!r} under {root}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        cols = ["id", "model_dir", "tokens", "blocks", "bytes_disk", "pinned", "last_used"]
+        print("\t".join(cols))
+        for r in rows:
+            print("\t".join(str(r[c]) for c in cols))
+    return 0
