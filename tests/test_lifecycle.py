@@ -9,7 +9,7 @@ import time
 import mlx.core as mx
 import pytest
 
-from test_pool import BITS, BLOCK, GROUP, assert_same_cache, make_pool, prefill, tokens
+from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.models import build_model
 from vllm_mlx_persist.persister import Persister

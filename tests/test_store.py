@@ -27,7 +27,6 @@ from vllm_mlx_persist.store import (
     ModelMismatchError,
     StoreError,
     StoreWriteError,
-    Writer,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -557,66 +556,6 @@ def test_concurrent_reads_and_writes(tmp_path):
         t.join()
     assert errors == []
     assert os.listdir(s.tmp_dir) == [] and quarantined(s) == []
-
-
-# --- Writer ----------------------------------------------------------------------------------
-
-
-def test_writer_runs_jobs_in_order():
-    w = Writer()
-    seen = []
-    futs = [w.submit(lambda i: (time.sleep(0.001 * (i % 3)), seen.append(i), i)[-1], i) for i in range(50)]
-    assert w.flush(timeout=10)
-    assert seen == list(range(50))
-    assert [f.result() for f in futs] == list(range(50))
-    assert w.pending == 0
-    w.close()
-
-
-def test_writer_exception_on_future_and_thread_survives(caplog):
-    w = Writer()
-
-    def boom():
-        raise StoreWriteError(28, "No space left on device")
-
-    with caplog.at_level(logging.ERROR, logger="vllm_mlx_persist.store"):
-        f1 = w.submit(boom)
-        f2 = w.submit(lambda: 42)
-        assert f2.result(timeout=10) == 42
-    assert isinstance(f1.exception(), StoreWriteError) and f1.exception().errno == 28
-    assert any("failed" in r.getMessage() for r in caplog.records)
-    w.close()
-
-
-def test_writer_flush_and_close():
-    w = Writer()
-    gate = threading.Event()
-    done = []
-    w.submit(gate.wait)
-    w.submit(done.append, 1)
-    assert w.flush(timeout=0.05) is False  # blocked job: flush times out
-    gate.set()
-    assert w.flush(timeout=10) is True and done == [1]
-    w.submit(time.sleep, 0.05)
-    w.submit(done.append, 2)
-    w.close()  # drains
-    assert done == [1, 2]
-    w.close()  # idempotent
-    assert w.flush() is True
-    with pytest.raises(RuntimeError):
-        w.submit(done.append, 3)
-
-
-def test_writer_with_store(tmp_path):
-    s = open_store(tmp_path)
-    w = Writer()
-    blocks = [make_block(60 + i) for i in range(4)]
-    futs = [w.submit(s.write_block, b) for b in blocks]
-    m = Manifest("agent", [b.block_id for b in blocks], 64, time.time())
-    fm = w.submit(s.write_manifest, m)
-    w.close()
-    assert all(f.result() > 0 for f in futs) and fm.result() is None
-    assert s.read_manifest("agent") == m
 
 
 def _try_lock_elsewhere(root: Path) -> subprocess.CompletedProcess:

@@ -6,7 +6,6 @@ Layout, file formats and the durability protocol are described in docs/disk-form
 
 from __future__ import annotations
 
-import atexit
 import errno
 import fcntl
 import hashlib
@@ -14,17 +13,13 @@ import json
 import logging
 import math
 import os
-import queue
 import re
 import threading
 import time
 import uuid
-import weakref
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 
@@ -609,7 +604,7 @@ class DiskStore:
         stale tmp files; returns the number of block files deleted.
 
         Blocks written but not yet named by a manifest must be in `live_block_ids` (or run gc on the
-        Writer, which orders it after pending writes).
+        persister thread, which orders it after pending writes).
         """
         live = set(live_block_ids)
         for m in self.list_manifests():
@@ -893,89 +888,3 @@ def _parse_manifest(raw: bytes) -> Manifest:
             or not all(isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b) for b in ids)):
         raise _BadFile("malformed manifest fields")
     return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned)
-
-
-# ---------------------------------------------------------------------------------------------
-# Writer
-
-
-_STOP = object()
-
-
-class Writer:
-    """One background thread running submitted jobs in submission order.
-
-    A job's exception is set on its Future and logged; the thread keeps running.
-    """
-
-    def __init__(self, name: str = "vllm-mlx-persist-writer"):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._pending = 0
-        self._pending_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-        # Daemon thread, so drain pending writes at interpreter exit (atexit runs while it is alive).
-        ref = weakref.ref(self)
-        self._atexit = lambda: (w := ref()) is not None and w.close()
-        atexit.register(self._atexit)
-
-    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
-        fut: Future = Future()
-        with self._close_lock:
-            if self._closed:
-                raise RuntimeError("Writer is closed")
-            with self._pending_lock:
-                self._pending += 1
-            self._q.put((fut, fn, args))
-        return fut
-
-    @property
-    def pending(self) -> int:
-        """Jobs submitted and not yet finished."""
-        return self._pending
-
-    def flush(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every job submitted before this call has finished; False on timeout."""
-        if threading.current_thread() is self._thread:
-            raise RuntimeError("flush() called from the writer thread would deadlock")
-        try:
-            fut = self.submit(lambda: None)
-        except RuntimeError:  # closed: close() already drained
-            self._thread.join(timeout)
-            return not self._thread.is_alive()
-        try:
-            fut.result(timeout)
-        except FutureTimeout:
-            return False
-        return True
-
-    def close(self, timeout: Optional[float] = None) -> None:
-        """Run every pending job, then stop the thread. Idempotent."""
-        with self._close_lock:
-            if not self._closed:
-                self._closed = True
-                self._q.put(_STOP)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        atexit.unregister(self._atexit)
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is _STOP:
-                return
-            fut, fn, args = item
-            try:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        result = fn(*args)
-                    except BaseException as e:
-                        logger.error("writer job %s failed: %s", getattr(fn, "__qualname__", fn), e, exc_info=True)
-                        fut.set_exception(e)
-                    else:
-                        fut.set_result(result)
-            finally:
-                with self._pending_lock:
-                    self._pending -= 1
