@@ -203,7 +203,7 @@ class BlockPool:
             # The id chain is seeded with this model and agent: a block written for another model
             # or agent, or one whose tokens were altered, cannot match even if its file is sound.
             if block_id(prev, block.tokens) != bid:
-                self.stats["bad_blocks"] += 1
+                self._refuse_block(agent, bid)
                 break
             prev = bid
             n = _lcp(block.tokens, prompt[covered : covered + len(block.tokens)])
@@ -225,6 +225,20 @@ class BlockPool:
         self.stats["hits_disk" if from_disk else "hits_hot"] += 1
         self.stats["tokens_reused"] += covered
         return self._build_cache(used), covered, tier
+
+    def _refuse_block(self, agent: Agent, bid: str) -> None:
+        """Forget a sound block file whose tokens do not chain (forged, or another agent's), with the
+        rest of `agent`'s chain after it, so the agent's next turn caches past it instead of being
+        refused on every turn. Its file is quarantined unless another agent still names it."""
+        self.stats["bad_blocks"] += 1
+        i = agent.block_ids.index(bid)
+        dropped, agent.block_ids = agent.block_ids[i:], agent.block_ids[:i]
+        dead = [b for b in dropped if self._unref(b)]
+        for b in dropped:
+            self._prefetch.pop(b, None)
+        self._drop_blocks(dead, delete_files=False)
+        if bid in dead and self.writer is not None:  # on the writer: ordered before any rewrite of bid
+            self.writer.submit(self.store.quarantine_block, bid, "its tokens do not follow the agent's chain")
 
     def _find_anonymous(self, prompt: Sequence[int]) -> Optional[Agent]:
         best, best_n = None, 0
@@ -397,7 +411,7 @@ class BlockPool:
     def _evict(self, agent: Agent) -> None:
         """Take an agent out of memory: persistent agents keep their durable blocks on disk."""
         self.stats["evicted_agents"] += 1
-        if not agent.persistent:
+        if not agent.persistent or self.store is None:  # nothing on disk to come back from
             del self.agents[agent.namespace]
             self._drop_blocks([bid for bid in agent.block_ids if self._unref(bid)], delete_files=False)
             return

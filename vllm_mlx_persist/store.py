@@ -614,6 +614,10 @@ class DiskStore:
             self._counts["bytes_read"] += size
         return block
 
+    def quarantine_block(self, block_id: str, reason: str) -> None:
+        """Move aside a block file that passed its own checks but that the caller refused."""
+        self._quarantine(self.block_path(block_id), reason)
+
     def delete_block(self, block_id: str) -> None:
         try:
             os.unlink(self.block_path(block_id))
