@@ -358,6 +358,17 @@ def test_unreadable_model_json_is_refused(tmp_path):
         open_store(tmp_path)
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_model_directory_the_user_cannot_read_is_refused(tmp_path):
+    s = open_store(tmp_path)
+    s.dir.chmod(0)
+    try:
+        with pytest.raises(StoreError, match="Permission denied"):
+            open_store(tmp_path)
+    finally:
+        s.dir.chmod(0o700)
+
+
 # --- write failures --------------------------------------------------------------------------
 
 
