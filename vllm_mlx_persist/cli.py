@@ -25,12 +25,17 @@ def main(argv: list[str] | None = None) -> int:
     # bench and quality own their options: everything after the subcommand goes to their main()
     sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
+    sub.add_parser("reliability", help="crash-point and fuzzed-file campaigns on the real store", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("bench", "quality"):
         from importlib import import_module
 
         return import_module(f".{argv[0]}", __package__).main(argv[1:])
+    if argv and argv[0] == "reliability":
+        from .tools.reliability import main as reliability_main
+
+        return reliability_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "patch":
         from .patcher import run as run_patch
