@@ -9,6 +9,8 @@ are identical and we assert that.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -312,3 +314,91 @@ def test_responses_api_carries_the_agent_and_reports_cached_tokens(server):
     with pytest.raises(openai.BadRequestError, match="agent"):
         client.responses.create(model=server.model, input=messages, max_output_tokens=MAX_TOKENS,
                                 metadata={"agent_id": "../etc"})
+
+
+def _model_cache_dir(home: Path) -> Path:
+    (d,) = [p for p in (home / ".cache" / "vllm-mlx-persist").iterdir() if p.is_dir()]
+    return d
+
+
+def _damage_model_json(model_dir: Path, how: str) -> None:
+    path = model_dir / "model.json"
+    info = json.loads(path.read_text())
+    path.unlink()
+    if how == "invalid_json":
+        path.write_text("{trunc")
+    elif how == "zero_length":
+        path.write_bytes(b"")
+    elif how == "directory":
+        path.mkdir()
+    elif how == "fifo":
+        os.mkfifo(path)
+    elif how == "deep_json":
+        path.write_bytes(b"[" * 100_000)
+    elif how == "other_fingerprint":
+        path.write_text(json.dumps({**info, "fingerprint": info["fingerprint"][:32] + "0" * 32}))
+    elif how == "other_format_version":
+        path.write_text(json.dumps({**info, "format_version": info["format_version"] + 1}))
+
+
+MODEL_DIR_DAMAGE = ["invalid_json", "zero_length", "directory", "fifo", "deep_json", "other_fingerprint",
+                    "other_format_version"]
+
+
+def test_unusable_model_directory_serves_from_memory_and_says_so(models, tmp_path):
+    """When the model's directory under the cache root cannot be opened, every request still
+    succeeds (never "ready but every request 500"), agents are cached in memory, and /v1/status
+    says the disk tier is off and why; the directory is left as it was for the operator."""
+    home = tmp_path / "home"
+    reference = Chat("alice")
+    srv = Server(models["llama"], home, options=OPTIONS).start()
+    try:
+        reference.turn(srv, 0)
+        reference.turn(srv, 1)
+        srv.stop()
+        model_dir = _model_cache_dir(home)
+        pristine = (model_dir / "model.json").read_bytes()
+        for how in MODEL_DIR_DAMAGE:
+            _damage_model_json(model_dir, how)
+            srv.start()
+            assert srv.get_json("/health")["status"] == "healthy"
+            chat = Chat(f"agent-{how.replace('_', '-')}")
+            chat.turn(srv, 0)
+            chat.turn(srv, 1)
+            assert chat.cached[1] >= chat.prompt_tokens[0], how  # the in-memory tier works
+            cold = Chat("cold").send(srv, chat.messages[:-1])
+            assert cold[1] == 0 and cold[0] == chat.outputs[1], (how, srv.log_tail())
+            assert Chat(None).send(srv, reference.messages[:1])[0] == reference.outputs[0]  # anonymous too
+            cache = srv.get_json("/v1/status")["cache"]
+            assert cache["disk_tier"] == "disabled", (how, cache)
+            assert any(w in cache["disk_error"] for w in ("model.json", "another model", "format version")), cache
+            assert "disk tier DISABLED" in srv.log_tail(400), how
+            srv.stop()
+            path = model_dir / "model.json"
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()
+            else:
+                path.unlink()
+            path.write_bytes(pristine)
+        srv.start()  # repaired: the disk tier is back, with alice's turns from before
+        assert srv.get_json("/v1/status")["cache"]["disk_tier"] == "on"
+        _, cached, _ = reference.send(srv, reference.messages[:-1])
+        assert cached >= reference.prompt_tokens[0]
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("case", ["lock_is_directory", "root_is_file"])
+def test_unusable_cache_root_is_refused_in_one_line(models, tmp_path, case):
+    root = tmp_path / "root"
+    if case == "root_is_file":
+        root.write_text("x")
+    else:
+        (root / ".lock").mkdir(parents=True)
+    srv = Server(models["llama"], tmp_path / "home", options={**OPTIONS, "cache_dir": str(root)})
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        srv.start(timeout=120)
+    log = srv.log_tail(400)
+    assert "Traceback" not in log, log
+    (line,) = [l for l in log.splitlines() if "persist_q4: " in l and "ERROR" in l]
+    assert str(root) in line and ("is not a directory" in line or ".lock: Is a directory" in line), line

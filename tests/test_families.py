@@ -20,7 +20,6 @@ move logits by about one std or more).
 import random
 
 import mlx.core as mx
-import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache

@@ -9,6 +9,7 @@ from disk, and reloaded after eviction, must be bit-identical (same arrays, same
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 
@@ -20,7 +21,7 @@ from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.models import build_model
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.q4cache import make_q4_prompt_cache
-from vllm_mlx_persist.store import DiskStore
+from vllm_mlx_persist.store import DiskStore, Manifest
 
 BITS, GROUP, BLOCK = 4, 64, 16
 COLD_HOT_TOL = 1e-2
@@ -183,3 +184,63 @@ def test_prefetched_blocks_are_the_blocks_read_on_demand(model, tmp_path):
     assert (n, tier) == (70, "disk") and ahead.stats["blocks_prefetched"] == 5
     assert_same_cache(hit, on_demand)
     assert ahead.prefetch("a") == 0 and not ahead._prefetch  # now hot: nothing to read
+
+
+def test_refused_block_is_dropped_quarantined_and_recached(model, tmp_path):
+    """A block file with a valid checksum whose tokens do not chain (forged) is refused once: it
+    leaves the agent's chain and goes to quarantine, and the agent's next turn caches past it."""
+    seq = tokens(70)  # blocks of 16: 4 full + a tail of 6
+    cache, _ = prefill(model, seq)
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, cache)
+    forged_id = pool.agents["a"].block_ids[2]
+    pool.close()
+    store = pool.store
+    data = store.read_block(forged_id)
+    data.tokens = (data.tokens + 1).astype(np.int32)
+    assert store.write_block(data) > 0  # the store recomputes the checksum: the file itself is sound
+
+    restarted = make_pool(model, tmp_path)
+    hit, n, _ = restarted.lookup("a", seq + [1])
+    assert n == 32 and restarted.stats["bad_blocks"] == 1
+    assert restarted.agents["a"].block_ids == pool.agents["a"].block_ids[:2]
+    restarted.flush()
+    assert any(q.startswith(forged_id) for q in os.listdir(store.quarantine_dir))
+    # The next turn rebuilds the refused block and those after it; nothing is refused again.
+    restarted.commit("a", seq, cache)
+    assert restarted.lookup("a", seq + [1])[1] == 70 and restarted.stats["bad_blocks"] == 1
+    restarted.close()
+    again = make_pool(model, tmp_path)
+    hit2, n2, tier = again.lookup("a", seq + [1])
+    assert (n2, tier) == (70, "disk") and again.stats["bad_blocks"] == 0
+    assert_same_cache(hit2, cache)
+
+
+def test_manifest_naming_another_agents_blocks_leaves_them_alone(model, tmp_path):
+    """Agent b's manifest pointing at a's blocks: b is refused, a's files stay and a still hits."""
+    seq = tokens(40)
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    pool.close()
+    store = pool.store
+    store.write_manifest(Manifest("b", list(pool.agents["a"].block_ids), 40, 1.0))
+    restarted = make_pool(model, tmp_path)
+    assert restarted.lookup("b", seq + [1])[1] == 0 and restarted.stats["bad_blocks"] == 1
+    assert restarted.agents["b"].block_ids == []
+    restarted.flush()
+    assert os.listdir(store.quarantine_dir) == []
+    assert restarted.lookup("a", seq + [1])[1] == 40
+
+
+def test_memory_only_pool_stays_within_its_budget(model):
+    """Without a disk tier (store=None) evicting an agent must free its blocks."""
+    seqs = {name: tokens(48, seed=i) for i, name in enumerate("abc")}
+    caches = {name: prefill(model, s)[0] for name, s in seqs.items()}
+    one_agent = sum(a.nbytes for a in arrays(caches["a"]))
+    pool = BlockPool(fingerprint="f" * 64, n_layers=len(model.layers), bits=BITS, group_size=GROUP,
+                     block_size=BLOCK, hot_bytes=int(one_agent * 1.5), store=None)
+    for name in "abc":
+        pool.commit(name, seqs[name], caches[name])
+        assert pool.hot_bytes <= int(one_agent * 1.5)
+    assert pool.lookup("c", seqs["c"] + [1])[1] == 48
+    assert pool.lookup("a", seqs["a"] + [1])[1] == 0  # evicted: gone, not pinned

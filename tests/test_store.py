@@ -357,6 +357,17 @@ def test_unreadable_model_json_is_refused(tmp_path):
         open_store(tmp_path)
 
 
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_model_directory_the_user_cannot_read_is_refused(tmp_path):
+    s = open_store(tmp_path)
+    s.dir.chmod(0)
+    try:
+        with pytest.raises(StoreError, match="Permission denied"):
+            open_store(tmp_path)
+    finally:
+        s.dir.chmod(0o700)
+
+
 # --- write failures --------------------------------------------------------------------------
 
 
@@ -626,3 +637,210 @@ def test_cache_is_private_to_its_owner(tmp_path):
     root.chmod(0o755)  # a root left open by hand (or by an older version) is closed again
     CacheDirLock(root).release()
     assert root.stat().st_mode & 0o777 == 0o700
+
+
+# --- hostile files: FIFOs, links, deep JSON, oversized files (issue #12) ----------------------
+
+
+def no_hang(fn, *args, timeout: float = 30):
+    """Run fn(*args) on a thread; fail (rather than hang the suite) if it does not return in time."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as e:  # re-raised on the test thread
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} hung for {timeout}s"
+    if "error" in out:
+        raise out["error"]
+    return out.get("value")
+
+
+def _plant(path: Path, kind: str, good: Path) -> None:
+    """Put a non-regular file of `kind` at `path` (good: a sound file of the same kind to link to)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "symlink_fifo":
+        target = path.with_name("target.fifo")
+        if not target.exists():
+            os.mkfifo(target)
+        os.symlink(target, path)
+    elif kind == "symlink_file":
+        os.symlink(good, path)
+    elif kind == "symlink_dev":
+        os.symlink("/dev/zero", path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "chardev":
+        try:
+            os.mknod(path, 0o600 | __import__("stat").S_IFCHR, os.makedev(1, 5))  # like /dev/zero
+        except PermissionError:
+            pytest.skip("mknod needs CAP_MKNOD")
+
+
+NON_REGULAR = ["fifo", "symlink_fifo", "symlink_file", "symlink_dev", "directory", "chardev"]
+
+
+@pytest.mark.parametrize("kind", NON_REGULAR)
+def test_non_regular_block_file_is_quarantined_without_blocking(tmp_path, kind):
+    """A FIFO (or a link to one, or a device) where a block file should be must not hang the
+    reader: it is moved aside unread, the read is a miss, and a write replaces it."""
+    s = open_store(tmp_path)
+    other, blk = make_block(40), make_block(41)
+    s.write_block(other)
+    path = s.block_path(blk.block_id)
+    _plant(path, kind, s.block_path(other.block_id))
+    assert no_hang(s.read_block, blk.block_id) is None
+    assert not os.path.lexists(path) and len(quarantined(s)) == 1
+    assert s.stats()["quarantined"] == 1
+    assert_same(other, s.read_block(other.block_id))  # a link's target is untouched
+    _plant(path, kind, s.block_path(other.block_id))
+    assert no_hang(s.write_block, blk) > 0  # the writer's "already there?" check must not block either
+    assert_same(blk, s.read_block(blk.block_id))
+
+
+@pytest.mark.parametrize("kind", NON_REGULAR)
+def test_non_regular_manifest_is_quarantined_and_load_proceeds(tmp_path, kind):
+    s = open_store(tmp_path)
+    s.write_manifest(Manifest("good", [], 0, 1.0))
+    s.write_manifest(Manifest("victim", [], 0, 1.0))
+    path = s.manifest_path("victim")
+    path.unlink()
+    _plant(path, kind, s.manifest_path("good"))
+    assert [m.namespace for m in no_hang(s.list_manifests)] == ["good"]
+    assert not os.path.lexists(path) and len(quarantined(s)) == 1
+    assert no_hang(s.read_manifest, "victim") is None
+
+
+@pytest.mark.parametrize("kind", ["fifo", "symlink_fifo", "directory", "symlink_file"])
+def test_non_regular_model_json_is_refused_without_blocking(tmp_path, kind):
+    s = open_store(tmp_path)
+    good = tmp_path / "good.json"
+    os.replace(s.dir / "model.json", good)
+    _plant(s.dir / "model.json", kind, good)
+    with pytest.raises(StoreError, match="model.json is unreadable .*not a regular file"):
+        no_hang(open_store, tmp_path)
+
+
+def test_non_regular_entries_in_quarantine_are_pruned(tmp_path, monkeypatch):
+    """Quarantined FIFOs, links and directories count against the bounds like files do."""
+    s = open_store(tmp_path)
+    for kind in ("fifo", "symlink_dev", "directory"):
+        _plant(s.quarantine_dir / kind, kind, s.dir / "model.json")
+    (s.quarantine_dir / "directory" / "inner").write_bytes(b"x")
+    monkeypatch.setattr(store_mod, "QUARANTINE_KEEP_FILES", 1)
+    open_store(tmp_path)
+    assert len(quarantined(s)) == 1
+
+
+DEEP = b"[" * 100_000
+
+
+def test_deeply_nested_json_manifest_is_quarantined_and_load_proceeds(tmp_path):
+    s = open_store(tmp_path)
+    for ns in ("a", "b"):
+        s.write_manifest(Manifest(ns, [], 0, 1.0))
+    s.manifest_path("a").write_bytes(DEEP)
+    (s.agents_dir / ("0" * 64 + ".json")).write_bytes(b'{"x": ' + DEEP + b"}")
+    assert [m.namespace for m in s.list_manifests()] == ["b"]
+    assert len(quarantined(s)) == 2
+    assert s.read_manifest("a") is None
+
+
+def test_deeply_nested_json_block_header_is_quarantined(tmp_path):
+    s = open_store(tmp_path)
+    blk = make_block(42)
+    path = s.block_path(blk.block_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for header in (DEEP, b'{"__metadata__": ' + DEEP + b"}", b'{"t": {"data_offsets": [0, ' + DEEP + b"]}}"):
+        path.write_bytes(len(header).to_bytes(8, "little") + header)
+        assert s.write_block(blk) > 0  # the "already there?" check treats it as absent
+        path.write_bytes(len(header).to_bytes(8, "little") + header)
+        assert s.read_block(blk.block_id) is None
+        assert not path.exists()
+    assert len(quarantined(s)) == 3
+
+
+def test_deeply_nested_model_json_is_refused(tmp_path):
+    s = open_store(tmp_path)
+    (s.dir / "model.json").write_bytes(DEEP)
+    with pytest.raises(StoreError, match="unreadable"):
+        open_store(tmp_path)
+
+
+def test_oversized_block_is_refused_before_its_data_is_read(tmp_path, monkeypatch):
+    """A sound header followed by 512 MiB (sparse) of padding, a file over the cap, and a header
+    that claims more data than the file holds: all quarantined having read at most the header."""
+    s = open_store(tmp_path)
+    read_sizes: list[int] = []
+    real_read_exact = store_mod._read_exact
+    monkeypatch.setattr(store_mod, "_read_exact",
+                        lambda fd, size, offset=0: read_sizes.append(size) or real_read_exact(fd, size, offset))
+    blk = make_block(43)
+    s.write_block(blk)
+    path = s.block_path(blk.block_id)
+    good_size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(512 << 20)
+    assert s.read_block(blk.block_id) is None
+    assert max(read_sizes) < 64 << 10, read_sizes  # 8 bytes, then the header: never the data
+    assert s.stats()["bytes_read"] == 0
+
+    s.write_block(blk)
+    s.max_block_bytes = good_size - 1
+    read_sizes.clear()
+    assert s.read_block(blk.block_id) is None
+    assert read_sizes == []  # refused on fstat alone
+    with pytest.raises(StoreWriteError, match="block cap"):  # and never written beyond what can be read
+        s.write_block(make_block(44))
+    s.max_block_bytes = store_mod.MAX_BLOCK_BYTES
+
+    s.write_block(blk)
+    with open(path, "r+b") as f:
+        f.truncate(good_size - 1)  # header says more than the file holds
+    assert s.read_block(blk.block_id) is None
+    assert len(quarantined(s)) == 3
+    s.write_block(blk)
+    assert_same(blk, s.read_block(blk.block_id))
+
+
+def test_oversized_manifest_is_quarantined_unread_and_never_written(tmp_path, monkeypatch):
+    s = open_store(tmp_path)
+    s.write_manifest(Manifest("big", ["ab" * 32] * 10, 2560, 1.0))
+    s.write_manifest(Manifest("small", [], 0, 1.0))
+    with open(s.manifest_path("big"), "r+b") as f:
+        f.truncate(store_mod.MAX_MANIFEST_BYTES + 1)  # sparse
+    assert [m.namespace for m in s.list_manifests()] == ["small"]
+    assert len(quarantined(s)) == 1
+    monkeypatch.setattr(store_mod, "MAX_MANIFEST_BYTES", 1000)
+    with pytest.raises(StoreWriteError, match="manifest cap"):
+        s.write_manifest(Manifest("big", ["ab" * 32] * 20, 5120, 1.0))
+    assert not s.manifest_path("big").exists() and os.listdir(s.tmp_dir) == []
+
+
+@pytest.mark.parametrize("case", ["root_is_file", "lock_is_dir", "lock_is_fifo", "lock_is_symlink",
+                                  "parent_is_file"])
+def test_unusable_cache_root_is_refused_in_one_clear_line(tmp_path, case):
+    root = tmp_path / "root"
+    if case == "root_is_file":
+        root.write_text("x")
+        match = "exists and is not a directory"
+    elif case == "parent_is_file":
+        (tmp_path / "file").write_text("x")
+        root = tmp_path / "file" / "root"
+        match = "cannot create the cache directory .*Not a directory"
+    else:
+        root.mkdir()
+        lock = root / ".lock"
+        {"lock_is_dir": lock.mkdir, "lock_is_fifo": lambda: os.mkfifo(lock),
+         "lock_is_symlink": lambda: os.symlink(tmp_path / "elsewhere", lock)}[case]()
+        match = r"cannot lock the cache directory: .*\.lock"
+    with pytest.raises(StoreError, match=match) as e:
+        no_hang(CacheDirLock, root)
+    assert "\n" not in str(e.value) and str(root) in str(e.value)

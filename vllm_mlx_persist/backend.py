@@ -74,13 +74,37 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     return opts
 
 
+class _OneLineRefusal(logging.Filter):
+    """uvicorn logs a failed start-up as the whole traceback; for a refusal of ours the message says
+    everything, so that record is reduced to it (other records pass untouched)."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.msg
+        if isinstance(msg, str) and msg.startswith("Traceback") and msg.rstrip().endswith(self.message):
+            record.msg, record.args, record.exc_info, record.exc_text = self.message, (), None, None
+        return True
+
+
+def _refuse(e: ValueError) -> ValueError:
+    """Make the start-up failure that `e` causes print as one line; returns `e` to raise."""
+    logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(str(e).strip()))
+    return e
+
+
 class PersistQ4Backend:
     """Per-agent persistent 4-bit prefix cache for vllm-mlx's continuous-batching scheduler."""
 
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
-        opts = parse_options(options)
-        # Refuses, naming the model type and the reason, the few models that cannot work.
-        self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
+        try:
+            opts = parse_options(options)
+            # Refuses, naming the model type and the reason, the few models that cannot work.
+            self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
+        except ValueError as e:
+            raise _refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
         set_prefill_attention(opts["prefill_attention"])
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
@@ -89,14 +113,19 @@ class PersistQ4Backend:
         try:  # here, not with the pool: a second server on the same directory fails at start-up
             self._dir_lock = CacheDirLock(self.cache_dir)
         except (StoreError, OSError) as e:
-            raise ValueError(f"persist_q4: {e}") from None
+            raise _refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
+        self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
         self.closed = False
 
     @property
     def pool(self) -> BlockPool:
         """The pool, built on first use. The factory runs on the event-loop thread, but hashing the
-        weights is MLX work, which belongs on the worker thread that calls everything else."""
+        weights is MLX work, which belongs on the worker thread that calls everything else.
+
+        The model's directory under the root is only known here, after hashing: if it cannot be used
+        (bad model.json, another model's or format version's, unreadable) the server serves with an
+        in-memory cache only and says why in get_stats(), rather than fail every request."""
         if self._pool is None:
             opts = self.opts
             cache_format = {
@@ -108,12 +137,18 @@ class PersistQ4Backend:
             self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
             n_layers = self.codec.n_layers
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)
-            store = DiskStore(self.cache_dir, self.fingerprint, {"model_type": model_type, "n_layers": n_layers},
-                              cache_format)
-            ttl = opts["ttl_hours"]
-            persister = Persister(store, disk_budget=int(opts["disk_mb"] * 2**20),
-                                  ttl_s=None if ttl is None else ttl * 3600.0,
-                                  queue_bytes=max(64 << 20, int(opts["hot_mb"] * 2**20) // 4))
+            try:
+                store = DiskStore(self.cache_dir, self.fingerprint,
+                                  {"model_type": model_type, "n_layers": n_layers}, cache_format)
+            except StoreError as e:
+                store, self.disk_error = None, str(e)
+                log.error("persist_q4: disk tier DISABLED, agents are cached in memory only: %s", e)
+            persister = None
+            if store is not None:
+                ttl = opts["ttl_hours"]
+                persister = Persister(store, disk_budget=int(opts["disk_mb"] * 2**20),
+                                      ttl_s=None if ttl is None else ttl * 3600.0,
+                                      queue_bytes=max(64 << 20, int(opts["hot_mb"] * 2**20) // 4))
             self._pool = BlockPool(
                 fingerprint=self.fingerprint,
                 n_layers=n_layers,
@@ -130,7 +165,7 @@ class PersistQ4Backend:
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
                 "dir %s (model %s)",
                 self.bits, self.group_size, opts["block_size"], opts["hot_mb"], opts["prefill_attention"],
-                store.model_dir, self.fingerprint[:16],
+                store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
 
@@ -187,7 +222,8 @@ class PersistQ4Backend:
     def get_stats(self) -> dict:
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
             return {"backend": "persist_q4"}
-        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **self._pool.snapshot()}
+        disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
+        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot()}
 
     def clear(self) -> None:
         if self._pool is not None:

@@ -26,9 +26,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
     sub.add_parser("agents", help="list, show, erase (rm) agents or gc a cache root offline", add_help=False)
+    sub.add_parser("reliability", help="crash-point and fuzzed-file campaigns on the real store", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
-    routes = {"bench": "bench", "quality": "quality", "agents": "offline"}
+    routes = {"bench": "bench", "quality": "quality", "agents": "offline", "reliability": "tools.reliability"}
     if argv and argv[0] in routes:
         from importlib import import_module
 

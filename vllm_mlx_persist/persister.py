@@ -161,6 +161,14 @@ class Persister:
         """Record the pin in the agent's manifest (durably); True if the agent is on disk."""
         return self._submit(self._pin_job, 0, (namespace, pinned))
 
+    def quarantine_block(self, block_id: str, reason: str) -> Future:
+        """Move a block file aside (after the writes queued before this call)."""
+        def job(j: _Job) -> None:
+            self.store.quarantine_block(block_id, reason)
+            self._finish(j, True)
+
+        return self._submit(job, 0)
+
     def touch(self, namespace: str) -> None:
         """The agent was used now (any thread)."""
         with self._cv:

@@ -297,8 +297,7 @@ class BlockPool:
             # The id chain is seeded with this model and agent: a block written for another model
             # or agent, or one whose tokens were altered, cannot match even if its file is sound.
             if block_id(prev, block.tokens) != bid:
-                self.stats["bad_blocks"] += 1
-                self._cut_chain(agent, i)
+                self._refuse_block(agent, i)
                 break
             prev = bid
             n = min(_lcp(block.tokens, prompt[covered : covered + len(block.tokens)]), limit - covered)
@@ -309,6 +308,17 @@ class BlockPool:
             if n < len(block.tokens):
                 break
         return used, from_disk
+
+    def _refuse_block(self, agent: Agent, i: int) -> None:
+        """Forget a sound block file whose tokens do not chain (forged, or another agent's), with the
+        rest of `agent`'s chain after it, so the agent's next turn caches past it instead of being
+        refused on every turn. Its file is quarantined unless another agent still names it."""
+        self.stats["bad_blocks"] += 1
+        bid = agent.block_ids[i]
+        unshared = self.refs.get(bid) == 1
+        self._cut_chain(agent, i)
+        if unshared and self.persister is not None:  # on the writer: ordered before any rewrite of bid
+            self.persister.quarantine_block(bid, "its tokens do not follow the agent's chain")
 
     def _first_block(self, agent: Agent) -> Block:
         return self.blocks[agent.block_ids[0]]
@@ -611,6 +621,9 @@ class BlockPool:
         self.stats["evicted_agents"] += 1
         if not agent.persistent:
             self._drop_anonymous(agent)
+            return
+        if self.persister is None:  # no disk tier: nothing to come back from
+            self._forget(agent.namespace)
             return
         for i, bid in enumerate(agent.block_ids):
             block = self.blocks.get(bid)

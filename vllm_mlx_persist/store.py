@@ -14,6 +14,8 @@ import logging
 import math
 import os
 import re
+import shutil
+import stat
 import threading
 import time
 import uuid
@@ -33,6 +35,14 @@ _MANIFEST_FORMAT = "vllm-mlx-persist.manifest"
 _TOKENS = "tokens"
 _BLOCK_SUFFIX = ".safetensors"
 _MAX_HEADER = 16 << 20
+# Size caps checked (from fstat) before a file is read: anything larger is quarantined unread.
+# A real block is a few MiB to tens of MiB (64 layers x 8 heads x 256 tokens x head_dim 128 is 18 MiB).
+MAX_BLOCK_BYTES = 1 << 30
+MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
+_MAX_MODEL_JSON = 1 << 20
+# Never follow a symlink, never block on a FIFO or device: the file type is checked after opening.
+_O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+           | getattr(os, "O_NOFOLLOW", 0))
 # A tmp file of a live process is left alone at open unless it is at least this old.
 STALE_TMP_S = 3600.0
 # The cache holds conversations in recoverable form (token ids, and KV that can be decoded back to
@@ -134,6 +144,39 @@ def _bytes_view(a: np.ndarray) -> memoryview:
     return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
 
 
+def _open_regular(path: Path) -> tuple[int, int]:
+    """Open `path` for reading; returns (fd, size). FileNotFoundError when absent; _BadFile when it
+    is a symlink, FIFO, socket, device or directory (opened non-blocking, so none of them can hang)."""
+    try:
+        fd = os.open(path, _O_READ)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENXIO):  # O_NOFOLLOW on a symlink; a socket
+            raise _BadFile(f"not a regular file ({e.strerror})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise _BadFile(f"not a regular file (mode {stat.filemode(st.st_mode)})")
+    return fd, st.st_size
+
+
+def _read_exact(fd: int, size: int, offset: int = 0) -> bytearray:
+    """`size` bytes from `offset`; _BadFile if the file ends first."""
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    os.lseek(fd, offset, os.SEEK_SET)
+    while got < size:
+        n = os.readv(fd, [view[got:]])
+        if n == 0:
+            raise _BadFile(f"file shrank while reading ({got} of {size} bytes)")
+        got += n
+    return buf
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -205,11 +248,18 @@ class CacheDirLock:
     _guard = threading.Lock()
 
     def __init__(self, root: Path):
-        Path(root).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        try:
+            Path(root).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        except FileExistsError:
+            raise StoreError(f"cache directory {root} exists and is not a directory") from None
+        except OSError as e:
+            raise StoreError(f"cannot create the cache directory {root}: {e.strerror or e}") from None
         self.root = Path(root).resolve()
         st = os.stat(self.root)
         if st.st_mode & 0o077 and st.st_uid == os.getuid():  # a root made before, or by hand
             os.chmod(self.root, _DIR_MODE)
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise StoreError(f"cache directory {self.root} is not writable by this user (uid {os.getuid()})")
         self._released = False
         with self._guard:
             entry = self._held.get(self.root)
@@ -218,7 +268,15 @@ class CacheDirLock:
             entry[1] += 1
 
     def _acquire(self) -> int:
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, _FILE_MODE)
+        path = self.root / ".lock"
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), _FILE_MODE)
+        except OSError as e:
+            raise StoreError(f"cannot lock the cache directory: {path}: {e.strerror or e}") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(f"cannot lock the cache directory: {path} is not a regular file; remove it")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -264,6 +322,7 @@ class DiskStore:
         self.agents_dir = self.dir / "agents"
         self.quarantine_dir = self.dir / "quarantine"
         self.tmp_dir = self.dir / "tmp"
+        self.max_block_bytes = MAX_BLOCK_BYTES
         self._lock = threading.Lock()
         self._counts = {"block_writes": 0, "block_write_skips": 0, "block_reads": 0, "block_misses": 0,
                         "manifest_writes": 0, "manifest_reads": 0, "quarantined": 0,
@@ -289,9 +348,12 @@ class DiskStore:
                 _fsync_dir(self.dir)
         path = self.dir / "model.json"
         try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            raw = None
+            raw = self._read_model_json(path)
+        except _BadFile as e:
+            raise StoreError(
+                f"{path} is unreadable ({e}); cannot tell which model this cache belongs to. "
+                f"Remove {self.dir} to start this model's cache afresh."
+            ) from None
         if raw is None:
             info = {"format": _MODEL_FORMAT, "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
                     "model_info": model_info, "format_info": format_info, "created_at": time.time()}
@@ -304,7 +366,7 @@ class DiskStore:
         try:
             info = json.loads(raw)
             theirs_fp, theirs_v = info["fingerprint"], info["format_version"]
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, RecursionError) as e:
             raise StoreError(
                 f"{path} is unreadable ({e}); cannot tell which model this cache belongs to. "
                 f"Remove {self.dir} to start this model's cache afresh."
@@ -323,6 +385,20 @@ class DiskStore:
         if _canonical(info.get("format_info")) != _canonical(json.loads(json.dumps(format_info, default=str))):
             logger.warning("%s: format_info differs from the one recorded (%s); fingerprint matches, continuing",
                            self.dir, info.get("format_info"))
+
+    @staticmethod
+    def _read_model_json(path: Path) -> Optional[bytes]:
+        """model.json's bytes, None when absent; _BadFile when not a regular file or over the cap."""
+        try:
+            fd, size = _open_regular(path)
+        except FileNotFoundError:
+            return None
+        try:
+            if size > _MAX_MODEL_JSON:
+                raise _BadFile(f"{size} bytes, over the {_MAX_MODEL_JSON}-byte cap")
+            return bytes(_read_exact(fd, size))
+        finally:
+            os.close(fd)
 
     # -- paths, tmp files, quarantine ------------------------------------------------------
 
@@ -385,7 +461,7 @@ class DiskStore:
         try:
             if fd is not None:
                 # Only move the file we actually read, not a good copy renamed over it meanwhile.
-                st, cur = os.fstat(fd), os.stat(path)
+                st, cur = os.fstat(fd), os.lstat(path)
                 if (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino):
                     logger.warning("%s failed its checks (%s) but was replaced meanwhile; left alone", path, reason)
                     return
@@ -402,14 +478,20 @@ class DiskStore:
     def _prune_quarantine(self) -> int:
         """Delete quarantined files older than QUARANTINE_KEEP_S, and all but the newest
         QUARANTINE_KEEP_FILES; returns how many were deleted."""
+        # Any entry counts, not only regular files: FIFOs, symlinks and directories are quarantined too.
         try:
-            entries = sorted(((e.stat().st_mtime, e.path) for e in os.scandir(self.quarantine_dir)
-                              if e.is_file(follow_symlinks=False)), reverse=True)
+            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e.path, e.is_dir(follow_symlinks=False))
+                              for e in os.scandir(self.quarantine_dir)), reverse=True)
         except OSError:
             return 0
         cutoff = time.time() - QUARANTINE_KEEP_S
-        old = [path for i, (mtime, path) in enumerate(entries) if i >= QUARANTINE_KEEP_FILES or mtime < cutoff]
-        return _remove_files(old, "old quarantined file(s)", self.quarantine_dir)
+        old = [(path, is_dir) for i, (mtime, path, is_dir) in enumerate(entries)
+               if i >= QUARANTINE_KEEP_FILES or mtime < cutoff]
+        for path, _ in (o for o in old if o[1]):
+            shutil.rmtree(path, ignore_errors=True)
+        removed = _remove_files([path for path, is_dir in old if not is_dir], "old quarantined file(s)",
+                                self.quarantine_dir)
+        return removed + sum(1 for o in old if o[1])
 
     def _clean_tmp(self, max_age_live: float) -> int:
         """Remove tmp files of dead processes, and any older than max_age_live seconds."""
@@ -437,6 +519,11 @@ class DiskStore:
         """
         chunks, checksum, total = _encode_block(block)
         path = self.block_path(block.block_id)
+        if total > self.max_block_bytes:  # could never be read back
+            with self._lock:
+                self._counts["write_errors"] += 1
+            raise StoreWriteError(errno.EFBIG, f"writing {path.name}: {total} bytes, over the "
+                                  f"{self.max_block_bytes}-byte block cap", str(path))
         if self._existing_block_matches(path, checksum, total):
             with self._lock:
                 self._counts["block_write_skips"] += 1
@@ -449,16 +536,24 @@ class DiskStore:
 
     def _existing_block_matches(self, path: Path, checksum: str, total: int) -> bool:
         try:
-            with open(path, "rb") as f:
-                if os.fstat(f.fileno()).st_size != total:
-                    return False
-                n = int.from_bytes(f.read(8), "little")
-                if n > _MAX_HEADER:
-                    return False
-                meta = json.loads(f.read(n)).get("__metadata__", {})
-            return meta.get("format_version") == str(FORMAT_VERSION) and meta.get("checksum") == checksum
-        except (OSError, ValueError, AttributeError):
+            fd, size = _open_regular(path)
+        except _BadFile as e:  # a FIFO, symlink or directory: moved aside, then the write replaces it
+            self._quarantine(path, str(e))
             return False
+        except OSError:
+            return False
+        try:
+            if size != total:
+                return False
+            n = int.from_bytes(_read_exact(fd, 8), "little")
+            if n > _MAX_HEADER or 8 + n > size:
+                return False
+            meta = json.loads(bytes(_read_exact(fd, n, 8))).get("__metadata__", {})
+            return meta.get("format_version") == str(FORMAT_VERSION) and meta.get("checksum") == checksum
+        except (OSError, ValueError, AttributeError, RecursionError, _BadFile):
+            return False
+        finally:
+            os.close(fd)
 
     def has_block(self, block_id: str) -> bool:
         """Whether a block file exists (not verified: read_block does that)."""
@@ -468,8 +563,13 @@ class DiskStore:
         """The block, verified; None when absent or bad (a bad file is quarantined)."""
         path = self.block_path(block_id)
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd, size = _open_regular(path)
         except FileNotFoundError:
+            with self._lock:
+                self._counts["block_misses"] += 1
+            return None
+        except _BadFile as e:  # a FIFO, device, symlink or directory: moved aside unopened
+            self._quarantine(path, str(e))
             with self._lock:
                 self._counts["block_misses"] += 1
             return None
@@ -478,17 +578,10 @@ class DiskStore:
             return None
         try:
             try:
-                size = os.fstat(fd).st_size
-                buf = bytearray(size)
-                view, got = memoryview(buf), 0
-                while got < size:
-                    n = os.readv(fd, [view[got:]])
-                    if n == 0:
-                        raise _BadFile(f"file shrank while reading ({got} of {size} bytes)")
-                    got += n
-                block = _parse_block(buf, block_id)
-            except (_BadFile, OSError) as e:
-                self._quarantine(path, str(e) or type(e).__name__, fd)
+                _check_block_size(fd, size, self.max_block_bytes)  # before reading the data
+                block = _parse_block(_read_exact(fd, size), block_id)
+            except Exception as e:  # untrusted bytes: whatever the parser did not foresee is a bad file
+                self._quarantine(path, _reason(e), fd)
                 with self._lock:
                     self._counts["block_misses"] += 1
                 return None
@@ -498,6 +591,10 @@ class DiskStore:
             self._counts["block_reads"] += 1
             self._counts["bytes_read"] += size
         return block
+
+    def quarantine_block(self, block_id: str, reason: str) -> None:
+        """Move aside a block file that passed its own checks but that the caller refused."""
+        self._quarantine(self.block_path(block_id), reason)
 
     def delete_block(self, block_id: str) -> None:
         try:
@@ -512,7 +609,7 @@ class DiskStore:
         except FileNotFoundError:
             return
         for shard in shards:
-            if not shard.is_dir():
+            if not shard.is_dir(follow_symlinks=False):  # gc must never delete through a symlink
                 continue
             try:
                 files = list(os.scandir(shard.path))
@@ -538,6 +635,9 @@ class DiskStore:
             body["pinned"] = True
         body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
         data = json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
+        if len(data) > MAX_MANIFEST_BYTES:  # could never be read back
+            raise StoreWriteError(errno.EFBIG, f"manifest of {len(m.block_ids)} blocks is {len(data)} bytes, "
+                                  f"over the {MAX_MANIFEST_BYTES}-byte manifest cap", str(self.manifest_path(m.namespace)))
         self._atomic_write(self.manifest_path(m.namespace), [memoryview(data)], "manifest")
         with self._lock:
             self._counts["manifest_writes"] += 1
@@ -548,23 +648,26 @@ class DiskStore:
 
     def _read_manifest_file(self, path: Path, namespace: Optional[str]) -> Optional[Manifest]:
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            fd, size = _open_regular(path)
         except FileNotFoundError:
+            return None
+        except _BadFile as e:  # a FIFO, device, symlink or directory: moved aside unopened
+            self._quarantine(path, str(e))
             return None
         except OSError as e:
             logger.warning("cannot open %s: %s", path, e)
             return None
         try:
             try:
-                with os.fdopen(os.dup(fd), "rb") as f:
-                    raw = f.read()
-                m = _parse_manifest(raw)
+                if size > MAX_MANIFEST_BYTES:
+                    raise _BadFile(f"{size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest cap")
+                m = _parse_manifest(bytes(_read_exact(fd, size)))
                 if path.name != f"{self.agent_key(m.namespace)}.json":
                     raise _BadFile(f"file name does not match its namespace {m.namespace[:64]!r}")
                 if namespace is not None and m.namespace != namespace:
                     raise _BadFile("namespace mismatch")
-            except (_BadFile, OSError) as e:
-                self._quarantine(path, str(e) or type(e).__name__, fd)
+            except Exception as e:  # untrusted bytes: whatever the parser did not foresee is a bad file
+                self._quarantine(path, _reason(e), fd)
                 return None
         finally:
             os.close(fd)
@@ -803,6 +906,32 @@ def decode_block(buf: bytes | bytearray, block_id: str) -> BlockData:
 # Parsing (pure functions: raise _BadFile on anything unexpected)
 
 
+def _reason(e: Exception) -> str:
+    """Quarantine reason for an exception raised while checking a file."""
+    if isinstance(e, (_BadFile, OSError)):
+        return str(e) or type(e).__name__
+    return f"{type(e).__name__}: {e}"[:300]
+
+
+def _check_block_size(fd: int, size: int, cap: int) -> None:
+    """Check a block file's size against the cap and against the size its header describes,
+    reading only the header: an oversized or padded file is refused before its data is read."""
+    if size > cap:
+        raise _BadFile(f"{size} bytes, over the {cap}-byte block cap")
+    if size < 8:
+        raise _BadFile(f"truncated: {size} bytes")
+    hlen = int.from_bytes(_read_exact(fd, 8), "little")
+    if hlen > _MAX_HEADER or 8 + hlen > size:
+        raise _BadFile(f"header length {hlen} does not fit a {size}-byte file")
+    try:
+        header = json.loads(bytes(_read_exact(fd, hlen, 8)))
+        data_len = max((int(t["data_offsets"][1]) for n, t in header.items() if n != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
+        raise _BadFile(f"bad header: {type(e).__name__}: {e}"[:300]) from None
+    if 8 + hlen + data_len != size:
+        raise _BadFile(f"the header describes a {8 + hlen + data_len}-byte file, the file has {size} bytes")
+
+
 def _parse_block(buf: bytes | bytearray, block_id: str) -> BlockData:
     size = len(buf)
     if size < 8:
@@ -815,7 +944,7 @@ def _parse_block(buf: bytes | bytearray, block_id: str) -> BlockData:
         meta = header.pop("__metadata__")
         if not isinstance(meta, dict):
             raise TypeError("__metadata__ is not an object")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
         raise _BadFile(f"bad header: {e}") from None
     if meta.get("format") != _BLOCK_FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
         raise _BadFile(f"format {meta.get('format')!r} version {meta.get('format_version')!r}, "
@@ -828,7 +957,7 @@ def _parse_block(buf: bytes | bytearray, block_id: str) -> BlockData:
         checksum = meta["checksum"]
         if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
             raise TypeError("dtypes is not a name -> str map")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise _BadFile(f"bad metadata: {e}") from None
 
     data_start = 8 + hlen
@@ -875,7 +1004,7 @@ def _parse_manifest(raw: bytes) -> Manifest:
         if not isinstance(body, dict):
             raise TypeError("not an object")
         checksum = body.pop("checksum")
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise _BadFile(f"bad manifest: {e}") from None
     if body.get("format") != _MANIFEST_FORMAT or body.get("format_version") != FORMAT_VERSION:
         raise _BadFile(f"manifest format {body.get('format')!r} version {body.get('format_version')!r}")

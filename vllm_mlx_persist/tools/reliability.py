@@ -1,0 +1,495 @@
+"""Reliability campaigns against the real store: crash points and fuzzed files.
+
+    vllm-mlx-persist reliability [--quick] [--campaigns crash,fuzz] [--out docs]
+
+crash: a subprocess runs the real DiskStore writing agents' blocks and manifests (printing an ACK
+once a turn's manifest is durable) and is SIGKILLed at a random moment; the store is then reopened
+as a server start does (open, gc) and checked: every acknowledged turn is fully readable, every file
+there reads back exactly, no temp file and no unreferenced block survives the start.
+
+fuzz: a store of agents built with the pool's chained block ids gets one mutation per trial (bit
+flips, truncation, forged tokens with a recomputed checksum, swapped blocks, foreign manifests,
+links, FIFOs, directories, huge or negative numbers, invalid or deeply nested JSON) and is reopened
+and read as the pool reads it; each outcome is classified quarantined / ignored / refused, and any
+crash, hang or damaged or foreign KV served is a failure.
+
+Figures, the command and the machine go to <out>/reliability.md and <out>/reliability.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ..store import BlockData, DiskStore, Manifest, StoreError
+
+FP = "c0" * 32
+_MODULE = "vllm_mlx_persist.tools.reliability"  # not __name__: that is __main__ under -m
+WINDOW = 8  # a crash-campaign manifest names its agent's last WINDOW blocks
+_INFO = ({"tool": "reliability"}, {"bits": 4})
+
+
+def _block(bid: str, n_tokens: int = 16, kib: int = 64) -> BlockData:
+    """Deterministic content for an id: anyone can regenerate and compare it."""
+    rng = np.random.default_rng(int(bid[:16], 16))
+    words = kib * 256 // 2
+    arrays = {f"{l}.{p}": rng.integers(0, 2**32, size=(1, 2, n_tokens, max(1, words // (2 * n_tokens))),
+                                       dtype=np.uint32) for l in range(2) for p in ("k.q", "v.q")}
+    return BlockData(bid, rng.integers(0, 50_000, size=n_tokens, dtype=np.int32), arrays)
+
+
+def _same(a: BlockData, b: BlockData) -> bool:
+    return (a.block_id == b.block_id and np.array_equal(a.tokens, b.tokens) and a.arrays.keys() == b.arrays.keys()
+            and all(a.arrays[k].tobytes() == b.arrays[k].tobytes() for k in a.arrays))
+
+
+# ---------------------------------------------------------------------------------------------
+# crash points
+
+
+def _crash_id(agent: str, turn: int) -> str:
+    return hashlib.sha256(f"{agent}:{turn}".encode()).hexdigest()
+
+
+def _crash_ids(agent: str, turn: int) -> list[str]:
+    return [_crash_id(agent, t) for t in range(max(0, turn - WINDOW + 1), turn + 1)]
+
+
+def _crash_worker(root: str, start: str) -> None:
+    """Child: write turns round-robin until killed; print ACK after each durable manifest."""
+    store = DiskStore(Path(root), FP, *_INFO)
+    turns = json.loads(start)
+    print("READY", flush=True)
+    agents = sorted(turns)
+    i = 0
+    while True:
+        agent = agents[i % len(agents)]
+        turn = turns[agent] + 1
+        store.write_block(_block(_crash_id(agent, turn)))
+        store.write_manifest(Manifest(agent, _crash_ids(agent, turn), turn + 1, time.time()))
+        turns[agent] = turn
+        print(f"ACK {agent} {turn}", flush=True)
+        i += 1
+
+
+def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dict:
+    rng = random.Random(seed)
+    root = work / "crash"
+    acked = {f"agent-{k}": -1 for k in range(n_agents)}
+    failures: list[dict] = []
+    stats = {"acked_turns": 0, "killed_before_ready": 0, "tmp_removed": 0, "orphans_removed": 0}
+    for trial in range(trials):
+        delay = rng.choice([0.0, rng.uniform(0, 0.002), rng.uniform(0, 0.05), rng.uniform(0, 0.3)])
+        proc = subprocess.Popen([sys.executable, "-m", _MODULE, "_crash-worker", str(root), json.dumps(acked)],
+                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.time() + 60
+        while not lines and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.001)
+        if rng.random() < 0.05:  # sometimes during start-up itself
+            stats["killed_before_ready"] += 1
+        else:
+            time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        reader.join(10)
+        for line in lines:
+            if line.startswith("ACK "):
+                _, agent, turn = line.split()
+                acked[agent] = max(acked[agent], int(turn))
+                stats["acked_turns"] += 1
+        problems = _check_after_crash(root, acked, stats)
+        if problems:
+            failures.append({"trial": trial, "seed": seed, "delay_s": round(delay, 6), "problems": problems[:5]})
+    if stats["acked_turns"] == 0:  # a campaign that checked nothing must not pass
+        failures.append({"seed": seed, "problems": ["no turn was ever acknowledged: the writer never ran"]})
+    return {"trials": trials, "failures": len(failures), "failure_cases": failures[:20], **stats}
+
+
+def _check_after_crash(root: Path, acked: dict[str, int], stats: dict) -> list[str]:
+    problems = []
+    model_dir = root / FP[:32]
+    tmp_before = len(os.listdir(model_dir / "tmp")) if (model_dir / "tmp").is_dir() else 0
+    try:
+        store = DiskStore(root, FP, *_INFO)  # a start: stale tmp files of the dead writer go
+    except StoreError as e:
+        return [f"reopen refused: {e}"]
+    stats["tmp_removed"] += tmp_before - len(os.listdir(store.tmp_dir))
+    if os.listdir(store.tmp_dir):
+        problems.append(f"tmp files survived the start: {os.listdir(store.tmp_dir)}")
+    manifests = {m.namespace: m for m in store.list_manifests()}
+    stats["orphans_removed"] += store.gc(set())  # as BlockPool.load_manifests does
+    for agent, turn in acked.items():
+        if turn < 0:
+            continue
+        m = manifests.get(agent)
+        if m is None or m.n_tokens - 1 < turn:
+            problems.append(f"{agent}: acknowledged turn {turn} lost (manifest {m and m.n_tokens - 1})")
+    for m in manifests.values():
+        if m.block_ids != _crash_ids(m.namespace, m.n_tokens - 1):
+            problems.append(f"{m.namespace}: manifest names the wrong blocks")
+        for bid in m.block_ids:
+            got = store.read_block(bid)
+            if got is None or not _same(got, _block(bid)):
+                problems.append(f"{m.namespace}: block {bid[:12]} of turn {m.n_tokens - 1} unreadable or wrong")
+    named = {b for m in manifests.values() for b in m.block_ids}
+    orphans = set(store.iter_block_ids()) - named
+    if orphans:
+        problems.append(f"{len(orphans)} unreferenced block file(s) survived the start")
+    if os.listdir(store.quarantine_dir):
+        problems.append(f"files quarantined after a crash: {os.listdir(store.quarantine_dir)[:3]}")
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------
+# fuzzed files
+
+
+def _build_fuzz_store(root: Path, agents: int = 3, blocks: int = 3) -> dict[str, list[BlockData]]:
+    from ..pool import block_id, chain_seed  # here: the crash worker must start without importing MLX
+
+    store = DiskStore(root, FP, *_INFO)
+    out = {}
+    for k in range(agents):
+        ns, prev, chain = f"agent-{k}", None, []
+        prev = chain_seed(FP, ns)
+        for j in range(blocks):
+            tmp = _block(hashlib.sha256(f"{ns}:{j}".encode()).hexdigest(), kib=8)
+            bid = block_id(prev, tmp.tokens.tolist())
+            data = BlockData(bid, tmp.tokens, tmp.arrays)
+            store.write_block(data)
+            chain.append(data)
+            prev = bid
+        store.write_manifest(Manifest(ns, [b.block_id for b in chain], 16 * blocks, 1.0))
+        out[ns] = chain
+    return out
+
+
+def _json_edit(path: Path, fn: Callable[[Any], Any], header: bool) -> None:
+    raw = path.read_bytes()
+    if header:
+        n = int.from_bytes(raw[:8], "little")
+        body = json.dumps(fn(json.loads(raw[8:8 + n]))).encode()
+        path.write_bytes(len(body).to_bytes(8, "little") + body + raw[8 + n:])
+    else:
+        path.write_text(json.dumps(fn(json.loads(raw))))
+
+
+def _set_first_tensor(h: dict, key: str, value: Any) -> dict:
+    name = next(k for k in sorted(h) if k != "__metadata__")
+    h[name][key] = value
+    return h
+
+
+MUTATIONS: dict[str, Callable] = {}
+
+
+def _mutation(*kinds: str):
+    def deco(fn):
+        for kind in kinds:
+            MUTATIONS[f"{kind}:{fn.__name__.lstrip('_')}"] = fn
+        return fn
+    return deco
+
+
+@_mutation("block", "manifest", "model")
+def _bit_flip(p: Path, rng: random.Random, ctx: dict) -> None:
+    raw = bytearray(p.read_bytes())
+    raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+    p.write_bytes(bytes(raw))
+
+
+@_mutation("block", "manifest", "model")
+def _truncate(p: Path, rng: random.Random, ctx: dict) -> None:
+    p.write_bytes(p.read_bytes()[: rng.randrange(p.stat().st_size)])
+
+
+@_mutation("block", "manifest", "model")
+def _zero_length(p: Path, rng: random.Random, ctx: dict) -> None:
+    p.write_bytes(b"")
+
+
+@_mutation("block", "manifest", "model")
+def _append(p: Path, rng: random.Random, ctx: dict) -> None:
+    with open(p, "ab") as f:
+        f.write(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 4096))))
+
+
+@_mutation("block", "manifest", "model")
+def _invalid_json(p: Path, rng: random.Random, ctx: dict) -> None:
+    body = b"{not json" if p.suffix != ".safetensors" else (9).to_bytes(8, "little") + b"{not json"
+    p.write_bytes(body)
+
+
+@_mutation("block", "manifest", "model")
+def _deep_json(p: Path, rng: random.Random, ctx: dict) -> None:
+    deep = b"[" * 100_000
+    p.write_bytes(deep if p.suffix != ".safetensors" else len(deep).to_bytes(8, "little") + deep)
+
+
+@_mutation("block", "manifest", "model")
+def _symlink_other(p: Path, rng: random.Random, ctx: dict) -> None:
+    other = rng.choice([q for q in ctx["files"] if q != p])
+    p.unlink()
+    p.symlink_to(other)
+
+
+@_mutation("block", "manifest", "model")
+def _symlink_device(p: Path, rng: random.Random, ctx: dict) -> None:
+    p.unlink()
+    p.symlink_to(rng.choice(["/dev/zero", "/dev/null", "/dev/urandom"]))
+
+
+@_mutation("block", "manifest", "model")
+def _fifo(p: Path, rng: random.Random, ctx: dict) -> None:
+    p.unlink()
+    os.mkfifo(p)
+
+
+@_mutation("block", "manifest", "model")
+def _directory(p: Path, rng: random.Random, ctx: dict) -> None:
+    p.unlink()
+    p.mkdir()
+
+
+@_mutation("block")
+def _forged_tokens(p: Path, rng: random.Random, ctx: dict) -> None:
+    store: DiskStore = ctx["store"]
+    bid = p.name.split(".")[0]
+    data = store.read_block(bid)
+    data.tokens = data.tokens.copy()
+    data.tokens[rng.randrange(len(data.tokens))] += 1 + rng.randrange(1000)
+    store.write_block(data)  # a valid checksum over forged tokens
+
+
+@_mutation("block")
+def _swapped(p: Path, rng: random.Random, ctx: dict) -> None:
+    other = rng.choice([q for q in ctx["blocks"] if q != p])
+    shutil.copyfile(other, p)
+
+
+@_mutation("block")
+def _huge_numbers(p: Path, rng: random.Random, ctx: dict) -> None:
+    v = rng.choice([2**63, 10**30, 2**64 - 1, 1e308])
+    _json_edit(p, lambda h: _set_first_tensor(h, rng.choice(["shape", "data_offsets"]), [0, v]), header=True)
+
+
+@_mutation("block")
+def _negative_numbers(p: Path, rng: random.Random, ctx: dict) -> None:
+    _json_edit(p, lambda h: _set_first_tensor(h, rng.choice(["shape", "data_offsets"]), [-1, -8]), header=True)
+
+
+@_mutation("block")
+def _huge_header_length(p: Path, rng: random.Random, ctx: dict) -> None:
+    raw = p.read_bytes()
+    p.write_bytes(rng.choice([2**63, 2**64 - 1, 17 << 20]).to_bytes(8, "little") + raw[8:])
+
+
+@_mutation("block")
+def _sparse_oversized(p: Path, rng: random.Random, ctx: dict) -> None:
+    with open(p, "r+b") as f:
+        f.truncate(rng.choice([64 << 20, 2 << 30]))
+
+
+@_mutation("manifest")
+def _foreign_blocks(p: Path, rng: random.Random, ctx: dict) -> None:
+    store: DiskStore = ctx["store"]
+    ns = next(n for n in ctx["chains"] if store.manifest_path(n) == p)
+    other = rng.choice([n for n in ctx["chains"] if n != ns])
+    store.write_manifest(Manifest(ns, [b.block_id for b in ctx["chains"][other]], 48, 2.0))
+
+
+@_mutation("manifest")
+def _renamed_to_other_agent(p: Path, rng: random.Random, ctx: dict) -> None:
+    store: DiskStore = ctx["store"]
+    other = rng.choice([store.manifest_path(n) for n in ctx["chains"] if store.manifest_path(n) != p])
+    shutil.copyfile(other, p)
+
+
+@_mutation("manifest")
+def _huge_n_tokens(p: Path, rng: random.Random, ctx: dict) -> None:
+    _json_edit(p, lambda b: {**b, "n_tokens": rng.choice([10**30, -5, 2**63])}, header=False)
+
+
+@_mutation("model")
+def _other_fingerprint(p: Path, rng: random.Random, ctx: dict) -> None:
+    _json_edit(p, lambda b: {**b, "fingerprint": FP[:32] + "9" * 32}, header=False)
+
+
+@_mutation("model")
+def _other_format_version(p: Path, rng: random.Random, ctx: dict) -> None:
+    _json_edit(p, lambda b: {**b, "format_version": rng.choice([0, 2, -1, "1", None, 10**30])}, header=False)
+
+
+def _served(store: DiskStore, chains: dict[str, list[BlockData]]) -> list[str]:
+    """Read every agent as the pool does (manifest, then blocks while the id chain holds); return
+    problems: any block served that is not exactly that agent's own."""
+    from ..pool import block_id, chain_seed
+
+    problems, refused = [], 0
+    for m in store.list_manifests():
+        own = {b.block_id: b for b in chains.get(m.namespace, [])}
+        prev = chain_seed(FP, m.namespace)
+        for bid in m.block_ids:
+            data = store.read_block(bid)
+            if data is None:
+                break
+            if block_id(prev, data.tokens.tolist()) != bid:
+                refused += 1
+                break  # the pool stops (and refuses) here: nothing further is served
+            if bid not in own or not _same(data, own[bid]):
+                problems.append(f"{m.namespace}: served a block that is not its own ({bid[:12]})")
+            prev = bid
+    return problems + [f"chain-refused {refused}"] * bool(refused)
+
+
+def fuzz_campaign(trials: int, seed: int, work: Path, timeout: float = 30) -> dict:
+    rng = random.Random(seed)
+    names = sorted(MUTATIONS)
+    outcomes: dict[str, dict[str, int]] = {}
+    failures: list[dict] = []
+    for trial in range(trials):
+        name = names[trial % len(names)] if trial < len(names) else rng.choice(names)
+        kind = name.split(":")[0]
+        root = work / "fuzz" / f"t{trial}"
+        chains = _build_fuzz_store(root)
+        store = DiskStore(root, FP, *_INFO)
+        blocks = sorted(store.blocks_dir.glob("*/*.safetensors"))
+        manifests = sorted(store.agents_dir.glob("*.json"))
+        target = {"block": lambda: rng.choice(blocks), "manifest": lambda: rng.choice(manifests),
+                  "model": lambda: store.dir / "model.json"}[kind]()
+        ctx = {"store": store, "chains": chains, "blocks": blocks, "files": blocks + manifests}
+        MUTATIONS[name](target, rng, ctx)
+        result: dict[str, Any] = {}
+
+        def reopen() -> None:
+            try:
+                s = DiskStore(root, FP, *_INFO)
+            except StoreError as e:
+                result["refused"] = str(e)
+                return
+            result["problems"] = _served(s, chains)
+            result["quarantined"] = len(os.listdir(s.quarantine_dir))
+
+        t = threading.Thread(target=reopen, daemon=True)
+        t.start()
+        t.join(timeout)
+        repro = {"trial": trial, "seed": seed, "mutation": name, "target": str(target.relative_to(root))}
+        if t.is_alive():
+            failures.append({**repro, "problem": f"hang over {timeout}s"})
+            outcome = "hang"
+        elif "refused" in result:
+            outcome = "refused"
+            if kind != "model" or "\n" in result["refused"]:
+                failures.append({**repro, "problem": f"refused at open: {result['refused'][:200]}"})
+        elif "problems" not in result:
+            outcome = "crash"
+            failures.append({**repro, "problem": "exception on reopen (see log)"})
+        else:
+            chain = [p for p in result["problems"] if p.startswith("chain-refused")]
+            result["problems"] = [p for p in result["problems"] if p not in chain]
+            outcome = "quarantined" if result["quarantined"] else "chain-refused" if chain else "ignored"
+            if result["problems"]:
+                outcome = "served-bad"
+                failures.append({**repro, "problem": result["problems"][0]})
+        outcomes.setdefault(name, {}).setdefault(outcome, 0)
+        outcomes[name][outcome] += 1
+        if not t.is_alive():
+            shutil.rmtree(root, ignore_errors=True)
+    return {"trials": trials, "failures": len(failures), "failure_cases": failures[:20], "outcomes": outcomes}
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+CAMPAIGNS = {"crash": (crash_campaign, 1000, 50), "fuzz": (fuzz_campaign, 1000, 60)}
+
+
+def _machine() -> str:
+    from ..serving import cpu_name
+
+    return f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def write_report(results: dict, out: Path, command: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "reliability.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    lines = ["# Reliability campaigns", "", f"Command: `{command}`  ", f"Machine: {results['machine']}  ",
+             f"Date: {results['date']}", "", "| campaign | trials | failures | seconds |", "|---|---|---|---|"]
+    for name, r in results["campaigns"].items():
+        lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} |")
+    for name, r in results["campaigns"].items():
+        lines += ["", f"## {name}", ""]
+        if name == "crash":
+            lines.append(f"Acknowledged turns: {r['acked_turns']}; temp files removed at restart: "
+                         f"{r['tmp_removed']}; unreferenced blocks removed at restart: {r['orphans_removed']}; "
+                         f"kills during start-up: {r['killed_before_ready']}.")
+        if name == "fuzz":
+            lines += ["| mutation | outcomes |", "|---|---|"]
+            for mut, o in sorted(r["outcomes"].items()):
+                lines.append(f"| {mut} | {', '.join(f'{k} {v}' for k, v in sorted(o.items()))} |")
+        for f in r["failure_cases"]:
+            lines.append(f"- FAILURE (reproduce with `--campaigns {name} --seed {f['seed']}`): `{json.dumps(f)[:400]}`")
+    (out / "reliability.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_crash-worker":
+        _crash_worker(argv[1], argv[2])
+        return 0
+    p = argparse.ArgumentParser(prog="vllm-mlx-persist reliability", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="about a minute: fewer trials per campaign")
+    p.add_argument("--campaigns", default=",".join(CAMPAIGNS), help=f"comma-separated, of {sorted(CAMPAIGNS)}")
+    p.add_argument("--trials", type=int, help="trials per campaign (overrides --quick)")
+    p.add_argument("--seed", type=int, default=12)
+    p.add_argument("--out", default="docs", help="directory for reliability.md and reliability.json")
+    p.add_argument("--work", help="scratch directory (default: a temporary one)")
+    args = p.parse_args(argv)
+    # Quarantines are expected by the thousand here; the campaigns count them.
+    logging.getLogger("vllm_mlx_persist.store").setLevel(logging.ERROR)
+    names = [n.strip() for n in args.campaigns.split(",") if n.strip()]
+    unknown = set(names) - set(CAMPAIGNS)
+    if unknown:
+        p.error(f"unknown campaign(s) {sorted(unknown)}; known: {sorted(CAMPAIGNS)}")
+    results: dict[str, Any] = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                               "command": "vllm-mlx-persist reliability " + " ".join(argv), "campaigns": {}}
+    work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="vllm-mlx-persist-reliability-"))
+    try:
+        for name in names:
+            fn, full, quick = CAMPAIGNS[name]
+            trials = args.trials or (quick if args.quick else full)
+            t0 = time.perf_counter()
+            r = fn(trials, args.seed, work)
+            r["seconds"] = round(time.perf_counter() - t0, 1)
+            results["campaigns"][name] = r
+            print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+    write_report(results, Path(args.out), results["command"])
+    return 1 if any(r["failures"] for r in results["campaigns"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
