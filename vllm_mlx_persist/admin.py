@@ -34,11 +34,13 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
             return None, _error(503, "the persist_q4 cache backend is not running")
         return pool, None
 
-    def checked(agent_id: str):
+    def agent_and_pool(agent_id: str):
+        """(pool, error response): a 400 for a malformed id, a 503 without a running backend."""
         try:
-            return validate_id(agent_id, "the URL path"), None
+            validate_id(agent_id, "the URL path")
         except ValueError as e:
             return None, _error(400, str(e))
+        return pool_or_error()
 
     @router.get("/v1/agents")
     async def list_agents():
@@ -50,8 +52,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
 
     @router.get("/v1/agents/{agent_id}")
     async def show_agent(agent_id: str):
-        agent_id, err = checked(agent_id)
-        pool, err = (None, err) if err else pool_or_error()
+        pool, err = agent_and_pool(agent_id)
         if err:
             return err
         info = await asyncio.to_thread(pool.agent_info, agent_id)
@@ -59,8 +60,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
 
     @router.delete("/v1/agents/{agent_id}")
     async def erase_agent(agent_id: str):
-        agent_id, err = checked(agent_id)
-        pool, err = (None, err) if err else pool_or_error()
+        pool, err = agent_and_pool(agent_id)
         if err:
             return err
         if not await asyncio.to_thread(pool.erase, agent_id):
@@ -68,8 +68,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
         return {"id": agent_id, "deleted": True}
 
     async def pin(agent_id: str, pinned: bool):
-        agent_id, err = checked(agent_id)
-        pool, err = (None, err) if err else pool_or_error()
+        pool, err = agent_and_pool(agent_id)
         if err:
             return err
         if not await asyncio.to_thread(pool.set_pinned, agent_id, pinned):
