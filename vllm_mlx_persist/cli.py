@@ -1,9 +1,14 @@
-"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models, benchmark, measure quality."""
+"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models, benchmark, measure quality,
+run scenarios."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+# Subcommands implemented in vllm_mlx_persist/tools/, which own their options.
+TOOLS = {"scenario": "scenario", "retokenize-stats": "retokenize"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,12 +30,18 @@ def main(argv: list[str] | None = None) -> int:
     # bench and quality own their options: everything after the subcommand goes to their main()
     sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
+    sub.add_parser("scenario", help="run a multi-agent scenario against a server", add_help=False)
+    sub.add_parser("retokenize-stats", help="measure re-tokenization misses over multi-turn chats", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("bench", "quality"):
         from importlib import import_module
 
         return import_module(f".{argv[0]}", __package__).main(argv[1:])
+    if argv and argv[0] in TOOLS:
+        from importlib import import_module
+
+        return import_module(f".tools.{TOOLS[argv[0]]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "patch":
         from .patcher import run as run_patch
