@@ -208,3 +208,21 @@ def test_validation_of_files_and_params(tmp_path, capsys):
     assert "not valid YAML" in capsys.readouterr().err
     assert runner.main(["no-such-scenario", "--check"]) == 2
     assert "shipped scenarios: fanout, gossip, negotiation, routing" in capsys.readouterr().err
+
+
+def test_retokenize_stats_matches_the_server(server, tiny_llama_dir):
+    """retokenize-stats: its local chat template gives the server's prompt lengths, and every figure
+    is consistent with what the server reported."""
+    from vllm_mlx_persist.tools import retokenize
+
+    r = retokenize.run(server.url, str(tiny_llama_dir), conversations=2, turns=3, max_tokens=12, words=20)
+    assert r["turns_measured"] == 4 and r["prompt_length_mismatches"] == 0
+    for t in r["measured"]:
+        # Reuse reaches about the previous prompt's end (a reply starting with whitespace may merge with
+        # the template's newline), never more than what is stored.
+        assert t["previous_prompt"] - 2 <= t["cached_tokens"] <= t["reusable"] < t["prompt_tokens"]
+        assert t["stored"] <= t["previous_prompt"] + 12 - 1
+        assert t["diverged"] == (t["lost"] > 0) and (t["kind"] == "none") == (not t["diverged"])
+    assert r["tokens_lost"] == sum(k["tokens_lost"] for k in r["by_kind"].values())
+    text = retokenize.format_report(r)
+    assert "turns measured (all after the first of each chat): 4" in text
