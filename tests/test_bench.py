@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_mlx_persist.bench import STATES, classify
+from vllm_mlx_persist.tools.bench import STATES, classify
 
 
 def test_quick_bench_writes_results(tmp_path: Path):

@@ -11,7 +11,7 @@ import pytest
 
 from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 from vllm_mlx_persist.identity import model_fingerprint
-from vllm_mlx_persist.models import build_model
+from vllm_mlx_persist.tools.models import build_model
 from vllm_mlx_persist.persister import Persister
 from vllm_mlx_persist.pool import BlockPool, BlockState
 from vllm_mlx_persist.store import DiskStore, Manifest, StoreWriteError

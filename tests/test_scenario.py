@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from vllm_mlx_persist.serving import Server
+from vllm_mlx_persist.tools.serving import Server
 from vllm_mlx_persist.tools import scenario as runner
 from vllm_mlx_persist.tools.scenario_spec import ScenarioError, load_scenario, shipped_scenarios
 

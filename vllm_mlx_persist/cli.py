@@ -8,7 +8,7 @@ import sys
 
 
 # Subcommands that own their options: everything after the name goes to that module's main().
-ROUTES = {"bench": "bench", "quality": "quality", "agents": "offline", "reliability": "tools.reliability",
+ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
           "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize"}
 
 
@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
     m.add_argument("out_dir")
     m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2 or deepseek_v3")
-    m.add_argument("--size", default="small", help="preset size (see models.SIZES)")
+    m.add_argument("--size", default="small", help="preset size (see tools/models.py SIZES)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")
 
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_patch("check" if args.check else "revert" if args.revert else "apply")
     if args.command == "make-model":
-        from .models import build_model_dir
+        from .tools.models import build_model_dir
 
         path = build_model_dir(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force)
         print(path)

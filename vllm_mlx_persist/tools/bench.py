@@ -751,7 +751,7 @@ def measure_bandwidth(path: Path, size_mb: int, reps: int) -> dict:
 def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int) -> list:
     import mlx.core as mx
 
-    from .q4cache import Q4KVCache
+    from ..q4cache import Q4KVCache
 
     mx.random.seed(seed)
     caches = []
@@ -768,8 +768,8 @@ def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int)
 def section_reload(ctx: "Ctx") -> dict:
     import mlx.core as mx
 
-    from .pool import BlockPool
-    from .store import FORMAT_VERSION, DiskStore
+    from ..pool import BlockPool
+    from ..store import FORMAT_VERSION, DiskStore
 
     plan = ctx.plan
     cfg = json.loads((ctx.model / "config.json").read_text())
@@ -1213,7 +1213,7 @@ def main(argv: list[str]) -> int:
                       "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
                                      f"{sz.heads} query / {sz.kv_heads} KV heads, head_dim {sz.head_dim}, vocab "
                                      f"{sz.vocab}), float32, random weights built locally by "
-                                     "vllm_mlx_persist.models.build_model_dir"},
+                                     "vllm_mlx_persist.tools.models.build_model_dir"},
             "plan": json.loads(json.dumps(dataclasses.asdict(plan))),
             "systems": {s: server_flags(s, plan.ttft_cache_mb) for s in used},
             "sections": results,
