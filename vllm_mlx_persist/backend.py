@@ -116,6 +116,8 @@ class PersistQ4Backend:
             raise _refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
+        # The engine holds a finished response at most this long for its turn's write (seam contract).
+        self.durable_timeout_s = opts["write_timeout_s"]
         self.closed = False
 
     @property
@@ -200,18 +202,22 @@ class PersistQ4Backend:
     def validate(self, cache: list) -> bool:
         return self.codec.is_cache(cache)
 
-    def store(self, request: Any, token_ids: list[int], cache: Any) -> bool:
+    def store(self, request: Any, token_ids: list[int], cache: Any) -> Any:
         """Record the finished sequence's cache (prompt + output) under the request's agent."""
         if callable(cache):
             cache = cache()
         if not self.validate(cache or []):
             return False
         try:
-            n = self.pool.commit(getattr(request, "cache_namespace", None), token_ids, cache,
-                                 getattr(request, "request_id", None))
+            n, durable = self.pool.commit_async(getattr(request, "cache_namespace", None), token_ids, cache,
+                                                getattr(request, "request_id", None))
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False
+        if durable is not None and self.opts["durable_writes"]:
+            # The writer thread makes the turn durable while the batch goes on; the patched engine
+            # holds this request's final output until then (at most durable_timeout_s).
+            return durable
         return n > 0
 
     def on_request_finished(self, request: Any, aborted: bool) -> None:

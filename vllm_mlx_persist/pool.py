@@ -359,12 +359,26 @@ class BlockPool:
 
     def commit(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
                request_id: Optional[str] = None) -> int:
+        """`commit_async`, then (with durable writes) wait up to `write_timeout_s` for the disk.
+        Returns the number of tokens now cached."""
+        n, future = self.commit_async(namespace, tokens, cache, request_id)
+        if future is not None and self.durable_writes:
+            try:
+                if not future.result(self.write_timeout_s):
+                    log.warning("agent %r kept in memory only for now: its write failed", namespace)
+            except FutureTimeout:
+                log.warning("agent %r: write not durable after %.0f s; going on", namespace, self.write_timeout_s)
+        return n
+
+    def commit_async(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
+                     request_id: Optional[str] = None) -> tuple[int, Optional[Future]]:
         """Make `namespace`'s cache cover `tokens` (prompt + output) from an extracted cache.
 
         The cache must cover `tokens`, or all but the last (generated, never fed back) token;
-        anything else is refused (returns 0): a cache is never stored under tokens it does not
+        anything else is refused (0 tokens): a cache is never stored under tokens it does not
         cover. Blocks the agent already holds are kept; only new blocks are sliced, kept hot and
-        written. Returns the number of tokens now cached.
+        handed to the persister. Returns (tokens now cached, the save's future: True once the turn
+        is durable, False if it failed; None when nothing is written).
         """
         offset = self.codec.length(cache)
         if not 0 <= len(tokens) - offset <= 1:
@@ -372,27 +386,21 @@ class BlockPool:
                 self.stats["store_refused"] += 1
             log.warning("not caching agent %r: the cache covers %d tokens, the sequence has %d",
                         namespace, offset, len(tokens))
-            return 0
+            return 0, None
         n_valid = offset
         tokens = [int(t) for t in tokens[:n_valid]]
         if n_valid == 0:
-            return 0
+            return 0, None
         if self.persister is not None:
-            # Wait for room in the write queue before taking the lock (the writer may need it).
+            # Back-pressure: wait for room in the write queue before taking the lock (the writer
+            # may need the lock for an erasure's callback).
             self.persister.wait_for_room(self.write_timeout_s)
         with self._lock:
             inflight = self._inflight.get(request_id) if request_id is not None else None
             if inflight is not None and inflight[1]:
-                return 0  # the agent was erased while this request ran: its turn must not bring it back
-            agent, future = self._commit_locked(namespace, tokens, cache)
-        if future is not None and self.durable_writes:
-            try:  # outside the lock: the writer may need it (an erasure's callback)
-                if not future.result(self.write_timeout_s):
-                    log.warning("agent %r kept in memory only for now: its write failed", agent.namespace)
-            except FutureTimeout:
-                log.warning("agent %r: write not durable after %.0f s; going on", agent.namespace,
-                            self.write_timeout_s)
-        return n_valid
+                return 0, None  # the agent was erased while this request ran: its turn must not bring it back
+            _, future = self._commit_locked(namespace, tokens, cache)
+        return n_valid, future
 
     def _commit_locked(self, namespace: Optional[str], tokens: list[int], cache: list):
         n_valid = len(tokens)
@@ -474,7 +482,7 @@ class BlockPool:
                     b.state = BlockState.DURABLE
 
         def count_failure(f: Future) -> None:
-            if f.exception() is not None or not f.result():
+            if f.cancelled() or f.exception() is not None or not f.result():
                 stats["write_errors"] += 1
 
         future = self.persister.save(manifest, datas, dead, on_durable)
