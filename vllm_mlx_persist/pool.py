@@ -372,15 +372,22 @@ class BlockPool:
             if parent is not None:
                 candidates += [(parent, br) for br in reversed(parent.branches)]
             registered = agent.namespace in self.agents or not agent.persistent
-            best = self._best(agent if registered else parent, candidates, prompt)
+            charged = agent if registered else parent
+            best, best_n = None, -1
+            # Branches tied on tokens may differ after a re-tokenized stretch: each tied one is
+            # matched by text too, and the longest wins (own branches first, most recent first).
+            for src, branch, used, from_disk in self._best(charged, candidates, prompt):
+                replaced = None
+                if self.decode is not None:
+                    replaced, used, disk2 = self._match_text(charged, branch, prompt, used)
+                    from_disk = from_disk or disk2
+                n = sum(c for _, c in used)
+                if n > best_n:
+                    best, best_n = (src, branch, used, from_disk, replaced), n
             if best is None:
                 self.stats["misses"] += 1
                 return Match(None, 0, "miss")
-            src, branch, used, from_disk = best
-            replaced = None
-            if self.decode is not None:
-                replaced, used, disk2 = self._match_text(agent if registered else parent, branch, prompt, used)
-                from_disk = from_disk or disk2
+            src, branch, used, from_disk, replaced = best
             covered_tokens = sum(n for _, n in used)
             if covered_tokens:
                 branch.last_used = time.time()
@@ -407,14 +414,14 @@ class BlockPool:
                 self.stats["tokens_from_parent"] += covered
             return Match(cache, covered, tier, replaced, forked)
 
-    def _best(self, agent: Agent, candidates: list, prompt: list[int]):
-        """(source agent, branch, blocks used, read from disk) of the longest match, or None.
+    def _best(self, agent: Agent, candidates: list, prompt: list[int]) -> list:
+        """[(source agent, branch, blocks used, read from disk)] of the longest token matches.
 
         Candidates are ranked by how many whole blocks match by id (hashing the prompt, no reads);
         only the best-ranked ones are walked (and read, if cold), the partial block deciding.
         """
         if not candidates:
-            return None
+            return []
         ids_by_links: dict = {}
         ranked = []
         for src, br in candidates:
@@ -422,15 +429,13 @@ class BlockPool:
                 ids_by_links[br.links] = self.chain_ids(br.links, prompt)
             ranked.append((_common(ids_by_links[br.links], br.block_ids), src, br))
         top = max(k for k, _, _ in ranked)
-        best, best_n = None, -1
+        walked = []
         for k, src, br in ranked:
-            if k != top:
-                continue
-            used, from_disk = self._walk(agent, br, prompt, len(prompt) - 1)
-            n = sum(c for _, c in used)
-            if n > best_n:  # candidates come own branches first, most recently used first
-                best, best_n = (src, br, used, from_disk), n
-        return best
+            if k == top:
+                used, from_disk = self._walk(agent, br, prompt, len(prompt) - 1)
+                walked.append((sum(c for _, c in used), src, br, used, from_disk))
+        most = max(w[0] for w in walked)
+        return [w[1:] for w in walked if w[0] == most]  # in candidate order
 
     def _walk(self, agent: Agent, branch: Branch, prompt: Sequence[int], limit: int,
               ) -> tuple[list[tuple[Block, int]], bool]:
@@ -1031,24 +1036,38 @@ def _align(stored: list[int], prompt: list[int], k: int,
     again: (i, j) with decode(stored[:k+i]) == decode(prompt[:k+j]), or None.
 
     Preferred: the first such point where the tokens agree again (the walk then goes on); else the
-    furthest one into `stored` (the stored run is used up to there). Decoding starts a few tokens
-    before `k`, so both sides see the same left context (leading-space rules); a text ending in an
-    incomplete character (U+FFFD) never counts.
+    furthest one into `stored` (the stored run is used up to there). Both texts are grown token by
+    token, the shorter first, and the search stops as soon as one is no longer a prefix of the
+    other, so a real difference costs a couple of decodes. Decoding starts a few tokens before `k`,
+    so both sides see the same left context (leading-space rules); a text ending in an incomplete
+    character (U+FFFD) never counts as equal.
     """
     c = max(0, k - TEXT_MATCH_CONTEXT)
-    texts: dict[str, int] = {}
-    for i in range(1, min(TEXT_MATCH_WINDOW, len(stored) - k) + 1):
-        t = decode(stored[c : k + i])
-        if not t.endswith("\ufffd"):
-            texts.setdefault(t, i)
+    max_i = min(TEXT_MATCH_WINDOW, len(stored) - k)
+    max_j = min(TEXT_MATCH_WINDOW, len(prompt) - k - 1)  # the prompt's last token is never matched
+    i = j = 1
+    if max_i < 1 or max_j < 1:
+        return None
+    ts, tp = decode(stored[c : k + i]), decode(prompt[c : k + j])
     furthest = None
-    for j in range(1, min(TEXT_MATCH_WINDOW, len(prompt) - k - 1) + 1):
-        t = decode(prompt[c : k + j])
-        i = texts.get(t)
-        if i is None:
-            continue
-        if k + i < len(stored) and stored[k + i] == prompt[k + j]:
-            return i, j
-        if furthest is None or i > furthest[0]:
+    while True:
+        if ts == tp and not ts.endswith("\ufffd"):
+            if k + i < len(stored) and stored[k + i] == prompt[k + j]:
+                return i, j
             furthest = (i, j)
-    return furthest
+            if i == max_i or j == max_j:
+                return furthest
+            i, j = i + 1, j + 1
+            ts, tp = decode(stored[c : k + i]), decode(prompt[c : k + j])
+            continue
+        short, long_ = (ts, tp) if len(ts) <= len(tp) else (tp, ts)
+        if not long_.startswith(short.rstrip("\ufffd")):
+            return furthest  # the texts differ for good
+        if len(ts) <= len(tp) and i < max_i:
+            i += 1
+            ts = decode(stored[c : k + i])
+        elif len(tp) < len(ts) and j < max_j:
+            j += 1
+            tp = decode(prompt[c : k + j])
+        else:
+            return furthest
