@@ -1,6 +1,7 @@
 """The agent admin API that persist_q4 adds to vllm-mlx (through the `vllm_mlx_api_routers` hook).
 
-    GET    /v1/agents              every agent: id, tokens, bytes hot and on disk, tier, pinned, last used
+    GET    /v1/agents              every agent: id, tokens, bytes hot and on disk, tier, pinned, last used,
+                                   branches (tokens of each, newest first), shared_blocks, forked_from
     GET    /v1/agents/{id}         one agent (404 if unknown)
     DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown)
     PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL

@@ -31,7 +31,19 @@ DEFAULTS: dict[str, Any] = {
     "ttl_hours": None,  # erase agents unused for this long (None: never)
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
     "prefill_attention": "auto",  # see q4cache.set_prefill_attention
+    "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
+    "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
 }
+
+FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
+
+
+def split_namespace(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(agent, fork parent or None) from a request's cache_namespace (see plugin.py)."""
+    if namespace is None or FORK_SEPARATOR not in namespace:
+        return namespace, None
+    agent, _, parent = namespace.partition(FORK_SEPARATOR)
+    return agent, parent
 
 
 def default_cache_dir() -> Path:
@@ -49,7 +61,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     try:
         for key in ("hot_mb", "disk_mb", "write_timeout_s"):
             opts[key] = float(opts[key])
-        for key in ("bits", "group_size", "block_size"):
+        for key in ("bits", "group_size", "block_size", "branches"):
             opts[key] = int(opts[key])
         if opts["ttl_hours"] is not None:
             opts["ttl_hours"] = float(opts["ttl_hours"])
@@ -68,8 +80,10 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
             f"got {opts['prefill_attention']!r}"
         )
-    if not isinstance(opts["durable_writes"], bool):
-        raise ValueError("persist_q4 durable_writes must be true or false")
+    if not isinstance(opts["durable_writes"], bool) or not isinstance(opts["match_text"], bool):
+        raise ValueError("persist_q4 durable_writes and match_text must be true or false")
+    if not 1 <= opts["branches"] <= 64:
+        raise ValueError(f"persist_q4 branches must be 1 to 64; got {opts['branches']}")
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
     return opts
 
@@ -162,6 +176,8 @@ class PersistQ4Backend:
                 durable_writes=opts["durable_writes"],
                 write_timeout_s=opts["write_timeout_s"],
                 codec=self.codec,
+                branches=opts["branches"],
+                decode=self._decode if opts["match_text"] else None,
             )
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
@@ -170,6 +186,9 @@ class PersistQ4Backend:
                 store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
     @property
     def loaded_pool(self) -> Optional[BlockPool]:
@@ -180,20 +199,28 @@ class PersistQ4Backend:
         """Longest reusable prefix of the request's prompt in its agent's namespace."""
         from vllm_mlx.cache_backend import CacheLookup
 
-        namespace = getattr(request, "cache_namespace", None)
-        cache, n, tier = self.pool.lookup(namespace, list(request.prompt_token_ids),
-                                          getattr(request, "request_id", None))
+        namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+        m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
+                            fork_from=parent)
         agent = namespace or "<anonymous>"
-        if cache is None:
+        if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
             return None
-        log.info("[persist_q4] agent=%s HIT %s cached=%d prompt=%d", agent, tier, n, len(request.prompt_token_ids))
-        return CacheLookup(cache=cache, num_tokens=n, hit_type=tier)
+        log.info("[persist_q4] agent=%s HIT %s%s cached=%d prompt=%d%s", agent, m.tier,
+                 f" from parent {parent}" if m.forked else "", m.num_tokens, len(request.prompt_token_ids),
+                 f" (matched by text; served as {len(m.prompt)} stored tokens)" if m.prompt is not None else "")
+        if m.prompt is not None:
+            # The prompt differs from the stored tokens but decodes to the same text: it is served
+            # as the tokens the cache holds (the seam replaces request.prompt_token_ids).
+            return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier, prompt_token_ids=m.prompt)
+        return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier)
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
         if self._pool is not None:
-            self._pool.prefetch(namespace)
+            for ns in split_namespace(namespace):
+                if ns is not None:
+                    self._pool.prefetch(ns)
 
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
@@ -209,8 +236,9 @@ class PersistQ4Backend:
         if not self.validate(cache or []):
             return False
         try:
-            n, durable = self.pool.commit_async(getattr(request, "cache_namespace", None), token_ids, cache,
-                                                getattr(request, "request_id", None))
+            namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+            n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),
+                                                fork_from=parent)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False
