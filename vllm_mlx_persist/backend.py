@@ -265,6 +265,7 @@ class PersistQ4Backend:
 
     def load(self) -> int:
         n = self.pool.load_manifests()
+        self.pool.restore_hot_set()  # in the background: start-up does not wait for it
         log.info("persist_q4: %d agents on disk", n)
         return n
 

@@ -238,6 +238,10 @@ class BlockPool:
                        if persister is not None else None)
         # Reads started when a request arrives (HTTP thread), consumed by lookup (worker thread).
         self._prefetch: "OrderedDict[str, tuple[Future, float]]" = OrderedDict()
+        # Blocks of the most recently used agents read at start-up (restore_hot_set), most recent
+        # first, with their file sizes: they count against hot_budget until used or dropped.
+        self._restored: "OrderedDict[str, tuple[Future, int]]" = OrderedDict()
+        self._restored_bytes = 0
         self._lock = threading.RLock()
         self.blocks: dict[str, Block] = {}
         self.refs: dict[str, int] = {}  # block id -> how many agents name it
@@ -250,7 +254,7 @@ class BlockPool:
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight]
         self.stats = dict.fromkeys(
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded",
-             "blocks_prefetched", "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks",
+             "blocks_prefetched", "blocks_restored", "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks",
              "unsaved_blocks_dropped", "store_refused", "read_timeouts", "fork_hits", "tokens_from_parent",
              "branches_evicted", "text_matches", "tokens_matched_by_text"], 0)
 
@@ -295,6 +299,42 @@ class BlockPool:
                 self.agents[m.namespace] = agent
                 self.agents.move_to_end(m.namespace, last=False)  # disk agents are the coldest
             return len(self.agents)
+
+    def restore_hot_set(self) -> None:
+        """After a restart, read the most recently used agents' blocks, in the order they were last
+        used, up to `hot_budget` bytes, on the reader threads (numpy only): their first turns then
+        find them in memory instead of on disk. Returns at once; nothing waits for it."""
+        if self.persister is None or self.hot_budget <= 0:
+            return
+        with self._lock:
+            plan = [bid for a in reversed(self.agents.values()) for bid in a.ids
+                    if bid in self.blocks and self.blocks[bid].layers is None]
+        try:
+            self.reader.submit(self._plan_restore, list(dict.fromkeys(plan)))
+        except RuntimeError:  # closing
+            pass
+
+    def _plan_restore(self, plan: list[str]) -> None:
+        """(reader thread) Queue the reads of `plan`'s blocks while their sizes fit the budget."""
+        for bid in plan:
+            size = self.store.block_file_size(bid)
+            with self._lock:
+                if size == 0 or bid in self._restored or bid not in self.blocks or self.blocks[bid].layers is not None:
+                    continue
+                if self.hot_bytes + self._restored_bytes + size > self.hot_budget:
+                    return
+                try:
+                    self._restored[bid] = (self.reader.submit(self.store.read_block, bid), size)
+                except RuntimeError:
+                    return
+                self._restored_bytes += size
+
+    def _drop_restored(self, bid: str) -> Optional[Future]:
+        entry = self._restored.pop(bid, None)
+        if entry is None:
+            return None
+        self._restored_bytes -= entry[1]
+        return entry[0]
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -532,9 +572,13 @@ class BlockPool:
         if self.store is None:
             return False
         entry = self._prefetch.pop(block.block_id, None)
+        restored = self._drop_restored(block.block_id)
         if entry is not None:
             self.stats["blocks_prefetched"] += 1
             future = entry[0]
+        elif restored is not None:
+            self.stats["blocks_restored"] += 1
+            future = restored
         else:
             future = self.reader.submit(self.store.read_block, block.block_id)
         try:
@@ -813,6 +857,9 @@ class BlockPool:
                 entry = self._prefetch.pop(bid, None)
                 if entry is not None:
                     entry[0].cancel()
+                restored = self._drop_restored(bid)
+                if restored is not None:
+                    restored.cancel()
             del self.agents[namespace]
             return True
 
@@ -971,7 +1018,9 @@ class BlockPool:
     def _enforce_budget(self, keep: Optional[str] = None) -> None:
         """Evict least recently used agents (anonymous entries and unpinned agents), then hot
         blocks nobody counts, until the hot tier fits `hot_budget`; `keep` (the agent being
-        served) is spared."""
+        served) is spared. Restored-but-unused blocks count too and go first, least recent first."""
+        while self._restored and self.hot_bytes + self._restored_bytes > self.hot_budget:
+            self._drop_restored(next(reversed(self._restored))).cancel()
         while self.hot_bytes > self.hot_budget:
             victim = None
             for agent in self.anonymous.entries.values():
@@ -1004,6 +1053,8 @@ class BlockPool:
             for future, _ in self._prefetch.values():
                 future.cancel()
             self._prefetch.clear()
+            for bid in list(self._restored):
+                self._drop_restored(bid).cancel()
 
     def flush(self, timeout: Optional[float] = None) -> None:
         if self.persister is not None:
@@ -1014,6 +1065,8 @@ class BlockPool:
             for future, _ in self._prefetch.values():
                 future.cancel()
             self._prefetch.clear()
+            for bid in list(self._restored):
+                self._drop_restored(bid).cancel()
         if self.persister is not None:
             self.persister.close()
             self.reader.shutdown(wait=False, cancel_futures=True)
@@ -1031,6 +1084,8 @@ class BlockPool:
             "hot_bytes": self.hot_bytes,
             "hot_budget_bytes": self.hot_budget,
             "prefetch_pending": len(self._prefetch),
+            "restored_pending": len(self._restored),
+            "restored_bytes": self._restored_bytes,
         }
         if self.persister is not None:
             p = self.persister.stats()
