@@ -193,6 +193,9 @@ def plot_families(plt: Any, f: dict, res: dict):
             xs = [i + (j - (len(systems) - 1) / 2) * width + (k - 1) * width / 3 for i in range(len(archs))]
             ys = [(summary[a].get(s, {}).get("turns", {}).get(turn) or {}).get("reuse_ratio") or 0 for a in archs]
             ax.bar(xs, ys, width / 3, color=COLORS.get(s), alpha=alpha, label=f"{s}, {label}")
+            for x, y in zip(xs, ys):
+                if not y:  # a bar of height 0 is invisible: say it
+                    ax.text(x, 0.01, "0", ha="center", va="bottom", fontsize=7, color=COLORS.get(s))
         for k, (state, marker) in enumerate((("cold", "o"), ("hot", "s"), ("restart_sigkill", "v"))):
             xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(archs))]
             ys = [summary[a].get(s, {}).get("ttft_s", {}).get(state) for a in archs]
@@ -207,10 +210,10 @@ def plot_families(plt: Any, f: dict, res: dict):
         a.grid(True, axis="y", alpha=0.3)
     ax.set_ylim(0, 1.05)
     ax.set_title("Reuse of the previous turns")
-    ax.legend(fontsize=7, ncol=2, loc="lower left")
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     ax2.set_yscale("log")
     ax2.set_title("TTFT cold / hot / after SIGKILL restart")
-    ax2.legend(fontsize=7, ncol=2)
+    ax2.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1))
     size = res["plan"].get("family_size")
     fig.suptitle(f"Model families, {size} random-weight float32 models, about {res['plan'].get('family_tokens')} "
                  f"tokens of history. {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
