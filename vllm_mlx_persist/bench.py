@@ -878,8 +878,9 @@ def section_reload(ctx: "Ctx") -> dict:
 
 def section_families(ctx: "Ctx") -> dict:
     """Per family and system, one server and one conversation of four turns: cold, two hot turns,
-    then SIGKILL and a restarted server. The assistant turns are FIXED_REPLY, so both systems see
-    the same prompts, and each turn can reuse at most the previous turn's prompt."""
+    then SIGKILL and a restarted server. The assistant turns are the model's streamed replies, as a
+    client sends them back: a fixed text would hide vllm-mlx's hits, whose stored key includes the
+    first generated token."""
     from .models import SIZES, build_model_dir, model_config
 
     plan = ctx.plan
@@ -906,7 +907,7 @@ def section_families(ctx: "Ctx") -> dict:
                                                            **drop_page_cache(cache_paths(home))})
                         s.start("after SIGKILL")
                     r = send(s, conv.ask(), conv.agent, plan.family_max_tokens)
-                    conv.answer(FIXED_REPLY)
+                    conv.answer(r["text"])
                     result["samples"].append(_turn_record(r, arch=arch, system=system, state=state, turn=turn))
                     say(f"  {arch} {system} turn {turn} {state:<16} ttft {r['ttft_s']:7.3f}s  "
                         f"{r['tier']} {r['reused_tokens']}/{r['prompt_tokens']}")
@@ -921,8 +922,8 @@ def section_families(ctx: "Ctx") -> dict:
 
 
 def summarize_families(samples: list[dict], plan: Plan) -> dict:
-    """Per arch and system: each turn's reuse ratio (reused / prompt tokens, and the most the cache
-    could have served: the previous turn's prompt) and the TTFT of cold / hot / restart."""
+    """Per arch and system: each turn's reuse ratio (reused / prompt tokens, and what the previous
+    turn's prompt and reply cover) and the TTFT of cold / hot / restart."""
     out: dict = {}
     for arch in plan.family_archs:
         per: dict = {}
@@ -936,8 +937,8 @@ def summarize_families(samples: list[dict], plan: Plan) -> dict:
                 turns[str(x["turn"])] = {"state": x["state"], "ttft_s": x["ttft_s"], "tier": x["tier"],
                                          "prompt_tokens": p, "reused_tokens": n,
                                          "reuse_ratio": round(n / p, 3) if p else None,
-                                         "reusable_ratio": round(prev / p, 3) if p and prev else 0.0}
-                prev = p
+                                         "reusable_ratio": round(min(prev, p) / p, 3) if p and prev else 0.0}
+                prev = p + (x.get("completion_tokens") or 0)
             ttft = {st: median([x["ttft_s"] for x in xs if x["state"] == st]) for st in ("cold", "hot", "restart_sigkill")}
             cold = ttft["cold"]
             per[system] = {"turns": turns, "ttft_s": ttft,
@@ -1005,10 +1006,13 @@ def render_markdown(res: dict) -> str:
     runs = res.get("runs") or [{"command": res["command"], "started_at": res["started_at"],
                                 "duration_s": res["duration_s"], "sections": list(res["sections"])}]
     for r in runs:
+        at = (f"; git {r['git_commit']}, load average {r.get('load_average_at_start')} at start, "
+              f"{r.get('load_average_at_end')} at end" if r.get("git_commit") else "")
         L.append(f"Command: `{r['command']}` (started {r['started_at']}, {r['duration_s'] / 60:.1f} min; "
-                 f"sections: {', '.join(r['sections'])})  ")
+                 f"sections: {', '.join(r['sections'])}{at})  ")
     if len(runs) > 1:
-        L.append("(A later command's sections replace the same sections of an earlier one.)  ")
+        L.append("(A later command's sections replace the same sections of an earlier one; the machine table "
+                 "below is the last command's.)  ")
     L += ["", f"Model: {res['model']['description']}.", "",
           "| machine | |", "|---|---|",
           f"| CPU | {m['cpu']}, {m['cores']} cores |", f"| RAM | {m['ram_gib']} GiB |", f"| OS | {m['os']} |",
@@ -1160,9 +1164,10 @@ def _md_families(fm: dict, plan: dict) -> list[str]:
          f"server and one conversation: a history of about {plan.get('family_tokens')} tokens plus a short user turn "
          f"(cold, turn 1), two more short turns (hot, turns 2 and 3), then SIGKILL, page cache dropped, vllm-mlx's "
          f"snapshot removed, server started again, turn 4. `max_tokens={plan.get('family_max_tokens')}`. The "
-         f"assistant turns are a fixed text (\"{FIXED_REPLY}\"), so both systems see the same prompts and a "
-         "turn can reuse at most the previous turn's prompt (the reusable column). Reuse = tokens the server's own log "
-         "says came from its cache / prompt tokens. Single samples (one conversation per family and system).", "",
+         "assistant turns are the model's own streamed replies, sent back as a client does (each system's own, so "
+         "prompts differ slightly between systems). Reuse = tokens the server's own log says came from its cache / "
+         "prompt tokens; reusable = the previous turn's prompt + reply tokens / prompt tokens (turn 3). Single samples "
+         "(one conversation per family and system).", "",
          "| family | system | reuse turn 2 | reuse turn 3 | reuse after SIGKILL | reusable | cold s | hot s (median of 2) "
          "| after SIGKILL s | cold/hot | cold/KILL |",
          "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1343,12 +1348,18 @@ def main(argv: list[str]) -> int:
         used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems")
                        for s in getattr(plan, k)},
                       key=SYSTEMS.index)
+        machine = machine_info(work)
         run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-               "duration_s": round(finished - started, 1), "sections": list(results)}
+               "duration_s": round(finished - started, 1), "sections": list(results),
+               "git_commit": machine["git_commit"], "load_average_at_start": machine["load_average_at_start"]}
         runs = previous.get("runs", [])
         if previous and not runs:
             runs = [{k: previous.get(k) for k in ("command", "started_at", "duration_s")} | {
                 "sections": list(previous.get("sections", {}))}]
+        if runs and "git_commit" not in runs[-1]:  # the machine block of `previous` describes its last run
+            pm = previous.get("machine", {})
+            runs[-1] = {**runs[-1], "git_commit": pm.get("git_commit"), "load_average_at_start":
+                        pm.get("load_average_at_start"), "load_average_at_end": pm.get("load_average_at_end")}
         results = {**{k: v for k, v in previous.get("sections", {}).items() if k not in results}, **results}
         results = {k: results[k] for k in SECTIONS if k in results}
         res = {
@@ -1358,7 +1369,7 @@ def main(argv: list[str]) -> int:
             "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(finished)),
             "duration_s": round(finished - started, 1),
-            "machine": machine_info(work),
+            "machine": machine,
             "model": {"arch": "llama", "size": plan.model_size, **dataclasses.asdict(sz),
                       "dtype": "float32", "weights": "random (seeded), locally built",
                       "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
@@ -1381,7 +1392,7 @@ def main(argv: list[str]) -> int:
                 say(f"plots skipped: {type(e).__name__}: {e}")
                 res["plots"] = []
             (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-        res["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        res["machine"]["load_average_at_end"] = run["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         md = render_markdown(res)
         (out / "bench.md").write_text(md)
         (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")

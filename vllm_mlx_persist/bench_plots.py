@@ -205,7 +205,7 @@ def plot_families(plt: Any, f: dict, res: dict):
                             label=f"{s}, {STATE_STYLE[state][3]}")
     for a, ylabel in ((ax, "cached tokens / prompt tokens"), (ax2, "time to first token (s, log)")):
         a.set_xticks(range(len(archs)))
-        a.set_xticklabels(archs, fontsize=8)
+        a.set_xticklabels(archs, fontsize=8, rotation=15)
         a.set_ylabel(ylabel)
         a.grid(True, axis="y", alpha=0.3)
     ax.set_ylim(0, 1.05)
