@@ -23,7 +23,7 @@ from vllm_mlx_persist.tools.serving import Server
 
 from test_e2e_server import OPTIONS, Chat
 
-ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3"]
+ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32"]
 HYBRIDS = {"qwen3_next", "lfm2"}
 
 

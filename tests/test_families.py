@@ -34,7 +34,7 @@ REL_TOL = 0.4
 BLOCK = 16
 WINDOW = 16  # sliding window of gemma3_text / gpt_oss: prompts here are longer, so it matters
 SIZE = Size(**{**SIZES["tiny"].__dict__, "sliding_window": WINDOW, "vocab": 512})
-ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3"]
+ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

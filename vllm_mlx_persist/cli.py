@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
 
     m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
     m.add_argument("out_dir")
-    m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2 or deepseek_v3")
+    m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2, deepseek_v3 or deepseek_v32")
     m.add_argument("--size", default="small", help="preset size (see tools/models.py SIZES)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")

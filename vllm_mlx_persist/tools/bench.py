@@ -1,6 +1,6 @@
 """`vllm-mlx-persist bench`: persist_q4 against vllm-mlx's own caches, on real servers.
 
-Four sections, each selectable with --sections:
+Five sections, each selectable with --sections:
 
 - ttft: time to first token against context length, cold / hot / after a restart (SIGTERM, and
   SIGKILL), for persist_q4, vllm-mlx's default prefix cache and vllm-mlx's 4-bit + SSD tier.
@@ -9,6 +9,9 @@ Four sections, each selectable with --sections:
 - batch: 1..8 agents decoding at once from warm caches: system and per-agent tokens/s.
 - reload: in-process, time to load an agent's cache from disk (page cache dropped) against its size
   and against the sequential read bandwidth of the same disk.
+- families: per model family (sliding window, sinks, linear-attention / convolution hybrids, MLA),
+  one conversation per system: reuse ratio (tokens the cache served / prompt tokens) on turns 2-3
+  and after a SIGKILL restart, and TTFT cold / hot / after the restart.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -47,7 +50,10 @@ LABELS = {
     "vllm_default": "vllm-mlx default prefix cache",
     "vllm_q4_ssd": "vllm-mlx 4-bit + SSD tier",
 }
-SECTIONS = ("ttft", "agents", "batch", "reload")
+SECTIONS = ("ttft", "agents", "batch", "reload", "families")
+FAMILIES = ("gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32")
+# turns of the families section: (state, turn index); the restart turn follows a SIGKILL
+FAMILY_TURNS = (("cold", 1), ("hot", 2), ("hot", 3), ("restart_sigkill", 4))
 STATES = ("cold", "hot", "restart_sigterm", "restart_sigkill")
 MB = 2**20
 
@@ -85,6 +91,12 @@ class Plan:
     reload_sizes: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192, 16384, 32768])
     reload_reps: int = 3
     bandwidth_mb: int = 1024
+    # families
+    family_archs: list[str] = field(default_factory=lambda: list(FAMILIES))
+    family_size: str = "small"
+    family_tokens: int = 2048
+    family_max_tokens: int = 8
+    family_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -96,6 +108,7 @@ QUICK = Plan(
     agents=3, agent_tokens=2048, agent_rounds=2, agent_budget_mb=1,
     batch_levels=[1, 2, 4], batch_tokens=128, batch_max_tokens=16, batch_reps=1,
     reload_sizes=[256, 1024, 4096], reload_reps=1, bandwidth_mb=64,
+    family_archs=list(FAMILIES[:5]), family_size="tiny", family_tokens=256, family_max_tokens=4,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -860,6 +873,82 @@ def section_reload(ctx: "Ctx") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Section: model families (sliding window, sinks, recurrent hybrids, MLA)
+
+
+def section_families(ctx: "Ctx") -> dict:
+    """Per family and system, one server and one conversation of four turns: cold, two hot turns,
+    then SIGKILL and a restarted server. The assistant turns are the model's streamed replies, as a
+    client sends them back: a fixed text would hide vllm-mlx's hits, whose stored key includes the
+    first generated token."""
+    from .models import build_model_dir, model_config
+
+    plan = ctx.plan
+    result: dict = {"models": {}, "samples": [], "events": [], "page_cache_drops": [], "errors": {}}
+    for arch in plan.family_archs:
+        model = build_model_dir(ctx.work / f"model-{arch}-{plan.family_size}", arch=arch, size=plan.family_size)
+        cfg = model_config(arch, plan.family_size)
+        result["models"][arch] = {"size": plan.family_size, "layers": cfg["num_hidden_layers"],
+                                  "hidden": cfg["hidden_size"], "sliding_window": cfg.get("sliding_window"),
+                                  "params_m": round((model / "model.safetensors").stat().st_size / 4 / 1e6, 1)}
+        history = Prompts(model).history(seed_of("families", plan.family_tokens), plan.family_tokens)
+        for system in plan.family_systems:
+            say(f"families: {arch} on {system}")
+            home = ctx.work / f"families-{arch}-{system}"
+            s = Session(system, make_server(system, model, home, plan.ttft_cache_mb), result["events"], arch)
+            conv = Conversation(f"family-{arch}", [dict(m) for m in history], seed_of("families-u"), plan.user_words)
+            try:
+                s.start("fresh")
+                for state, turn in FAMILY_TURNS:
+                    if state == "restart_sigkill":
+                        s.stop(signal.SIGKILL, "kill")
+                        shutil.rmtree(home / ".cache" / "vllm-mlx" / "prefix_cache", ignore_errors=True)
+                        result["page_cache_drops"].append({"system": system, "arch": arch,
+                                                           **drop_page_cache(cache_paths(home))})
+                        s.start("after SIGKILL")
+                    r = send(s, conv.ask(), conv.agent, plan.family_max_tokens)
+                    conv.answer(r["text"])
+                    result["samples"].append(_turn_record(r, arch=arch, system=system, state=state, turn=turn))
+                    say(f"  {arch} {system} turn {turn} {state:<16} ttft {r['ttft_s']:7.3f}s  "
+                        f"{r['tier']} {r['reused_tokens']}/{r['prompt_tokens']}")
+            except Exception as e:
+                result["errors"][f"{arch}/{system}"] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+                say(f"families: {arch} on {system} FAILED: {e}")
+                traceback.print_exc()
+            finally:
+                s.stop(signal.SIGTERM, "end")
+    result["summary"] = summarize_families(result["samples"], plan)
+    return result
+
+
+def summarize_families(samples: list[dict], plan: Plan) -> dict:
+    """Per arch and system: each turn's reuse ratio (reused / prompt tokens, and what the previous
+    turn's prompt and reply cover) and the TTFT of cold / hot / restart."""
+    out: dict = {}
+    for arch in plan.family_archs:
+        per: dict = {}
+        for system in plan.family_systems:
+            xs = sorted((x for x in samples if x["arch"] == arch and x["system"] == system), key=lambda x: x["turn"])
+            if not xs:
+                continue
+            turns, prev = {}, None
+            for x in xs:
+                p, n = x["prompt_tokens"] or 0, x["reused_tokens"] or 0
+                turns[str(x["turn"])] = {"state": x["state"], "ttft_s": x["ttft_s"], "tier": x["tier"],
+                                         "prompt_tokens": p, "reused_tokens": n,
+                                         "reuse_ratio": round(n / p, 3) if p else None,
+                                         "reusable_ratio": round(min(prev, p) / p, 3) if p and prev else 0.0}
+                prev = p + (x.get("completion_tokens") or 0)
+            ttft = {st: median([x["ttft_s"] for x in xs if x["state"] == st]) for st in ("cold", "hot", "restart_sigkill")}
+            cold = ttft["cold"]
+            per[system] = {"turns": turns, "ttft_s": ttft,
+                           "ratios": {f"cold/{st}": round(cold / ttft[st], 2)
+                                      for st in ("hot", "restart_sigkill") if cold and ttft[st]}}
+        out[arch] = per
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 
@@ -867,8 +956,8 @@ def section_reload(ctx: "Ctx") -> dict:
 class Ctx:
     plan: Plan
     work: Path
-    model: Path
-    prompts: Prompts
+    model: Optional[Path]  # the llama model of the ttft/agents/batch/reload sections (None if none runs)
+    prompts: Optional[Prompts]
 
 
 def headline(results: dict) -> dict:
@@ -898,6 +987,12 @@ def headline(results: dict) -> dict:
         big = rel["summary"][-1]
         h["reload"] = {"largest": big, "bandwidth_mb_s": rel["bandwidth"]["buffered_after_drop_mb_s"],
                        "o_direct_mb_s": rel["bandwidth"]["o_direct_mb_s"]}
+    fam = results.get("families")
+    if fam and fam.get("summary"):
+        h["families"] = {a: {s: {"reuse_turn2": v["turns"].get("2", {}).get("reuse_ratio"),
+                                 "reuse_turn3": v["turns"].get("3", {}).get("reuse_ratio"),
+                                 "reuse_restart": v["turns"].get("4", {}).get("reuse_ratio"), **v["ttft_s"]}
+                             for s, v in per.items()} for a, per in fam["summary"].items()}
     return h
 
 
@@ -911,10 +1006,13 @@ def render_markdown(res: dict) -> str:
     runs = res.get("runs") or [{"command": res["command"], "started_at": res["started_at"],
                                 "duration_s": res["duration_s"], "sections": list(res["sections"])}]
     for r in runs:
+        at = (f"; git {r['git_commit']}, load average {r.get('load_average_at_start')} at start, "
+              f"{r.get('load_average_at_end')} at end" if r.get("git_commit") else "")
         L.append(f"Command: `{r['command']}` (started {r['started_at']}, {r['duration_s'] / 60:.1f} min; "
-                 f"sections: {', '.join(r['sections'])})  ")
+                 f"sections: {', '.join(r['sections'])}{at})  ")
     if len(runs) > 1:
-        L.append("(A later command's sections replace the same sections of an earlier one.)  ")
+        L.append("(A later command's sections replace the same sections of an earlier one; the machine table "
+                 "below is the last command's.)  ")
     L += ["", f"Model: {res['model']['description']}.", "",
           "| machine | |", "|---|---|",
           f"| CPU | {m['cpu']}, {m['cores']} cores |", f"| RAM | {m['ram_gib']} GiB |", f"| OS | {m['os']} |",
@@ -935,6 +1033,8 @@ def render_markdown(res: dict) -> str:
         L += _md_batch(res["sections"]["batch"], plan)
     if "reload" in res["sections"]:
         L += _md_reload(res["sections"]["reload"], plan)
+    if "families" in res["sections"]:
+        L += _md_families(res["sections"]["families"], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
             for s, e in v.get("errors", {}).items()}
     if errs:
@@ -1054,6 +1154,37 @@ def _md_reload(r: dict, plan: dict) -> list[str]:
     return L
 
 
+def _md_families(fm: dict, plan: dict) -> list[str]:
+    models = fm.get("models", {})
+    desc = "; ".join(f"{a} {m['params_m']}M ({m['layers']} layers, hidden {m['hidden']}"
+                     + (f", window {m['sliding_window']}" if m.get("sliding_window") and a in ("gemma3_text", "gpt_oss")
+                        else "") + ")" for a, m in models.items())
+    L = ["## Model families", "",
+         f"Per family a `{plan.get('family_size')}` random-weight float32 model (models.py; {desc}). Per system one "
+         f"server and one conversation: a history of about {plan.get('family_tokens')} tokens plus a short user turn "
+         f"(cold, turn 1), two more short turns (hot, turns 2 and 3), then SIGKILL, page cache dropped, vllm-mlx's "
+         f"snapshot removed, server started again, turn 4. `max_tokens={plan.get('family_max_tokens')}`. The "
+         "assistant turns are the model's own streamed replies, sent back as a client does (each system's own, so "
+         "prompts differ slightly between systems). Reuse = tokens the server's own log says came from its cache / "
+         "prompt tokens; reusable = the previous turn's prompt + reply tokens / prompt tokens (turn 3). Single samples "
+         "(one conversation per family and system).", "",
+         "| family | system | reuse turn 2 | reuse turn 3 | reuse after SIGKILL | reusable | cold s | hot s (median of 2) "
+         "| after SIGKILL s | cold/hot | cold/KILL |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def pct(t: dict) -> str:
+        return "–" if not t or t.get("reuse_ratio") is None else f"{t['reuse_ratio']:.0%} ({t['reused_tokens']}/{t['prompt_tokens']})"
+
+    for arch, per in fm.get("summary", {}).items():
+        for s, v in per.items():
+            t, tt, r = v["turns"], v["ttft_s"], v["ratios"]
+            L.append(f"| {arch} | {s} | {pct(t.get('2'))} | {pct(t.get('3'))} | {pct(t.get('4'))} | "
+                     f"{_f(t.get('3', {}).get('reusable_ratio'), 2)} | {_f(tt['cold'])} | {_f(tt['hot'])} | "
+                     f"{_f(tt['restart_sigkill'])} | {r.get('cold/hot', '–')} | {r.get('cold/restart_sigkill', '–')} |")
+    L += ["", "![Model families](families.png)", ""]
+    return L
+
+
 def print_summary(res: dict) -> None:
     h = res["headline"]
     total = sum(r["duration_s"] for r in res.get("runs") or [res])
@@ -1078,6 +1209,13 @@ def print_summary(res: dict) -> None:
         b = h["reload"]["largest"]
         print(f"Reload of {b['tokens']} tokens ({b['file_mb']} MB): {b['reload_ms']} ms = {b['reload_mb_s']} MB/s; "
               f"disk {h['reload']['bandwidth_mb_s']} MB/s buffered, {h['reload']['o_direct_mb_s']} MB/s O_DIRECT")
+    if "families" in h:
+        print("Model families (reuse turn 2 / 3 / after SIGKILL; TTFT cold / hot / after SIGKILL s):")
+        for a, per in h["families"].items():
+            for s, v in per.items():
+                reuse = " / ".join(_f(v[k], 2) for k in ("reuse_turn2", "reuse_turn3", "reuse_restart"))
+                print(f"  {a:<13} {s:<13} reuse {reuse}  ttft {_f(v['cold'])} / {_f(v['hot'])} / "
+                      f"{_f(v['restart_sigkill'])}")
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
     for r in res.get("runs") or [res]:
         print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
@@ -1107,6 +1245,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agent-tokens", type=int, default=None, help="history tokens per agent in the agents section")
     p.add_argument("--batch-levels", default=None, help="concurrency levels, e.g. 1,2,4,8")
     p.add_argument("--reload-sizes", default=None, help="agent sizes in tokens for the reload section")
+    p.add_argument("--families", default=None, help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument("--family-size", default=None, help="models.SIZES preset of the families section (default "
+                                                        "small; --quick: tiny)")
+    p.add_argument("--family-tokens", type=int, default=None, help="history tokens of the families section")
     p.add_argument("--merge", action="store_true",
                    help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
@@ -1133,12 +1275,21 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
     if args.reload_sizes:
         plan.reload_sizes = [int(x) for x in args.reload_sizes.split(",")]
+    if args.families:
+        plan.family_archs = [a.strip() for a in args.families.split(",") if a.strip()]
+        bad = set(plan.family_archs) - set(FAMILIES)
+        if bad:
+            raise SystemExit(f"unknown families {sorted(bad)}; choose from {', '.join(FAMILIES)}")
+    if args.family_size:
+        plan.family_size = args.family_size
+    if args.family_tokens is not None:
+        plan.family_tokens = args.family_tokens
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         bad = set(systems) - set(SYSTEMS)
         if bad:
             raise SystemExit(f"unknown systems {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
-        plan.ttft_systems = plan.agent_systems = plan.batch_systems = systems
+        plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.family_systems = systems
     return plan
 
 
@@ -1165,12 +1316,16 @@ def main(argv: list[str]) -> int:
 
     from .models import SIZES, build_model_dir
 
-    model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
     sz = SIZES[plan.model_size]
-    ctx = Ctx(plan, work, model, Prompts(model))
+    if set(sections) - {"families"}:
+        model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
+        ctx = Ctx(plan, work, model, Prompts(model))
+    else:  # the families section builds its own models
+        ctx = Ctx(plan, work, None, None)
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
-                                                 "batch": section_batch, "reload": section_reload}
+                                                 "batch": section_batch, "reload": section_reload,
+                                                 "families": section_families}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():
@@ -1190,14 +1345,21 @@ def main(argv: list[str]) -> int:
             say(f"section {sec} done in {results[sec]['seconds']} s")
     finally:
         finished = time.time()
-        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems") for s in getattr(plan, k)},
+        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems")
+                       for s in getattr(plan, k)},
                       key=SYSTEMS.index)
+        machine = machine_info(work)
         run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-               "duration_s": round(finished - started, 1), "sections": list(results)}
+               "duration_s": round(finished - started, 1), "sections": list(results),
+               "git_commit": machine["git_commit"], "load_average_at_start": machine["load_average_at_start"]}
         runs = previous.get("runs", [])
         if previous and not runs:
             runs = [{k: previous.get(k) for k in ("command", "started_at", "duration_s")} | {
                 "sections": list(previous.get("sections", {}))}]
+        if runs and "git_commit" not in runs[-1]:  # the machine block of `previous` describes its last run
+            pm = previous.get("machine", {})
+            runs[-1] = {**runs[-1], "git_commit": pm.get("git_commit"), "load_average_at_start":
+                        pm.get("load_average_at_start"), "load_average_at_end": pm.get("load_average_at_end")}
         results = {**{k: v for k, v in previous.get("sections", {}).items() if k not in results}, **results}
         results = {k: results[k] for k in SECTIONS if k in results}
         res = {
@@ -1207,7 +1369,7 @@ def main(argv: list[str]) -> int:
             "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(finished)),
             "duration_s": round(finished - started, 1),
-            "machine": machine_info(work),
+            "machine": machine,
             "model": {"arch": "llama", "size": plan.model_size, **dataclasses.asdict(sz),
                       "dtype": "float32", "weights": "random (seeded), locally built",
                       "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
@@ -1230,7 +1392,7 @@ def main(argv: list[str]) -> int:
                 say(f"plots skipped: {type(e).__name__}: {e}")
                 res["plots"] = []
             (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-        res["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        res["machine"]["load_average_at_end"] = run["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         md = render_markdown(res)
         (out / "bench.md").write_text(md)
         (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
