@@ -109,8 +109,10 @@ def test_private_memories_stay_private(server):
     assert "[alice, alice_bob]" not in text(last["eve"]) and "[bob, alice_bob]" not in text(last["eve"])
 
 
-def test_fork_from_is_sent_and_workers_start_from_the_parents_history(server):
-    """Until the server forks, workers prefill the document themselves; the request names the parent."""
+def test_fork_from_is_sent_and_workers_reuse_the_coordinators_document(server):
+    """Each worker names the coordinator as its parent and its first turn starts from the coordinator's
+    blocks: at least every whole block of the coordinator's prompt (system prompt + document; forks
+    share whole blocks only, the parent's partial tail is prefilled by the child)."""
     report = runner.run_scenario(load_scenario("fanout", SMALL["fanout"]), server.url, compare=False)
     reqs = report["requests"]
     coord = reqs[0]
@@ -119,6 +121,10 @@ def test_fork_from_is_sent_and_workers_start_from_the_parents_history(server):
     parent_history = coord["messages"] + [{"role": "assistant", "content": coord["output"]}]
     assert all(w["messages"][: len(parent_history)] == parent_history for w in workers)
     assert all(w["prompt_tokens"] > coord["prompt_tokens"] for w in workers)
+    assert coord["cached_tokens"] == 0 and coord["prompt_tokens"] >= 2 * OPTIONS["block_size"]
+    whole = coord["prompt_tokens"] // OPTIONS["block_size"] * OPTIONS["block_size"]
+    for w in workers:
+        assert whole <= w["cached_tokens"] < w["prompt_tokens"], (coord["prompt_tokens"], w)
     gather = reqs[-1]
     assert gather["agent"] == "coordinator" and all(f"[w{i}, " in gather["messages"][-1]["content"]
                                                     for i in range(1, 9))

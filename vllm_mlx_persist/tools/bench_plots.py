@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green"}
+COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green",
+          "persist_q4_nofork": "tab:purple"}
 STATE_STYLE = {
     "cold": ("black", "-", "o", "cold"),
     "hot": ("tab:green", "-", "s", "hot (in memory)"),
@@ -35,7 +36,8 @@ def write_plots(res: dict, out: Path) -> list[str]:
     plt = _pyplot()
     secs = res["sections"]
     written = []
-    for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload)):
+    for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
+                     ("fanout", plot_fanout)):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
@@ -175,4 +177,24 @@ def plot_reload(plt: Any, r: dict, res: dict):
     ax.legend(fontsize=8)
     toks = [x["tokens"] for x in rows]
     ax.set_title(f"Reload against the physical limit ({toks[0]}..{toks[-1]} tokens)", fontsize=10)
+    return fig
+
+
+def plot_fanout(plt: Any, f: dict, res: dict):
+    systems = {s: v["levels"] for s, v in f.get("systems", {}).items() if v.get("levels")}
+    if not systems:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for s, lv in systems.items():
+        ns = sorted(int(k) for k in lv)
+        ax.plot(ns, [lv[str(n)]["prefill_tokens"] for n in ns], marker="o", color=COLORS.get(s), label=s)
+        ax2.plot(ns, [lv[str(n)]["all_first_s"] for n in ns], marker="o", color=COLORS.get(s), label=s)
+    for a, t in ((ax, "tokens prefilled by the workers (sum)"), (ax2, "time to all first tokens (s)")):
+        a.set_xticks(res["plan"]["fanout_levels"])
+        a.set_xlabel("workers forked from the coordinator, sent at once")
+        a.set_ylabel(t)
+        a.set_ylim(bottom=0)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"Fan-out over a {res['plan']['fanout_tokens']}-token document. {_title(res)}", fontsize=10)
     return fig
