@@ -12,6 +12,9 @@ Five sections, each selectable with --sections:
 - families: per model family (sliding window, sinks, linear-attention / convolution hybrids, MLA),
   one conversation per system: reuse ratio (tokens the cache served / prompt tokens) on turns 2-3
   and after a SIGKILL restart, and TTFT cold / hot / after the restart.
+- fanout: a coordinator reads one document, then N workers fork from it (metadata.fork_from) and ask
+  their own questions at once: total prefill and time to all first tokens, persist_q4 against
+  vllm-mlx's default prefix cache.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -50,7 +53,7 @@ LABELS = {
     "vllm_default": "vllm-mlx default prefix cache",
     "vllm_q4_ssd": "vllm-mlx 4-bit + SSD tier",
 }
-SECTIONS = ("ttft", "agents", "batch", "reload", "families")
+SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout")
 FAMILIES = ("gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32")
 # turns of the families section: (state, turn index); the restart turn follows a SIGKILL
 FAMILY_TURNS = (("cold", 1), ("hot", 2), ("hot", 3), ("restart_sigkill", 4))
@@ -97,6 +100,13 @@ class Plan:
     family_tokens: int = 2048
     family_max_tokens: int = 8
     family_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    # fanout
+    fanout_levels: list[int] = field(default_factory=lambda: [1, 4, 8])
+    fanout_tokens: int = 4096  # the coordinator's document, in template tokens
+    fanout_question_words: int = 20
+    fanout_max_tokens: int = 8
+    fanout_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    fanout_nofork: bool = False  # also persist_q4 without fork_from (each worker prefills the document)
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -109,6 +119,7 @@ QUICK = Plan(
     batch_levels=[1, 2, 4], batch_tokens=128, batch_max_tokens=16, batch_reps=1,
     reload_sizes=[256, 1024, 4096], reload_reps=1, bandwidth_mb=64,
     family_archs=list(FAMILIES[:5]), family_size="tiny", family_tokens=256, family_max_tokens=4,
+    fanout_tokens=512,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -400,7 +411,7 @@ def classify(log: str, agent: Optional[str]) -> tuple[str, int]:
 
 
 def send(session: Session, messages: list[dict], agent: Optional[str], max_tokens: int,
-         client: Any = None, classify_log: bool = True) -> dict:
+         client: Any = None, classify_log: bool = True, metadata: Optional[dict] = None) -> dict:
     """One streamed chat turn. TTFT = send to first non-empty content chunk."""
     srv = session.server
     pos = srv.log_path.stat().st_size if classify_log else 0
@@ -409,7 +420,7 @@ def send(session: Session, messages: list[dict], agent: Optional[str], max_token
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=srv.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_headers=headers)
+        stream_options={"include_usage": True}, extra_headers=headers, **({"metadata": metadata} if metadata else {}))
     first = last = None
     parts: list[str] = []
     usage = None
@@ -948,6 +959,114 @@ def summarize_families(samples: list[dict], plan: Plan) -> dict:
     return out
 
 
+# Section: fan-out (one document, N forked workers)
+
+
+def _document(prompts: Prompts, seed: int, n_tokens: int) -> list[dict]:
+    """A coordinator's first message: one document of about `n_tokens` template tokens (nonce first)."""
+    rng = random.Random(seed)
+    words = Prompts.words(rng, n_tokens * 2).split(" ")
+    head, tail = f"Document {seed:016x}. Read it:\n\n", "\n\nSummarise it in one sentence."
+    msg = lambda k: [{"role": "user", "content": head + " ".join(words[:k]) + tail}]
+    lo, hi = 1, len(words)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if prompts.count(msg(mid)) <= n_tokens else (lo, mid - 1)
+    return msg(lo)
+
+
+_FETCH_TOKENS_RE = re.compile(r"\[cache_fetch\] request=\S+ \w+ prompt_tokens=(\d+)(?: cached=(\d+))?")
+
+
+def section_fanout(ctx: "Ctx") -> dict:
+    """Per level N, on a fresh document: the coordinator reads it (one turn), then N workers, each with
+    the coordinator's history plus a question of its own and `metadata.fork_from` = the coordinator,
+    are sent at once. Prefill = prompt - cached tokens summed over the workers, from the server's
+    `[cache_fetch]` lines (vllm-mlx's own prefix cache reports its hits there but 0 in `usage`); time
+    to all first tokens = first send to the last worker's first streamed token."""
+    import openai
+
+    plan = ctx.plan
+    docs = {n: _document(ctx.prompts, seed_of("fanout", n), plan.fanout_tokens) for n in plan.fanout_levels}
+    result: dict = {"events": [], "systems": {}, "errors": {}}
+    runs = [(x, True) for x in plan.fanout_systems]
+    if plan.fanout_nofork and "persist_q4" in plan.fanout_systems:
+        runs.insert(1, ("persist_q4", False))
+    for server_kind, fork in runs:
+        system = server_kind if fork or server_kind != "persist_q4" else "persist_q4_nofork"
+        say(f"fanout: {system}")
+        s = Session(system, make_server(server_kind, ctx.model, ctx.work / f"fanout-{system}", plan.ttft_cache_mb),
+                    result["events"], "fanout")
+        levels: dict[str, dict] = {}
+        try:
+            s.start("fresh")
+            clients = [openai.OpenAI(base_url=s.server.url + "/v1", api_key="bench", max_retries=0, timeout=7200)
+                       for _ in range(max(plan.fanout_levels))]
+            for n in plan.fanout_levels:
+                coord = f"fanout-{n}-coord"
+                msgs = [dict(m) for m in docs[n]]
+                c = send(s, msgs, coord, plan.fanout_max_tokens, classify_log=False)
+                history = msgs + [{"role": "assistant", "content": c["text"]}]
+                barrier = threading.Barrier(n)
+                res: list[Optional[dict]] = [None] * n
+                errs: list[BaseException] = []
+
+                def worker(i: int) -> None:
+                    try:
+                        rng = random.Random(seed_of("fanout-q", n, i))
+                        q = {"role": "user", "content": f"Worker {i}: " + Prompts.words(rng, plan.fanout_question_words)}
+                        barrier.wait()
+                        res[i] = send(s, history + [q], f"fanout-{n}-w{i}", plan.fanout_max_tokens, client=clients[i],
+                                      classify_log=False, metadata={"fork_from": coord} if fork else None)
+                    except BaseException as e:  # noqa: BLE001 - surfaced below
+                        errs.append(e)
+
+                pos = s.server.log_path.stat().st_size
+                threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+                [t.start() for t in threads]
+                [t.join() for t in threads]
+                if errs:
+                    raise errs[0]
+                time.sleep(0.05)
+                with open(s.server.log_path, errors="replace") as f:
+                    f.seek(pos)
+                    fetched = [(int(p), int(k or 0)) for p, k in _FETCH_TOKENS_RE.findall(f.read())]
+                if len(fetched) != n:
+                    raise RuntimeError(f"{len(fetched)} [cache_fetch] lines for {n} workers")
+                t0 = min(r["t_send"] for r in res)
+                prompt = sorted(p for p, _ in fetched)
+                cached = sorted(k for _, k in fetched)
+                levels[str(n)] = {
+                    "workers": n,
+                    "coordinator": {"prompt_tokens": c["prompt_tokens"], "ttft_s": c["ttft_s"]},
+                    "prompt_tokens": prompt, "cached_tokens": cached, "ttft_s": [r["ttft_s"] for r in res],
+                    "usage_cached_tokens": [r["usage_cached_tokens"] for r in res],
+                    "prefill_tokens": sum(p - k for p, k in zip(prompt, cached)),
+                    "all_first_s": round(max((r["t_first"] or r["t_end"]) for r in res) - t0, 4),
+                    "all_done_s": round(max(r["t_end"] for r in res) - t0, 4),
+                }
+                say(f"  {system} x{n}: coordinator {c['prompt_tokens']} tok in {c['ttft_s']:.2f}s; workers prefill "
+                    f"{levels[str(n)]['prefill_tokens']} of {sum(prompt)} tok, all first tokens in "
+                    f"{levels[str(n)]['all_first_s']:.2f}s (cached {cached})")
+        except Exception as e:
+            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+            say(f"fanout: {system} FAILED: {e}")
+            traceback.print_exc()
+        finally:
+            s.stop(signal.SIGTERM, "end")
+        result["systems"][system] = {"levels": levels}
+    ours = result["systems"].get("persist_q4", {}).get("levels", {})
+    result["ratios"] = {}  # other system / persist_q4 with fork, per level
+    for other, key in (("vllm_default", ""), ("persist_q4_nofork", "nofork_")):
+        base = result["systems"].get(other, {}).get("levels", {})
+        for n in ours:
+            if n in base and ours[n]["all_first_s"] > 0:
+                result["ratios"].setdefault(n, {}).update({
+                    f"{key}prefill_x": round(base[n]["prefill_tokens"] / max(1, ours[n]["prefill_tokens"]), 2),
+                    f"{key}all_first_x": round(base[n]["all_first_s"] / ours[n]["all_first_s"], 2)})
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 
@@ -993,6 +1112,11 @@ def headline(results: dict) -> dict:
                                  "reuse_turn3": v["turns"].get("3", {}).get("reuse_ratio"),
                                  "reuse_restart": v["turns"].get("4", {}).get("reuse_ratio"), **v["ttft_s"]}
                              for s, v in per.items()} for a, per in fam["summary"].items()}
+    fan = results.get("fanout")
+    if fan and fan.get("ratios"):
+        at = max(fan["ratios"], key=int)
+        h["fanout_at"] = int(at)
+        h["fanout"] = fan["ratios"][at]
     return h
 
 
@@ -1035,6 +1159,8 @@ def render_markdown(res: dict) -> str:
         L += _md_reload(res["sections"]["reload"], plan)
     if "families" in res["sections"]:
         L += _md_families(res["sections"]["families"], plan)
+    if "fanout" in res["sections"]:
+        L += _md_fanout(res["sections"]["fanout"], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
             for s, e in v.get("errors", {}).items()}
     if errs:
@@ -1182,6 +1308,35 @@ def _md_families(fm: dict, plan: dict) -> list[str]:
                      f"{_f(t.get('3', {}).get('reusable_ratio'), 2)} | {_f(tt['cold'])} | {_f(tt['hot'])} | "
                      f"{_f(tt['restart_sigkill'])} | {r.get('cold/hot', '–')} | {r.get('cold/restart_sigkill', '–')} |")
     L += ["", "![Model families](families.png)", ""]
+def _md_fanout(f: dict, plan: dict) -> list[str]:
+    L = ["## Fan-out: one document, N forked workers", "",
+         f"Per level N, a fresh document of about {plan['fanout_tokens']} tokens: a coordinator agent reads it "
+         f"(one turn, `max_tokens={plan['fanout_max_tokens']}`), then N workers are sent at once, each with the "
+         f"coordinator's history (its message and reply) plus a question of its own ({plan['fanout_question_words']} "
+         "words), under its own agent id, with `metadata.fork_from` naming the coordinator (vllm-mlx's default "
+         "cache ignores it and shares whatever its prefix cache finds; persist_q4_nofork: persist_q4 without "
+         "`fork_from`, so each worker is an isolated agent). Prefill = prompt - cached tokens, summed over the "
+         "workers, from the server's `[cache_fetch]` lines (vllm-mlx's own prefix cache reports its hits there "
+         "but 0 in `usage.prompt_tokens_details`). All first = first send to the last worker's first streamed "
+         "token. Ratios: vllm_default / persist_q4 and persist_q4_nofork / persist_q4.", "",
+         "| workers | " + " | ".join(f"{s} prefill tok | {s} all first s | {s} cached per worker"
+                                     for s in f["systems"]) + " | prefill x vllm | all first x vllm | "
+         "prefill x nofork | all first x nofork |",
+         "|---|" + "---|---|---|" * len(f["systems"]) + "---|---|---|---|"]
+    for n in plan["fanout_levels"]:
+        cells = []
+        for v in f["systems"].values():
+            x = v["levels"].get(str(n))
+            cells += ([str(x["prefill_tokens"]), _f(x["all_first_s"], 2),
+                       f"{min(x['cached_tokens'])}-{max(x['cached_tokens'])} of {max(x['prompt_tokens'])}"]
+                      if x else ["–"] * 3)
+        r = f.get("ratios", {}).get(str(n), {})
+        L.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(
+            str(r.get(k, "–")) for k in ("prefill_x", "all_first_x", "nofork_prefill_x", "nofork_all_first_x")) + " |")
+    L += ["", "Coordinator's read (cold in every system): " + "; ".join(
+        f"{s}: " + ", ".join(f"N={n} {x['coordinator']['prompt_tokens']} tok {x['coordinator']['ttft_s']:.2f} s"
+                             for n, x in v["levels"].items()) for s, v in f["systems"].items()) + ".", "",
+          "![Fan-out](fanout.png)", ""]
     return L
 
 
@@ -1216,6 +1371,10 @@ def print_summary(res: dict) -> None:
                 reuse = " / ".join(_f(v[k], 2) for k in ("reuse_turn2", "reuse_turn3", "reuse_restart"))
                 print(f"  {a:<13} {s:<13} reuse {reuse}  ttft {_f(v['cold'])} / {_f(v['hot'])} / "
                       f"{_f(v['restart_sigkill'])}")
+    if "fanout" in h:
+        print(f"Fan-out at {h['fanout_at']} workers, other / persist_q4 with fork: " + "; ".join(
+            f"{name}: prefill x{h['fanout'][k + 'prefill_x']}, time to all first tokens x{h['fanout'][k + 'all_first_x']}"
+            for name, k in (("vllm_default", ""), ("persist_q4 without fork", "nofork_")) if k + "prefill_x" in h["fanout"]))
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
     for r in res.get("runs") or [res]:
         print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
@@ -1249,6 +1408,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--family-size", default=None, help="models.SIZES preset of the families section (default "
                                                         "small; --quick: tiny)")
     p.add_argument("--family-tokens", type=int, default=None, help="history tokens of the families section")
+    p.add_argument("--fanout-nofork", action="store_true",
+                   help="fanout: also run persist_q4 without fork_from (every worker prefills the document itself)")
     p.add_argument("--merge", action="store_true",
                    help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
@@ -1284,12 +1445,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.family_size = args.family_size
     if args.family_tokens is not None:
         plan.family_tokens = args.family_tokens
+    plan.fanout_nofork = args.fanout_nofork
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         bad = set(systems) - set(SYSTEMS)
         if bad:
             raise SystemExit(f"unknown systems {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
         plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.family_systems = systems
+        plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.fanout_systems = systems
     return plan
 
 
@@ -1325,7 +1488,7 @@ def main(argv: list[str]) -> int:
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
                                                  "batch": section_batch, "reload": section_reload,
-                                                 "families": section_families}
+                                                 "families": section_families, "fanout": section_fanout}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():
@@ -1345,8 +1508,8 @@ def main(argv: list[str]) -> int:
             say(f"section {sec} done in {results[sec]['seconds']} s")
     finally:
         finished = time.time()
-        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems")
-                       for s in getattr(plan, k)},
+        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems",
+                                   "fanout_systems") for s in getattr(plan, k)},
                       key=SYSTEMS.index)
         machine = machine_info(work)
         run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),

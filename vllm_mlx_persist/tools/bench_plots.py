@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green"}
+COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green",
+          "persist_q4_nofork": "tab:purple"}
 STATE_STYLE = {
     "cold": ("black", "-", "o", "cold"),
     "hot": ("tab:green", "-", "s", "hot (in memory)"),
@@ -36,7 +37,7 @@ def write_plots(res: dict, out: Path) -> list[str]:
     secs = res["sections"]
     written = []
     for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
-                     ("families", plot_families)):
+                     ("families", plot_families), ("fanout", plot_fanout)):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
@@ -217,4 +218,21 @@ def plot_families(plt: Any, f: dict, res: dict):
     size = res["plan"].get("family_size")
     fig.suptitle(f"Model families, {size} random-weight float32 models, about {res['plan'].get('family_tokens')} "
                  f"tokens of history. {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
+def plot_fanout(plt: Any, f: dict, res: dict):
+    systems = {s: v["levels"] for s, v in f.get("systems", {}).items() if v.get("levels")}
+    if not systems:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for s, lv in systems.items():
+        ns = sorted(int(k) for k in lv)
+        ax.plot(ns, [lv[str(n)]["prefill_tokens"] for n in ns], marker="o", color=COLORS.get(s), label=s)
+        ax2.plot(ns, [lv[str(n)]["all_first_s"] for n in ns], marker="o", color=COLORS.get(s), label=s)
+    for a, t in ((ax, "tokens prefilled by the workers (sum)"), (ax2, "time to all first tokens (s)")):
+        a.set_xticks(res["plan"]["fanout_levels"])
+        a.set_xlabel("workers forked from the coordinator, sent at once")
+        a.set_ylabel(t)
+        a.set_ylim(bottom=0)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"Fan-out over a {res['plan']['fanout_tokens']}-token document. {_title(res)}", fontsize=10)
     return fig

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import urllib.request
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -115,6 +116,20 @@ class Turn:
     at: str = ""  # a few characters of the re-rendered prompt around the divergence
 
 
+TEXT_STATS = ("text_matches", "tokens_matched_by_text")
+
+
+def text_match_stats(url: str) -> Optional[dict[str, int]]:
+    """The server's text-matching counters (persist_q4 with match_text), or None where it has none."""
+    base = url.rstrip("/").removesuffix("/v1")
+    try:
+        with urllib.request.urlopen(base + "/v1/cache/stats", timeout=30) as r:
+            stats = json.load(r).get("engine_cache") or {}
+    except (OSError, ValueError):
+        return None
+    return {k: int(stats[k]) for k in TEXT_STATS} if all(k in stats for k in TEXT_STATS) else None
+
+
 def run(url: str, model_dir: str, *, conversations: int = 8, turns: int = 6, max_tokens: int = 48,
         words: int = 40, model: Optional[str] = None, kv_bits: Optional[int] = 4,
         progress=lambda s: None) -> dict[str, Any]:
@@ -125,6 +140,7 @@ def run(url: str, model_dir: str, *, conversations: int = 8, turns: int = 6, max
     run_id = f"retok-{uuid.uuid4().hex[:8]}"
     measured: list[Turn] = []
     prompt_mismatch = 0
+    before = text_match_stats(url)
     for c in range(conversations):
         progress(f"conversation {c + 1}/{conversations}")
         pool = docstring_words(MODULES[c % len(MODULES)])
@@ -143,9 +159,12 @@ def run(url: str, model_dir: str, *, conversations: int = 8, turns: int = 6, max
             G = local.greedy(P, max_tokens)
             prev = (P, G, rec)
             messages.append({"role": "assistant", "content": rec.output})
+    after = text_match_stats(url)
+    # The server's counters over this run (exact only if nothing else used the server meanwhile).
+    server_text = {k: after[k] - before[k] for k in TEXT_STATS} if before and after else None
     return summarize(measured, prompt_mismatch, dict(
         url=url, model=model, model_dir=str(model_dir), conversations=conversations, turns_per_chat=turns,
-        max_tokens=max_tokens, words=words, local_kv_bits=kv_bits))
+        max_tokens=max_tokens, words=words, local_kv_bits=kv_bits, server_text_matching=server_text))
 
 
 def _measure(local: LocalModel, c: int, t: int, prev: tuple[list[int], list[int], Record], N: list[int],
@@ -208,7 +227,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"model {r['model_dir']} on {r['url']}: {r['conversations']} conversations x {r['turns_per_chat']} turns, "
         f"{r['words']}-word user turns, max_tokens {r['max_tokens']}",
         f"turns measured (all after the first of each chat): {r['turns_measured']}; local prompt length "
-        f"!= server's: {r['prompt_length_mismatches']}",
+        f"!= server's: {r['prompt_length_mismatches']} (a turn served by text matching counts the stored tokens)",
         f"turns where reuse stops inside the previous turn's stored tokens: {r['diverged']} ({100 * r['diverged'] / n:.0f}%)",
         f"tokens lost there: {r['tokens_lost']} of {r['tokens_reusable']} reusable "
         f"({100 * r['tokens_lost'] / max(r['tokens_reusable'], 1):.1f}%); prompt tokens {r['prompt_tokens']}, "
@@ -221,6 +240,10 @@ def format_report(r: dict[str, Any]) -> str:
         f"  unclassified (the local greedy replay differs from the server's reply): {k['unclassified']['turns']} turns, "
         f"{k['unclassified']['tokens_lost']} tokens",
     ]
+    st = r.get("server_text_matching")
+    lines.append("server's text matching over this run: " + (
+        f"{st['text_matches']} realignments, {st['tokens_matched_by_text']} stored tokens reused past a token "
+        "mismatch (counted in cached above)" if st else "no counters (not persist_q4, or an older server)"))
     for t in [t for t in r["measured"] if t["diverged"] and t["at"]][:5]:
         lines.append(f"  e.g. chat {t['conversation']} turn {t['turn']}: {t['kind']}, lost {t['lost']}, at {t['at']!r}")
     return "\n".join(lines)
