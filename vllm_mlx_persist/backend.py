@@ -237,6 +237,7 @@ class PersistQ4Backend:
                 y = mx.argmax(self.model(y, cache=batch)[:, -1:, :], axis=-1)
                 mx.eval(y)
             del caches, batch
+            mx.clear_cache()  # give the warm-up's buffers back: it keeps nothing
             self.warmup = {"runs": self.warmup.get("runs", 0) + 1, "s": round(time.perf_counter() - t0, 3),
                            "tokens": sum(map(len, prompts)) + 2 * WARMUP_STEPS}
             log.info("persist_q4: warm-up ran the 4-bit prefill and batched decode paths in %.2f s",
