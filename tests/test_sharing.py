@@ -10,12 +10,11 @@ from __future__ import annotations
 from collections import Counter
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from vllm_mlx_persist.tools.models import build_model
 from vllm_mlx_persist.pool import BlockPool, _align
-from test_pool import BLOCK, COLD_HOT_TOL, assert_same_cache, make_pool, prefill, tokens
+from test_pool import COLD_HOT_TOL, assert_same_cache, make_pool, prefill, tokens
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,7 +16,7 @@ from .caches import ModelCodec
 from .identity import model_fingerprint
 from .persister import Persister
 from .pool import BlockPool
-from .q4cache import PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
+from .q4cache import DEQUANT_MIN_QUERIES, PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
 from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -33,6 +34,7 @@ DEFAULTS: dict[str, Any] = {
     "prefill_attention": "auto",  # see q4cache.set_prefill_attention
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
     "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
+    "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
 }
 
 FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
@@ -44,6 +46,12 @@ def split_namespace(namespace: Optional[str]) -> tuple[Optional[str], Optional[s
         return namespace, None
     agent, _, parent = namespace.partition(FORK_SEPARATOR)
     return agent, parent
+
+
+# Warm-up at start-up (see PersistQ4Backend.warm_up): one prefill chunk on the dequantized path
+# (>= DEQUANT_MIN_QUERIES queries), then a few batched decode steps on the quantized one.
+WARMUP_TOKENS = max(16, 2 * DEQUANT_MIN_QUERIES)
+WARMUP_STEPS = 3
 
 
 def default_cache_dir() -> Path:
@@ -80,8 +88,9 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
             f"got {opts['prefill_attention']!r}"
         )
-    if not isinstance(opts["durable_writes"], bool) or not isinstance(opts["match_text"], bool):
-        raise ValueError("persist_q4 durable_writes and match_text must be true or false")
+    for key in ("durable_writes", "match_text", "warmup"):
+        if not isinstance(opts[key], bool):
+            raise ValueError(f"persist_q4 {key} must be true or false")
     if not 1 <= opts["branches"] <= 64:
         raise ValueError(f"persist_q4 branches must be 1 to 64; got {opts['branches']}")
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
@@ -132,6 +141,7 @@ class PersistQ4Backend:
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
         # The engine holds a finished response at most this long for its turn's write (seam contract).
         self.durable_timeout_s = opts["write_timeout_s"]
+        self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
         self.closed = False
 
     @property
@@ -254,20 +264,59 @@ class PersistQ4Backend:
             self._pool.finish(request.request_id)
 
     def get_stats(self) -> dict:
+        warm = {f"warmup_{k}": v for k, v in self.warmup.items()}
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
-            return {"backend": "persist_q4"}
+            return {"backend": "persist_q4", **warm}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
-        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot()}
+        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot(), **warm}
 
     def clear(self) -> None:
         if self._pool is not None:
             self._pool.clear()
 
     def load(self) -> int:
+        """At server start, on the worker thread: read the agents' manifests, then warm up."""
         n = self.pool.load_manifests()
         self.pool.restore_hot_set()  # in the background: start-up does not wait for it
         log.info("persist_q4: %d agents on disk", n)
+        if self.opts["warmup"]:
+            self.warm_up()
         return n
+
+    def warm_up(self) -> dict:
+        """Run the model once over a tiny prompt through fresh 4-bit caches, so that the first
+        request after a (re)start does not pay first-use costs (allocations, compiled functions,
+        the quantize / dequantized-prefill / quantized-decode kernels): two sequences of
+        WARMUP_TOKENS and one fewer are prefilled in one chunk each (the dequantized path), merged
+        the way BatchGenerator merges them, and decoded WARMUP_STEPS steps (the quantized path).
+        Bounded (a few dozen tokens of KV), stored nowhere, never fatal; returns what it did."""
+        import mlx.core as mx
+        from mlx_lm.generate import _merge_caches
+
+        t0 = time.perf_counter()
+        try:
+            n = WARMUP_TOKENS
+            prompts = [list(range(1, n + 1)), list(range(2, n + 1))]
+            caches = []
+            for p in prompts:
+                cache = self.make_prompt_cache()
+                mx.eval(self.model(mx.array([p]), cache=cache))
+                caches.append(cache)
+            batch = _merge_caches(caches)
+            y = mx.array([[1], [2]])
+            for _ in range(WARMUP_STEPS):
+                y = mx.argmax(self.model(y, cache=batch)[:, -1:, :], axis=-1)
+                mx.eval(y)
+            del caches, batch
+            mx.clear_cache()  # give the warm-up's buffers back: it keeps nothing
+            self.warmup = {"runs": self.warmup.get("runs", 0) + 1, "s": round(time.perf_counter() - t0, 3),
+                           "tokens": sum(map(len, prompts)) + 2 * WARMUP_STEPS}
+            log.info("persist_q4: warm-up ran the 4-bit prefill and batched decode paths in %.2f s",
+                     self.warmup["s"])
+        except Exception as e:  # a model that cannot warm up will say so on its first request
+            self.warmup = {"runs": self.warmup.get("runs", 0), "error": f"{type(e).__name__}: {e}"}
+            log.warning("persist_q4: warm-up failed (%s); serving without it", self.warmup["error"])
+        return self.warmup
 
     def save(self) -> bool:
         if self._pool is not None:
