@@ -147,8 +147,9 @@ def test_compare_url_replays_the_same_ids(server):
         assert c["agent_id"] == r["agent_id"] and c["output"] == r["output"]
         if r["agent_id"] not in seen:  # the agent's whole conversation is stored: all but one token reused
             assert c["cached_tokens"] == c["prompt_tokens"] - 1 > r["cached_tokens"] == 0
-        else:  # then each replayed turn finds what the first run found: the previous turn's commit
-            assert c["cached_tokens"] == r["cached_tokens"]
+        else:  # then each replayed turn finds at least what the first run found (the agent keeps
+            # branches, so the first run's longer history still covers the replayed prompt)
+            assert c["cached_tokens"] >= r["cached_tokens"]
         seen.add(r["agent_id"])
 
 

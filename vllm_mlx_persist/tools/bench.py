@@ -1308,6 +1308,9 @@ def _md_families(fm: dict, plan: dict) -> list[str]:
                      f"{_f(t.get('3', {}).get('reusable_ratio'), 2)} | {_f(tt['cold'])} | {_f(tt['hot'])} | "
                      f"{_f(tt['restart_sigkill'])} | {r.get('cold/hot', '–')} | {r.get('cold/restart_sigkill', '–')} |")
     L += ["", "![Model families](families.png)", ""]
+    return L
+
+
 def _md_fanout(f: dict, plan: dict) -> list[str]:
     L = ["## Fan-out: one document, N forked workers", "",
          f"Per level N, a fresh document of about {plan['fanout_tokens']} tokens: a coordinator agent reads it "
