@@ -183,6 +183,7 @@ class BlockPool:
         self.hot_bytes = 0
         self._hot_agents = 0  # agents (persistent) with any block in memory
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight]
+        self.fleet = None  # fleet.Fleet when a remote tier is configured (set by the backend)
         self.stats = dict.fromkeys(
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded",
              "blocks_prefetched", "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks",
@@ -252,6 +253,8 @@ class BlockPool:
         always left to prefill; recurrent models stop at their last state checkpoint. With `request_id`, the request counts as in flight until
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
+        if self.fleet is not None and namespace is not None:
+            self.fleet.wait(namespace)  # bounded; outside the lock, which a fetch from Redis needs
         with self._lock:
             if request_id is not None and namespace is not None:
                 self._inflight[request_id] = [namespace, False]
@@ -468,10 +471,12 @@ class BlockPool:
         manifest = Manifest(agent.namespace, list(agent.block_ids), agent.n_tokens, time.time(), agent.pinned)
         stats = self.stats
 
-        def on_durable() -> None:  # writer thread: a state flag per block, nothing else
+        def on_durable() -> None:  # writer thread: a state flag per block, and a queued upload
             for b in blocks:
                 if b.state == BlockState.PENDING:
                     b.state = BlockState.DURABLE
+            if self.fleet is not None:
+                self.fleet.saved(manifest, datas)
 
         def count_failure(f: Future) -> None:
             if f.exception() is not None or not f.result():
@@ -508,6 +513,8 @@ class BlockPool:
                 "pinned": agent.pinned,
                 "last_used": agent.last_used,
             }
+        if self.fleet is not None:
+            info["remote"] = self.fleet.agent_info(namespace)
         info["bytes_disk"] = self.persister.agent_disk_bytes(namespace) if self.persister is not None else 0
         return info
 
@@ -516,10 +523,11 @@ class BlockPool:
             names = list(self.agents)
         return [i for i in map(self.agent_info, reversed(names)) if i is not None]
 
-    def erase(self, namespace: str, timeout: Optional[float] = 60.0) -> bool:
+    def erase(self, namespace: str, timeout: Optional[float] = 60.0, fleet_wide: bool = True) -> bool:
         """Forget an agent in memory and on disk (durable when this returns); False if unknown.
 
-        A request of the agent still running when this is called will not store its turn.
+        A request of the agent still running when this is called will not store its turn. With a
+        fleet tier and `fleet_wide`, the agent is then erased from Redis too (queued).
         """
         with self._lock:
             known = self._forget(namespace)
@@ -530,6 +538,8 @@ class BlockPool:
             future = self.persister.erase(namespace) if self.persister is not None else None
         if future is not None:
             known = bool(future.result(timeout)) or known
+        if fleet_wide and self.fleet is not None:  # after the local save jobs: their uploads are queued
+            known = self.fleet.erase(namespace) or known
         return known
 
     def set_pinned(self, namespace: str, pinned: bool, timeout: Optional[float] = 60.0) -> bool:
@@ -561,6 +571,48 @@ class BlockPool:
                     if entry is not None:
                         entry[0].cancel()
             return True
+
+    # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
+
+    def chain_state(self, namespace: str) -> Optional[tuple[tuple[str, ...], int]]:
+        """(block ids, tokens) of an agent, or None if unknown; any thread."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            return None if agent is None else (tuple(agent.block_ids), agent.n_tokens)
+
+    def save_fetched(self, manifest: Manifest, blocks: list[BlockData], expect, on_done) -> Optional[Future]:
+        """Save a history fetched from the fleet (its blocks the local disk lacks, then its manifest)
+        and, once durable, make it the agent's chain with COLD blocks, provided the agent is still
+        as `expect` (chain_state before the fetch). `on_done(manifest or None)` runs on the persister
+        thread, in order with every other write. None when the agent changed meanwhile."""
+        with self._lock:  # commits queue their saves under the lock too: the order is the pool's
+            if self.persister is None or self.chain_state(manifest.namespace) != expect:
+                return None
+
+            def on_durable() -> None:
+                on_done(self._adopt(manifest, expect))
+
+            return self.persister.save(manifest, blocks, [], on_durable)
+
+    def _adopt(self, m: Manifest, expect) -> Optional[Manifest]:
+        with self._lock:
+            if self.chain_state(m.namespace) != expect:
+                return None  # a turn, an erasure or a cut since: the pool's own state stands
+            agent = self.agents.get(m.namespace)
+            if agent is None:
+                agent = self.agents[m.namespace] = Agent(m.namespace)
+            old = agent.block_ids
+            for bid in m.block_ids:
+                self._ref(bid)
+                self.blocks.setdefault(bid, Block(bid, (), None, BlockState.COLD))
+            agent.block_ids, agent.n_tokens = list(m.block_ids), m.n_tokens
+            for bid in old:
+                if self._unref(bid):
+                    block = self.blocks.pop(bid, None)
+                    if block is not None:
+                        self._add_hot(agent, -block.nbytes)
+            self._touch(agent)
+            return m
 
     # ---- memory ---------------------------------------------------------------------------------
 
