@@ -62,8 +62,12 @@ class Fleet:
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
     def saved(self, manifest: Manifest, blocks: list[BlockData]) -> None:
-        """A turn is durable locally (persister thread): publish it. Never blocks."""
-        self.tier.put(manifest, {b.block_id: b for b in blocks})
+        """A turn is durable locally (persister thread): publish it. Never blocks, never raises (the
+        persister must finish its job whatever happens here)."""
+        try:
+            self.tier.put(manifest, {b.block_id: b for b in blocks})
+        except Exception:
+            log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
 
     def erase(self, namespace: str) -> bool:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
@@ -184,6 +188,12 @@ class Fleet:
 
     def _adopted(self, manifest: Optional[Manifest], version: Optional[int]) -> None:
         """Persister thread, once the fetched agent is durable locally (None: the pool kept its own)."""
+        try:
+            self._adopted_now(manifest, version)
+        except Exception:  # never into the persister's job
+            log.exception("fleet: registering a fetched agent failed")
+
+    def _adopted_now(self, manifest: Optional[Manifest], version: Optional[int]) -> None:
         if manifest is None:
             self._count("adopt_skipped")
             return

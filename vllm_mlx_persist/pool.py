@@ -589,8 +589,13 @@ class BlockPool:
             if self.persister is None or self.chain_state(manifest.namespace) != expect:
                 return None
 
-            def on_durable() -> None:
-                on_done(self._adopt(manifest, expect))
+            def on_durable() -> None:  # persister thread; on_done must not raise
+                try:
+                    adopted = self._adopt(manifest, expect)
+                except Exception:
+                    log.exception("agent %r: registering its fetched history failed", manifest.namespace)
+                    adopted = None
+                on_done(adopted)
 
             return self.persister.save(manifest, blocks, [], on_durable)
 
