@@ -35,6 +35,13 @@ DEFAULTS: dict[str, Any] = {
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
     "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
     "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
+    # The fleet tier (docs/fleet.md): Redis shared by several servers; None: off.
+    "remote_url": None,  # redis://[user:password@]host:6379/0, rediss://... (TLS), unix:///path.sock
+    "remote_timeout_s": 2.0,  # longest one Redis read may take
+    "remote_wait_s": 3.0,  # longest a request waits for its agent's fetch from Redis; then it goes on
+    "remote_queue_mb": 1024.0,  # block data waiting for upload, at most (then uploads are dropped)
+    "remote_block_ttl_hours": 168.0,  # blocks expire in Redis unless used (refreshed on every use)
+    "remote_manifest_ttl_hours": 720.0,
 }
 
 FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
@@ -67,7 +74,8 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"unknown persist_q4 option(s) {unknown}; known: {sorted(DEFAULTS)}")
     opts = {**DEFAULTS, **options}
     try:
-        for key in ("hot_mb", "disk_mb", "write_timeout_s"):
+        for key in ("hot_mb", "disk_mb", "write_timeout_s", "remote_timeout_s", "remote_wait_s",
+                    "remote_queue_mb", "remote_block_ttl_hours", "remote_manifest_ttl_hours"):
             opts[key] = float(opts[key])
         for key in ("bits", "group_size", "block_size", "branches"):
             opts[key] = int(opts[key])
@@ -93,6 +101,12 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             raise ValueError(f"persist_q4 {key} must be true or false")
     if not 1 <= opts["branches"] <= 64:
         raise ValueError(f"persist_q4 branches must be 1 to 64; got {opts['branches']}")
+    url = opts["remote_url"]
+    if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))):
+        raise ValueError("persist_q4 remote_url must be a redis://, rediss:// or unix:// URL")
+    if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"],
+           opts["remote_block_ttl_hours"], opts["remote_manifest_ttl_hours"]) <= 0:
+        raise ValueError("persist_q4 remote_* time-outs, sizes and TTLs must be > 0")
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
     return opts
 
@@ -112,6 +126,14 @@ class _OneLineRefusal(logging.Filter):
         return True
 
 
+def _check_redis_client() -> None:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ValueError('persist_q4: remote_url is set but the Redis client is not installed: '
+                         'pip install "vllm-mlx-persist[fleet]"') from None
+
+
 def _refuse(e: ValueError) -> ValueError:
     """Make the start-up failure that `e` causes print as one line; returns `e` to raise."""
     logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(str(e).strip()))
@@ -124,6 +146,8 @@ class PersistQ4Backend:
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
             opts = parse_options(options)
+            if opts["remote_url"] is not None:
+                _check_redis_client()
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
         except ValueError as e:
@@ -138,6 +162,7 @@ class PersistQ4Backend:
         except (StoreError, OSError) as e:
             raise _refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
+        self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
         # The engine holds a finished response at most this long for its turn's write (seam contract).
         self.durable_timeout_s = opts["write_timeout_s"]
@@ -189,6 +214,8 @@ class PersistQ4Backend:
                 branches=opts["branches"],
                 decode=self._decode if opts["match_text"] else None,
             )
+            if opts["remote_url"] is not None:
+                self._start_fleet(self._pool)
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
                 "dir %s (model %s)",
@@ -199,6 +226,25 @@ class PersistQ4Backend:
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _start_fleet(self, pool: BlockPool) -> None:
+        from .fleet import Fleet
+        from .remote import RemoteTier
+
+        opts = self.opts
+        if pool.persister is None:
+            log.error("persist_q4: fleet tier OFF: it needs the local disk tier, which is disabled")
+            return
+        tier = RemoteTier(
+            opts["remote_url"], self.fingerprint,
+            read_timeout_s=opts["remote_timeout_s"],
+            queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
+            block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
+            manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600))
+        self.fleet = pool.fleet = Fleet(tier, pool, wait_s=opts["remote_wait_s"],
+                                        write_timeout_s=opts["write_timeout_s"])
+        log.info("persist_q4: fleet tier on: %s (requests wait for it at most %.1fs)", tier.url_redacted,
+                 opts["remote_wait_s"])
 
     @property
     def loaded_pool(self) -> Optional[BlockPool]:
@@ -230,6 +276,8 @@ class PersistQ4Backend:
         if self._pool is not None:
             for ns in split_namespace(namespace):
                 if ns is not None:
+                    if self.fleet is not None:
+                        self.fleet.prefetch(ns)
                     self._pool.prefetch(ns)
 
     def make_prompt_cache(self, request: Any = None) -> list:
@@ -268,7 +316,10 @@ class PersistQ4Backend:
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
             return {"backend": "persist_q4", **warm}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
-        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot(), **warm}
+        out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot(), **warm}
+        if self.fleet is not None:
+            out["remote"] = self.fleet.stats()
+        return out
 
     def clear(self) -> None:
         if self._pool is not None:
@@ -325,6 +376,10 @@ class PersistQ4Backend:
 
     def close(self) -> None:
         self.closed = True
+        if self.fleet is not None:
+            self.fleet.stop()  # no new fetches; queued uploads go out after the last local writes
         if self._pool is not None:
             self._pool.close()
+        if self.fleet is not None:
+            self.fleet.close()
         self._dir_lock.release()

@@ -252,6 +252,7 @@ class BlockPool:
         self.hot_bytes = 0
         self._hot_agents = 0  # agents (persistent) with any block in memory
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight]
+        self.fleet = None  # fleet.Fleet when a remote tier is configured (set by the backend)
         self.stats = dict.fromkeys(
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded",
              "blocks_prefetched", "blocks_restored", "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks",
@@ -392,6 +393,8 @@ class BlockPool:
         state checkpoint. With `request_id`, the request counts as in flight until
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
+        if self.fleet is not None and namespace is not None:
+            self.fleet.wait(namespace)  # bounded; outside the lock, which a fetch from Redis needs
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
@@ -757,10 +760,12 @@ class BlockPool:
         manifest = self._manifest(agent)
         stats = self.stats
 
-        def on_durable() -> None:  # writer thread: a state flag per block, nothing else
+        def on_durable() -> None:  # writer thread: a state flag per block, and a queued upload
             for b in blocks:
                 if b.state == BlockState.PENDING:
                     b.state = BlockState.DURABLE
+            if self.fleet is not None:
+                self.fleet.saved(manifest, datas)
 
         def count_failure(f: Future) -> None:
             if f.cancelled() or f.exception() is not None or not f.result():
@@ -810,6 +815,8 @@ class BlockPool:
                 "shared_blocks": sum(1 for b in agent.ids if self.refs.get(b, 0) > 1),
                 "forked_from": sorted({ns for br in agent.branches for _, ns in br.links} - {namespace}),
             }
+        if self.fleet is not None:
+            info["remote"] = self.fleet.agent_info(namespace)
         info["bytes_disk"] = self.persister.agent_disk_bytes(namespace) if self.persister is not None else 0
         return info
 
@@ -818,11 +825,12 @@ class BlockPool:
             names = list(self.agents)
         return [i for i in map(self.agent_info, reversed(names)) if i is not None]
 
-    def erase(self, namespace: str, timeout: Optional[float] = 60.0) -> bool:
+    def erase(self, namespace: str, timeout: Optional[float] = 60.0, fleet_wide: bool = True) -> bool:
         """Forget an agent in memory and on disk (durable when this returns); False if unknown.
 
         A request of the agent still running when this is called will not store its turn. Blocks
-        its forks share stay, in memory and on disk, as long as a fork names them.
+        its forks share stay, in memory and on disk, as long as a fork names them. With a fleet
+        tier and `fleet_wide`, the agent is then erased from Redis too (queued).
         """
         with self._lock:
             known = self._forget(namespace)
@@ -833,6 +841,8 @@ class BlockPool:
             future = self.persister.erase(namespace) if self.persister is not None else None
         if future is not None:
             known = bool(future.result(timeout)) or known
+        if fleet_wide and self.fleet is not None:  # after the local save jobs: their uploads are queued
+            known = self.fleet.erase(namespace) or known
         return known
 
     def set_pinned(self, namespace: str, pinned: bool, timeout: Optional[float] = 60.0) -> bool:
@@ -862,6 +872,51 @@ class BlockPool:
                     restored.cancel()
             del self.agents[namespace]
             return True
+
+    # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
+
+    def chain_state(self, namespace: str) -> Optional[tuple[tuple[str, ...], int]]:
+        """(block ids, tokens) of an agent's most recent branch, or None if unknown; any thread."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            return None if agent is None else (tuple(agent.block_ids), agent.n_tokens)
+
+    def save_fetched(self, manifest: Manifest, blocks: list[BlockData], expect, on_done) -> Optional[Future]:
+        """Save a history fetched from the fleet (its blocks the local disk lacks, then its manifest)
+        and, once durable, make it the agent's most recent branch with COLD blocks, provided the
+        agent is still as `expect` (chain_state before the fetch). `on_done(manifest or None)` runs
+        on the persister thread, in order with every other write. None when the agent changed."""
+        with self._lock:  # commits queue their saves under the lock too: the order is the pool's
+            if self.persister is None or self.chain_state(manifest.namespace) != expect:
+                return None
+
+            def on_durable() -> None:  # persister thread; on_done must not raise
+                try:
+                    adopted = self._adopt_fetched(manifest, expect)
+                except Exception:
+                    log.exception("agent %r: registering its fetched history failed", manifest.namespace)
+                    adopted = None
+                on_done(adopted)
+
+            return self.persister.save(manifest, blocks, [], on_durable)
+
+    def _adopt_fetched(self, m: Manifest, expect) -> Optional[Manifest]:
+        """The fetched chain becomes the agent's most recent branch (branches it extends go). Redis
+        manifests carry one chain seeded with the agent: a fork's shared prefix does not chain that
+        way, so such a history is cut at the fork point by the lookup's chain check (safe, less reuse)."""
+        with self._lock:
+            if self.chain_state(m.namespace) != expect:
+                return None  # a turn, an erasure or a cut since: the pool's own state stands
+            agent = self.agents.get(m.namespace)
+            if agent is None:
+                agent = self.agents[m.namespace] = Agent(m.namespace)
+            for bid in m.block_ids:
+                self.blocks.setdefault(bid, Block(bid, (), None, BlockState.COLD))
+            new = Branch(list(m.block_ids), m.n_tokens, ((0, m.namespace),))
+            kept = [br for br in agent.branches if br.block_ids != new.block_ids[: len(br.block_ids)]]
+            self._set_branches(agent, (kept + [new])[-self.max_branches:])
+            self._touch(agent)
+            return m
 
     # ---- references and memory ------------------------------------------------------------------
 

@@ -15,6 +15,8 @@ Five sections, each selectable with --sections:
 - fanout: a coordinator reads one document, then N workers fork from it (metadata.fork_from) and ask
   their own questions at once: total prefill and time to all first tokens, persist_q4 against
   vllm-mlx's default prefix cache.
+- fleet: two persist_q4 servers sharing a real redis-server (`remote_url`): TTFT of an agent's first
+  turn on the second server against cold and against a local-disk hit, and Redis bytes per token.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -53,7 +55,7 @@ LABELS = {
     "vllm_default": "vllm-mlx default prefix cache",
     "vllm_q4_ssd": "vllm-mlx 4-bit + SSD tier",
 }
-SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout")
+SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet")
 FAMILIES = ("gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32")
 # turns of the families section: (state, turn index); the restart turn follows a SIGKILL
 FAMILY_TURNS = (("cold", 1), ("hot", 2), ("hot", 3), ("restart_sigkill", 4))
@@ -107,6 +109,9 @@ class Plan:
     fanout_max_tokens: int = 8
     fanout_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
     fanout_nofork: bool = False  # also persist_q4 without fork_from (each worker prefills the document)
+    # fleet
+    fleet_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    fleet_reps: int = 2
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -119,7 +124,7 @@ QUICK = Plan(
     batch_levels=[1, 2, 4], batch_tokens=128, batch_max_tokens=16, batch_reps=1,
     reload_sizes=[256, 1024, 4096], reload_reps=1, bandwidth_mb=64,
     family_archs=list(FAMILIES[:5]), family_size="tiny", family_tokens=256, family_max_tokens=4,
-    fanout_tokens=512,
+    fanout_tokens=512, fleet_contexts=[256, 512], fleet_reps=1,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -1067,6 +1072,148 @@ def section_fanout(ctx: "Ctx") -> dict:
     return result
 
 
+# Section: the fleet tier (two servers, one Redis)
+
+
+def _start_redis(work: Path) -> tuple[subprocess.Popen, str, Any]:
+    """A redis-server on a free local port, no persistence, LRU over keys with a TTL (docs/fleet.md)."""
+    import redis
+    from .serving import free_port
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
+    port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(work), "--maxmemory", "4gb", "--maxmemory-policy", "volatile-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=10)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, f"redis://127.0.0.1:{port}/0", client
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def section_fleet(ctx: "Ctx") -> dict:
+    """Each conversation: a history's first turn on server A (cold), its next turn on server B, which
+    has never seen the agent (fleet: fetched from Redis); then B restarts with its page cache dropped
+    and serves one more turn from its own disk (disk). Redis memory and traffic per token stored."""
+    plan = ctx.plan
+    result: dict = {"samples": [], "events": [], "errors": {}, "redis": {}}
+    proc, url, rc = _start_redis(ctx.work / "fleet-redis")
+    opts = {"hot_mb": plan.ttft_cache_mb, "remote_url": url}
+    sessions = {name: Session("persist_q4", Server(ctx.model, ctx.work / f"fleet-{name}", backend="persist_q4",
+                                                   options=opts, extra_args=COMMON_ARGS), result["events"], f"fleet-{name}")
+                for name in ("A", "B")}
+    a, b = sessions["A"], sessions["B"]
+    convs = [Conversation(f"fleet-{L}-{rep}", [dict(m) for m in ctx.prompts.history(seed_of("fleet", L, rep), L)],
+                          seed_of("fleet-u", L, rep), plan.user_words, context=L, rep=rep)
+             for L in plan.fleet_contexts for rep in range(plan.fleet_reps)]
+
+    def turn(s: Session, conv: Conversation, state: str) -> dict:
+        r = send(s, conv.ask(), conv.agent, plan.ttft_max_tokens)
+        conv.answer(r["text"])
+        rec = _turn_record(r, context=conv.meta["context"], rep=conv.meta["rep"], state=state, server=s.phase)
+        result["samples"].append(rec)
+        say(f"  fleet {conv.meta['context']:>6} rep {conv.meta['rep']} {state:<6} on {s.phase}: ttft "
+            f"{r['ttft_s']:8.3f}s  prompt {r['prompt_tokens']}  cached {r['usage_cached_tokens']}")
+        return rec
+
+    def remote(s: Session) -> dict:
+        return s.server.get_json("/v1/status")["cache"]["remote"]
+
+    def published(s: Session, n: int) -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            r = remote(s)
+            if r["queue_depth"] == 0 and r["puts_published"] + r["puts_same"] + r["puts_kept_other"] >= n:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("uploads to Redis did not finish")
+
+    try:
+        mem0 = rc.info("memory")["used_memory"]
+        a.start("fresh")
+        b.start("fresh")
+        for conv in convs:
+            turn(a, conv, "cold")
+        published(a, len(convs))
+        up = remote(a)
+        mem1 = rc.info("memory")["used_memory"]
+        tokens = sum(x["prompt_tokens"] + (x["completion_tokens"] or 0) - 1 for x in result["samples"])
+        result["redis"] = {"tokens_stored": tokens, "used_memory_bytes": mem1 - mem0, "bytes_up": up["bytes_up"],
+                           "blocks_uploaded": up["blocks_uploaded"],
+                           "used_memory_per_token": round((mem1 - mem0) / max(1, tokens), 1),
+                           "bytes_up_per_token": round(up["bytes_up"] / max(1, tokens), 1)}
+        for conv in convs:
+            turn(b, conv, "fleet")
+        down = remote(b)
+        result["redis"].update(bytes_down=down["bytes_down"], blocks_fetched=down["blocks_fetched"],
+                               agents_fetched=down["agents_fetched"], lookup_wait_s_max=down["lookup_wait_s_max"])
+        b.stop(signal.SIGTERM, "restart")
+        result["page_cache_drop"] = drop_page_cache(cache_paths(b.server.home))
+        b.start("after SIGTERM")
+        for conv in convs:
+            turn(b, conv, "disk")
+    except Exception as e:
+        result["errors"]["fleet"] = f"{type(e).__name__}: {e}\n{b.server.log_tail(30)}"
+        say(f"fleet FAILED: {e}")
+        traceback.print_exc()
+    finally:
+        a.stop(signal.SIGTERM, "end")
+        b.stop(signal.SIGTERM, "end")
+        proc.kill()
+        proc.wait()
+    summary: dict = {}
+    for L in plan.fleet_contexts:
+        row: dict = {}
+        for state in ("cold", "fleet", "disk"):
+            xs = [x for x in result["samples"] if x["context"] == L and x["state"] == state]
+            if xs:
+                row[state] = {"median_s": round(median([x["ttft_s"] for x in xs]), 4), "n": len(xs),
+                              "prompt_tokens": median([x["prompt_tokens"] for x in xs]),
+                              "cached_tokens": median([x["usage_cached_tokens"] or 0 for x in xs])}
+        cold = row.get("cold", {}).get("median_s")
+        row["ratios"] = {f"cold/{st}": round(cold / row[st]["median_s"], 2)
+                         for st in ("fleet", "disk") if cold and st in row and row[st]["median_s"] > 0}
+        summary[str(L)] = row
+    result["summary"] = summary
+    return result
+
+
+def _md_fleet(f: dict, plan: dict) -> list[str]:
+    r = f.get("redis", {})
+    L = ["## Fleet tier: an agent's first turn on a second server", "",
+         "Two persist_q4 servers (own cache roots) share one local `redis-server` (`remote_url`, no persistence, "
+         "`volatile-lru`). Cold: an agent's first turn, on server A. Fleet: its next turn (a short new user turn) on "
+         "server B, which has never seen it: B reads the agent's manifest from Redis, fetches and verifies its blocks, "
+         "saves them to its disk, then serves the turn from them. Disk: one more turn on B after B was restarted "
+         "(SIGTERM) with its page cache dropped: a local-disk hit (B still reads the manifest from Redis first). "
+         f"Conversations per context: {plan['fleet_reps']}; medians; cached = usage.prompt_tokens_details.cached_tokens.",
+         "", "| context | cold s (prompt tok) | fleet s (cached tok) | disk s (cached tok) | cold/fleet | cold/disk |",
+         "|---|---|---|---|---|---|"]
+    for c, row in f.get("summary", {}).items():
+        def cell(st: str, key: str) -> str:
+            v = row.get(st)
+            return f"{v['median_s']:.3f} ({v[key]:.0f})" if v else "–"
+        L.append(f"| {c} | {cell('cold', 'prompt_tokens')} | {cell('fleet', 'cached_tokens')} | "
+                 f"{cell('disk', 'cached_tokens')} | {row['ratios'].get('cold/fleet', '–')} | "
+                 f"{row['ratios'].get('cold/disk', '–')} |")
+    if r:
+        L += ["", f"Redis: {r.get('tokens_stored')} tokens stored by A's first turns took "
+              f"{r.get('used_memory_per_token')} bytes of Redis `used_memory` per token "
+              f"({r.get('bytes_up_per_token')} bytes uploaded per token, {r.get('blocks_uploaded')} blocks); B "
+              f"downloaded {r.get('bytes_down')} bytes in {r.get('blocks_fetched')} blocks for "
+              f"{r.get('agents_fetched')} agents; longest wait of a lookup for Redis "
+              f"{r.get('lookup_wait_s_max')} s."]
+    return L + [""]
+
+
 # ---------------------------------------------------------------------------------------------
 # Report
 
@@ -1101,6 +1248,9 @@ def headline(results: dict) -> dict:
         if lv:
             h["batch_at"] = int(lv)
             h["batch"] = {s: v["summary"].get(lv) for s, v in batch["systems"].items()}
+    fleet = results.get("fleet")
+    if fleet and fleet.get("summary"):
+        h["fleet"] = {"ttft": fleet["summary"], "redis": fleet.get("redis")}
     rel = results.get("reload")
     if rel:
         big = rel["summary"][-1]
@@ -1161,6 +1311,8 @@ def render_markdown(res: dict) -> str:
         L += _md_families(res["sections"]["families"], plan)
     if "fanout" in res["sections"]:
         L += _md_fanout(res["sections"]["fanout"], plan)
+    if "fleet" in res["sections"]:
+        L += _md_fleet(res["sections"]["fleet"], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
             for s, e in v.get("errors", {}).items()}
     if errs:
@@ -1413,6 +1565,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--family-tokens", type=int, default=None, help="history tokens of the families section")
     p.add_argument("--fanout-nofork", action="store_true",
                    help="fanout: also run persist_q4 without fork_from (every worker prefills the document itself)")
+    p.add_argument("--fleet-contexts", default=None, help="history lengths of the fleet section, e.g. 1024,4096")
     p.add_argument("--merge", action="store_true",
                    help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
@@ -1437,6 +1590,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.agent_tokens = args.agent_tokens
     if args.batch_levels:
         plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
+    if args.fleet_contexts:
+        plan.fleet_contexts = [int(x) for x in args.fleet_contexts.split(",")]
     if args.reload_sizes:
         plan.reload_sizes = [int(x) for x in args.reload_sizes.split(",")]
     if args.families:
@@ -1491,7 +1646,8 @@ def main(argv: list[str]) -> int:
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
                                                  "batch": section_batch, "reload": section_reload,
-                                                 "families": section_families, "fanout": section_fanout}
+                                                 "families": section_families, "fanout": section_fanout,
+                                                 "fleet": section_fleet}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():
