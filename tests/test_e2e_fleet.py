@@ -32,8 +32,11 @@ KEY = "test"
 
 
 def options(root, url: str) -> dict:
+    # Matching by text off: these tests compare a served turn with another server's (or a cold) turn
+    # on the same re-rendered messages, i.e. the same prompt tokens (see tests/test_e2e_server.py).
     return {"block_size": BLOCK, "hot_mb": 64, "cache_dir": str(root), "remote_url": url,
-            "remote_wait_s": 10.0}  # generous: a bound checked elsewhere, not a timing
+            "remote_wait_s": 10.0,  # generous: a bound checked elsewhere, not a timing
+            "match_text": False}
 
 
 @pytest.fixture(scope="module")
