@@ -222,7 +222,8 @@ def test_redis_killed_and_restarted_fails_no_request(fleet):
         hung = Conversation("outage-hung", "outage")
         hung.turn(b)  # served cold after at most remote_timeout_s of waiting for Redis
         assert hung.outputs == ref.outputs[:1] and hung.cached == [0]
-        assert remote(b)["timeouts"] >= 1
+        r = remote(b)  # B noticed: a read timed out, or its breaker skipped Redis outright
+        assert r["timeouts"] + r["skipped"] + r["errors"] >= 1, r
     finally:
         rds.proc.send_signal(signal.SIGCONT)
     rds.kill()
