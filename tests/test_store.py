@@ -844,3 +844,68 @@ def test_unusable_cache_root_is_refused_in_one_clear_line(tmp_path, case):
     with pytest.raises(StoreError, match=match) as e:
         no_hang(CacheDirLock, root)
     assert "\n" not in str(e.value) and str(root) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Injected I/O errors (faults.py, the hook the reliability campaigns use)
+
+
+def test_fault_hook_is_off_unless_the_environment_names_one():
+    assert store_mod._FAULT is None
+    r = run_py("""
+        from vllm_mlx_persist import store
+        print(store._FAULT is not None)
+    """)
+    assert r.stdout.strip() == "False"
+    env_spec = "EIO:read@/nonexistent;kill@3"
+    r = subprocess.run([sys.executable, "-c", "from vllm_mlx_persist import store; print(store._FAULT is not None)"],
+                       env=dict(os.environ, PYTHONPATH=str(REPO), VLLM_MLX_PERSIST_FAULT=env_spec),
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "True" and "fault injection ON" in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x"])
+def test_malformed_fault_spec_is_refused(spec):
+    from vllm_mlx_persist import faults
+
+    with pytest.raises(ValueError):
+        faults.parse(spec)
+
+
+def test_injected_read_error_is_a_miss_that_keeps_a_sound_file(tmp_path, monkeypatch):
+    """Regression: an EIO while reading a block used to quarantine the file as if its bytes were bad,
+    so a transient device error cost the agent its cache for good. Now it is a miss, counted in
+    read_errors, and the block reads back once the device recovers. Same for manifests."""
+    from vllm_mlx_persist import faults
+
+    s = open_store(tmp_path)
+    b = make_block(1)
+    s.write_block(b)
+    s.write_manifest(Manifest("alice", [b.block_id], 16, 1.0))
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:read@{switch}"))
+    assert s.read_block(b.block_id) is None
+    assert s.read_manifest("alice") is None
+    assert s.stats()["read_errors"] == 2 and quarantined(s) == []
+    switch.unlink()
+    assert_same(b, s.read_block(b.block_id))
+    assert s.read_manifest("alice").block_ids == [b.block_id]
+
+
+@pytest.mark.parametrize("step", ["open", "write", "fsync", "rename", "dirsync"])
+def test_injected_write_error_at_each_step_leaves_no_temp_file(tmp_path, monkeypatch, step):
+    from vllm_mlx_persist import faults
+
+    s = open_store(tmp_path)
+    switch = tmp_path / "enospc"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"ENOSPC:{step}@{switch}"))
+    b = make_block(2)
+    with pytest.raises(StoreWriteError) as e:
+        s.write_block(b)
+    assert e.value.errno == 28 and os.listdir(s.tmp_dir) == []
+    assert s.stats()["write_errors"] == 1
+    switch.unlink()
+    s.write_block(b)
+    assert_same(b, s.read_block(b.block_id))

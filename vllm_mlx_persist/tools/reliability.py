@@ -88,29 +88,104 @@ def _crash_worker(root: str, start: str) -> None:
         i += 1
 
 
+class _Worker:
+    """The crash writer in a child process, stdout and stderr on one pipe. Forked from this process
+    (no interpreter start-up: ~5x more trials per second) unless MLX is loaded here (forking after
+    Metal is initialised is unsafe), else a fresh interpreter; either way killed with SIGKILL."""
+
+    def __init__(self, root: Path, acked: dict, point: Optional[int]):
+        from .. import faults, store as store_mod
+
+        self.proc: Optional[subprocess.Popen] = None
+        if hasattr(os, "fork") and "mlx.core" not in sys.modules:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child: never returns into the campaign
+                try:
+                    os.close(r)
+                    os.dup2(w, 1)
+                    os.dup2(w, 2)
+                    sys.stdout = os.fdopen(1, "w", buffering=1)
+                    store_mod._FAULT = faults.parse(f"kill@{point}") if point else None
+                    _crash_worker(str(root), json.dumps(acked))
+                finally:
+                    os._exit(0)
+            os.close(w)
+            self.pid, self.stdout, self.returncode = pid, os.fdopen(r), None
+            return
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(faults.ENV, None)
+        if point:
+            env[faults.ENV] = f"kill@{point}"
+        self.proc = subprocess.Popen([sys.executable, "-m", _MODULE, "_crash-worker", str(root), json.dumps(acked)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.pid, self.stdout = self.proc.pid, self.proc.stdout
+
+    def poll(self) -> Optional[int]:
+        if self.proc is not None:
+            return self.proc.poll()
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired("crash-worker", timeout)
+            time.sleep(0.002)
+        return self.returncode if self.proc is None else self.proc.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+DET_STEPS = 40  # deterministic kill points cycle over the first 40 write steps (~3 turns of syscalls)
+
+
 def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dict:
+    """Even trials SIGKILL the writer deterministically just before its Nth write step (open, write,
+    fsync, rename, dir fsync: the store's fault hook, faults.py), N cycling over 1..DET_STEPS; odd
+    trials SIGKILL it from outside at a random moment."""
     rng = random.Random(seed)
     root = work / "crash"
     acked = {f"agent-{k}": -1 for k in range(n_agents)}
     failures: list[dict] = []
-    stats = {"acked_turns": 0, "killed_before_ready": 0, "tmp_removed": 0, "orphans_removed": 0}
+    stats: dict[str, Any] = {"acked_turns": 0, "killed_before_ready": 0, "tmp_removed": 0, "orphans_removed": 0,
+                             "deterministic_trials": 0, "points": {}}
     for trial in range(trials):
+        point = 1 + (trial // 2) % DET_STEPS if trial % 2 == 0 else None
         delay = rng.choice([0.0, rng.uniform(0, 0.002), rng.uniform(0, 0.05), rng.uniform(0, 0.3)])
-        proc = subprocess.Popen([sys.executable, "-m", _MODULE, "_crash-worker", str(root), json.dumps(acked)],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = _Worker(root, acked, point)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
         reader.start()
-        deadline = time.time() + 60
-        while not lines and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.001)
-        if rng.random() < 0.05:  # sometimes during start-up itself
-            stats["killed_before_ready"] += 1
+        if point is not None:
+            try:
+                proc.wait(60)  # it kills itself at the point
+            except subprocess.TimeoutExpired:
+                failures.append({"trial": trial, "seed": seed, "point": point,
+                                 "problems": ["the writer never reached its kill point"]})
         else:
-            time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
+            deadline = time.time() + 60
+            while not lines and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.001)
+            if rng.random() < 0.05:  # sometimes during start-up itself
+                stats["killed_before_ready"] += 1
+            else:
+                time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
         proc.wait()
         reader.join(10)
+        if point is not None:
+            hit = [e.split("(")[-1].rstrip(")\n") for e in lines if e.startswith("FAULT kill")]
+            if hit:
+                stats["deterministic_trials"] += 1
+                stats["points"][hit[0]] = stats["points"].get(hit[0], 0) + 1
         for line in lines:
             if line.startswith("ACK "):
                 _, agent, turn = line.split()
@@ -118,9 +193,13 @@ def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dic
                 stats["acked_turns"] += 1
         problems = _check_after_crash(root, acked, stats)
         if problems:
-            failures.append({"trial": trial, "seed": seed, "delay_s": round(delay, 6), "problems": problems[:5]})
+            failures.append({"trial": trial, "seed": seed, "point": point, "delay_s": round(delay, 6),
+                             "problems": problems[:5]})
     if stats["acked_turns"] == 0:  # a campaign that checked nothing must not pass
         failures.append({"seed": seed, "problems": ["no turn was ever acknowledged: the writer never ran"]})
+    if trials >= 40 and \
+            set(stats["points"]) != {"open", "write", "fsync", "rename", "dirsync"}:
+        failures.append({"seed": seed, "problems": [f"deterministic kills hit only {sorted(stats['points'])}"]})
     return {"trials": trials, "failures": len(failures), "failure_cases": failures[:20], **stats}
 
 
@@ -442,7 +521,10 @@ def write_report(results: dict, out: Path, command: str) -> None:
         if name == "crash":
             lines.append(f"Acknowledged turns: {r['acked_turns']}; temp files removed at restart: "
                          f"{r['tmp_removed']}; unreferenced blocks removed at restart: {r['orphans_removed']}; "
-                         f"kills during start-up: {r['killed_before_ready']}.")
+                         f"kills during start-up: {r['killed_before_ready']}; kills at a chosen write step "
+                         f"(before the Nth open/write/fsync/rename/dir fsync, N = 1..{DET_STEPS}): "
+                         f"{r['deterministic_trials']} ("
+                         + ", ".join(f"{k} {v}" for k, v in sorted(r["points"].items())) + ").")
         if name == "fuzz":
             lines += ["| mutation | outcomes |", "|---|---|"]
             for mut, o in sorted(r["outcomes"].items()):
