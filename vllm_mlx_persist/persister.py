@@ -201,6 +201,7 @@ class Persister:
 
     def stats(self) -> dict:
         """Counters only (no file system access); safe from any thread."""
+        store_counts = self.store.counts()
         with self._cv:
             return {
                 **self.counts,
@@ -211,6 +212,7 @@ class Persister:
                 "write_queue_bytes": self._pending_bytes,
                 "write_queue_jobs": len(self._ready),
                 "saves_retrying": self._retrying,
+                **{k: store_counts[k] for k in ("read_errors", "quarantined")},
             }
 
     def _disk_bytes_locked(self) -> int:

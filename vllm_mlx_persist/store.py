@@ -841,6 +841,11 @@ class DiskStore:
         base = model.stat().st_size if model.exists() else 0
         return base + sum(b for _, b in self._usage().values())
 
+    def counts(self) -> dict:
+        """The counters only (no file system access): O(1), any thread."""
+        with self._lock:
+            return dict(self._counts)
+
     def stats(self) -> dict:
         usage = self._usage()
         with self._lock:

@@ -500,7 +500,19 @@ def fuzz_campaign(trials: int, seed: int, work: Path, timeout: float = 30) -> di
 # report
 
 
-CAMPAIGNS = {"crash": (crash_campaign, 1000, 50), "fuzz": (fuzz_campaign, 1000, 60)}
+def _server(name: str) -> Callable:
+    """A campaign against a real server (server_campaigns.py), imported only when run."""
+    def run(trials: int, seed: int, work: Path) -> dict:
+        from . import server_campaigns
+
+        return getattr(server_campaigns, f"{name}_campaign")(trials, seed, work)
+    return run
+
+
+# name: (function, full trials, quick trials); soak and storm count seconds
+CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
+             "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
+             "storm": (_server("storm"), 300, 20), "soak": (_server("soak"), 3600, 45)}
 
 
 def _machine() -> str:
@@ -562,11 +574,21 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn, full, quick = CAMPAIGNS[name]
             trials = args.trials or (quick if args.quick else full)
             t0 = time.perf_counter()
-            r = fn(trials, args.seed, work)
+            try:
+                r = fn(trials, args.seed, work)
+            except Exception as e:  # a campaign that cannot finish is a failure, with its reason
+                import traceback
+
+                r = {"trials": trials, "failures": 1, "failure_cases": [
+                    {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
             r["seconds"] = round(time.perf_counter() - t0, 1)
             results["campaigns"][name] = r
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
     finally:
+        if any(n in names for n in ("server_crash", "disk", "storm", "soak")):
+            from .server_campaigns import close_shared
+
+            close_shared()
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
     write_report(results, Path(args.out), results["command"])
