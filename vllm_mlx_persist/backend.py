@@ -223,7 +223,9 @@ class PersistQ4Backend:
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
             return {"backend": "persist_q4"}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
-        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot()}
+        # "health" is what the seam copies into /health (as "cache_backend"): small, O(1).
+        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
+                "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot()}
 
     def clear(self) -> None:
         if self._pool is not None:

@@ -512,13 +512,68 @@ def _server(name: str) -> Callable:
 # name: (function, full trials, quick trials); soak and storm count seconds
 CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
              "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
-             "storm": (_server("storm"), 300, 20), "soak": (_server("soak"), 3600, 45)}
+             "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40)}
 
 
 def _machine() -> str:
     from ..serving import cpu_name
 
     return f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
+
+
+def _report_server_crash(r: dict) -> list[str]:
+    if "modes" not in r:
+        return []
+    return [f"Server lifetimes, each ended by one SIGKILL: {', '.join(f'{k} {v}' for k, v in sorted(r['modes'].items()))} "
+            f"(write-point: the server killed itself before a chosen write step, {r['write_point_kills']} times; "
+            f"final-check: one more start, no kill). Completed turns: {r['completed_turns']}, of which "
+            f"{r['turns_checked_across_a_kill']} were checked after a kill (the agent's next turn's cached_tokens "
+            f"cover the turn before); replies compared with a never-killed server: {r['replies_compared']}; "
+            f"requests in flight at a kill (retried after the restart): {r['requests_killed_in_flight']}."]
+
+
+def _report_disk(r: dict) -> list[str]:
+    if "phases" not in r:
+        return []
+    keys = ("requests_ok", "hits_hot", "hits_disk", "misses", "write_errors", "save_failures", "retries",
+            "saves_dropped", "unsaved_blocks_dropped", "read_errors", "quarantined")
+    out = [f"Fault: {r['tmpfs']}; then EIO injected on fsync, then on reads (faults.py). Server restarts: "
+           f"{r['restarts']}. RSS: {r['rss_baseline_mb']} MB after warm-up, peak {r['rss_peak_mb']} MB, bound "
+           f"{r['rss_bound_mb']} MB (warm-up + hot_mb + stated overhead). Pool hot_bytes peak {r['hot_bytes_peak']} "
+           f"against hot_mb {r['hot_budget_bytes']} (+ one turn allowed).", "",
+           "| phase | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for phase, p in r["phases"].items():
+        out.append(f"| {phase} | " + " | ".join(str(p.get(k, "")) for k in keys) + " |")
+    return out
+
+
+def _report_soak(r: dict) -> list[str]:
+    if "tiers" not in r:
+        return []
+    out = [f"{r['agents']} agents over {r['clients']} clients for {r['seconds_run']} s (hot_mb {r['hot_mb']}, "
+           f"disk_mb {r['disk_mb']}); requests per tier: {r['tiers']}; budget erasures {r['budget_erasures']}, "
+           f"agents evicted from memory {r['evicted_agents']}. RSS after warm-up {r['rss_after_warmup_mb']} MB, "
+           f"peak after {r['rss_peak_after_warmup_mb']} MB, bound {r['rss_bound_mb']} MB; disk peak "
+           f"{r['disk_peak_bytes']} bytes (budget {int(r['disk_mb'] * 2**20)} + one turn).", "",
+           "| window (s) | hot p50/p90/p99 ms (n) | disk p50/p90/p99 ms (n) | miss p50/p90/p99 ms (n) |",
+           "|---|---|---|---|"]
+    cell = lambda d: f"{d['p50_ms']}/{d['p90_ms']}/{d['p99_ms']} ({d['n']})" if d else "-"  # noqa: E731
+    for w in r["latency"]:
+        out.append(f"| {w['from_s']}-{w['to_s']} | {cell(w['hot'])} | {cell(w['disk'])} | {cell(w['miss'])} |")
+    return out
+
+
+def _report_storm(r: dict) -> list[str]:
+    if "requests" not in r:
+        return []
+    return [f"{r['clients']} concurrent clients for {r['seconds_run']} s; slowest request {r['slowest_request_s']} s; "
+            f"agents' next turns checked against a cold server afterwards: {r['agents_verified_after']}.", "",
+            "| request kind | outcomes |", "|---|---|"] + [
+        f"| {k} | {', '.join(f'{o} {n}' for o, n in sorted(v.items()))} |" for k, v in sorted(r["requests"].items())]
+
+
+_SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
+                  "storm": _report_storm}
 
 
 def write_report(results: dict, out: Path, command: str) -> None:
@@ -541,6 +596,8 @@ def write_report(results: dict, out: Path, command: str) -> None:
             lines += ["| mutation | outcomes |", "|---|---|"]
             for mut, o in sorted(r["outcomes"].items()):
                 lines.append(f"| {mut} | {', '.join(f'{k} {v}' for k, v in sorted(o.items()))} |")
+        if name in _SERVER_REPORT:
+            lines += _SERVER_REPORT[name](r)
         for f in r["failure_cases"]:
             lines.append(f"- FAILURE (reproduce with `--campaigns {name} --seed {f['seed']}`): `{json.dumps(f)[:400]}`")
     (out / "reliability.md").write_text("\n".join(lines) + "\n")
