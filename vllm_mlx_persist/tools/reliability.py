@@ -572,19 +572,68 @@ def _report_storm(r: dict) -> list[str]:
         f"| {k} | {', '.join(f'{o} {n}' for o, n in sorted(v.items()))} |" for k, v in sorted(r["requests"].items())]
 
 
+_WHAT = {
+    "crash": "A subprocess writes agents' blocks and manifests through the real store and is SIGKILLed, half the "
+             "trials before a chosen system call of a write (open, write, fsync, rename, directory fsync; the "
+             "store's fault hook), half at a random moment. Then the store is reopened as a server start does: "
+             "every turn acknowledged as durable must read back exactly, nothing half-written may be served, no "
+             "temp file or unreferenced block may survive the start.",
+    "fuzz": "One mutation per trial of a block file, manifest or model.json (bit flips, truncation, zero length, "
+            "appended bytes, forged tokens with a recomputed checksum, swapped blocks, foreign manifests, symlinks "
+            "to files and devices, FIFOs, directories, huge or negative numbers, invalid or deeply nested JSON); "
+            "the store is reopened and read as the pool reads it. Failure: a crash, a hang, or any damaged or "
+            "foreign KV served. Outcomes: quarantined, chain-refused (sound file whose tokens do not chain), "
+            "ignored, refused (model directory: the server then serves from memory and says so).",
+    "server_crash": "A real `vllm-mlx serve --cache-backend persist_q4` (tiny local model) with 4 agents in flight "
+                    "is SIGKILLed once per lifetime: mid-request, right after a response, or by itself before a "
+                    "chosen write step. Failures: a completed turn not covered by the agent's next turn's "
+                    "cached_tokens, a request failing while the server is up, a reply different from a "
+                    "never-killed reference server's reply to the same conversation.",
+    "disk": "The cache root on a 3 MB tmpfs, filled with a file, then emptied; then EIO injected on fsync, then on "
+            "reads. Failures: a failed request, a reply different from the reference, memory over its bound, no "
+            "counter saying what was not cached, a cache that does not work again (across a SIGKILL) once the "
+            "fault is gone, a sound file quarantined on EIO.",
+    "storm": "Concurrent clients mixing agents' turns (the same agent from several clients at once), streams "
+             "aborted with a TCP reset, requests hung up early, invalid bodies and agent ids. Failures: the "
+             "server down, a request past its time-out (120 s), a 5xx for a bad body, a bad id not answered 400, "
+             "and any agent whose next turn afterwards differs from a fresh server given the same history cold.",
+    "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
+            "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
+            "post-warm-up RSS + hot_mb + 256 MB, disk past disk_mb + one turn.",
+}
+
+
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
                   "storm": _report_storm}
+
+
+def _merged(results: dict, path: Path) -> dict:
+    """`results` over the report already at `path`: campaigns not run this time keep their figures (each
+    campaign carries the command and date of its own run), so the soak can be run on its own."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return results
+    if old.get("machine") != results["machine"] or not isinstance(old.get("campaigns"), dict):
+        return results
+    campaigns = {n: c for n, c in old["campaigns"].items() if n in CAMPAIGNS and "run" in c}
+    campaigns.update(results["campaigns"])
+    return {**results, "campaigns": {n: campaigns[n] for n in CAMPAIGNS if n in campaigns}}
 
 
 def write_report(results: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     lines = ["# Reliability campaigns", "", f"Command: `{command}`  ", f"Machine: {results['machine']}  ",
-             f"Date: {results['date']}", "", "| campaign | trials | failures | seconds |", "|---|---|---|---|"]
+             f"Date: {results['date']}", "",
+             "Each campaign's own command and date are in its row (a campaign run on its own replaces only its row).",
+             "", "| campaign | trials | failures | seconds | run |", "|---|---|---|---|---|"]
     for name, r in results["campaigns"].items():
-        lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} |")
+        run = r.get("run", {})
+        how = f"{run.get('date', '')}, `{run.get('command', command)}`" + (" (quick)" if run.get("quick") else "")
+        lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} | {how} |")
     for name, r in results["campaigns"].items():
-        lines += ["", f"## {name}", ""]
+        lines += ["", f"## {name}", "", _WHAT.get(name, ""), ""]
         if name == "crash":
             lines.append(f"Acknowledged turns: {r['acked_turns']}; temp files removed at restart: "
                          f"{r['tmp_removed']}; unreferenced blocks removed at restart: {r['orphans_removed']}; "
@@ -639,6 +688,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 r = {"trials": trials, "failures": 1, "failure_cases": [
                     {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
             r["seconds"] = round(time.perf_counter() - t0, 1)
+            r["run"] = {"command": results["command"], "date": results["date"], "quick": bool(args.quick and not args.trials)}
             results["campaigns"][name] = r
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
     finally:
@@ -648,7 +698,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             close_shared()
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    write_report(results, Path(args.out), results["command"])
+    write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
     return 1 if any(r["failures"] for r in results["campaigns"].values()) else 0
 
 

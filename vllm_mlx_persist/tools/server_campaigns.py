@@ -332,7 +332,10 @@ def disk_campaign(trials: int, seed: int, work: Path, n_agents: int = 6) -> dict
     rss = RssSampler(interval=0.1)
     peak_hot = [0, 0]  # hot_bytes, hot_budget_bytes
 
-    def rounds(phase: str, n: int, check_cached: bool = True) -> None:
+    def rounds(phase: str, n: int, check_cached: bool = True, fresh: bool = False) -> None:
+        if fresh:  # new agent ids: histories stay short however many rounds the campaign runs
+            for c in convs:
+                c.session, c.turn, c.messages, c.last_prompt = c.session + 1, 0, [], 0
         before = status(srv)
         ok = 0
         for _ in range(n):
@@ -369,7 +372,7 @@ def disk_campaign(trials: int, seed: int, work: Path, n_agents: int = 6) -> dict
             _fill(mnt / "filler")
         else:
             sw["enospc"].touch()
-        rounds("full", trials, check_cached=False)
+        rounds("full", trials, check_cached=False, fresh=True)
         (mnt / "filler").unlink(missing_ok=True)
         sw["enospc"].unlink(missing_ok=True)
         rounds("space-returned", trials, check_cached=False)
@@ -379,7 +382,7 @@ def disk_campaign(trials: int, seed: int, work: Path, n_agents: int = 6) -> dict
         rss.watch(srv.pid)
         rounds("after-sigkill", 1)  # turns made after the disk recovered survived the kill
         sw["eio-fsync"].touch()
-        rounds("eio-fsync", trials, check_cached=False)
+        rounds("eio-fsync", trials, check_cached=False, fresh=True)
         sw["eio-fsync"].unlink()
         rounds("fsync-recovered", 1, check_cached=False)
         srv.stop(signal.SIGTERM)
