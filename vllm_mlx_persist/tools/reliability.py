@@ -540,7 +540,8 @@ def _report_disk(r: dict) -> list[str]:
     out = [f"Fault: {r['tmpfs']}; then EIO injected on fsync, then on reads (faults.py). Server restarts: "
            f"{r['restarts']}. RSS: {r['rss_baseline_mb']} MB after warm-up, peak {r['rss_peak_mb']} MB, bound "
            f"{r['rss_bound_mb']} MB (warm-up + hot_mb + stated overhead). Pool hot_bytes peak {r['hot_bytes_peak']} "
-           f"against hot_mb {r['hot_budget_bytes']} (+ one turn allowed).", "",
+           f"against hot_mb {r['hot_budget_bytes']}, bound {r.get('hot_bound_bytes')} (hot_mb + the turn being "
+           f"committed, all of it unsaved on a failing disk).", "",
            "| phase | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     for phase, p in r["phases"].items():
         out.append(f"| {phase} | " + " | ".join(str(p.get(k, "")) for k in keys) + " |")
@@ -589,7 +590,7 @@ _WHAT = {
                     "chosen write step. Failures: a completed turn not covered by the agent's next turn's "
                     "cached_tokens, a request failing while the server is up, a reply different from a "
                     "never-killed reference server's reply to the same conversation.",
-    "disk": "The cache root on a 3 MB tmpfs, filled with a file, then emptied; then EIO injected on fsync, then on "
+    "disk": "The cache root on an 8 MB tmpfs (disk_mb 6), filled with a file, then emptied; then EIO injected on fsync, then on "
             "reads. Failures: a failed request, a reply different from the reference, memory over its bound, no "
             "counter saying what was not cached, a cache that does not work again (across a SIGKILL) once the "
             "fault is gone, a sound file quarantined on EIO.",
@@ -599,7 +600,9 @@ _WHAT = {
              "and any agent whose next turn afterwards differs from a fresh server given the same history cold.",
     "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
             "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
-            "post-warm-up RSS + hot_mb + 256 MB, disk past disk_mb + one turn.",
+            "post-warm-up RSS + hot_mb + 256 MB, disk past disk_mb + one turn. The full run is one hour "
+            "(`./dev reliability --campaigns soak`: about 62 minutes on 2 cores, a few hundred MB of memory "
+            "and under 10 MB of disk; it replaces only this row).",
 }
 
 
