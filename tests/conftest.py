@@ -8,7 +8,7 @@ from typing import Callable
 
 import pytest
 
-from vllm_mlx_persist.models import build_model_dir
+from vllm_mlx_persist.tools.models import build_model_dir
 
 
 @pytest.fixture(scope="session")

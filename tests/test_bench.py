@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 
-from vllm_mlx_persist.bench import STATES, classify
+from vllm_mlx_persist.tools.bench import FAMILY_TURNS, STATES, classify
 
 
 def test_quick_bench_writes_results(tmp_path: Path):
@@ -57,3 +58,47 @@ def test_classify_reads_both_servers_log_lines():
     assert classify("[cache_fetch] request=1 MISS prompt_tokens=36 time=0.000s entries=0\n", "x") == ("cold", 0)
     ssd = "[ssd_promote] request=abc prefix promote: 900/1000 tokens from SSD in 0.1s\n"
     assert classify(hit.replace("HIT", "MISS") + ssd, "x") == ("disk", 900)
+
+
+def test_families_table_from_samples():
+    from vllm_mlx_persist.tools.bench import QUICK, _md_families, headline, summarize_families
+
+    plan = dataclasses.replace(QUICK, family_archs=["gemma3_text"])
+    samples = []
+    for system, reused in (("persist_q4", [0, 280, 334, 389]), ("vllm_default", [0, 0, 0, 0])):
+        for (state, turn), prompt, n, ttft in zip(FAMILY_TURNS, [280, 334, 389, 446], reused, [2.0, 0.5, 0.4, 1.0]):
+            samples.append({"arch": "gemma3_text", "system": system, "state": state, "turn": turn, "ttft_s": ttft,
+                            "tier": "cold" if not n else "memory", "prompt_tokens": prompt, "reused_tokens": n,
+                            "completion_tokens": 4})
+    summary = summarize_families(samples, plan)
+    p = summary["gemma3_text"]["persist_q4"]
+    assert p["turns"]["2"]["reuse_ratio"] == round(280 / 334, 3) and p["turns"]["4"]["reuse_ratio"] == round(389 / 446, 3)
+    assert p["turns"]["3"]["reusable_ratio"] == round(338 / 389, 3) and p["turns"]["1"]["reusable_ratio"] == 0.0
+    assert p["ttft_s"] == {"cold": 2.0, "hot": 0.45, "restart_sigkill": 1.0}
+    assert p["ratios"] == {"cold/hot": 4.44, "cold/restart_sigkill": 2.0}
+    assert summary["gemma3_text"]["vllm_default"]["turns"]["3"]["reuse_ratio"] == 0.0
+    h = headline({"families": {"summary": summary}})["families"]["gemma3_text"]
+    assert h["vllm_default"]["reuse_turn2"] == 0.0 and h["persist_q4"]["reuse_restart"] == round(389 / 446, 3)
+    md = "\n".join(_md_families({"summary": summary, "models": {}}, dataclasses.asdict(plan)))
+    assert "| gemma3_text | persist_q4 | 84% (280/334) | 86% (334/389) | 87% (389/446) | 0.87 |" in md
+    assert "| gemma3_text | vllm_default | 0% (0/334) | 0% (0/389) | 0% (0/446) |" in md
+
+
+def test_quick_families_section_on_gemma3(tmp_path: Path):
+    """The families section on one real family (sliding window): persist_q4 serves turns 2-3 from
+    memory and the turn after a SIGKILL from disk, each reusing the whole previous prompt."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "families",
+           "--families", "gemma3_text", "--out", str(out), "--work", str(tmp_path / "work"), "--no-plots"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads((out / "bench.json").read_text())
+    assert set(res["sections"]) == {"families"} and res["sections"]["families"]["errors"] == {}
+    s = res["sections"]["families"]["summary"]["gemma3_text"]
+    assert set(s) == {"persist_q4", "vllm_default"}
+    turns = s["persist_q4"]["turns"]
+    assert [turns[t]["tier"] for t in "1234"] == ["cold", "memory", "memory", "disk"]
+    for t in "234":  # at least the whole previous prompt (its reply too, where it re-tokenizes the same)
+        assert turns[str(int(t) - 1)]["prompt_tokens"] <= turns[t]["reused_tokens"] < turns[t]["prompt_tokens"], turns
+    assert all(v["ttft_s"][st] > 0 for v in s.values() for st in ("cold", "hot", "restart_sigkill"))
+    assert "## Model families" in (out / "bench.md").read_text()

@@ -18,12 +18,12 @@ import threading
 
 import pytest
 
-from vllm_mlx_persist.models import build_model_dir
-from vllm_mlx_persist.serving import Server
+from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.serving import Server
 
 from test_e2e_server import OPTIONS, Chat
 
-ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3"]
+ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32"]
 HYBRIDS = {"qwen3_next", "lfm2"}
 
 

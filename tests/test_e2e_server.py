@@ -19,11 +19,15 @@ import anthropic
 import openai
 import pytest
 
-from vllm_mlx_persist.serving import Server
-from vllm_mlx_persist.models import build_model_dir
+from vllm_mlx_persist.tools.serving import Server
+from vllm_mlx_persist.tools.models import build_model_dir
 
 MAX_TOKENS = 12
-OPTIONS = {"block_size": 32, "hot_mb": 64}  # small blocks: a few turns span many blocks
+# Small blocks: a few turns span many blocks. Matching by text is off here: these tests compare an
+# agent's output with a cold agent on the same re-rendered messages, i.e. the same prompt tokens;
+# with it on, an agent is served as the tokens it generated (equal to a cold run on *those*:
+# tests/test_e2e_sharing.py).
+OPTIONS = {"block_size": 32, "hot_mb": 64, "match_text": False}
 WORDS = ("the cache keeps what the agent has read so that a returning agent only "
          "prefills what is new while every other agent keeps its own memory ").split()
 
@@ -234,7 +238,7 @@ def test_unsupported_model_is_refused_at_startup(tmp_path):
     """gemma2 computes attention scores itself (no shared SDPA): refused, naming type and reason."""
     from mlx_lm.utils import _get_classes
 
-    from vllm_mlx_persist.models import _draw_weights, model_config, train_tokenizer, write_model_files
+    from vllm_mlx_persist.tools.models import _draw_weights, model_config, train_tokenizer, write_model_files
 
     config = {**model_config("llama", "tiny"), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
               "query_pre_attn_scalar": 64}

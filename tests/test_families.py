@@ -1,5 +1,5 @@
 """Every cache kind persist_q4 serves, per model family, on tiny random float32 models built with
-mlx-lm's own classes (vllm_mlx_persist.models): sliding window (gemma3_text), sliding window +
+mlx-lm's own classes (vllm_mlx_persist.tools.models): sliding window (gemma3_text), sliding window +
 attention sinks + MoE (gpt_oss), gated-delta linear attention (qwen3_next) and short-convolution
 (lfm2) hybrids, latent MLA (deepseek_v3).
 
@@ -25,7 +25,7 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
 from vllm_mlx_persist.caches import ModelCodec, StateCache
-from vllm_mlx_persist.models import SIZES, Size, build_model
+from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.q4cache import install_attention_fix
 from vllm_mlx_persist.store import DiskStore
@@ -34,7 +34,7 @@ REL_TOL = 0.4
 BLOCK = 16
 WINDOW = 16  # sliding window of gemma3_text / gpt_oss: prompts here are longer, so it matters
 SIZE = Size(**{**SIZES["tiny"].__dict__, "sliding_window": WINDOW, "vocab": 512})
-ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3"]
+ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32"]
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -11,7 +11,7 @@ import pytest
 
 from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 from vllm_mlx_persist.identity import model_fingerprint
-from vllm_mlx_persist.models import build_model
+from vllm_mlx_persist.tools.models import build_model
 from vllm_mlx_persist.persister import Persister
 from vllm_mlx_persist.pool import BlockPool, BlockState
 from vllm_mlx_persist.store import DiskStore, Manifest, StoreWriteError
@@ -344,3 +344,27 @@ def json_rows(text: str) -> list:
     import json
 
     return json.loads(text)
+
+
+def test_restart_restores_the_most_recent_agents_within_hot_mb(model, tmp_path):
+    seqs = {f"a{i}": tokens(40, seed=i) for i in range(5)}
+    pool = budget_pool(model, tmp_path)
+    for name, seq in seqs.items():  # a4 is the most recently used
+        pool.commit(name, seq, prefill(model, seq)[0])
+    one = pool.persister.agent_disk_bytes("a0")
+    on_demand = pool.lookup("a4", seqs["a4"] + [1])[0]
+    pool.close()
+
+    restarted = budget_pool(model, tmp_path, hot_bytes=int(one * 2.2))
+    restarted.restore_hot_set()
+    deadline = time.time() + 20
+    while time.time() < deadline and not (restarted._restored and all(f.done() for f, _ in restarted._restored.values())):
+        time.sleep(0.05)
+    restored_agents = {name for name in seqs
+                       if any(b in restarted._restored for b in restarted.agents[name].ids)}
+    assert restored_agents == {"a4", "a3"}  # the most recent ones, within the budget (a2 would not fit)
+    assert restarted.snapshot()["restored_bytes"] <= int(one * 2.2)
+    hit, n, tier = restarted.lookup("a4", seqs["a4"] + [1])
+    assert n == 40 and restarted.stats["blocks_restored"] == 3
+    assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
+    restarted.close()

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from vllm_mlx_persist.identity import model_fingerprint
-from vllm_mlx_persist.models import build_model
+from vllm_mlx_persist.tools.models import build_model
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.q4cache import make_q4_prompt_cache
 from vllm_mlx_persist.store import DiskStore, Manifest

@@ -481,7 +481,7 @@ def test_mask_fix_detected_not_assumed():
     """The GQA mask fix is applied only where the installed mlx-lm needs it (0.31.3 does; 0.32.x
     fixed it upstream, and wrapping again there breaks batched decode)."""
     assert q4cache.mask_needs_fix(_ORIGINAL_QSDPA) == (tuple(map(int, mlx_lm_version().split(".")[:2])) < (0, 32))
-    fixed = q4cache._make_fixed(_ORIGINAL_QSDPA, fix_mask=q4cache.mask_needs_fix(_ORIGINAL_QSDPA))
+    fixed = q4cache._make_fixed(_ORIGINAL_QSDPA)
     assert not q4cache.mask_needs_fix(fixed)
 
 

@@ -10,7 +10,7 @@ import json
 import math
 
 from vllm_mlx_persist import cli
-from vllm_mlx_persist.quality import FORMATS
+from vllm_mlx_persist.tools.quality import FORMATS
 
 
 def test_quick_quality(tmp_path, capsys):
@@ -54,7 +54,7 @@ def test_quick_quality(tmp_path, capsys):
 def test_quick_training_is_deterministic_and_reused(tmp_path):
     from dataclasses import replace
 
-    from vllm_mlx_persist.train import QUICK_CONFIG, train
+    from vllm_mlx_persist.tools.train import QUICK_CONFIG, train
 
     cfg = replace(QUICK_CONFIG, steps=40, heldout_windows=2)  # both phases, short and long
     logs: list[str] = []

@@ -1,6 +1,7 @@
 """The agent admin API that persist_q4 adds to vllm-mlx (through the `vllm_mlx_api_routers` hook).
 
-    GET    /v1/agents              every agent: id, tokens, bytes hot and on disk, tier, pinned, last used
+    GET    /v1/agents              every agent: id, tokens, bytes hot and on disk, tier, pinned, last used,
+                                   branches (tokens of each, newest first), shared_blocks, forked_from
     GET    /v1/agents/{id}         one agent (404 if unknown)
     DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown)
     PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL
@@ -34,11 +35,13 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
             return None, _error(503, "the persist_q4 cache backend is not running")
         return pool, None
 
-    def checked(agent_id: str):
+    def agent_and_pool(agent_id: str):
+        """(pool, error response): a 400 for a malformed id, a 503 without a running backend."""
         try:
-            return validate_id(agent_id, "the URL path"), None
+            validate_id(agent_id, "the URL path")
         except ValueError as e:
             return None, _error(400, str(e))
+        return pool_or_error()
 
     @router.get("/v1/agents")
     async def list_agents():
@@ -50,8 +53,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
 
     @router.get("/v1/agents/{agent_id}")
     async def show_agent(agent_id: str):
-        agent_id, err = checked(agent_id)
-        pool, err = (None, err) if err else pool_or_error()
+        pool, err = agent_and_pool(agent_id)
         if err:
             return err
         info = await asyncio.to_thread(pool.agent_info, agent_id)
@@ -59,8 +61,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
 
     @router.delete("/v1/agents/{agent_id}")
     async def erase_agent(agent_id: str):
-        agent_id, err = checked(agent_id)
-        pool, err = (None, err) if err else pool_or_error()
+        pool, err = agent_and_pool(agent_id)
         if err:
             return err
         if not await asyncio.to_thread(pool.erase, agent_id):
@@ -68,8 +69,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
         return {"id": agent_id, "deleted": True}
 
     async def pin(agent_id: str, pinned: bool):
-        agent_id, err = checked(agent_id)
-        pool, err = (None, err) if err else pool_or_error()
+        pool, err = agent_and_pool(agent_id)
         if err:
             return err
         if not await asyncio.to_thread(pool.set_pinned, agent_id, pinned):

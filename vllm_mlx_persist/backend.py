@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -15,7 +16,7 @@ from .caches import ModelCodec
 from .identity import model_fingerprint
 from .persister import Persister
 from .pool import BlockPool
-from .q4cache import PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
+from .q4cache import DEQUANT_MIN_QUERIES, PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
 from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -31,7 +32,33 @@ DEFAULTS: dict[str, Any] = {
     "ttl_hours": None,  # erase agents unused for this long (None: never)
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
     "prefill_attention": "auto",  # see q4cache.set_prefill_attention
+    "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
+    "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
+    "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
+    # The fleet tier (docs/fleet.md): Redis shared by several servers; None: off.
+    "remote_url": None,  # redis://[user:password@]host:6379/0, rediss://... (TLS), unix:///path.sock
+    "remote_timeout_s": 2.0,  # longest one Redis read may take
+    "remote_wait_s": 3.0,  # longest a request waits for its agent's fetch from Redis; then it goes on
+    "remote_queue_mb": 1024.0,  # block data waiting for upload, at most (then uploads are dropped)
+    "remote_block_ttl_hours": 168.0,  # blocks expire in Redis unless used (refreshed on every use)
+    "remote_manifest_ttl_hours": 720.0,
 }
+
+FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
+
+
+def split_namespace(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(agent, fork parent or None) from a request's cache_namespace (see plugin.py)."""
+    if namespace is None or FORK_SEPARATOR not in namespace:
+        return namespace, None
+    agent, _, parent = namespace.partition(FORK_SEPARATOR)
+    return agent, parent
+
+
+# Warm-up at start-up (see PersistQ4Backend.warm_up): one prefill chunk on the dequantized path
+# (>= DEQUANT_MIN_QUERIES queries), then a few batched decode steps on the quantized one.
+WARMUP_TOKENS = max(16, 2 * DEQUANT_MIN_QUERIES)
+WARMUP_STEPS = 3
 
 
 def default_cache_dir() -> Path:
@@ -47,9 +74,10 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"unknown persist_q4 option(s) {unknown}; known: {sorted(DEFAULTS)}")
     opts = {**DEFAULTS, **options}
     try:
-        for key in ("hot_mb", "disk_mb", "write_timeout_s"):
+        for key in ("hot_mb", "disk_mb", "write_timeout_s", "remote_timeout_s", "remote_wait_s",
+                    "remote_queue_mb", "remote_block_ttl_hours", "remote_manifest_ttl_hours"):
             opts[key] = float(opts[key])
-        for key in ("bits", "group_size", "block_size"):
+        for key in ("bits", "group_size", "block_size", "branches"):
             opts[key] = int(opts[key])
         if opts["ttl_hours"] is not None:
             opts["ttl_hours"] = float(opts["ttl_hours"])
@@ -68,8 +96,17 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
             f"got {opts['prefill_attention']!r}"
         )
-    if not isinstance(opts["durable_writes"], bool):
-        raise ValueError("persist_q4 durable_writes must be true or false")
+    for key in ("durable_writes", "match_text", "warmup"):
+        if not isinstance(opts[key], bool):
+            raise ValueError(f"persist_q4 {key} must be true or false")
+    if not 1 <= opts["branches"] <= 64:
+        raise ValueError(f"persist_q4 branches must be 1 to 64; got {opts['branches']}")
+    url = opts["remote_url"]
+    if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))):
+        raise ValueError("persist_q4 remote_url must be a redis://, rediss:// or unix:// URL")
+    if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"],
+           opts["remote_block_ttl_hours"], opts["remote_manifest_ttl_hours"]) <= 0:
+        raise ValueError("persist_q4 remote_* time-outs, sizes and TTLs must be > 0")
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
     return opts
 
@@ -89,6 +126,14 @@ class _OneLineRefusal(logging.Filter):
         return True
 
 
+def _check_redis_client() -> None:
+    try:
+        import redis  # noqa: F401
+    except ImportError:
+        raise ValueError('persist_q4: remote_url is set but the Redis client is not installed: '
+                         'pip install "vllm-mlx-persist[fleet]"') from None
+
+
 def _refuse(e: ValueError) -> ValueError:
     """Make the start-up failure that `e` causes print as one line; returns `e` to raise."""
     logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(str(e).strip()))
@@ -101,6 +146,8 @@ class PersistQ4Backend:
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
             opts = parse_options(options)
+            if opts["remote_url"] is not None:
+                _check_redis_client()
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
         except ValueError as e:
@@ -115,7 +162,11 @@ class PersistQ4Backend:
         except (StoreError, OSError) as e:
             raise _refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
+        self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
+        # The engine holds a finished response at most this long for its turn's write (seam contract).
+        self.durable_timeout_s = opts["write_timeout_s"]
+        self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
         self.closed = False
 
     @property
@@ -160,7 +211,11 @@ class PersistQ4Backend:
                 durable_writes=opts["durable_writes"],
                 write_timeout_s=opts["write_timeout_s"],
                 codec=self.codec,
+                branches=opts["branches"],
+                decode=self._decode if opts["match_text"] else None,
             )
+            if opts["remote_url"] is not None:
+                self._start_fleet(self._pool)
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
                 "dir %s (model %s)",
@@ -168,6 +223,28 @@ class PersistQ4Backend:
                 store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _start_fleet(self, pool: BlockPool) -> None:
+        from .fleet import Fleet
+        from .remote import RemoteTier
+
+        opts = self.opts
+        if pool.persister is None:
+            log.error("persist_q4: fleet tier OFF: it needs the local disk tier, which is disabled")
+            return
+        tier = RemoteTier(
+            opts["remote_url"], self.fingerprint,
+            read_timeout_s=opts["remote_timeout_s"],
+            queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
+            block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
+            manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600))
+        self.fleet = pool.fleet = Fleet(tier, pool, wait_s=opts["remote_wait_s"],
+                                        write_timeout_s=opts["write_timeout_s"])
+        log.info("persist_q4: fleet tier on: %s (requests wait for it at most %.1fs)", tier.url_redacted,
+                 opts["remote_wait_s"])
 
     @property
     def loaded_pool(self) -> Optional[BlockPool]:
@@ -178,20 +255,30 @@ class PersistQ4Backend:
         """Longest reusable prefix of the request's prompt in its agent's namespace."""
         from vllm_mlx.cache_backend import CacheLookup
 
-        namespace = getattr(request, "cache_namespace", None)
-        cache, n, tier = self.pool.lookup(namespace, list(request.prompt_token_ids),
-                                          getattr(request, "request_id", None))
+        namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+        m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
+                            fork_from=parent)
         agent = namespace or "<anonymous>"
-        if cache is None:
+        if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
             return None
-        log.info("[persist_q4] agent=%s HIT %s cached=%d prompt=%d", agent, tier, n, len(request.prompt_token_ids))
-        return CacheLookup(cache=cache, num_tokens=n, hit_type=tier)
+        log.info("[persist_q4] agent=%s HIT %s%s cached=%d prompt=%d%s", agent, m.tier,
+                 f" from parent {parent}" if m.forked else "", m.num_tokens, len(request.prompt_token_ids),
+                 f" (matched by text; served as {len(m.prompt)} stored tokens)" if m.prompt is not None else "")
+        if m.prompt is not None:
+            # The prompt differs from the stored tokens but decodes to the same text: it is served
+            # as the tokens the cache holds (the seam replaces request.prompt_token_ids).
+            return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier, prompt_token_ids=m.prompt)
+        return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier)
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
         if self._pool is not None:
-            self._pool.prefetch(namespace)
+            for ns in split_namespace(namespace):
+                if ns is not None:
+                    if self.fleet is not None:
+                        self.fleet.prefetch(ns)
+                    self._pool.prefetch(ns)
 
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
@@ -200,18 +287,23 @@ class PersistQ4Backend:
     def validate(self, cache: list) -> bool:
         return self.codec.is_cache(cache)
 
-    def store(self, request: Any, token_ids: list[int], cache: Any) -> bool:
+    def store(self, request: Any, token_ids: list[int], cache: Any) -> Any:
         """Record the finished sequence's cache (prompt + output) under the request's agent."""
         if callable(cache):
             cache = cache()
         if not self.validate(cache or []):
             return False
         try:
-            n = self.pool.commit(getattr(request, "cache_namespace", None), token_ids, cache,
-                                 getattr(request, "request_id", None))
+            namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+            n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),
+                                                fork_from=parent)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False
+        if durable is not None and self.opts["durable_writes"]:
+            # The writer thread makes the turn durable while the batch goes on; the patched engine
+            # holds this request's final output until then (at most durable_timeout_s).
+            return durable
         return n > 0
 
     def on_request_finished(self, request: Any, aborted: bool) -> None:
@@ -220,21 +312,64 @@ class PersistQ4Backend:
             self._pool.finish(request.request_id)
 
     def get_stats(self) -> dict:
+        warm = {f"warmup_{k}": v for k, v in self.warmup.items()}
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
-            return {"backend": "persist_q4"}
+            return {"backend": "persist_q4", **warm}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
         # "health" is what the seam copies into /health (as "cache_backend"): small, O(1).
-        return {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
-                "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot()}
+        out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
+               "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot(), **warm}
+        if self.fleet is not None:
+            out["remote"] = self.fleet.stats()
+        return out
 
     def clear(self) -> None:
         if self._pool is not None:
             self._pool.clear()
 
     def load(self) -> int:
+        """At server start, on the worker thread: read the agents' manifests, then warm up."""
         n = self.pool.load_manifests()
+        self.pool.restore_hot_set()  # in the background: start-up does not wait for it
         log.info("persist_q4: %d agents on disk", n)
+        if self.opts["warmup"]:
+            self.warm_up()
         return n
+
+    def warm_up(self) -> dict:
+        """Run the model once over a tiny prompt through fresh 4-bit caches, so that the first
+        request after a (re)start does not pay first-use costs (allocations, compiled functions,
+        the quantize / dequantized-prefill / quantized-decode kernels): two sequences of
+        WARMUP_TOKENS and one fewer are prefilled in one chunk each (the dequantized path), merged
+        the way BatchGenerator merges them, and decoded WARMUP_STEPS steps (the quantized path).
+        Bounded (a few dozen tokens of KV), stored nowhere, never fatal; returns what it did."""
+        import mlx.core as mx
+        from mlx_lm.generate import _merge_caches
+
+        t0 = time.perf_counter()
+        try:
+            n = WARMUP_TOKENS
+            prompts = [list(range(1, n + 1)), list(range(2, n + 1))]
+            caches = []
+            for p in prompts:
+                cache = self.make_prompt_cache()
+                mx.eval(self.model(mx.array([p]), cache=cache))
+                caches.append(cache)
+            batch = _merge_caches(caches)
+            y = mx.array([[1], [2]])
+            for _ in range(WARMUP_STEPS):
+                y = mx.argmax(self.model(y, cache=batch)[:, -1:, :], axis=-1)
+                mx.eval(y)
+            del caches, batch
+            mx.clear_cache()  # give the warm-up's buffers back: it keeps nothing
+            self.warmup = {"runs": self.warmup.get("runs", 0) + 1, "s": round(time.perf_counter() - t0, 3),
+                           "tokens": sum(map(len, prompts)) + 2 * WARMUP_STEPS}
+            log.info("persist_q4: warm-up ran the 4-bit prefill and batched decode paths in %.2f s",
+                     self.warmup["s"])
+        except Exception as e:  # a model that cannot warm up will say so on its first request
+            self.warmup = {"runs": self.warmup.get("runs", 0), "error": f"{type(e).__name__}: {e}"}
+            log.warning("persist_q4: warm-up failed (%s); serving without it", self.warmup["error"])
+        return self.warmup
 
     def save(self) -> bool:
         if self._pool is not None:
@@ -243,6 +378,10 @@ class PersistQ4Backend:
 
     def close(self) -> None:
         self.closed = True
+        if self.fleet is not None:
+            self.fleet.stop()  # no new fetches; queued uploads go out after the last local writes
         if self._pool is not None:
             self._pool.close()
+        if self.fleet is not None:
+            self.fleet.close()
         self._dir_lock.release()

@@ -1,9 +1,15 @@
-"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models, benchmark, measure quality."""
+"""`vllm-mlx-persist` command: patch vllm-mlx, build small local models, benchmark, measure quality,
+run scenarios."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+
+# Subcommands that own their options: everything after the name goes to that module's main().
+ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
+          "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,30 +23,30 @@ def main(argv: list[str] | None = None) -> int:
 
     m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
     m.add_argument("out_dir")
-    m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2 or deepseek_v3")
-    m.add_argument("--size", default="small", help="preset size (see models.SIZES)")
+    m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2, deepseek_v3 or deepseek_v32")
+    m.add_argument("--size", default="small", help="preset size (see tools/models.py SIZES)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")
 
-    # bench and quality own their options: everything after the subcommand goes to their main()
     sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
     sub.add_parser("agents", help="list, show, erase (rm) agents or gc a cache root offline", add_help=False)
     sub.add_parser("reliability", help="crash-point and fuzzed-file campaigns on the real store", add_help=False)
+    sub.add_parser("scenario", help="run a multi-agent scenario against a server", add_help=False)
+    sub.add_parser("retokenize-stats", help="measure re-tokenization misses over multi-turn chats", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
-    routes = {"bench": "bench", "quality": "quality", "agents": "offline", "reliability": "tools.reliability"}
-    if argv and argv[0] in routes:
+    if argv and argv[0] in ROUTES:
         from importlib import import_module
 
-        return import_module(f".{routes[argv[0]]}", __package__).main(argv[1:])
+        return import_module(f".{ROUTES[argv[0]]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "patch":
         from .patcher import run as run_patch
 
         return run_patch("check" if args.check else "revert" if args.revert else "apply")
     if args.command == "make-model":
-        from .models import build_model_dir
+        from .tools.models import build_model_dir
 
         path = build_model_dir(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force)
         print(path)

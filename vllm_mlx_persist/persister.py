@@ -343,8 +343,8 @@ class Persister:
                 self._drop_size(b)
         for b in gone:
             self.store.delete_block(b)
+        self._enforce_budget()  # before the turn is acknowledged: a completed response never finds the disk over budget
         self._finish(job, True)
-        self._enforce_budget()
 
     def _retry_or_drop(self, job: _Job, error: OSError) -> None:
         with self._cv:

@@ -16,6 +16,8 @@ hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
 BACKEND_NAME = "persist_q4"
 AGENT_ID_HEADER = "x-agent-id"
+FORK_HEADER = "x-agent-fork-from"
+FORK_SEPARATOR = "\0fork:"  # must equal backend.FORK_SEPARATOR (not imported: no MLX here)
 MAX_AGENT_ID_LEN = 128
 _AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
 # Backends this plugin created in this process: the namespace hook starts their disk reads as a
@@ -51,6 +53,17 @@ def resolve_agent_id(request: Any, headers: Mapping[str, str]) -> Optional[str]:
     return None
 
 
+def resolve_fork_from(request: Any, headers: Mapping[str, str]) -> Optional[str]:
+    """The agent a request forks from, by precedence: X-Agent-Fork-From header, metadata.fork_from."""
+    header = headers.get(FORK_HEADER) if headers is not None else None
+    if header is not None:
+        return validate_agent_id(header, "the X-Agent-Fork-From header")
+    metadata = getattr(request, "metadata", None)
+    if isinstance(metadata, Mapping) and metadata.get("fork_from") is not None:
+        return validate_agent_id(metadata["fork_from"], "metadata.fork_from")
+    return None
+
+
 def create_backend(**kwargs: Any) -> Any:
     """The `persist_q4` factory vllm-mlx calls: a backend, registered for the hooks below."""
     from .backend import PersistQ4Backend
@@ -81,9 +94,18 @@ def vllm_mlx_api_routers() -> Any:
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
     agent_id = resolve_agent_id(request, headers)
+    parent = resolve_fork_from(request, headers)
+    if parent is not None and agent_id is None:
+        raise ValueError("a fork (X-Agent-Fork-From or metadata.fork_from) needs an agent id of its own "
+                         "(X-Agent-ID, metadata.agent_id or prompt_cache_key)")
+    if parent is not None and parent == agent_id:
+        raise ValueError(f"agent {agent_id!r} cannot fork from itself")
     if agent_id is not None:
         # The earliest moment we know the agent: start reading its blocks from disk now, so the
         # worker thread's fetch, which stalls every running sequence while it waits, finds them read.
         for backend in list(_LIVE_BACKENDS):
             backend.prefetch(agent_id)
-    return agent_id
+            if parent is not None:
+                backend.prefetch(parent)
+    # One string reaches the backend; agent ids cannot contain NUL, so the fork parent rides along.
+    return agent_id if parent is None else f"{agent_id}{FORK_SEPARATOR}{parent}"

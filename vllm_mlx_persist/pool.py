@@ -25,7 +25,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -56,6 +56,10 @@ class Block:
     layers: Optional[dict]  # name -> mx.array (see caches.codec); None while COLD
     state: BlockState = BlockState.PENDING
     nbytes: int = 0  # bytes in memory; fixed when the layers are set, so readers never sum arrays
+    # The agent whose hot_bytes count this block's bytes (the one that brought it into memory);
+    # None while COLD, or while hot but named only by agents that did not (an "orphan", see
+    # BlockPool._orphans). So a block shared by several agents is counted once.
+    owner: Optional["Agent"] = None
 
     def set_layers(self, layers: Optional[dict]) -> int:
         """Set (or drop, with None) the in-memory arrays; returns the change in bytes."""
@@ -65,20 +69,68 @@ class Block:
         return self.nbytes - before
 
 
+Links = tuple[tuple[int, str], ...]
+
+
+@dataclass
+class Branch:
+    """One continuation of an agent's history: a chain of block ids.
+
+    `links` says how the chain is seeded: ((0, ns),) is an agent's own chain, seeded with its
+    namespace. A fork is ((0, parent), (k, child)): blocks 0..k-1 are the parent's (the same ids,
+    shared by reference) and block k's link is re-seeded with the child's namespace, so what the
+    child adds can never collide with what the parent or a sibling adds after the same prefix.
+    """
+
+    block_ids: list[str]
+    n_tokens: int
+    links: Links
+    last_used: float = field(default_factory=time.time)
+
+
 @dataclass
 class Agent:
     namespace: str
-    block_ids: list[str] = field(default_factory=list)
-    n_tokens: int = 0
-    hot_bytes: int = 0
+    branches: list[Branch] = field(default_factory=list)  # least recently used first
+    ids: dict = field(default_factory=dict)  # every block id its branches name (an ordered set)
+    hot_bytes: int = 0  # bytes of the hot blocks it owns (Block.owner)
     pinned: bool = False
     last_used: float = field(default_factory=time.time)
     persistent: bool = True  # anonymous entries live in memory only
+
+    @property
+    def block_ids(self) -> list[str]:
+        """The most recently used branch's block ids."""
+        return self.branches[-1].block_ids if self.branches else []
+
+    @property
+    def n_tokens(self) -> int:
+        return self.branches[-1].n_tokens if self.branches else 0
+
+
+@dataclass
+class Match:
+    """What a lookup found: the cache, the tokens it covers, where from, and (when the prompt was
+    matched by text across a re-tokenization) the prompt as the tokens the cache holds."""
+
+    cache: Optional[list]
+    num_tokens: int
+    tier: str
+    prompt: Optional[list[int]] = None  # replacement prompt tokens, or None when unchanged
+    forked: bool = False  # the prefix came from the fork parent
 
 
 def chain_seed(fingerprint: str, namespace: str) -> str:
     """First link of an agent's block chain: blocks never match across agents or models."""
     return hashlib.sha256(f"{fingerprint}\n{namespace}".encode()).hexdigest()
+
+
+def link_id(prev: Optional[str], fingerprint: str, namespace: str) -> str:
+    """The chain's link into `namespace`: its seed at the start, else the previous id re-seeded."""
+    seed = chain_seed(fingerprint, namespace)
+    if prev is None:
+        return seed
+    return hashlib.sha256(bytes.fromhex(prev) + bytes.fromhex(seed)).hexdigest()
 
 
 def block_id(prev_id: str, tokens: Sequence[int]) -> str:
@@ -92,6 +144,13 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     if tuple(a[:n]) == tuple(b[:n]):
         return n
     i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _common(a: Sequence[str], b: Sequence[str]) -> int:
+    i, n = 0, min(len(a), len(b))
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -154,6 +213,8 @@ class BlockPool:
         store=None,
         disk_budget: int = 1 << 62,
         codec: Optional[ModelCodec] = None,
+        branches: int = 4,
+        decode: Optional[Callable[[list[int]], str]] = None,
     ):
         self.fingerprint = fingerprint
         self.n_layers = n_layers
@@ -163,6 +224,8 @@ class BlockPool:
         self.group_size = group_size
         self.block_size = block_size
         self.hot_budget = hot_bytes
+        self.max_branches = max(1, int(branches))
+        self.decode = decode  # token ids -> text; enables matching across re-tokenization
         if persister is None and store is not None:
             persister = Persister(store, disk_budget=disk_budget)
         self.persister = persister
@@ -175,18 +238,46 @@ class BlockPool:
                        if persister is not None else None)
         # Reads started when a request arrives (HTTP thread), consumed by lookup (worker thread).
         self._prefetch: "OrderedDict[str, tuple[Future, float]]" = OrderedDict()
+        # Blocks of the most recently used agents read at start-up (restore_hot_set), most recent
+        # first, with their file sizes: they count against hot_budget until used or dropped.
+        self._restored: "OrderedDict[str, tuple[Future, int]]" = OrderedDict()
+        self._restored_bytes = 0
         self._lock = threading.RLock()
         self.blocks: dict[str, Block] = {}
-        self.refs: dict[str, int] = {}
+        self.refs: dict[str, int] = {}  # block id -> how many agents name it
+        self._shared = 0  # blocks named by more than one agent (forks)
+        self._orphans: dict[str, None] = {}  # hot blocks no owner counts (their owner let go)
         self.agents: "OrderedDict[str, Agent]" = OrderedDict()  # LRU order: oldest first
         self.anonymous = AnonymousCache(max_anonymous)
         self.hot_bytes = 0
         self._hot_agents = 0  # agents (persistent) with any block in memory
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight]
+        self.fleet = None  # fleet.Fleet when a remote tier is configured (set by the backend)
         self.stats = dict.fromkeys(
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded",
-             "blocks_prefetched", "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks",
-             "unsaved_blocks_dropped", "store_refused", "read_timeouts"], 0)
+             "blocks_prefetched", "blocks_restored", "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks",
+             "unsaved_blocks_dropped", "store_refused", "read_timeouts", "fork_hits", "tokens_from_parent",
+             "branches_evicted", "text_matches", "tokens_matched_by_text"], 0)
+
+    # ---- chains ---------------------------------------------------------------------------------
+
+    def chain_ids(self, links: Links, tokens: Sequence[int]) -> list[str]:
+        """The block ids `tokens` get on a chain seeded by `links` (see Branch)."""
+        out: list[str] = []
+        at = dict(links)
+        prev: Optional[str] = None
+        for i, start in enumerate(range(0, len(tokens), self.block_size)):
+            if i in at:
+                prev = link_id(prev, self.fingerprint, at[i])
+            bid = block_id(prev, tokens[start : start + self.block_size])
+            out.append(bid)
+            prev = bid
+        return out
+
+    def _is_prefix(self, branch: Branch, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` continue `branch` (the branch then adds nothing to them)."""
+        return (branch.n_tokens <= len(tokens)
+                and self.chain_ids(branch.links, tokens[: branch.n_tokens]) == branch.block_ids)
 
     # ---- start-up -------------------------------------------------------------------------------
 
@@ -198,13 +289,53 @@ class BlockPool:
             for m in sorted(self.persister.load(), key=lambda m: m.updated_at, reverse=True):
                 if m.namespace in self.agents:
                     continue
-                agent = Agent(m.namespace, list(m.block_ids), m.n_tokens, pinned=m.pinned, last_used=m.updated_at)
-                for bid in agent.block_ids:
-                    self._ref(bid)
+                agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at)
+                branches = [Branch(list(b["block_ids"]), b["n_tokens"],
+                                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]),
+                                   m.updated_at)
+                            for b in (m.branches or [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}])]
+                for bid in dict.fromkeys(b for br in branches for b in br.block_ids):
                     self.blocks.setdefault(bid, Block(bid, (), None, BlockState.COLD))
+                self._set_branches(agent, branches)
                 self.agents[m.namespace] = agent
                 self.agents.move_to_end(m.namespace, last=False)  # disk agents are the coldest
             return len(self.agents)
+
+    def restore_hot_set(self) -> None:
+        """After a restart, read the most recently used agents' blocks, in the order they were last
+        used, up to `hot_budget` bytes, on the reader threads (numpy only): their first turns then
+        find them in memory instead of on disk. Returns at once; nothing waits for it."""
+        if self.persister is None or self.hot_budget <= 0:
+            return
+        with self._lock:
+            plan = [bid for a in reversed(self.agents.values()) for bid in a.ids
+                    if bid in self.blocks and self.blocks[bid].layers is None]
+        try:
+            self.reader.submit(self._plan_restore, list(dict.fromkeys(plan)))
+        except RuntimeError:  # closing
+            pass
+
+    def _plan_restore(self, plan: list[str]) -> None:
+        """(reader thread) Queue the reads of `plan`'s blocks while their sizes fit the budget."""
+        for bid in plan:
+            size = self.store.block_file_size(bid)
+            with self._lock:
+                if size == 0 or bid in self._restored or bid not in self.blocks or self.blocks[bid].layers is not None:
+                    continue
+                if self.hot_bytes + self._restored_bytes + size > self.hot_budget:
+                    return
+                try:
+                    self._restored[bid] = (self.reader.submit(self.store.read_block, bid), size)
+                except RuntimeError:
+                    return
+                self._restored_bytes += size
+
+    def _drop_restored(self, bid: str) -> Optional[Future]:
+        entry = self._restored.pop(bid, None)
+        if entry is None:
+            return None
+        self._restored_bytes -= entry[1]
+        return entry[0]
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -223,7 +354,7 @@ class BlockPool:
             if agent is None:
                 return 0
             started, now = 0, time.monotonic()
-            for bid in agent.block_ids:
+            for bid in agent.ids:  # the most recently used branch's first
                 block = self.blocks.get(bid)
                 if block is not None and block.layers is None and bid not in self._prefetch:
                     if len(self._prefetch) >= PREFETCH_MAX_BLOCKS:
@@ -245,60 +376,139 @@ class BlockPool:
             del self._prefetch[bid]
 
     def lookup(self, namespace: Optional[str], prompt: Sequence[int],
-               request_id: Optional[str] = None) -> tuple[Optional[list], int, str]:
+               request_id: Optional[str] = None, fork_from: Optional[str] = None) -> tuple[Optional[list], int, str]:
+        """(per-layer cache list or None, tokens covered, tier): `match` without the details."""
+        m = self.match(namespace, prompt, request_id, fork_from)
+        return m.cache, m.num_tokens, m.tier
+
+    def match(self, namespace: Optional[str], prompt: Sequence[int], request_id: Optional[str] = None,
+              fork_from: Optional[str] = None) -> Match:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
 
-        Returns (per-layer cache list or None, tokens covered, tier). At least one prompt token is
-        always left to prefill; recurrent models stop at their last state checkpoint. With `request_id`, the request counts as in flight until
+        Every branch of the agent is a candidate, and with `fork_from` every branch of that agent
+        too (the child then starts from the parent's prefix, by reference). With a `decode`
+        function, a match that stops where the stored tokens and the prompt differ but decode to
+        the same text goes on past it; `Match.prompt` is then the prompt as the stored tokens.
+        At least one prompt token is always left to prefill; recurrent models stop at their last
+        state checkpoint. With `request_id`, the request counts as in flight until
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
+        if self.fleet is not None and namespace is not None:
+            self.fleet.wait(namespace)  # bounded; outside the lock, which a fetch from Redis needs
+        prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
                 self._inflight[request_id] = [namespace, False]
                 if self.persister is not None:
                     self.persister.begin_use(namespace)
-            limit = len(prompt) - 1
             if namespace is None:
                 agent = self.anonymous.find(prompt, self._first_block)
             else:
                 agent = self.agents.get(namespace)
-            if agent is None or limit <= 0:
+            parent = self.agents.get(fork_from) if fork_from and namespace and fork_from != namespace else None
+            if (agent is None and parent is None) or len(prompt) <= 1:
                 self.stats["misses"] += 1
-                return None, 0, "miss"
-            used, from_disk = self._match(agent, prompt, limit)
-            for bid in agent.block_ids:  # read-ahead this lookup did not need
-                entry = self._prefetch.pop(bid, None)
+                return Match(None, 0, "miss")
+            if agent is None:  # a new child: what it reads is charged to its parent until it commits
+                agent = Agent(namespace)
+            candidates = [(agent, br) for br in reversed(agent.branches)]
+            if parent is not None:
+                candidates += [(parent, br) for br in reversed(parent.branches)]
+            registered = agent.namespace in self.agents or not agent.persistent
+            charged = agent if registered else parent
+            best, best_n = None, -1
+            # Branches tied on tokens may differ after a re-tokenized stretch: each tied one is
+            # matched by text too, and the longest wins (own branches first, most recent first).
+            for src, branch, used, from_disk in self._best(charged, candidates, prompt):
+                replaced = None
+                if self.decode is not None:
+                    replaced, used, disk2 = self._match_text(charged, branch, prompt, used)
+                    from_disk = from_disk or disk2
+                n = sum(c for _, c in used)
+                if n > best_n:
+                    best, best_n = (src, branch, used, from_disk, replaced), n
+            if best is None:
+                self.stats["misses"] += 1
+                return Match(None, 0, "miss")
+            src, branch, used, from_disk, replaced = best
+            covered_tokens = sum(n for _, n in used)
+            if covered_tokens:
+                branch.last_used = time.time()
+                if src is agent and any(b is branch for b in agent.branches):  # now the most recent
+                    agent.branches.remove(branch)
+                    agent.branches.append(branch)
+            for bid in list(agent.ids) + (list(parent.ids) if parent is not None else []):
+                entry = self._prefetch.pop(bid, None)  # read-ahead this lookup did not need
                 if entry is not None:
                     entry[0].cancel()
-            self._touch(agent)
+            if registered:
+                self._touch(agent)
             self._enforce_budget(keep=agent.namespace)
             cache, covered = self.codec.build([(b.layers, n) for b, n in used]) if used else (None, 0)
             if covered == 0:
                 self.stats["misses"] += 1
-                return None, 0, "miss"
+                return Match(None, 0, "miss")
             tier = "disk" if from_disk else "hot"
             self.stats["hits_disk" if from_disk else "hits_hot"] += 1
             self.stats["tokens_reused"] += covered
-            return cache, covered, tier
+            forked = src is not agent
+            if forked:
+                self.stats["fork_hits"] += 1
+                self.stats["tokens_from_parent"] += covered
+            return Match(cache, covered, tier, replaced, forked)
 
-    def _match(self, agent: Agent, prompt: Sequence[int], limit: int) -> tuple[list[tuple[Block, int]], bool]:
-        """Walk the agent's chain against `prompt`: the blocks used and how many tokens of each."""
+    def _best(self, agent: Agent, candidates: list, prompt: list[int]) -> list:
+        """[(source agent, branch, blocks used, read from disk)] of the longest token matches.
+
+        Candidates are ranked by how many whole blocks match by id (hashing the prompt, no reads);
+        only the best-ranked ones are walked (and read, if cold), the partial block deciding.
+        """
+        if not candidates:
+            return []
+        ids_by_links: dict = {}
+        ranked = []
+        for src, br in candidates:
+            if br.links not in ids_by_links:
+                ids_by_links[br.links] = self.chain_ids(br.links, prompt)
+            ranked.append((_common(ids_by_links[br.links], br.block_ids), src, br))
+        top = max(k for k, _, _ in ranked)
+        walked = []
+        for k, src, br in ranked:
+            if k == top:
+                used, from_disk = self._walk(agent, br, prompt, len(prompt) - 1)
+                walked.append((sum(c for _, c in used), src, br, used, from_disk))
+        most = max(w[0] for w in walked)
+        return [w[1:] for w in walked if w[0] == most]  # in candidate order
+
+    def _walk(self, agent: Agent, branch: Branch, prompt: Sequence[int], limit: int,
+              ) -> tuple[list[tuple[Block, int]], bool]:
+        """Walk `branch` against `prompt`: the blocks used and how many tokens of each. Blocks read
+        from disk are charged to `agent` (the one being served)."""
         covered, used, from_disk = 0, [], False
-        prev = chain_seed(self.fingerprint, agent.namespace)
-        for i, bid in enumerate(agent.block_ids):
+        at = dict(branch.links)
+        prev: Optional[str] = None
+        for i, bid in enumerate(list(branch.block_ids)):
+            if i in at:
+                prev = link_id(prev, self.fingerprint, at[i])
             block = self.blocks.get(bid)
             if block is None:
                 break
             if block.layers is None:
                 if not self._load_block(agent, block):
-                    self._cut_chain(agent, i)  # unreadable: re-cached from here on the next turn
+                    self._cut_block(bid)  # unreadable: re-cached from here on the next turn
                     break
                 from_disk = True
             # The id chain is seeded with this model and agent: a block written for another model
             # or agent, or one whose tokens were altered, cannot match even if its file is sound.
             if block_id(prev, block.tokens) != bid:
-                self._refuse_block(agent, i)
+                self.stats["bad_blocks"] += 1
+                self._cut_agent(agent, bid)  # only this agent's: the block may be another's, and sound
+                if bid not in self.refs and self.persister is not None:
+                    # nobody names it now: moved aside, on the writer so before any rewrite of it
+                    self.persister.quarantine_block(bid, "its tokens do not follow the agent's chain")
                 break
+            if block.owner is None:
+                self._adopt(agent, block)
             prev = bid
             n = min(_lcp(block.tokens, prompt[covered : covered + len(block.tokens)]), limit - covered)
             if n <= 0:
@@ -309,16 +519,54 @@ class BlockPool:
                 break
         return used, from_disk
 
-    def _refuse_block(self, agent: Agent, i: int) -> None:
-        """Forget a sound block file whose tokens do not chain (forged, or another agent's), with the
-        rest of `agent`'s chain after it, so the agent's next turn caches past it instead of being
-        refused on every turn. Its file is quarantined unless another agent still names it."""
-        self.stats["bad_blocks"] += 1
-        bid = agent.block_ids[i]
-        unshared = self.refs.get(bid) == 1
-        self._cut_chain(agent, i)
-        if unshared and self.persister is not None:  # on the writer: ordered before any rewrite of bid
-            self.persister.quarantine_block(bid, "its tokens do not follow the agent's chain")
+    # ---- matching across re-tokenization --------------------------------------------------------
+
+    def _match_text(self, agent: Agent, branch: Branch, prompt: list[int], used: list):
+        """Go on past token mismatches that decode to the same text (a reply re-tokenized).
+
+        Returns (replacement prompt or None, blocks used, read from disk). The replacement is the
+        branch's stored tokens up to the realigned point followed by the rest of the prompt, so the
+        request is then served, exactly, as a prompt of the tokens the cache holds.
+        """
+        replaced, from_disk = None, False
+        for _ in range(TEXT_MATCH_MAX_REALIGN):
+            k = sum(n for _, n in used)
+            if k >= len(prompt) - 1 or k >= branch.n_tokens:
+                break  # the prompt is used up to its last token, or the branch is
+            stored, disk = self._branch_tokens(agent, branch, k + TEXT_MATCH_WINDOW)
+            from_disk = from_disk or disk
+            if len(stored) <= k or prompt[k] == stored[k]:
+                break  # the walk stopped for another reason (the limit, a checkpoint)
+            pair = _align(stored, prompt, k, self.decode)
+            if pair is None:
+                break
+            i, j = pair
+            new_prompt = stored[: k + i] + prompt[k + j :]
+            new_used, disk = self._walk(agent, branch, new_prompt, len(new_prompt) - 1)
+            from_disk = from_disk or disk
+            if sum(n for _, n in new_used) <= k:
+                break
+            self.stats["text_matches"] += 1
+            self.stats["tokens_matched_by_text"] += i
+            prompt, used, replaced = new_prompt, new_used, new_prompt
+        return replaced, used, from_disk
+
+    def _branch_tokens(self, agent: Agent, branch: Branch, upto: int) -> tuple[list[int], bool]:
+        """The branch's stored tokens up to about `upto` (blocks read as needed)."""
+        out: list[int] = []
+        from_disk = False
+        for bid in branch.block_ids:
+            if len(out) >= upto:
+                break
+            block = self.blocks.get(bid)
+            if block is None:
+                break
+            if block.layers is None:
+                if not self._load_block(agent, block):
+                    break
+                from_disk = True
+            out.extend(block.tokens)
+        return out, from_disk
 
     def _first_block(self, agent: Agent) -> Block:
         return self.blocks[agent.block_ids[0]]
@@ -327,9 +575,13 @@ class BlockPool:
         if self.store is None:
             return False
         entry = self._prefetch.pop(block.block_id, None)
+        restored = self._drop_restored(block.block_id)
         if entry is not None:
             self.stats["blocks_prefetched"] += 1
             future = entry[0]
+        elif restored is not None:
+            self.stats["blocks_restored"] += 1
+            future = restored
         else:
             future = self.reader.submit(self.store.read_block, block.block_id)
         try:
@@ -345,7 +597,7 @@ class BlockPool:
             self.stats["bad_blocks"] += 1
             return False
         block.tokens = tuple(int(t) for t in data.tokens)
-        self._add_hot(agent, block.set_layers(self.codec.from_numpy(data.arrays, data.dtypes)))
+        self._set_layers(block, self.codec.from_numpy(data.arrays, data.dtypes), agent)
         block.state = BlockState.DURABLE
         self.stats["blocks_loaded"] += 1
         self.stats["bytes_loaded"] += block.nbytes
@@ -358,13 +610,31 @@ class BlockPool:
     # ---- store ----------------------------------------------------------------------------------
 
     def commit(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-               request_id: Optional[str] = None) -> int:
+               request_id: Optional[str] = None, fork_from: Optional[str] = None) -> int:
+        """`commit_async`, then (with durable writes) wait up to `write_timeout_s` for the disk.
+        Returns the number of tokens now cached."""
+        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from)
+        if future is not None and self.durable_writes:
+            try:
+                if not future.result(self.write_timeout_s):
+                    log.warning("agent %r kept in memory only for now: its write failed", namespace)
+            except FutureTimeout:
+                log.warning("agent %r: write not durable after %.0f s; going on", namespace, self.write_timeout_s)
+        return n
+
+    def commit_async(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
+                     request_id: Optional[str] = None, fork_from: Optional[str] = None,
+                     ) -> tuple[int, Optional[Future]]:
         """Make `namespace`'s cache cover `tokens` (prompt + output) from an extracted cache.
 
         The cache must cover `tokens`, or all but the last (generated, never fed back) token;
-        anything else is refused (returns 0): a cache is never stored under tokens it does not
-        cover. Blocks the agent already holds are kept; only new blocks are sliced, kept hot and
-        written. Returns the number of tokens now cached.
+        anything else is refused (0 tokens): a cache is never stored under tokens it does not
+        cover. The sequence becomes the agent's most recently used branch; branches it continues
+        are replaced by it, and beyond `branches` the least recently used one goes. Blocks the
+        agent already holds (or, with `fork_from`, the parent's whole blocks the sequence starts
+        with) are kept by reference; only new blocks are sliced, kept hot and handed to the
+        persister. Returns (tokens now cached, the save's future: True once the turn is durable,
+        False if it failed; None when nothing is written).
         """
         offset = self.codec.length(cache)
         if not 0 <= len(tokens) - offset <= 1:
@@ -372,66 +642,85 @@ class BlockPool:
                 self.stats["store_refused"] += 1
             log.warning("not caching agent %r: the cache covers %d tokens, the sequence has %d",
                         namespace, offset, len(tokens))
-            return 0
+            return 0, None
         n_valid = offset
         tokens = [int(t) for t in tokens[:n_valid]]
         if n_valid == 0:
-            return 0
+            return 0, None
         if self.persister is not None:
-            # Wait for room in the write queue before taking the lock (the writer may need it).
+            # Back-pressure: wait for room in the write queue before taking the lock (the writer
+            # may need the lock for an erasure's callback).
             self.persister.wait_for_room(self.write_timeout_s)
         with self._lock:
             inflight = self._inflight.get(request_id) if request_id is not None else None
             if inflight is not None and inflight[1]:
-                return 0  # the agent was erased while this request ran: its turn must not bring it back
-            agent, future = self._commit_locked(namespace, tokens, cache)
-        if future is not None and self.durable_writes:
-            try:  # outside the lock: the writer may need it (an erasure's callback)
-                if not future.result(self.write_timeout_s):
-                    log.warning("agent %r kept in memory only for now: its write failed", agent.namespace)
-            except FutureTimeout:
-                log.warning("agent %r: write not durable after %.0f s; going on", agent.namespace,
-                            self.write_timeout_s)
-        return n_valid
+                return 0, None  # the agent was erased while this request ran: its turn must not bring it back
+            _, future = self._commit_locked(namespace, tokens, cache, fork_from)
+        return n_valid, future
 
-    def _commit_locked(self, namespace: Optional[str], tokens: list[int], cache: list):
+    def _links_for(self, agent: Agent, tokens: list[int], fork_from: Optional[str]) -> Links:
+        """How the chain of `tokens` is seeded: along the agent's branch sharing the most blocks
+        with it, or the fork parent's if that shares more whole blocks; re-seeded with the agent's
+        namespace where its own blocks begin."""
+        best: Links = ()
+        d = 0
+        for br in agent.branches:
+            k = _common(self.chain_ids(br.links, tokens), br.block_ids)
+            if k > d:
+                best, d = br.links, k
+        parent = self.agents.get(fork_from) if fork_from and fork_from != agent.namespace else None
+        if parent is not None and agent.persistent:
+            full = len(tokens) // self.block_size
+            for br in parent.branches:
+                k = min(_common(self.chain_ids(br.links, tokens), br.block_ids),
+                        full, br.n_tokens // self.block_size)  # whole blocks only
+                if k > d:
+                    best, d = br.links, k
+        links = tuple((i, ns) for i, ns in best if i < d)
+        if not links or links[-1][1] != agent.namespace:
+            links += ((d, agent.namespace),)
+        return links
+
+    def _commit_locked(self, namespace: Optional[str], tokens: list[int], cache: list,
+                       fork_from: Optional[str] = None):
         n_valid = len(tokens)
         if namespace is None:
             agent, evicted = self.anonymous.slot(tokens, self._first_block, self.block_size)
             if evicted is not None:
                 self._drop_anonymous(evicted)
         else:
-            agent = self.agents.get(namespace) or Agent(namespace)
+            agent = self.agents.get(namespace)
+            if agent is None:  # registered first, so the blocks charged to it count it as hot
+                agent = self.agents[namespace] = Agent(namespace)
         checkpoints = self.codec.live_checkpoints(cache, n_valid) + self._old_checkpoints(agent, tokens)
-        new_ids, new_blocks = [], []
-        prev = chain_seed(self.fingerprint, agent.namespace)
-        for start in range(0, n_valid, self.block_size):
+        links = self._links_for(agent, tokens, fork_from)
+        new_ids = self.chain_ids(links, tokens)
+        new_blocks = []
+        for i, bid in enumerate(new_ids):
+            start = i * self.block_size
             chunk = tuple(tokens[start : start + self.block_size])
-            bid = block_id(prev, chunk)
-            # A block that is missing or only on disk (possibly unreadable) is rebuilt from the
-            # cache we hold anyway; the writer skips files that are already valid.
             block = self.blocks.get(bid)
-            if block is None or block.layers is None:
+            others = self.refs.get(bid, 0) - (bid in agent.ids)
+            # A block that is missing or only on disk (possibly unreadable) is rebuilt from the
+            # cache we hold anyway; the writer skips files that are already valid. A block another
+            # agent names is never rebuilt: shared blocks are never modified.
+            if block is None or (block.layers is None and others <= 0):
                 kv = self.codec.slice(cache, start, start + len(chunk), checkpoints)
                 if block is None:
                     block = self.blocks[bid] = Block(bid, chunk, None)
                 block.tokens = chunk
                 block.state = BlockState.PENDING  # rewritten; the store skips a file already valid
-                self._add_hot(agent, block.set_layers(kv))
+                self._set_layers(block, kv, agent)
                 new_blocks.append(block)
-            new_ids.append(bid)
-            prev = bid
         if new_blocks:
             mx.eval([a for b in new_blocks for a in b.layers.values()])
-        old_ids = agent.block_ids
-        for bid in new_ids:
-            self._ref(bid)
-        agent.block_ids, agent.n_tokens = new_ids, n_valid
-        dead = [bid for bid in old_ids if self._unref(bid)]
-        for bid in dead:
-            block = self.blocks.pop(bid, None)
-            if block is not None and bid not in new_ids:
-                self._add_hot(agent, -block.nbytes)
+        limit = self.max_branches if agent.persistent else 1
+        kept = [br for br in agent.branches if not self._is_prefix(br, tokens)]
+        kept.append(Branch(new_ids, n_valid, links))
+        if len(kept) > limit:
+            self.stats["branches_evicted"] += len(kept) - limit
+            kept = kept[-limit:]
+        dead = self._set_branches(agent, kept)
         if agent.persistent:
             self.agents[agent.namespace] = agent
         else:
@@ -440,8 +729,9 @@ class BlockPool:
         self.stats["tokens_stored"] += n_valid
         future = None
         if agent.persistent and self.persister is not None:
-            future = self._save(agent, [self.blocks[b] for b in new_ids if self.blocks[b].state == BlockState.PENDING],
-                                dead)
+            pending = [self.blocks[b] for b in new_ids if self.blocks[b].state == BlockState.PENDING
+                       and self.blocks[b].layers is not None]
+            future = self._save(agent, pending, dead)
         self._enforce_budget(keep=agent.namespace)
         return agent, future
 
@@ -450,36 +740,50 @@ class BlockPool:
         rebuilding the block holding one (a grown tail) carries it over."""
         if not self.codec.has_state:
             return []
-        out, start = [], 0
-        for bid in agent.block_ids:
-            block = self.blocks.get(bid)
-            if block is None or block.layers is None:
-                break
-            n = len(block.tokens)
-            ok = _lcp(block.tokens, tokens[start : start + n])
-            out += [(p, s) for p, s in self.codec.block_checkpoints(block.layers, start) if p - start <= ok]
-            if ok < n:
-                break
-            start += n
-        return out
+        out = []
+        for br in agent.branches:
+            start = 0
+            for bid in br.block_ids:
+                block = self.blocks.get(bid)
+                if block is None or block.layers is None:
+                    break
+                n = len(block.tokens)
+                ok = _lcp(block.tokens, tokens[start : start + n])
+                out += [(p, s) for p, s in self.codec.block_checkpoints(block.layers, start) if p - start <= ok]
+                if ok < n:
+                    break
+                start += n
+        return list({p: (p, s) for p, s in out}.values())
 
     def _save(self, agent: Agent, blocks: list[Block], dead: list[str]) -> Future:
         datas = [_to_numpy(b, self.codec) for b in blocks]  # MLX -> numpy here, on the worker thread
-        manifest = Manifest(agent.namespace, list(agent.block_ids), agent.n_tokens, time.time(), agent.pinned)
+        manifest = self._manifest(agent)
         stats = self.stats
 
-        def on_durable() -> None:  # writer thread: a state flag per block, nothing else
+        def on_durable() -> None:  # writer thread: a state flag per block, and a queued upload
             for b in blocks:
                 if b.state == BlockState.PENDING:
                     b.state = BlockState.DURABLE
+            if self.fleet is not None:
+                self.fleet.saved(manifest, datas)
 
         def count_failure(f: Future) -> None:
-            if f.exception() is not None or not f.result():
+            if f.cancelled() or f.exception() is not None or not f.result():
                 stats["write_errors"] += 1
 
         future = self.persister.save(manifest, datas, dead, on_durable)
         future.add_done_callback(count_failure)
         return future
+
+    def _manifest(self, agent: Agent) -> Manifest:
+        """The agent's manifest: every block it names, and its branches when it is more than one
+        plain chain (so manifests of agents that never fork or branch read as before)."""
+        plain = len(agent.branches) == 1 and agent.branches[0].links == ((0, agent.namespace),)
+        branches = None if plain else [
+            {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links]}
+            for br in agent.branches]
+        return Manifest(agent.namespace, list(agent.ids), agent.n_tokens, time.time(), agent.pinned,
+                        branches=branches)
 
     # ---- agents: admin API ----------------------------------------------------------------------
 
@@ -496,8 +800,8 @@ class BlockPool:
             agent = self.agents.get(namespace)
             if agent is None:
                 return None
-            n_blocks = len(agent.block_ids)
-            hot = sum(1 for b in agent.block_ids if b in self.blocks and self.blocks[b].layers is not None)
+            n_blocks = len(agent.ids)
+            hot = sum(1 for b in agent.ids if b in self.blocks and self.blocks[b].layers is not None)
             info = {
                 "id": agent.namespace,
                 "tokens": agent.n_tokens,
@@ -507,7 +811,12 @@ class BlockPool:
                 "tier": "hot" if hot == n_blocks else ("disk" if hot == 0 else "partial"),
                 "pinned": agent.pinned,
                 "last_used": agent.last_used,
+                "branches": [br.n_tokens for br in reversed(agent.branches)],  # most recent first
+                "shared_blocks": sum(1 for b in agent.ids if self.refs.get(b, 0) > 1),
+                "forked_from": sorted({ns for br in agent.branches for _, ns in br.links} - {namespace}),
             }
+        if self.fleet is not None:
+            info["remote"] = self.fleet.agent_info(namespace)
         info["bytes_disk"] = self.persister.agent_disk_bytes(namespace) if self.persister is not None else 0
         return info
 
@@ -516,10 +825,12 @@ class BlockPool:
             names = list(self.agents)
         return [i for i in map(self.agent_info, reversed(names)) if i is not None]
 
-    def erase(self, namespace: str, timeout: Optional[float] = 60.0) -> bool:
+    def erase(self, namespace: str, timeout: Optional[float] = 60.0, fleet_wide: bool = True) -> bool:
         """Forget an agent in memory and on disk (durable when this returns); False if unknown.
 
-        A request of the agent still running when this is called will not store its turn.
+        A request of the agent still running when this is called will not store its turn. Blocks
+        its forks share stay, in memory and on disk, as long as a fork names them. With a fleet
+        tier and `fleet_wide`, the agent is then erased from Redis too (queued).
         """
         with self._lock:
             known = self._forget(namespace)
@@ -530,6 +841,8 @@ class BlockPool:
             future = self.persister.erase(namespace) if self.persister is not None else None
         if future is not None:
             known = bool(future.result(timeout)) or known
+        if fleet_wide and self.fleet is not None:  # after the local save jobs: their uploads are queued
+            known = self.fleet.erase(namespace) or known
         return known
 
     def set_pinned(self, namespace: str, pinned: bool, timeout: Optional[float] = 60.0) -> bool:
@@ -547,22 +860,137 @@ class BlockPool:
     def _forget(self, namespace: str) -> bool:
         """Drop an agent from memory (any thread; also the persister's erasure callback)."""
         with self._lock:
-            agent = self.agents.pop(namespace, None)
+            agent = self.agents.get(namespace)
             if agent is None:
                 return False
-            if agent.hot_bytes:
-                self._hot_agents -= 1
-            for bid in agent.block_ids:
-                if self._unref(bid):
-                    block = self.blocks.pop(bid, None)
-                    if block is not None:
-                        self.hot_bytes -= block.nbytes
-                    entry = self._prefetch.pop(bid, None)
-                    if entry is not None:
-                        entry[0].cancel()
+            for bid in self._set_branches(agent, []):  # every block it owned is dropped or orphaned
+                entry = self._prefetch.pop(bid, None)
+                if entry is not None:
+                    entry[0].cancel()
+                restored = self._drop_restored(bid)
+                if restored is not None:
+                    restored.cancel()
+            del self.agents[namespace]
             return True
 
-    # ---- memory ---------------------------------------------------------------------------------
+    # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
+
+    def chain_state(self, namespace: str) -> Optional[tuple[tuple[str, ...], int]]:
+        """(block ids, tokens) of an agent's most recent branch, or None if unknown; any thread."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            return None if agent is None else (tuple(agent.block_ids), agent.n_tokens)
+
+    def save_fetched(self, manifest: Manifest, blocks: list[BlockData], expect, on_done) -> Optional[Future]:
+        """Save a history fetched from the fleet (its blocks the local disk lacks, then its manifest)
+        and, once durable, make it the agent's most recent branch with COLD blocks, provided the
+        agent is still as `expect` (chain_state before the fetch). `on_done(manifest or None)` runs
+        on the persister thread, in order with every other write. None when the agent changed."""
+        with self._lock:  # commits queue their saves under the lock too: the order is the pool's
+            if self.persister is None or self.chain_state(manifest.namespace) != expect:
+                return None
+
+            def on_durable() -> None:  # persister thread; on_done must not raise
+                try:
+                    adopted = self._adopt_fetched(manifest, expect)
+                except Exception:
+                    log.exception("agent %r: registering its fetched history failed", manifest.namespace)
+                    adopted = None
+                on_done(adopted)
+
+            return self.persister.save(manifest, blocks, [], on_durable)
+
+    def _adopt_fetched(self, m: Manifest, expect) -> Optional[Manifest]:
+        """The fetched chain becomes the agent's most recent branch (branches it extends go). Redis
+        manifests carry one chain seeded with the agent: a fork's shared prefix does not chain that
+        way, so such a history is cut at the fork point by the lookup's chain check (safe, less reuse)."""
+        with self._lock:
+            if self.chain_state(m.namespace) != expect:
+                return None  # a turn, an erasure or a cut since: the pool's own state stands
+            agent = self.agents.get(m.namespace)
+            if agent is None:
+                agent = self.agents[m.namespace] = Agent(m.namespace)
+            for bid in m.block_ids:
+                self.blocks.setdefault(bid, Block(bid, (), None, BlockState.COLD))
+            new = Branch(list(m.block_ids), m.n_tokens, ((0, m.namespace),))
+            kept = [br for br in agent.branches if br.block_ids != new.block_ids[: len(br.block_ids)]]
+            self._set_branches(agent, (kept + [new])[-self.max_branches:])
+            self._touch(agent)
+            return m
+
+    # ---- references and memory ------------------------------------------------------------------
+
+    def _set_branches(self, agent: Agent, branches: list[Branch]) -> list[str]:
+        """Give `agent` these branches, moving references; returns the ids of blocks no agent
+        names any more (dropped from memory; their files go once no manifest names them)."""
+        ids = dict.fromkeys(b for br in reversed(branches) for b in br.block_ids)  # newest first
+        dead = []
+        for bid in ids:
+            if bid not in agent.ids:
+                self._ref(bid)
+        for bid in agent.ids:
+            if bid in ids:
+                continue
+            block = self.blocks.get(bid)
+            if self._unref(bid):
+                dead.append(bid)
+                if block is not None:
+                    self._set_layers(block, None)
+                    self.blocks.pop(bid, None)
+            elif block is not None and block.owner is agent:
+                self._orphan(block)
+        agent.branches, agent.ids = branches, ids
+        return dead
+
+    def _ref(self, bid: str) -> None:
+        n = self.refs.get(bid, 0) + 1
+        self.refs[bid] = n
+        self._shared += n == 2
+
+    def _unref(self, bid: str) -> bool:
+        """Drop one reference; True when the block is now unreferenced."""
+        n = self.refs[bid] - 1
+        self._shared -= n == 1
+        if n == 0:
+            del self.refs[bid]
+            return True
+        self.refs[bid] = n
+        return False
+
+    def _charge(self, agent: Agent, delta: int) -> None:
+        before = agent.hot_bytes
+        agent.hot_bytes += delta
+        if agent.persistent and self.agents.get(agent.namespace) is agent:
+            self._hot_agents += (agent.hot_bytes > 0) - (before > 0)
+
+    def _set_layers(self, block: Block, layers: Optional[dict], agent: Optional[Agent] = None) -> None:
+        """Bring a block's arrays into memory (charged to `agent`) or drop them (None)."""
+        before = block.nbytes
+        if block.owner is not None:
+            self._charge(block.owner, -before)
+        elif block.layers is not None:
+            self._orphans.pop(block.block_id, None)
+        delta = block.set_layers(layers)
+        self.hot_bytes += delta
+        block.owner = agent if layers is not None else None
+        if block.owner is not None:
+            self._charge(block.owner, block.nbytes)
+        elif layers is not None:
+            self._orphans[block.block_id] = None
+
+    def _orphan(self, block: Block) -> None:
+        """The block's owner no longer names it, but another agent does: still hot, counted by none."""
+        if block.owner is not None:
+            self._charge(block.owner, -block.nbytes)
+        block.owner = None
+        if block.layers is not None:
+            self._orphans[block.block_id] = None
+
+    def _adopt(self, agent: Agent, block: Block) -> None:
+        if block.layers is not None and block.owner is None:
+            self._orphans.pop(block.block_id, None)
+            block.owner = agent
+            self._charge(agent, block.nbytes)
 
     def _touch(self, agent: Agent) -> None:
         agent.last_used = time.time()
@@ -573,51 +1001,33 @@ class BlockPool:
         elif agent.namespace in self.anonymous.entries:
             self.anonymous.entries.move_to_end(agent.namespace)
 
-    def _add_hot(self, agent: Agent, delta: int) -> None:
-        """Account `delta` bytes of `agent`'s blocks entering (or leaving) memory."""
-        if not delta:
-            return
-        before = agent.hot_bytes
-        agent.hot_bytes += delta
-        self.hot_bytes += delta
-        if agent.persistent:
-            self._hot_agents += (agent.hot_bytes > 0) - (before > 0)
+    def _cut_block(self, bid: str) -> None:
+        """Cut every branch naming `bid` (unreadable, refused or unsaved) at it, for every agent:
+        they are re-cached from there on their next turn instead of tripping over it forever."""
+        for agent in [a for a in list(self.agents.values()) + list(self.anonymous.entries.values())
+                      if bid in a.ids]:
+            self._cut_agent(agent, bid)
 
-    def _ref(self, bid: str) -> None:
-        self.refs[bid] = self.refs.get(bid, 0) + 1
-
-    def _unref(self, bid: str) -> bool:
-        """Drop one reference; True when the block is now unreferenced."""
-        self.refs[bid] -= 1
-        if self.refs[bid] == 0:
-            del self.refs[bid]
-            return True
-        return False
-
-    def _cut_chain(self, agent: Agent, i: int) -> None:
-        """Drop the agent's blocks from position `i` on (unreadable, refused or unsaved): the
-        agent is re-cached from there on its next turn instead of tripping over them forever."""
-        for bid in agent.block_ids[i:]:
-            if self._unref(bid):
-                block = self.blocks.pop(bid, None)
-                if block is not None:
-                    self._add_hot(agent, -block.nbytes)
-        agent.block_ids = agent.block_ids[:i]
-        agent.n_tokens = min(agent.n_tokens, i * self.block_size)  # only the last block can be partial
+    def _cut_agent(self, agent: Agent, bid: str) -> None:
+        branches = []
+        for br in agent.branches:
+            if bid in br.block_ids:
+                i = br.block_ids.index(bid)
+                br = Branch(br.block_ids[:i], min(br.n_tokens, i * self.block_size),
+                            tuple(l for l in br.links if l[0] < i) or br.links[:1], br.last_used)
+            if br.block_ids:
+                branches.append(br)
+        self._set_branches(agent, branches)
 
     def _drop_anonymous(self, agent: Agent) -> None:
         self.anonymous.entries.pop(agent.namespace, None)
-        for bid in agent.block_ids:
-            if self._unref(bid):
-                block = self.blocks.pop(bid, None)
-                if block is not None:
-                    self.hot_bytes -= block.nbytes
+        self._set_branches(agent, [])
         self.stats["evicted_agents"] += 1
 
     def _evict(self, agent: Agent) -> None:
-        """Take an agent out of memory: DURABLE blocks go COLD, PENDING ones (a write that has
-        not succeeded) are dropped with the rest of the chain, so memory stays bounded on a
-        failing disk."""
+        """Take an agent out of memory: DURABLE blocks it owns go COLD, PENDING ones (a write that
+        has not succeeded) are dropped with the rest of their branches, so memory stays bounded on
+        a failing disk. Blocks other agents own stay (counted by them)."""
         self.stats["evicted_agents"] += 1
         if not agent.persistent:
             self._drop_anonymous(agent)
@@ -625,23 +1035,47 @@ class BlockPool:
         if self.persister is None:  # no disk tier: nothing to come back from
             self._forget(agent.namespace)
             return
-        for i, bid in enumerate(agent.block_ids):
-            block = self.blocks.get(bid)
-            if block is None:
-                continue
-            if block.state == BlockState.PENDING:
-                dropped = len(agent.block_ids) - i
+        pending = [b for b in agent.ids if b in self.blocks and self.blocks[b].owner is agent
+                   and self.blocks[b].state == BlockState.PENDING]
+        for bid in pending:
+            if bid in agent.ids:
+                before = len(agent.ids)
+                self._cut_agent(agent, bid)
+                dropped = before - len(agent.ids)
                 self.stats["unsaved_blocks_dropped"] += dropped
                 log.warning("agent %r: %d unsaved block(s) left memory uncached", agent.namespace, dropped)
-                self._cut_chain(agent, i)
-                break
-            if block.layers is not None:
-                self._add_hot(agent, block.set_layers(None))
+        for bid in agent.ids:
+            block = self.blocks.get(bid)
+            if block is not None and block.owner is agent:
+                self._set_layers(block, None)
                 block.state = BlockState.COLD
 
+    def _evict_orphans(self) -> bool:
+        """Drop hot blocks no agent counts (least recently orphaned first); False if none."""
+        if not self._orphans:
+            return False
+        while self._orphans and self.hot_bytes > self.hot_budget:
+            bid = next(iter(self._orphans))
+            block = self.blocks.get(bid)
+            if block is None:
+                self._orphans.pop(bid, None)
+                continue
+            if block.state == BlockState.PENDING:
+                self.stats["unsaved_blocks_dropped"] += 1
+                self._cut_block(bid)
+                block = self.blocks.get(bid)
+            if block is not None:
+                self._set_layers(block, None)
+                block.state = BlockState.COLD
+            self._orphans.pop(bid, None)
+        return True
+
     def _enforce_budget(self, keep: Optional[str] = None) -> None:
-        """Evict least recently used agents (anonymous entries and unpinned agents) until the hot
-        tier fits `hot_budget`; `keep` (the agent being served) is spared."""
+        """Evict least recently used agents (anonymous entries and unpinned agents), then hot
+        blocks nobody counts, until the hot tier fits `hot_budget`; `keep` (the agent being
+        served) is spared. Restored-but-unused blocks count too and go first, least recent first."""
+        while self._restored and self.hot_bytes + self._restored_bytes > self.hot_budget:
+            self._drop_restored(next(reversed(self._restored))).cancel()
         while self.hot_bytes > self.hot_budget:
             victim = None
             for agent in self.anonymous.entries.values():
@@ -654,6 +1088,7 @@ class BlockPool:
                         victim = agent
                     break
             if victim is None:
+                self._evict_orphans()
                 return
             self._evict(victim)
 
@@ -665,9 +1100,16 @@ class BlockPool:
                 self._drop_anonymous(agent)
             for agent in list(self.agents.values()):
                 self._evict(agent)
+            for bid in list(self._orphans):
+                block = self.blocks.get(bid)
+                if block is not None and block.state != BlockState.PENDING:
+                    self._set_layers(block, None)
+                    block.state = BlockState.COLD
             for future, _ in self._prefetch.values():
                 future.cancel()
             self._prefetch.clear()
+            for bid in list(self._restored):
+                self._drop_restored(bid).cancel()
 
     def flush(self, timeout: Optional[float] = None) -> None:
         if self.persister is not None:
@@ -678,6 +1120,8 @@ class BlockPool:
             for future, _ in self._prefetch.values():
                 future.cancel()
             self._prefetch.clear()
+            for bid in list(self._restored):
+                self._drop_restored(bid).cancel()
         if self.persister is not None:
             self.persister.close()
             self.reader.shutdown(wait=False, cancel_futures=True)
@@ -691,9 +1135,12 @@ class BlockPool:
             "agents_in_flight": len(self._inflight),
             "anonymous_entries": len(self.anonymous.entries),
             "blocks": len(self.blocks),
+            "shared_blocks": self._shared,
             "hot_bytes": self.hot_bytes,
             "hot_budget_bytes": self.hot_budget,
             "prefetch_pending": len(self._prefetch),
+            "restored_pending": len(self._restored),
+            "restored_bytes": self._restored_bytes,
         }
         if self.persister is not None:
             p = self.persister.stats()
@@ -701,3 +1148,51 @@ class BlockPool:
             out["blocks_written"] = p["blocks_written"]
             out["bytes_written"] = p["bytes_written"]
         return out
+
+
+TEXT_MATCH_WINDOW = 256  # tokens past a mismatch searched for the same text
+TEXT_MATCH_MAX_REALIGN = 4  # mismatches matched by text per lookup, at most
+TEXT_MATCH_CONTEXT = 8  # tokens decoded before the mismatch, so both sides decode in the same context
+
+
+def _align(stored: list[int], prompt: list[int], k: int,
+           decode: Callable[[list[int]], str]) -> Optional[tuple[int, int]]:
+    """Where `stored` and `prompt` (equal before `k`, different at `k`) decode to the same text
+    again: (i, j) with decode(stored[:k+i]) == decode(prompt[:k+j]), or None.
+
+    Preferred: the first such point where the tokens agree again (the walk then goes on); else the
+    furthest one into `stored` (the stored run is used up to there). Both texts are grown token by
+    token, the shorter first, and the search stops as soon as one is no longer a prefix of the
+    other, so a real difference costs a couple of decodes. Decoding starts a few tokens before `k`,
+    so both sides see the same left context (leading-space rules); a text ending in an incomplete
+    character (U+FFFD) never counts as equal.
+    """
+    c = max(0, k - TEXT_MATCH_CONTEXT)
+    max_i = min(TEXT_MATCH_WINDOW, len(stored) - k)
+    max_j = min(TEXT_MATCH_WINDOW, len(prompt) - k - 1)  # the prompt's last token is never matched
+    i = j = 1
+    if max_i < 1 or max_j < 1:
+        return None
+    ts, tp = decode(stored[c : k + i]), decode(prompt[c : k + j])
+    furthest = None
+    while True:
+        if ts == tp and not ts.endswith("\ufffd"):
+            if k + i < len(stored) and stored[k + i] == prompt[k + j]:
+                return i, j
+            furthest = (i, j)
+            if i == max_i or j == max_j:
+                return furthest
+            i, j = i + 1, j + 1
+            ts, tp = decode(stored[c : k + i]), decode(prompt[c : k + j])
+            continue
+        short, long_ = (ts, tp) if len(ts) <= len(tp) else (tp, ts)
+        if not long_.startswith(short.rstrip("\ufffd")):
+            return furthest  # the texts differ for good
+        if len(ts) <= len(tp) and i < max_i:
+            i += 1
+            ts = decode(stored[c : k + i])
+        elif len(tp) < len(ts) and j < max_j:
+            j += 1
+            tp = decode(prompt[c : k + j])
+        else:
+            return furthest

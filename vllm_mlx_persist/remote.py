@@ -474,6 +474,21 @@ class RemoteTier:
             except Exception:  # closing sockets of a dead Redis: nothing to do
                 pass
 
+    # ---- this server's view of an agent (O(1), no Redis) -------------------------------------------
+
+    def seen_version(self, namespace: str) -> int:
+        """The manifest version this server last published, adopted or saw erased; -1: none."""
+        with self._lock:
+            st = self._agents.get(namespace)
+            return -1 if st is None else st.seen
+
+    def adopt(self, namespace: str, version: int) -> None:
+        """This server now holds the agent's manifest `version` (fetched from Redis) as its own
+        history: its next put for the agent is a sequential successor of that version."""
+        with self._lock:
+            st = self._agent(namespace)
+            st.seen = max(st.seen, int(version))
+
     # ---- stats ---------------------------------------------------------------------------------------
 
     def stats(self) -> dict:

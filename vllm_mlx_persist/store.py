@@ -101,6 +101,11 @@ class Manifest:
     n_tokens: int
     updated_at: float
     pinned: bool = False  # exempt from hot-tier eviction, the disk budget and the TTL
+    # The agent's branches, least recently used first, when it has more than one plain chain:
+    # [{"block_ids": [...], "n_tokens": n, "links": [[block index, namespace], ...]}]. None: one
+    # branch, `block_ids` itself, seeded with the namespace. `block_ids` always lists every block
+    # the manifest names (what the disk budget, GC and erasure count).
+    branches: Optional[list] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,6 +658,9 @@ class DiskStore:
                 "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens), "updated_at": float(m.updated_at)}
         if m.pinned:  # optional field: manifests of unpinned agents read the same as before
             body["pinned"] = True
+        if m.branches is not None:  # optional too: agents that never branch or fork read as before
+            _check_branches(m.branches, set(m.block_ids))
+            body["branches"] = m.branches
         body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
         data = json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
         if len(data) > MAX_MANIFEST_BYTES:  # could never be read back
@@ -1047,4 +1055,25 @@ def _parse_manifest(raw: bytes) -> Manifest:
             or not isinstance(ts, (int, float)) or not isinstance(pinned, bool)
             or not all(isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b) for b in ids)):
         raise _BadFile("malformed manifest fields")
-    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned)
+    branches = body.get("branches")
+    if branches is not None:
+        try:
+            _check_branches(branches, set(ids))
+        except ValueError as e:
+            raise _BadFile(str(e)) from None
+    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned,
+                    branches=branches)
+
+
+def _check_branches(branches: Any, named: set) -> None:
+    """Raise ValueError unless `branches` is a well-formed list of branches over `named` blocks."""
+    if not isinstance(branches, list) or not branches:
+        raise ValueError("manifest branches must be a non-empty list")
+    for br in branches:
+        ids, n, links = (br.get("block_ids"), br.get("n_tokens"), br.get("links")) if isinstance(br, dict) else (None,) * 3
+        if (not isinstance(ids, list) or not all(isinstance(b, str) and b in named for b in ids)
+                or not isinstance(n, int) or n < 0 or not isinstance(links, list) or not links
+                or not all(isinstance(l, list) and len(l) == 2 and isinstance(l[0], int) and isinstance(l[1], str)
+                           for l in links)
+                or links[0][0] != 0 or [l[0] for l in links] != sorted({l[0] for l in links})):
+            raise ValueError("malformed manifest branch")

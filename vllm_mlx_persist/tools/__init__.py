@@ -1,1 +1,2 @@
-"""Operator tools (campaigns, checks). They may import the runtime; the runtime never imports them."""
+"""Tools: benchmarks, campaigns, scenarios, measurements. They may import the runtime package; the
+runtime the server imports never imports them."""

@@ -516,7 +516,7 @@ CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 
 
 
 def _machine() -> str:
-    from ..serving import cpu_name
+    from .serving import cpu_name
 
     return f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 

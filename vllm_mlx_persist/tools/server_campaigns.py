@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..faults import ENV as FAULT_ENV
-from ..serving import RssSampler, Server
+from .serving import RssSampler, Server
 
 OPTIONS = {"block_size": 32, "hot_mb": 64}
 MAX_TOKENS = 8

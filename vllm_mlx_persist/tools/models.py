@@ -101,7 +101,7 @@ SIZES: dict[str, Size] = {
                   vocab=4096, sliding_window=512),
 }
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32")
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -112,6 +112,7 @@ _ARCHITECTURES = {
     "qwen3_next": "Qwen3NextForCausalLM",  # gated-delta linear attention (ArraysCache) + attention
     "lfm2": "Lfm2ForCausalLM",  # short convolutions (ArraysCache) + attention
     "deepseek_v3": "DeepseekV3ForCausalLM",  # multi-head latent attention (MLA)
+    "deepseek_v32": "DeepseekV32ForCausalLM",  # MLA + a sparse-attention indexer: CacheList per layer
 }
 
 
@@ -174,12 +175,17 @@ def model_config(arch: str, size: str | Size) -> dict[str, Any]:
             block_multiple_of=64, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False,
             layer_types=["conv" if i % 2 == 0 else "full_attention" for i in range(s.layers)],
         )
-    elif arch == "deepseek_v3":
+    elif arch in ("deepseek_v3", "deepseek_v32"):
         config.update(
             moe_intermediate_size=s.intermediate // 2, n_shared_experts=1, n_routed_experts=4,
             num_experts_per_tok=2, first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=128,
             qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64, n_group=1, topk_group=1,
         )
+        if arch == "deepseek_v32":
+            # The indexer keeps its own key cache (the CacheList's second KVCache) and, past
+            # index_topk cached tokens, restricts each query to its top-k keys: small here so that
+            # test prompts reach the sparse path.
+            config.update(index_n_heads=4, index_head_dim=64, index_topk=32)
     return config
 
 

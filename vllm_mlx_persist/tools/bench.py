@@ -1,6 +1,6 @@
 """`vllm-mlx-persist bench`: persist_q4 against vllm-mlx's own caches, on real servers.
 
-Four sections, each selectable with --sections:
+Five sections, each selectable with --sections:
 
 - ttft: time to first token against context length, cold / hot / after a restart (SIGTERM, and
   SIGKILL), for persist_q4, vllm-mlx's default prefix cache and vllm-mlx's 4-bit + SSD tier.
@@ -9,6 +9,14 @@ Four sections, each selectable with --sections:
 - batch: 1..8 agents decoding at once from warm caches: system and per-agent tokens/s.
 - reload: in-process, time to load an agent's cache from disk (page cache dropped) against its size
   and against the sequential read bandwidth of the same disk.
+- families: per model family (sliding window, sinks, linear-attention / convolution hybrids, MLA),
+  one conversation per system: reuse ratio (tokens the cache served / prompt tokens) on turns 2-3
+  and after a SIGKILL restart, and TTFT cold / hot / after the restart.
+- fanout: a coordinator reads one document, then N workers fork from it (metadata.fork_from) and ask
+  their own questions at once: total prefill and time to all first tokens, persist_q4 against
+  vllm-mlx's default prefix cache.
+- fleet: two persist_q4 servers sharing a real redis-server (`remote_url`): TTFT of an agent's first
+  turn on the second server against cold and against a local-disk hit, and Redis bytes per token.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -47,7 +55,10 @@ LABELS = {
     "vllm_default": "vllm-mlx default prefix cache",
     "vllm_q4_ssd": "vllm-mlx 4-bit + SSD tier",
 }
-SECTIONS = ("ttft", "agents", "batch", "reload")
+SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet")
+FAMILIES = ("gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32")
+# turns of the families section: (state, turn index); the restart turn follows a SIGKILL
+FAMILY_TURNS = (("cold", 1), ("hot", 2), ("hot", 3), ("restart_sigkill", 4))
 STATES = ("cold", "hot", "restart_sigterm", "restart_sigkill")
 MB = 2**20
 
@@ -85,6 +96,22 @@ class Plan:
     reload_sizes: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192, 16384, 32768])
     reload_reps: int = 3
     bandwidth_mb: int = 1024
+    # families
+    family_archs: list[str] = field(default_factory=lambda: list(FAMILIES))
+    family_size: str = "small"
+    family_tokens: int = 2048
+    family_max_tokens: int = 8
+    family_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    # fanout
+    fanout_levels: list[int] = field(default_factory=lambda: [1, 4, 8])
+    fanout_tokens: int = 4096  # the coordinator's document, in template tokens
+    fanout_question_words: int = 20
+    fanout_max_tokens: int = 8
+    fanout_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    fanout_nofork: bool = False  # also persist_q4 without fork_from (each worker prefills the document)
+    # fleet
+    fleet_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
+    fleet_reps: int = 2
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -96,6 +123,8 @@ QUICK = Plan(
     agents=3, agent_tokens=2048, agent_rounds=2, agent_budget_mb=1,
     batch_levels=[1, 2, 4], batch_tokens=128, batch_max_tokens=16, batch_reps=1,
     reload_sizes=[256, 1024, 4096], reload_reps=1, bandwidth_mb=64,
+    family_archs=list(FAMILIES[:5]), family_size="tiny", family_tokens=256, family_max_tokens=4,
+    fanout_tokens=512, fleet_contexts=[256, 512], fleet_reps=1,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -387,7 +416,7 @@ def classify(log: str, agent: Optional[str]) -> tuple[str, int]:
 
 
 def send(session: Session, messages: list[dict], agent: Optional[str], max_tokens: int,
-         client: Any = None, classify_log: bool = True) -> dict:
+         client: Any = None, classify_log: bool = True, metadata: Optional[dict] = None) -> dict:
     """One streamed chat turn. TTFT = send to first non-empty content chunk."""
     srv = session.server
     pos = srv.log_path.stat().st_size if classify_log else 0
@@ -396,7 +425,7 @@ def send(session: Session, messages: list[dict], agent: Optional[str], max_token
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=srv.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_headers=headers)
+        stream_options={"include_usage": True}, extra_headers=headers, **({"metadata": metadata} if metadata else {}))
     first = last = None
     parts: list[str] = []
     usage = None
@@ -751,7 +780,7 @@ def measure_bandwidth(path: Path, size_mb: int, reps: int) -> dict:
 def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int) -> list:
     import mlx.core as mx
 
-    from .q4cache import Q4KVCache
+    from ..q4cache import Q4KVCache
 
     mx.random.seed(seed)
     caches = []
@@ -768,8 +797,8 @@ def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int)
 def section_reload(ctx: "Ctx") -> dict:
     import mlx.core as mx
 
-    from .pool import BlockPool
-    from .store import FORMAT_VERSION, DiskStore
+    from ..pool import BlockPool
+    from ..store import FORMAT_VERSION, DiskStore
 
     plan = ctx.plan
     cfg = json.loads((ctx.model / "config.json").read_text())
@@ -860,6 +889,332 @@ def section_reload(ctx: "Ctx") -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Section: model families (sliding window, sinks, recurrent hybrids, MLA)
+
+
+def section_families(ctx: "Ctx") -> dict:
+    """Per family and system, one server and one conversation of four turns: cold, two hot turns,
+    then SIGKILL and a restarted server. The assistant turns are the model's streamed replies, as a
+    client sends them back: a fixed text would hide vllm-mlx's hits, whose stored key includes the
+    first generated token."""
+    from .models import build_model_dir, model_config
+
+    plan = ctx.plan
+    result: dict = {"models": {}, "samples": [], "events": [], "page_cache_drops": [], "errors": {}}
+    for arch in plan.family_archs:
+        model = build_model_dir(ctx.work / f"model-{arch}-{plan.family_size}", arch=arch, size=plan.family_size)
+        cfg = model_config(arch, plan.family_size)
+        result["models"][arch] = {"size": plan.family_size, "layers": cfg["num_hidden_layers"],
+                                  "hidden": cfg["hidden_size"], "sliding_window": cfg.get("sliding_window"),
+                                  "params_m": round((model / "model.safetensors").stat().st_size / 4 / 1e6, 1)}
+        history = Prompts(model).history(seed_of("families", plan.family_tokens), plan.family_tokens)
+        for system in plan.family_systems:
+            say(f"families: {arch} on {system}")
+            home = ctx.work / f"families-{arch}-{system}"
+            s = Session(system, make_server(system, model, home, plan.ttft_cache_mb), result["events"], arch)
+            conv = Conversation(f"family-{arch}", [dict(m) for m in history], seed_of("families-u"), plan.user_words)
+            try:
+                s.start("fresh")
+                for state, turn in FAMILY_TURNS:
+                    if state == "restart_sigkill":
+                        s.stop(signal.SIGKILL, "kill")
+                        shutil.rmtree(home / ".cache" / "vllm-mlx" / "prefix_cache", ignore_errors=True)
+                        result["page_cache_drops"].append({"system": system, "arch": arch,
+                                                           **drop_page_cache(cache_paths(home))})
+                        s.start("after SIGKILL")
+                    r = send(s, conv.ask(), conv.agent, plan.family_max_tokens)
+                    conv.answer(r["text"])
+                    result["samples"].append(_turn_record(r, arch=arch, system=system, state=state, turn=turn))
+                    say(f"  {arch} {system} turn {turn} {state:<16} ttft {r['ttft_s']:7.3f}s  "
+                        f"{r['tier']} {r['reused_tokens']}/{r['prompt_tokens']}")
+            except Exception as e:
+                result["errors"][f"{arch}/{system}"] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+                say(f"families: {arch} on {system} FAILED: {e}")
+                traceback.print_exc()
+            finally:
+                s.stop(signal.SIGTERM, "end")
+    result["summary"] = summarize_families(result["samples"], plan)
+    return result
+
+
+def summarize_families(samples: list[dict], plan: Plan) -> dict:
+    """Per arch and system: each turn's reuse ratio (reused / prompt tokens, and what the previous
+    turn's prompt and reply cover) and the TTFT of cold / hot / restart."""
+    out: dict = {}
+    for arch in plan.family_archs:
+        per: dict = {}
+        for system in plan.family_systems:
+            xs = sorted((x for x in samples if x["arch"] == arch and x["system"] == system), key=lambda x: x["turn"])
+            if not xs:
+                continue
+            turns, prev = {}, None
+            for x in xs:
+                p, n = x["prompt_tokens"] or 0, x["reused_tokens"] or 0
+                turns[str(x["turn"])] = {"state": x["state"], "ttft_s": x["ttft_s"], "tier": x["tier"],
+                                         "prompt_tokens": p, "reused_tokens": n,
+                                         "reuse_ratio": round(n / p, 3) if p else None,
+                                         "reusable_ratio": round(min(prev, p) / p, 3) if p and prev else 0.0}
+                prev = p + (x.get("completion_tokens") or 0)
+            ttft = {st: median([x["ttft_s"] for x in xs if x["state"] == st]) for st in ("cold", "hot", "restart_sigkill")}
+            cold = ttft["cold"]
+            per[system] = {"turns": turns, "ttft_s": ttft,
+                           "ratios": {f"cold/{st}": round(cold / ttft[st], 2)
+                                      for st in ("hot", "restart_sigkill") if cold and ttft[st]}}
+        out[arch] = per
+    return out
+
+
+# Section: fan-out (one document, N forked workers)
+
+
+def _document(prompts: Prompts, seed: int, n_tokens: int) -> list[dict]:
+    """A coordinator's first message: one document of about `n_tokens` template tokens (nonce first)."""
+    rng = random.Random(seed)
+    words = Prompts.words(rng, n_tokens * 2).split(" ")
+    head, tail = f"Document {seed:016x}. Read it:\n\n", "\n\nSummarise it in one sentence."
+    msg = lambda k: [{"role": "user", "content": head + " ".join(words[:k]) + tail}]
+    lo, hi = 1, len(words)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if prompts.count(msg(mid)) <= n_tokens else (lo, mid - 1)
+    return msg(lo)
+
+
+_FETCH_TOKENS_RE = re.compile(r"\[cache_fetch\] request=\S+ \w+ prompt_tokens=(\d+)(?: cached=(\d+))?")
+
+
+def section_fanout(ctx: "Ctx") -> dict:
+    """Per level N, on a fresh document: the coordinator reads it (one turn), then N workers, each with
+    the coordinator's history plus a question of its own and `metadata.fork_from` = the coordinator,
+    are sent at once. Prefill = prompt - cached tokens summed over the workers, from the server's
+    `[cache_fetch]` lines (vllm-mlx's own prefix cache reports its hits there but 0 in `usage`); time
+    to all first tokens = first send to the last worker's first streamed token."""
+    import openai
+
+    plan = ctx.plan
+    docs = {n: _document(ctx.prompts, seed_of("fanout", n), plan.fanout_tokens) for n in plan.fanout_levels}
+    result: dict = {"events": [], "systems": {}, "errors": {}}
+    runs = [(x, True) for x in plan.fanout_systems]
+    if plan.fanout_nofork and "persist_q4" in plan.fanout_systems:
+        runs.insert(1, ("persist_q4", False))
+    for server_kind, fork in runs:
+        system = server_kind if fork or server_kind != "persist_q4" else "persist_q4_nofork"
+        say(f"fanout: {system}")
+        s = Session(system, make_server(server_kind, ctx.model, ctx.work / f"fanout-{system}", plan.ttft_cache_mb),
+                    result["events"], "fanout")
+        levels: dict[str, dict] = {}
+        try:
+            s.start("fresh")
+            clients = [openai.OpenAI(base_url=s.server.url + "/v1", api_key="bench", max_retries=0, timeout=7200)
+                       for _ in range(max(plan.fanout_levels))]
+            for n in plan.fanout_levels:
+                coord = f"fanout-{n}-coord"
+                msgs = [dict(m) for m in docs[n]]
+                c = send(s, msgs, coord, plan.fanout_max_tokens, classify_log=False)
+                history = msgs + [{"role": "assistant", "content": c["text"]}]
+                barrier = threading.Barrier(n)
+                res: list[Optional[dict]] = [None] * n
+                errs: list[BaseException] = []
+
+                def worker(i: int) -> None:
+                    try:
+                        rng = random.Random(seed_of("fanout-q", n, i))
+                        q = {"role": "user", "content": f"Worker {i}: " + Prompts.words(rng, plan.fanout_question_words)}
+                        barrier.wait()
+                        res[i] = send(s, history + [q], f"fanout-{n}-w{i}", plan.fanout_max_tokens, client=clients[i],
+                                      classify_log=False, metadata={"fork_from": coord} if fork else None)
+                    except BaseException as e:  # noqa: BLE001 - surfaced below
+                        errs.append(e)
+
+                pos = s.server.log_path.stat().st_size
+                threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+                [t.start() for t in threads]
+                [t.join() for t in threads]
+                if errs:
+                    raise errs[0]
+                time.sleep(0.05)
+                with open(s.server.log_path, errors="replace") as f:
+                    f.seek(pos)
+                    fetched = [(int(p), int(k or 0)) for p, k in _FETCH_TOKENS_RE.findall(f.read())]
+                if len(fetched) != n:
+                    raise RuntimeError(f"{len(fetched)} [cache_fetch] lines for {n} workers")
+                t0 = min(r["t_send"] for r in res)
+                prompt = sorted(p for p, _ in fetched)
+                cached = sorted(k for _, k in fetched)
+                levels[str(n)] = {
+                    "workers": n,
+                    "coordinator": {"prompt_tokens": c["prompt_tokens"], "ttft_s": c["ttft_s"]},
+                    "prompt_tokens": prompt, "cached_tokens": cached, "ttft_s": [r["ttft_s"] for r in res],
+                    "usage_cached_tokens": [r["usage_cached_tokens"] for r in res],
+                    "prefill_tokens": sum(p - k for p, k in zip(prompt, cached)),
+                    "all_first_s": round(max((r["t_first"] or r["t_end"]) for r in res) - t0, 4),
+                    "all_done_s": round(max(r["t_end"] for r in res) - t0, 4),
+                }
+                say(f"  {system} x{n}: coordinator {c['prompt_tokens']} tok in {c['ttft_s']:.2f}s; workers prefill "
+                    f"{levels[str(n)]['prefill_tokens']} of {sum(prompt)} tok, all first tokens in "
+                    f"{levels[str(n)]['all_first_s']:.2f}s (cached {cached})")
+        except Exception as e:
+            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
+            say(f"fanout: {system} FAILED: {e}")
+            traceback.print_exc()
+        finally:
+            s.stop(signal.SIGTERM, "end")
+        result["systems"][system] = {"levels": levels}
+    ours = result["systems"].get("persist_q4", {}).get("levels", {})
+    result["ratios"] = {}  # other system / persist_q4 with fork, per level
+    for other, key in (("vllm_default", ""), ("persist_q4_nofork", "nofork_")):
+        base = result["systems"].get(other, {}).get("levels", {})
+        for n in ours:
+            if n in base and ours[n]["all_first_s"] > 0:
+                result["ratios"].setdefault(n, {}).update({
+                    f"{key}prefill_x": round(base[n]["prefill_tokens"] / max(1, ours[n]["prefill_tokens"]), 2),
+                    f"{key}all_first_x": round(base[n]["all_first_s"] / ours[n]["all_first_s"], 2)})
+    return result
+
+
+# Section: the fleet tier (two servers, one Redis)
+
+
+def _start_redis(work: Path) -> tuple[subprocess.Popen, str, Any]:
+    """A redis-server on a free local port, no persistence, LRU over keys with a TTL (docs/fleet.md)."""
+    import redis
+    from .serving import free_port
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
+    port = free_port()
+    work.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(work), "--maxmemory", "4gb", "--maxmemory-policy", "volatile-lru"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = redis.Redis(port=port, socket_timeout=10)
+    for _ in range(200):
+        try:
+            client.ping()
+            return proc, f"redis://127.0.0.1:{port}/0", client
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("redis-server did not start")
+
+
+def section_fleet(ctx: "Ctx") -> dict:
+    """Each conversation: a history's first turn on server A (cold), its next turn on server B, which
+    has never seen the agent (fleet: fetched from Redis); then B restarts with its page cache dropped
+    and serves one more turn from its own disk (disk). Redis memory and traffic per token stored."""
+    plan = ctx.plan
+    result: dict = {"samples": [], "events": [], "errors": {}, "redis": {}}
+    proc, url, rc = _start_redis(ctx.work / "fleet-redis")
+    opts = {"hot_mb": plan.ttft_cache_mb, "remote_url": url}
+    sessions = {name: Session("persist_q4", Server(ctx.model, ctx.work / f"fleet-{name}", backend="persist_q4",
+                                                   options=opts, extra_args=COMMON_ARGS), result["events"], f"fleet-{name}")
+                for name in ("A", "B")}
+    a, b = sessions["A"], sessions["B"]
+    convs = [Conversation(f"fleet-{L}-{rep}", [dict(m) for m in ctx.prompts.history(seed_of("fleet", L, rep), L)],
+                          seed_of("fleet-u", L, rep), plan.user_words, context=L, rep=rep)
+             for L in plan.fleet_contexts for rep in range(plan.fleet_reps)]
+
+    def turn(s: Session, conv: Conversation, state: str) -> dict:
+        r = send(s, conv.ask(), conv.agent, plan.ttft_max_tokens)
+        conv.answer(r["text"])
+        rec = _turn_record(r, context=conv.meta["context"], rep=conv.meta["rep"], state=state, server=s.phase)
+        result["samples"].append(rec)
+        say(f"  fleet {conv.meta['context']:>6} rep {conv.meta['rep']} {state:<6} on {s.phase}: ttft "
+            f"{r['ttft_s']:8.3f}s  prompt {r['prompt_tokens']}  cached {r['usage_cached_tokens']}")
+        return rec
+
+    def remote(s: Session) -> dict:
+        return s.server.get_json("/v1/status")["cache"]["remote"]
+
+    def published(s: Session, n: int) -> None:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            r = remote(s)
+            if r["queue_depth"] == 0 and r["puts_published"] + r["puts_same"] + r["puts_kept_other"] >= n:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("uploads to Redis did not finish")
+
+    try:
+        mem0 = rc.info("memory")["used_memory"]
+        a.start("fresh")
+        b.start("fresh")
+        for conv in convs:
+            turn(a, conv, "cold")
+        published(a, len(convs))
+        up = remote(a)
+        mem1 = rc.info("memory")["used_memory"]
+        tokens = sum(x["prompt_tokens"] + (x["completion_tokens"] or 0) - 1 for x in result["samples"])
+        result["redis"] = {"tokens_stored": tokens, "used_memory_bytes": mem1 - mem0, "bytes_up": up["bytes_up"],
+                           "blocks_uploaded": up["blocks_uploaded"],
+                           "used_memory_per_token": round((mem1 - mem0) / max(1, tokens), 1),
+                           "bytes_up_per_token": round(up["bytes_up"] / max(1, tokens), 1)}
+        for conv in convs:
+            turn(b, conv, "fleet")
+        down = remote(b)
+        result["redis"].update(bytes_down=down["bytes_down"], blocks_fetched=down["blocks_fetched"],
+                               agents_fetched=down["agents_fetched"], lookup_wait_s_max=down["lookup_wait_s_max"])
+        b.stop(signal.SIGTERM, "restart")
+        result["page_cache_drop"] = drop_page_cache(cache_paths(b.server.home))
+        b.start("after SIGTERM")
+        for conv in convs:
+            turn(b, conv, "disk")
+    except Exception as e:
+        result["errors"]["fleet"] = f"{type(e).__name__}: {e}\n{b.server.log_tail(30)}"
+        say(f"fleet FAILED: {e}")
+        traceback.print_exc()
+    finally:
+        a.stop(signal.SIGTERM, "end")
+        b.stop(signal.SIGTERM, "end")
+        proc.kill()
+        proc.wait()
+    summary: dict = {}
+    for L in plan.fleet_contexts:
+        row: dict = {}
+        for state in ("cold", "fleet", "disk"):
+            xs = [x for x in result["samples"] if x["context"] == L and x["state"] == state]
+            if xs:
+                row[state] = {"median_s": round(median([x["ttft_s"] for x in xs]), 4), "n": len(xs),
+                              "prompt_tokens": median([x["prompt_tokens"] for x in xs]),
+                              "cached_tokens": median([x["usage_cached_tokens"] or 0 for x in xs])}
+        cold = row.get("cold", {}).get("median_s")
+        row["ratios"] = {f"cold/{st}": round(cold / row[st]["median_s"], 2)
+                         for st in ("fleet", "disk") if cold and st in row and row[st]["median_s"] > 0}
+        summary[str(L)] = row
+    result["summary"] = summary
+    return result
+
+
+def _md_fleet(f: dict, plan: dict) -> list[str]:
+    r = f.get("redis", {})
+    L = ["## Fleet tier: an agent's first turn on a second server", "",
+         "Two persist_q4 servers (own cache roots) share one local `redis-server` (`remote_url`, no persistence, "
+         "`volatile-lru`). Cold: an agent's first turn, on server A. Fleet: its next turn (a short new user turn) on "
+         "server B, which has never seen it: B reads the agent's manifest from Redis, fetches and verifies its blocks, "
+         "saves them to its disk, then serves the turn from them. Disk: one more turn on B after B was restarted "
+         "(SIGTERM) with its page cache dropped: a local-disk hit (B still reads the manifest from Redis first). "
+         f"Conversations per context: {plan['fleet_reps']}; medians; cached = usage.prompt_tokens_details.cached_tokens.",
+         "", "| context | cold s (prompt tok) | fleet s (cached tok) | disk s (cached tok) | cold/fleet | cold/disk |",
+         "|---|---|---|---|---|---|"]
+    for c, row in f.get("summary", {}).items():
+        def cell(st: str, key: str) -> str:
+            v = row.get(st)
+            return f"{v['median_s']:.3f} ({v[key]:.0f})" if v else "–"
+        L.append(f"| {c} | {cell('cold', 'prompt_tokens')} | {cell('fleet', 'cached_tokens')} | "
+                 f"{cell('disk', 'cached_tokens')} | {row['ratios'].get('cold/fleet', '–')} | "
+                 f"{row['ratios'].get('cold/disk', '–')} |")
+    if r:
+        L += ["", f"Redis: {r.get('tokens_stored')} tokens stored by A's first turns took "
+              f"{r.get('used_memory_per_token')} bytes of Redis `used_memory` per token "
+              f"({r.get('bytes_up_per_token')} bytes uploaded per token, {r.get('blocks_uploaded')} blocks); B "
+              f"downloaded {r.get('bytes_down')} bytes in {r.get('blocks_fetched')} blocks for "
+              f"{r.get('agents_fetched')} agents; longest wait of a lookup for Redis "
+              f"{r.get('lookup_wait_s_max')} s."]
+    return L + [""]
+
+
+# ---------------------------------------------------------------------------------------------
 # Report
 
 
@@ -867,8 +1222,8 @@ def section_reload(ctx: "Ctx") -> dict:
 class Ctx:
     plan: Plan
     work: Path
-    model: Path
-    prompts: Prompts
+    model: Optional[Path]  # the llama model of the ttft/agents/batch/reload sections (None if none runs)
+    prompts: Optional[Prompts]
 
 
 def headline(results: dict) -> dict:
@@ -893,11 +1248,25 @@ def headline(results: dict) -> dict:
         if lv:
             h["batch_at"] = int(lv)
             h["batch"] = {s: v["summary"].get(lv) for s, v in batch["systems"].items()}
+    fleet = results.get("fleet")
+    if fleet and fleet.get("summary"):
+        h["fleet"] = {"ttft": fleet["summary"], "redis": fleet.get("redis")}
     rel = results.get("reload")
     if rel:
         big = rel["summary"][-1]
         h["reload"] = {"largest": big, "bandwidth_mb_s": rel["bandwidth"]["buffered_after_drop_mb_s"],
                        "o_direct_mb_s": rel["bandwidth"]["o_direct_mb_s"]}
+    fam = results.get("families")
+    if fam and fam.get("summary"):
+        h["families"] = {a: {s: {"reuse_turn2": v["turns"].get("2", {}).get("reuse_ratio"),
+                                 "reuse_turn3": v["turns"].get("3", {}).get("reuse_ratio"),
+                                 "reuse_restart": v["turns"].get("4", {}).get("reuse_ratio"), **v["ttft_s"]}
+                             for s, v in per.items()} for a, per in fam["summary"].items()}
+    fan = results.get("fanout")
+    if fan and fan.get("ratios"):
+        at = max(fan["ratios"], key=int)
+        h["fanout_at"] = int(at)
+        h["fanout"] = fan["ratios"][at]
     return h
 
 
@@ -911,10 +1280,13 @@ def render_markdown(res: dict) -> str:
     runs = res.get("runs") or [{"command": res["command"], "started_at": res["started_at"],
                                 "duration_s": res["duration_s"], "sections": list(res["sections"])}]
     for r in runs:
+        at = (f"; git {r['git_commit']}, load average {r.get('load_average_at_start')} at start, "
+              f"{r.get('load_average_at_end')} at end" if r.get("git_commit") else "")
         L.append(f"Command: `{r['command']}` (started {r['started_at']}, {r['duration_s'] / 60:.1f} min; "
-                 f"sections: {', '.join(r['sections'])})  ")
+                 f"sections: {', '.join(r['sections'])}{at})  ")
     if len(runs) > 1:
-        L.append("(A later command's sections replace the same sections of an earlier one.)  ")
+        L.append("(A later command's sections replace the same sections of an earlier one; the machine table "
+                 "below is the last command's.)  ")
     L += ["", f"Model: {res['model']['description']}.", "",
           "| machine | |", "|---|---|",
           f"| CPU | {m['cpu']}, {m['cores']} cores |", f"| RAM | {m['ram_gib']} GiB |", f"| OS | {m['os']} |",
@@ -935,6 +1307,12 @@ def render_markdown(res: dict) -> str:
         L += _md_batch(res["sections"]["batch"], plan)
     if "reload" in res["sections"]:
         L += _md_reload(res["sections"]["reload"], plan)
+    if "families" in res["sections"]:
+        L += _md_families(res["sections"]["families"], plan)
+    if "fanout" in res["sections"]:
+        L += _md_fanout(res["sections"]["fanout"], plan)
+    if "fleet" in res["sections"]:
+        L += _md_fleet(res["sections"]["fleet"], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
             for s, e in v.get("errors", {}).items()}
     if errs:
@@ -1054,6 +1432,69 @@ def _md_reload(r: dict, plan: dict) -> list[str]:
     return L
 
 
+def _md_families(fm: dict, plan: dict) -> list[str]:
+    models = fm.get("models", {})
+    desc = "; ".join(f"{a} {m['params_m']}M ({m['layers']} layers, hidden {m['hidden']}"
+                     + (f", window {m['sliding_window']}" if m.get("sliding_window") and a in ("gemma3_text", "gpt_oss")
+                        else "") + ")" for a, m in models.items())
+    L = ["## Model families", "",
+         f"Per family a `{plan.get('family_size')}` random-weight float32 model (models.py; {desc}). Per system one "
+         f"server and one conversation: a history of about {plan.get('family_tokens')} tokens plus a short user turn "
+         f"(cold, turn 1), two more short turns (hot, turns 2 and 3), then SIGKILL, page cache dropped, vllm-mlx's "
+         f"snapshot removed, server started again, turn 4. `max_tokens={plan.get('family_max_tokens')}`. The "
+         "assistant turns are the model's own streamed replies, sent back as a client does (each system's own, so "
+         "prompts differ slightly between systems). Reuse = tokens the server's own log says came from its cache / "
+         "prompt tokens; reusable = the previous turn's prompt + reply tokens / prompt tokens (turn 3). Single samples "
+         "(one conversation per family and system).", "",
+         "| family | system | reuse turn 2 | reuse turn 3 | reuse after SIGKILL | reusable | cold s | hot s (median of 2) "
+         "| after SIGKILL s | cold/hot | cold/KILL |",
+         "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def pct(t: dict) -> str:
+        return "–" if not t or t.get("reuse_ratio") is None else f"{t['reuse_ratio']:.0%} ({t['reused_tokens']}/{t['prompt_tokens']})"
+
+    for arch, per in fm.get("summary", {}).items():
+        for s, v in per.items():
+            t, tt, r = v["turns"], v["ttft_s"], v["ratios"]
+            L.append(f"| {arch} | {s} | {pct(t.get('2'))} | {pct(t.get('3'))} | {pct(t.get('4'))} | "
+                     f"{_f(t.get('3', {}).get('reusable_ratio'), 2)} | {_f(tt['cold'])} | {_f(tt['hot'])} | "
+                     f"{_f(tt['restart_sigkill'])} | {r.get('cold/hot', '–')} | {r.get('cold/restart_sigkill', '–')} |")
+    L += ["", "![Model families](families.png)", ""]
+    return L
+
+
+def _md_fanout(f: dict, plan: dict) -> list[str]:
+    L = ["## Fan-out: one document, N forked workers", "",
+         f"Per level N, a fresh document of about {plan['fanout_tokens']} tokens: a coordinator agent reads it "
+         f"(one turn, `max_tokens={plan['fanout_max_tokens']}`), then N workers are sent at once, each with the "
+         f"coordinator's history (its message and reply) plus a question of its own ({plan['fanout_question_words']} "
+         "words), under its own agent id, with `metadata.fork_from` naming the coordinator (vllm-mlx's default "
+         "cache ignores it and shares whatever its prefix cache finds; persist_q4_nofork: persist_q4 without "
+         "`fork_from`, so each worker is an isolated agent). Prefill = prompt - cached tokens, summed over the "
+         "workers, from the server's `[cache_fetch]` lines (vllm-mlx's own prefix cache reports its hits there "
+         "but 0 in `usage.prompt_tokens_details`). All first = first send to the last worker's first streamed "
+         "token. Ratios: vllm_default / persist_q4 and persist_q4_nofork / persist_q4.", "",
+         "| workers | " + " | ".join(f"{s} prefill tok | {s} all first s | {s} cached per worker"
+                                     for s in f["systems"]) + " | prefill x vllm | all first x vllm | "
+         "prefill x nofork | all first x nofork |",
+         "|---|" + "---|---|---|" * len(f["systems"]) + "---|---|---|---|"]
+    for n in plan["fanout_levels"]:
+        cells = []
+        for v in f["systems"].values():
+            x = v["levels"].get(str(n))
+            cells += ([str(x["prefill_tokens"]), _f(x["all_first_s"], 2),
+                       f"{min(x['cached_tokens'])}-{max(x['cached_tokens'])} of {max(x['prompt_tokens'])}"]
+                      if x else ["–"] * 3)
+        r = f.get("ratios", {}).get(str(n), {})
+        L.append(f"| {n} | " + " | ".join(cells) + " | " + " | ".join(
+            str(r.get(k, "–")) for k in ("prefill_x", "all_first_x", "nofork_prefill_x", "nofork_all_first_x")) + " |")
+    L += ["", "Coordinator's read (cold in every system): " + "; ".join(
+        f"{s}: " + ", ".join(f"N={n} {x['coordinator']['prompt_tokens']} tok {x['coordinator']['ttft_s']:.2f} s"
+                             for n, x in v["levels"].items()) for s, v in f["systems"].items()) + ".", "",
+          "![Fan-out](fanout.png)", ""]
+    return L
+
+
 def print_summary(res: dict) -> None:
     h = res["headline"]
     total = sum(r["duration_s"] for r in res.get("runs") or [res])
@@ -1078,6 +1519,17 @@ def print_summary(res: dict) -> None:
         b = h["reload"]["largest"]
         print(f"Reload of {b['tokens']} tokens ({b['file_mb']} MB): {b['reload_ms']} ms = {b['reload_mb_s']} MB/s; "
               f"disk {h['reload']['bandwidth_mb_s']} MB/s buffered, {h['reload']['o_direct_mb_s']} MB/s O_DIRECT")
+    if "families" in h:
+        print("Model families (reuse turn 2 / 3 / after SIGKILL; TTFT cold / hot / after SIGKILL s):")
+        for a, per in h["families"].items():
+            for s, v in per.items():
+                reuse = " / ".join(_f(v[k], 2) for k in ("reuse_turn2", "reuse_turn3", "reuse_restart"))
+                print(f"  {a:<13} {s:<13} reuse {reuse}  ttft {_f(v['cold'])} / {_f(v['hot'])} / "
+                      f"{_f(v['restart_sigkill'])}")
+    if "fanout" in h:
+        print(f"Fan-out at {h['fanout_at']} workers, other / persist_q4 with fork: " + "; ".join(
+            f"{name}: prefill x{h['fanout'][k + 'prefill_x']}, time to all first tokens x{h['fanout'][k + 'all_first_x']}"
+            for name, k in (("vllm_default", ""), ("persist_q4 without fork", "nofork_")) if k + "prefill_x" in h["fanout"]))
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
     for r in res.get("runs") or [res]:
         print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
@@ -1107,6 +1559,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agent-tokens", type=int, default=None, help="history tokens per agent in the agents section")
     p.add_argument("--batch-levels", default=None, help="concurrency levels, e.g. 1,2,4,8")
     p.add_argument("--reload-sizes", default=None, help="agent sizes in tokens for the reload section")
+    p.add_argument("--families", default=None, help=f"comma-separated subset of {','.join(FAMILIES)}")
+    p.add_argument("--family-size", default=None, help="models.SIZES preset of the families section (default "
+                                                        "small; --quick: tiny)")
+    p.add_argument("--family-tokens", type=int, default=None, help="history tokens of the families section")
+    p.add_argument("--fanout-nofork", action="store_true",
+                   help="fanout: also run persist_q4 without fork_from (every worker prefills the document itself)")
+    p.add_argument("--fleet-contexts", default=None, help="history lengths of the fleet section, e.g. 1024,4096")
     p.add_argument("--merge", action="store_true",
                    help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
@@ -1131,14 +1590,27 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.agent_tokens = args.agent_tokens
     if args.batch_levels:
         plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
+    if args.fleet_contexts:
+        plan.fleet_contexts = [int(x) for x in args.fleet_contexts.split(",")]
     if args.reload_sizes:
         plan.reload_sizes = [int(x) for x in args.reload_sizes.split(",")]
+    if args.families:
+        plan.family_archs = [a.strip() for a in args.families.split(",") if a.strip()]
+        bad = set(plan.family_archs) - set(FAMILIES)
+        if bad:
+            raise SystemExit(f"unknown families {sorted(bad)}; choose from {', '.join(FAMILIES)}")
+    if args.family_size:
+        plan.family_size = args.family_size
+    if args.family_tokens is not None:
+        plan.family_tokens = args.family_tokens
+    plan.fanout_nofork = args.fanout_nofork
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         bad = set(systems) - set(SYSTEMS)
         if bad:
             raise SystemExit(f"unknown systems {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
-        plan.ttft_systems = plan.agent_systems = plan.batch_systems = systems
+        plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.family_systems = systems
+        plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.fanout_systems = systems
     return plan
 
 
@@ -1165,12 +1637,17 @@ def main(argv: list[str]) -> int:
 
     from .models import SIZES, build_model_dir
 
-    model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
     sz = SIZES[plan.model_size]
-    ctx = Ctx(plan, work, model, Prompts(model))
+    if set(sections) - {"families"}:
+        model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
+        ctx = Ctx(plan, work, model, Prompts(model))
+    else:  # the families section builds its own models
+        ctx = Ctx(plan, work, None, None)
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
-                                                 "batch": section_batch, "reload": section_reload}
+                                                 "batch": section_batch, "reload": section_reload,
+                                                 "families": section_families, "fanout": section_fanout,
+                                                 "fleet": section_fleet}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():
@@ -1190,14 +1667,21 @@ def main(argv: list[str]) -> int:
             say(f"section {sec} done in {results[sec]['seconds']} s")
     finally:
         finished = time.time()
-        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems") for s in getattr(plan, k)},
+        used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems",
+                                   "fanout_systems") for s in getattr(plan, k)},
                       key=SYSTEMS.index)
+        machine = machine_info(work)
         run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
-               "duration_s": round(finished - started, 1), "sections": list(results)}
+               "duration_s": round(finished - started, 1), "sections": list(results),
+               "git_commit": machine["git_commit"], "load_average_at_start": machine["load_average_at_start"]}
         runs = previous.get("runs", [])
         if previous and not runs:
             runs = [{k: previous.get(k) for k in ("command", "started_at", "duration_s")} | {
                 "sections": list(previous.get("sections", {}))}]
+        if runs and "git_commit" not in runs[-1]:  # the machine block of `previous` describes its last run
+            pm = previous.get("machine", {})
+            runs[-1] = {**runs[-1], "git_commit": pm.get("git_commit"), "load_average_at_start":
+                        pm.get("load_average_at_start"), "load_average_at_end": pm.get("load_average_at_end")}
         results = {**{k: v for k, v in previous.get("sections", {}).items() if k not in results}, **results}
         results = {k: results[k] for k in SECTIONS if k in results}
         res = {
@@ -1207,13 +1691,13 @@ def main(argv: list[str]) -> int:
             "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(finished)),
             "duration_s": round(finished - started, 1),
-            "machine": machine_info(work),
+            "machine": machine,
             "model": {"arch": "llama", "size": plan.model_size, **dataclasses.asdict(sz),
                       "dtype": "float32", "weights": "random (seeded), locally built",
                       "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
                                      f"{sz.heads} query / {sz.kv_heads} KV heads, head_dim {sz.head_dim}, vocab "
                                      f"{sz.vocab}), float32, random weights built locally by "
-                                     "vllm_mlx_persist.models.build_model_dir"},
+                                     "vllm_mlx_persist.tools.models.build_model_dir"},
             "plan": json.loads(json.dumps(dataclasses.asdict(plan))),
             "systems": {s: server_flags(s, plan.ttft_cache_mb) for s in used},
             "sections": results,
@@ -1230,7 +1714,7 @@ def main(argv: list[str]) -> int:
                 say(f"plots skipped: {type(e).__name__}: {e}")
                 res["plots"] = []
             (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-        res["machine"]["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+        res["machine"]["load_average_at_end"] = run["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
         md = render_markdown(res)
         (out / "bench.md").write_text(md)
         (out / "bench.json").write_text(json.dumps(res, indent=1, default=str) + "\n")

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green"}
+COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green",
+          "persist_q4_nofork": "tab:purple"}
 STATE_STYLE = {
     "cold": ("black", "-", "o", "cold"),
     "hot": ("tab:green", "-", "s", "hot (in memory)"),
@@ -35,7 +36,8 @@ def write_plots(res: dict, out: Path) -> list[str]:
     plt = _pyplot()
     secs = res["sections"]
     written = []
-    for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload)):
+    for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
+                     ("families", plot_families), ("fanout", plot_fanout)):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
@@ -175,4 +177,62 @@ def plot_reload(plt: Any, r: dict, res: dict):
     ax.legend(fontsize=8)
     toks = [x["tokens"] for x in rows]
     ax.set_title(f"Reload against the physical limit ({toks[0]}..{toks[-1]} tokens)", fontsize=10)
+    return fig
+
+
+def plot_families(plt: Any, f: dict, res: dict):
+    summary = f.get("summary") or {}
+    archs = [a for a in summary if summary[a]]
+    if not archs:
+        return None
+    systems = list(dict.fromkeys(s for a in archs for s in summary[a]))
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4.6))
+    width = 0.8 / len(systems)
+    turn_style = (("2", 1.0, "turn 2"), ("3", 0.7, "turn 3"), ("4", 0.4, "after SIGKILL"))
+    for j, s in enumerate(systems):
+        for k, (turn, alpha, label) in enumerate(turn_style):
+            xs = [i + (j - (len(systems) - 1) / 2) * width + (k - 1) * width / 3 for i in range(len(archs))]
+            ys = [(summary[a].get(s, {}).get("turns", {}).get(turn) or {}).get("reuse_ratio") or 0 for a in archs]
+            ax.bar(xs, ys, width / 3, color=COLORS.get(s), alpha=alpha, label=f"{s}, {label}")
+            for x, y in zip(xs, ys):
+                if not y:  # a bar of height 0 is invisible: say it
+                    ax.text(x, 0.01, "0", ha="center", va="bottom", fontsize=7, color=COLORS.get(s))
+        for k, (state, marker) in enumerate((("cold", "o"), ("hot", "s"), ("restart_sigkill", "v"))):
+            xs = [i + (j - (len(systems) - 1) / 2) * width for i in range(len(archs))]
+            ys = [summary[a].get(s, {}).get("ttft_s", {}).get(state) for a in archs]
+            pts = [(x, y) for x, y in zip(xs, ys) if y]
+            if pts:
+                ax2.scatter(*zip(*pts), marker=marker, color=COLORS.get(s), s=40,
+                            label=f"{s}, {STATE_STYLE[state][3]}")
+    for a, ylabel in ((ax, "cached tokens / prompt tokens"), (ax2, "time to first token (s, log)")):
+        a.set_xticks(range(len(archs)))
+        a.set_xticklabels(archs, fontsize=8, rotation=15)
+        a.set_ylabel(ylabel)
+        a.grid(True, axis="y", alpha=0.3)
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Reuse of the previous turns")
+    ax.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    ax2.set_yscale("log")
+    ax2.set_title("TTFT cold / hot / after SIGKILL restart")
+    ax2.legend(fontsize=7, ncol=2, loc="upper center", bbox_to_anchor=(0.5, -0.1))
+    size = res["plan"].get("family_size")
+    fig.suptitle(f"Model families, {size} random-weight float32 models, about {res['plan'].get('family_tokens')} "
+                 f"tokens of history. {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
+def plot_fanout(plt: Any, f: dict, res: dict):
+    systems = {s: v["levels"] for s, v in f.get("systems", {}).items() if v.get("levels")}
+    if not systems:
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4.3))
+    for s, lv in systems.items():
+        ns = sorted(int(k) for k in lv)
+        ax.plot(ns, [lv[str(n)]["prefill_tokens"] for n in ns], marker="o", color=COLORS.get(s), label=s)
+        ax2.plot(ns, [lv[str(n)]["all_first_s"] for n in ns], marker="o", color=COLORS.get(s), label=s)
+    for a, t in ((ax, "tokens prefilled by the workers (sum)"), (ax2, "time to all first tokens (s)")):
+        a.set_xticks(res["plan"]["fanout_levels"])
+        a.set_xlabel("workers forked from the coordinator, sent at once")
+        a.set_ylabel(t)
+        a.set_ylim(bottom=0)
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    fig.suptitle(f"Fan-out over a {res['plan']['fanout_tokens']}-token document. {_title(res)}", fontsize=10)
     return fig

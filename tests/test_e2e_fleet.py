@@ -1,0 +1,244 @@
+"""End to end, the fleet tier: two real `vllm-mlx serve --cache-backend persist_q4` servers with their
+own cache roots and one real redis-server. An agent moves between servers with zero re-prefill and
+the same answers as on one server; concurrent turns on both servers lose nothing; Redis killed and
+restarted fails no request; an erasure on one server is seen by the other; a damaged value in Redis
+is never served.
+
+Tolerance: greedy decoding; a cache fetched from Redis holds the same bits as the one the other
+server computed, so outputs must be identical to a one-server conversation (which itself matches
+cold prefill on these models, see test_e2e_server.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from test_e2e_lifecycle import call
+from test_e2e_server import Chat, user_text
+from vllm_mlx_persist.store import decode_block
+from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.serving import Server
+
+redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
+from test_remote import RedisServer  # noqa: E402
+
+BLOCK = 32
+KEY = "test"
+
+
+def options(root, url: str) -> dict:
+    # Matching by text off: these tests compare a served turn with another server's (or a cold) turn
+    # on the same re-rendered messages, i.e. the same prompt tokens (see tests/test_e2e_server.py).
+    return {"block_size": BLOCK, "hot_mb": 64, "cache_dir": str(root), "remote_url": url,
+            "remote_wait_s": 10.0,  # generous: a bound checked elsewhere, not a timing
+            "match_text": False}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    """(redis, server A, server B): started once for the module."""
+    tmp = tmp_path_factory.mktemp("fleet")
+    model = build_model_dir(tmp / "model", arch="llama", size="tiny", seed=0)
+    rds = RedisServer(tmp)
+    a = Server(model, tmp / "a", options=options(tmp / "a-cache", rds.url), extra_args=("--api-key", KEY))
+    b = Server(model, tmp / "b", options=options(tmp / "b-cache", rds.url), extra_args=("--api-key", KEY))
+    try:
+        a.start()
+        b.start()
+        yield rds, a, b
+    finally:
+        a.stop()
+        b.stop()
+        rds.stop()
+
+
+class Conversation:
+    """One agent's conversation with a text of its own `label`, each turn sent to a chosen server."""
+
+    def __init__(self, agent: str, label: str):
+        self.chat = Chat(agent)
+        self.label = label
+        self.outputs: list[str] = []
+        self.cached: list[int] = []
+        self.prompts: list[int] = []
+
+    def turn(self, server: Server) -> str:
+        msgs = self.chat.messages + [{"role": "user", "content": user_text(self.label, len(self.outputs))}]
+        text, cached, prompt = self.chat.send(server, msgs)
+        self.chat.messages = msgs + [{"role": "assistant", "content": text}]
+        self.outputs.append(text)
+        self.cached.append(cached)
+        self.prompts.append(prompt)
+        return text
+
+
+def remote(server: Server) -> dict:
+    status, body = call(server, "GET", "/v1/status")
+    assert status == 200, body
+    return body["cache"]["remote"]
+
+
+def wait_for(cond, what: str, timeout: float = 30.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def manifest(rds: RedisServer, agent: str) -> dict:
+    """The agent's manifest hash in Redis (any model prefix), decoded; {} if absent."""
+    client = rds.client()
+    keys = list(client.scan_iter(match="vmp:*:a:" + hashlib.sha256(agent.encode()).hexdigest()))
+    if not keys:
+        return {}
+    h = {k.decode(): v for k, v in client.hgetall(keys[0]).items()}
+    if "body" in h:
+        h["body"] = json.loads(h["body"])
+    return h
+
+
+def published(rds: RedisServer, agent: str, n_tokens: int) -> bool:
+    m = manifest(rds, agent)
+    return "body" in m and m["body"]["n_tokens"] >= n_tokens
+
+
+def test_agent_moves_to_another_server_with_zero_reprefill(fleet):
+    rds, a, b = fleet
+    ref = Conversation("ref-move", "move")
+    for _ in range(3):
+        ref.turn(a)
+    moved = Conversation("moved", "move")
+    moved.turn(a)
+    moved.turn(a)
+    wait_for(lambda: published(rds, "moved", moved.prompts[1]), "A's turn 2 in Redis")
+    moved.turn(b)
+    assert moved.outputs == ref.outputs
+    assert moved.cached == ref.cached  # B reused exactly what A would have
+    assert moved.cached[2] >= moved.prompts[1], moved.cached
+    stats = remote(b)
+    assert stats["agents_fetched"] >= 1 and stats["blocks_fetched"] >= moved.prompts[1] // BLOCK, stats
+    assert stats["refused"] == 0
+    # B's turn 3 reached Redis too; back on A, turn 4 reuses it (A fetches only B's new blocks)
+    wait_for(lambda: published(rds, "moved", moved.prompts[2]), "B's turn 3 in Redis")
+    ref.turn(a)
+    moved.turn(a)
+    assert moved.outputs == ref.outputs and moved.cached[3] == ref.cached[3], (moved.cached, ref.cached)
+    info = call(b, "GET", "/v1/agents/moved")[1]
+    assert info["remote"]["version"] is not None
+
+
+def test_same_agent_on_both_servers_at_once_loses_no_turn(fleet):
+    rds, a, b = fleet
+    ref = Conversation("ref-both", "both")
+    conv = {s.url: Conversation("both", "both") for s in (a, b)}
+    for turn in range(3):
+        ref.turn(a)
+        threads = [threading.Thread(target=conv[s.url].turn, args=(s,)) for s in (a, b)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        for c in conv.values():
+            assert c.outputs == ref.outputs, (c.outputs, ref.outputs)
+    # Redis ends on the last turn (the longest history), whichever server published last
+    wait_for(lambda: published(rds, "both", ref.prompts[2]), "the last turn in Redis")
+    for s in (a, b):
+        wait_for(lambda: remote(s)["queue_depth"] == 0, "uploads done")
+    # and either server continues from it
+    for s in (a, b):
+        c = conv[s.url]
+        c.turn(s)
+        assert c.cached[3] >= c.prompts[2], c.cached
+
+
+def test_erasure_on_one_server_is_seen_by_the_other(fleet):
+    rds, a, b = fleet
+    conv = Conversation("erased", "erased")
+    conv.turn(a)
+    wait_for(lambda: published(rds, "erased", conv.prompts[0]), "A's turn in Redis")
+    conv.turn(b)  # B now holds the agent too, on its own disk
+    assert conv.cached[1] >= conv.prompts[0]
+    wait_for(lambda: published(rds, "erased", conv.prompts[1]), "B's turn in Redis")
+
+    assert call(a, "DELETE", "/v1/agents/erased") == (200, {"id": "erased", "deleted": True})
+    wait_for(lambda: manifest(rds, "erased").get("e") == b"1", "the tombstone in Redis")
+    # B's next turn for the agent reuses nothing, and B erased its own copy
+    _, cached, _ = Chat("erased").send(b, conv.chat.messages + [{"role": "user", "content": "again"}])
+    assert cached == 0  # B dropped its own copy (memory and disk) before the lookup
+    assert remote(b)["erased_from_fleet"] >= 1
+    # an agent B never knew locally can still be erased fleet-wide from B
+    other = Conversation("erased-2", "erased-2")
+    other.turn(a)
+    wait_for(lambda: published(rds, "erased-2", other.prompts[0]), "A's turn in Redis")
+    assert call(b, "DELETE", "/v1/agents/erased-2")[0] == 200
+    wait_for(lambda: manifest(rds, "erased-2").get("e") == b"1", "the tombstone in Redis")
+    _, cached, _ = Chat("erased-2").send(a, other.chat.messages + [{"role": "user", "content": "again"}])
+    assert cached == 0
+
+
+def test_damaged_value_in_redis_is_refused(fleet):
+    rds, a, b = fleet
+    ref = Conversation("ref-damaged", "damaged")
+    conv = Conversation("damaged", "damaged")
+    for c in (ref, conv):
+        c.turn(a)
+        c.turn(a)
+    wait_for(lambda: published(rds, "damaged", conv.prompts[1]), "A's turn 2 in Redis")
+    ids = manifest(rds, "damaged")["body"]["block_ids"]
+    assert len(ids) >= 3
+    client = rds.client()
+    key = next(iter(client.scan_iter(match="vmp:*:b:" + ids[1])))
+    value = bytearray(client.get(key))
+    value[-5] ^= 0x40  # one bit in the K/V data: the checksum catches it
+    client.set(key, bytes(value))
+    refused = remote(b)["refused"]
+    ref.turn(a)
+    conv.turn(b)
+    assert conv.outputs == ref.outputs  # correct output: the damaged block was never served
+    assert conv.cached[2] == BLOCK  # the block before the damaged one is still reused
+    assert remote(b)["refused"] == refused + 1
+    # deleted, so B's put (or the next one) stores a sound copy (B's own KV for those tokens: equal to A's
+    # up to float rounding, since B prefilled them in other chunks)
+    now = client.get(key)
+    assert now != bytes(value)
+    if now is not None:
+        decode_block(now, ids[1])
+
+
+def test_redis_killed_and_restarted_fails_no_request(fleet):
+    rds, a, b = fleet
+    ref = Conversation("ref-outage", "outage")
+    conv = Conversation("outage", "outage")
+    ref.turn(a)
+    conv.turn(a)
+    rds.proc.send_signal(signal.SIGSTOP)  # hung: accepts connections, never answers
+    try:
+        hung = Conversation("outage-hung", "outage")
+        hung.turn(b)  # served cold after at most remote_timeout_s of waiting for Redis
+        assert hung.outputs == ref.outputs[:1] and hung.cached == [0]
+        assert remote(b)["timeouts"] >= 1
+    finally:
+        rds.proc.send_signal(signal.SIGCONT)
+    rds.kill()
+    ref.turn(a)
+    conv.turn(a)  # Redis down: served from memory and disk, no error
+    ref.turn(a)
+    conv.turn(b)  # B cannot reach Redis: cold, but correct
+    assert conv.outputs == ref.outputs and conv.cached[2] == 0
+    rds.start()  # back, empty (no persistence)
+    ref.turn(a)
+    conv.turn(a)  # A's put re-uploads the agent's blocks from its disk once Redis answers again
+    assert conv.outputs == ref.outputs
+    wait_for(lambda: published(rds, "outage", conv.prompts[3]), "the tier to recover", timeout=60)
+    ref.turn(a)
+    conv.turn(b)
+    assert conv.outputs == ref.outputs
+    assert conv.cached[4] >= conv.prompts[3], conv.cached
+    stats = remote(a)
+    assert stats["connected"] and stats["errors"] + stats["timeouts"] + stats["skipped"] > 0, stats

@@ -1,0 +1,192 @@
+"""End to end on one real server: forks (metadata and header), sibling/parent isolation, erasing a
+parent, a SIGKILL restart, three concurrent branches of one agent, and a reply that re-tokenizes
+differently, whose output must equal a cold greedy run on the tokens the cache holds.
+
+Tolerance: greedy decoding; a reused 4-bit prefix gives the same greedy tokens as a cold prefill on
+these models (tests/test_pool.py bounds the logits), and we assert identical text.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import mlx.core as mx
+import openai
+import pytest
+
+from test_e2e_lifecycle import call
+from test_e2e_server import MAX_TOKENS, Chat, user_text
+from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.serving import Server
+
+OPTIONS = {"block_size": 32, "hot_mb": 64}
+DOC = "shared document: " + user_text("doc", 9) + " " + user_text("doc", 10)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_model_dir(tmp_path_factory.mktemp("models") / "llama", arch="llama", size="tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    with Server(model_dir, tmp_path_factory.mktemp("home"), options=OPTIONS) as s:
+        yield s
+
+
+class Worker(Chat):
+    """A Chat whose requests also name a fork parent (metadata or header)."""
+
+    def __init__(self, agent: str, parent: str | None, via: str = "metadata"):
+        super().__init__(agent, id_via="metadata" if via == "metadata" else "header")
+        self.parent, self.via = parent, via
+
+    def send(self, server, messages):
+        if self.parent is None:
+            return super().send(server, messages)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+        kw: dict = {}
+        if self.via == "metadata":
+            kw["metadata"] = {"agent_id": self.agent, "fork_from": self.parent}
+        else:
+            kw["extra_headers"] = {"X-Agent-ID": self.agent, "X-Agent-Fork-From": self.parent}
+        r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                           temperature=0.0, **kw)
+        details = r.usage.prompt_tokens_details
+        return r.choices[0].message.content, (details.cached_tokens if details else 0) or 0, r.usage.prompt_tokens
+
+
+def doc_messages(task: str) -> list[dict]:
+    return [{"role": "system", "content": DOC}, {"role": "user", "content": task}]
+
+
+def test_fork_fan_out_isolation_erasure_and_restart(server):
+    coord = Chat("coord")
+    _, _, doc_tokens = coord.send(server, doc_messages("summarize"))
+    workers = [Worker("w-meta", "coord", "metadata"), Worker("w-head", "coord", "header")]
+    first = []
+    for w in workers:
+        text, cached, prompt = w.send(server, doc_messages(f"task for {w.agent}"))
+        first.append(text)
+        # First turn reuses the parent's prefix (the document; the task differs)
+        assert 0 < cached < prompt and cached >= doc_tokens - 40, (w.agent, cached, doc_tokens, server.log_tail())
+    # Same answer as a cold agent on the same prompt.
+    for w, text in zip(workers, first):
+        cold, cached, _ = Chat(f"cold-{w.agent}").send(server, doc_messages(f"task for {w.agent}"))
+        assert cached == 0 and cold == text
+
+    # Each worker's second turn reuses its own first turn; siblings never see each other's turns.
+    convs = {}
+    for w, text in zip(workers, first):
+        msgs = doc_messages(f"task for {w.agent}") + [{"role": "assistant", "content": text},
+                                                       {"role": "user", "content": "go on"}]
+        convs[w.agent] = msgs
+        _, cached, prompt = w.send(server, msgs)
+        assert cached > doc_tokens
+    other = workers[1]
+    _, cached, _ = Chat(other.agent).send(server, convs[workers[0].agent])  # w-head on w-meta's turns
+    assert cached < doc_tokens + 20
+    _, cached, _ = Chat("coord").send(server, convs[workers[0].agent])  # the parent on a child's turns
+    assert cached < doc_tokens + 20
+
+    info = server.get_json("/v1/agents/w-meta")
+    assert info["shared_blocks"] > 0 and info["forked_from"] == ["coord"], info
+    stats = server.get_json("/v1/cache/stats")
+    assert "shared_blocks" in str(stats) and "fork_hits" in str(stats)
+
+    # Erasing the parent leaves the children working, also after a SIGKILL restart.
+    assert call(server, "DELETE", "/v1/agents/coord", key=None)[0] == 200
+    for w in workers:
+        _, cached, _ = w.send(server, convs[w.agent])
+        assert cached > doc_tokens
+    server.restart(signal.SIGKILL)
+    for w in workers:
+        text, cached, _ = Chat(w.agent).send(server, convs[w.agent])
+        assert cached > doc_tokens, server.log_tail()
+    status, _ = call(server, "GET", "/v1/agents/coord", key=None)
+    assert status == 404
+
+
+@pytest.mark.parametrize("how", ["metadata", "header"])
+def test_bad_fork_source_is_400(server, how):
+    for bad in ("bad id!", "w-self"):
+        w = Worker("w-self", bad, how)
+        with pytest.raises(openai.BadRequestError):
+            w.send(server, doc_messages("x"))
+    assert Chat("after-bad").send(server, doc_messages("x"))[0] is not None
+
+
+def test_three_concurrent_branches_each_reuse_their_own(server):
+    base = Chat("brancher")
+    base.turn(server, 0)
+    history = list(base.messages)
+    branches = [history + [{"role": "user", "content": user_text(f"branch{i}", 1)}] for i in range(3)]
+    outs: list = [None] * 3
+
+    def run(i):
+        outs[i] = base.send(server, branches[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    for i in range(3):
+        text, cached, prompt = outs[i]
+        follow = branches[i] + [{"role": "assistant", "content": text}, {"role": "user", "content": "and?"}]
+        _, cached2, _ = base.send(server, follow)
+        assert cached2 >= prompt - 2, (i, cached2, prompt)  # its own whole branch, not just the history
+    info = server.get_json("/v1/agents/brancher")
+    assert len(info["branches"]) >= 3, info
+
+
+def _greedy(model, tokens, n, eos):
+    from vllm_mlx_persist.q4cache import make_q4_prompt_cache
+
+    cache = make_q4_prompt_cache(model, 4, 64)
+    logits = model(mx.array(tokens)[None], cache=cache)
+    out = []
+    for _ in range(n):
+        t = int(mx.argmax(logits[0, -1]).item())
+        out.append(t)
+        if t in eos:
+            break
+        logits = model(mx.array([[t]]), cache=cache)
+    return out
+
+
+def test_reply_that_retokenizes_differently_is_still_reused(server, model_dir):
+    from mlx_lm import load
+
+    from vllm_mlx_persist.q4cache import install_attention_fix
+
+    install_attention_fix()
+    model, tok = load(str(model_dir))
+    eos = set(tok.eos_token_ids)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+
+    def complete(prompt, agent):
+        r = client.completions.create(model=server.model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0.0,
+                                      extra_body={"prompt_cache_key": agent})
+        return r.choices[0].text, (r.usage.prompt_tokens_details.cached_tokens or 0)
+
+    for attempt in range(6):  # find a reply whose tokens are not how its text tokenizes
+        t1 = user_text(f"retok{attempt}", attempt) + " answer:"
+        p1 = tok.encode(t1)
+        g = _greedy(model, p1, MAX_TOKENS, eos)
+        reply, _ = complete(t1, f"retok-{attempt}")
+        assert tok.decode(g) == reply  # the in-process reference decodes as the server does
+        t2 = t1 + reply + " next question: " + user_text("more", 1)
+        p2 = tok.encode(t2)
+        if p2[: len(p1) + len(g) - 1] != p1 + g[:-1]:
+            break
+    else:
+        pytest.skip("no reply re-tokenized differently")
+    stored = (p1 + g)[: len(p1) + len(g) - 1]  # the cache covers all but the last generated token
+    k = next(i for i in range(len(p2)) if stored[i] != p2[i])
+    text2, cached = complete(t2, f"retok-{attempt}")
+    assert cached > k, (cached, k)  # reuse went on past where the tokens differ
+    # The served prompt: the stored tokens up to `cached`, then the rest of the text as tokenized.
+    j = next(j for j in range(k, len(p2)) if tok.decode(p2[:j]) == tok.decode(stored[:cached]))
+    served = stored[:cached] + p2[j:]
+    assert tok.decode(served) == tok.decode(p2)
+    assert tok.decode(_greedy(model, served, MAX_TOKENS, eos)) == text2

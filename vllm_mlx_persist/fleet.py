@@ -1,0 +1,247 @@
+"""The glue between one server's pool/persister and the fleet tier in Redis (remote.RemoteTier).
+
+    commits:  a turn durable on local disk (persister thread, end of its save job) -> tier.put
+              (queued, never blocks); only the turn's new blocks travel with it, Redis takes the
+              rest from the local disk through block_source if it lacks them.
+    erasure:  DELETE /v1/agents/ID (pool.erase) -> tier.erase, a tombstone fleet-wide. The disk
+              budget and the TTL are this server's space decisions: they erase locally only.
+    lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
+              module's own threads: read the agent's manifest in Redis; a tombstone newer than what
+              this server published or fetched erases the agent locally; a longer history than the
+              local one has its missing blocks fetched (verified as disk blocks, and their id chain
+              checked), saved to local disk through the persister (index and budget see them; they
+              are not uploaded again), then registered in the pool as COLD blocks on the persister
+              thread, in order with every other write. pool.lookup waits for that job at most
+              `wait_s`, then goes on with what is local.
+
+Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
+jobs tracked at once (more are skipped and counted), `threads` threads, the persister's and the
+tier's own queue bounds. See docs/fleet.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Optional
+
+from .pool import BlockPool, block_id, chain_seed
+from .remote import RemoteTier
+from .store import BlockData, Manifest
+
+log = logging.getLogger("vllm_mlx_persist.fleet")
+
+MAX_SYNCS = 1024  # agents whose sync job is tracked at once (running, or done and not yet looked up)
+
+
+class Fleet:
+    """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
+
+    def __init__(self, tier: RemoteTier, pool: BlockPool, *, wait_s: float = 3.0,
+                 write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS):
+        if pool.persister is None:
+            raise ValueError("the fleet tier needs the local disk tier")
+        self.tier, self.pool, self.wait_s = tier, pool, wait_s
+        self.write_timeout_s = write_timeout_s
+        self.max_syncs = max_syncs
+        self._lock = threading.Lock()
+        self._syncs: "OrderedDict[str, Future]" = OrderedDict()
+        self._exec = ThreadPoolExecutor(threads, thread_name_prefix="vllm-mlx-persist-fleet")
+        self._closed = False
+        self.counts = dict.fromkeys(
+            ["syncs", "syncs_skipped", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
+             "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
+             "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+        tier.block_source = pool.store.read_block  # blocks a put lacks come from the local disk, verified
+        tier.on_erased = self._erased_elsewhere
+
+    # ---- commits and erasure (called by the pool) ------------------------------------------------
+
+    def saved(self, manifest: Manifest, blocks: list[BlockData]) -> None:
+        """A turn is durable locally (persister thread): publish it. Never blocks, never raises (the
+        persister must finish its job whatever happens here)."""
+        try:
+            self.tier.put(manifest, {b.block_id: b for b in blocks})
+        except Exception:
+            log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
+
+    def erase(self, namespace: str) -> bool:
+        """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
+        live manifest for it (read within the tier's read time-out). The tombstone is queued."""
+        m = self.tier.get_manifest(namespace)
+        self.tier.erase(namespace)
+        return m is not None and not m.erased
+
+    # ---- lookups ------------------------------------------------------------------------------------
+
+    def prefetch(self, namespace: str) -> None:
+        """Start the agent's sync with Redis (any thread; never blocks)."""
+        self._start(namespace)
+
+    def wait(self, namespace: str) -> None:
+        """Worker thread, before the pool's lookup: wait for the agent's sync at most `wait_s`
+        (starting one if no prefetch did), then go on with what is local."""
+        fut = self._start(namespace, consume=True)
+        if fut is None or fut.done():
+            return
+        t0 = time.monotonic()
+        try:
+            fut.result(self.wait_s)
+        except FutureTimeout:
+            self._count("lookup_wait_timeouts")
+            log.warning("fleet: agent %r: Redis did not answer within %.1fs; serving from local tiers",
+                        namespace, self.wait_s)
+        except Exception:  # the job logs its own failures
+            pass
+        waited = time.monotonic() - t0
+        with self._lock:
+            self.counts["lookup_waits"] += 1
+            self.counts["lookup_wait_s_max"] = max(self.counts["lookup_wait_s_max"], round(waited, 4))
+
+    def _start(self, namespace: str, consume: bool = False) -> Optional[Future]:
+        with self._lock:
+            if self._closed:
+                return None
+            fut = self._syncs.get(namespace)
+            if fut is not None and (consume or not fut.done()):
+                # one sync per request: a running one is shared, a finished one is used once
+                if consume:
+                    del self._syncs[namespace]
+                return fut
+            if len(self._syncs) >= self.max_syncs:
+                done = next((ns for ns, f in self._syncs.items() if f.done()), None)
+                if done is None:
+                    self.counts["syncs_skipped"] += 1
+                    return None
+                del self._syncs[done]
+            try:
+                fut = self._exec.submit(self._sync, namespace)
+            except RuntimeError:  # shutting down
+                return None
+            self.counts["syncs"] += 1
+            if not consume:
+                self._syncs[namespace] = fut
+            return fut
+
+    def _sync(self, namespace: str) -> None:
+        try:
+            self._sync_agent(namespace)
+        except Exception:  # a bug here must never reach a request
+            log.exception("fleet: syncing agent %r failed", namespace)
+
+    def _sync_agent(self, namespace: str) -> None:
+        seen = self.tier.seen_version(namespace)  # before the read: get_manifest records tombstones
+        rm = self.tier.get_manifest(namespace)
+        if rm is None:
+            return
+        pool = self.pool
+        if rm.erased:
+            if rm.version > seen:  # erased after this server last published or fetched the agent
+                self._count("erased_from_fleet")
+                log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
+                pool.erase(namespace, fleet_wide=False)
+            return
+        local = pool.chain_state(namespace)
+        if local is not None and local[1] >= rm.n_tokens:
+            return
+        # Fetch what the local disk lacks, in chain order; stop at the first block that is missing,
+        # refused by the tier, or does not follow the chain: the prefix before it is still good.
+        store = pool.store
+        prev = chain_seed(pool.fingerprint, namespace)
+        fetched: list[BlockData] = []
+        n_ok = 0
+        for bid in rm.block_ids:
+            if not store.has_block(bid):
+                data = self.tier.get_block(bid)
+                if data is None:
+                    break
+                if block_id(prev, data.tokens) != bid or len(data.tokens) > pool.block_size:
+                    self._count("chain_refused")
+                    log.warning("fleet: block %s of agent %r does not follow its chain; refused", bid[:16],
+                                namespace)
+                    break
+                fetched.append(data)
+            prev = bid
+            n_ok += 1
+        if n_ok < len(rm.block_ids):
+            self._count("fetch_incomplete")
+        if n_ok == 0:
+            return
+        n_tokens = rm.n_tokens if n_ok == len(rm.block_ids) else n_ok * pool.block_size
+        if local is not None and local[1] >= n_tokens:
+            return
+        manifest = Manifest(namespace, list(rm.block_ids[:n_ok]), n_tokens, time.time())
+        version = rm.version if n_ok == len(rm.block_ids) else None
+        fut = pool.save_fetched(manifest, fetched, local, lambda adopted: self._adopted(adopted, version))
+        with self._lock:
+            self.counts["blocks_fetched"] += len(fetched)
+        try:
+            if fut is not None and not fut.result(self.write_timeout_s):
+                self._count("save_failed")
+        except FutureTimeout:
+            log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
+                        namespace, self.write_timeout_s)
+
+    def _adopted(self, manifest: Optional[Manifest], version: Optional[int]) -> None:
+        """Persister thread, once the fetched agent is durable locally (None: the pool kept its own)."""
+        try:
+            self._adopted_now(manifest, version)
+        except Exception:  # never into the persister's job
+            log.exception("fleet: registering a fetched agent failed")
+
+    def _adopted_now(self, manifest: Optional[Manifest], version: Optional[int]) -> None:
+        if manifest is None:
+            self._count("adopt_skipped")
+            return
+        with self._lock:
+            self.counts["agents_fetched"] += 1
+            self.counts["tokens_fetched"] += manifest.n_tokens
+        if version is not None:  # this server now holds that version: its next put succeeds it
+            self.tier.adopt(manifest.namespace, version)
+        # read the blocks back while the request waits for the worker (page cache: cheap)
+        self.pool.prefetch(manifest.namespace)
+
+    def _erased_elsewhere(self, namespace: str) -> None:
+        """Tier writer thread: a put of ours found the agent erased by another server."""
+        self._count("erased_from_fleet")
+        try:
+            self._exec.submit(self.pool.erase, namespace, 60.0, False)
+        except RuntimeError:
+            pass
+
+    # ---- agent API, stats, shutdown -----------------------------------------------------------------
+
+    def agent_info(self, namespace: str) -> dict:
+        """What this server knows of the agent in Redis, without asking it (O(1))."""
+        v = self.tier.seen_version(namespace)
+        return {"version": v if v >= 0 else None}
+
+    def stats(self) -> dict:
+        with self._lock:
+            out = dict(self.counts)
+            out["syncs_tracked"] = len(self._syncs)
+        out.update(self.tier.stats())
+        out["wait_s"] = self.wait_s
+        return out
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self.counts[name] += n
+
+    def stop(self) -> None:
+        """Start no more syncs (shutdown, before the pool closes). Idempotent."""
+        with self._lock:
+            self._closed = True
+            for fut in self._syncs.values():
+                fut.cancel()
+            self._syncs.clear()
+        self._exec.shutdown(wait=False, cancel_futures=True)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop, then send queued writes to Redis within `timeout` and stop the tier. Idempotent."""
+        self.stop()
+        self.tier.close(timeout)
