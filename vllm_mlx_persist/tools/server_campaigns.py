@@ -36,7 +36,10 @@ from typing import Any, Optional
 from ..faults import ENV as FAULT_ENV
 from .serving import RssSampler, Server
 
-OPTIONS = {"block_size": 32, "hot_mb": 64}
+# Matching by text off, as in tests/test_e2e_server.py: the campaigns compare replies with a reference
+# given the same re-rendered messages, i.e. the same prompt tokens; with it on, an agent whose turn
+# was not cached (a failing disk) is served as re-tokenized text, not as the tokens it generated.
+OPTIONS = {"block_size": 32, "hot_mb": 64, "match_text": False}
 MAX_TOKENS = 8
 TIMEOUT_S = 120.0  # no request may take longer: past it, it counts as a hang
 OVERHEAD_MB = 256  # stated allowance over the post-warm-up RSS beyond hot_mb (MLX buffers, HTTP, threads)
