@@ -909,3 +909,35 @@ def test_injected_write_error_at_each_step_leaves_no_temp_file(tmp_path, monkeyp
     switch.unlink()
     s.write_block(b)
     assert_same(b, s.read_block(b.block_id))
+
+
+def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatch):
+    """Regression (found by the disk campaign): turn 0's save fails (disk full) and waits for its retry;
+    the disk recovers and turn 1 is saved and acknowledged; then turn 0's retry ran and put its older
+    manifest back, so after a restart the agent had lost turn 1. Now the retry writes its blocks
+    (turn 1's manifest names them) but not its manifest."""
+    from vllm_mlx_persist import faults
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.3,))
+    p.load()
+    switch = tmp_path / "enospc"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"ENOSPC:write@{switch}"))
+    b0, b1 = make_block(10), make_block(11)
+    first = p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None)
+    assert first.result(10) is False  # failed; a retry is queued
+    switch.unlink()
+    second = p.save(Manifest("alice", [b0.block_id, b1.block_id], 32, 2.0), [b1], [], lambda: None)
+    assert second.result(10) is True
+    time.sleep(0.6)
+    assert p.flush(10)
+    deadline = time.time() + 10
+    while p.stats()["saves_retrying"] and time.time() < deadline:
+        time.sleep(0.05)
+    p.close()
+    reopened = open_store(tmp_path)
+    assert reopened.read_manifest("alice").block_ids == [b0.block_id, b1.block_id]
+    assert_same(b0, reopened.read_block(b0.block_id))  # written by the superseded retry
+    assert p.counts["saves_superseded"] == 1
