@@ -365,7 +365,10 @@ def test_unusable_model_directory_serves_from_memory_and_says_so(models, tmp_pat
         for how in MODEL_DIR_DAMAGE:
             _damage_model_json(model_dir, how)
             srv.start()
-            assert srv.get_json("/health")["status"] == "healthy"
+            health = srv.get_json("/health")
+            assert health["status"] == "healthy"  # it serves...
+            assert health["cache_backend"]["disk_tier"] == "disabled", (how, health)  # ...without its disk tier
+            assert health["cache_backend"]["disk_error"] == srv.get_json("/v1/status")["cache"]["disk_error"]
             chat = Chat(f"agent-{how.replace('_', '-')}")
             chat.turn(srv, 0)
             chat.turn(srv, 1)
@@ -386,6 +389,7 @@ def test_unusable_model_directory_serves_from_memory_and_says_so(models, tmp_pat
             path.write_bytes(pristine)
         srv.start()  # repaired: the disk tier is back, with alice's turns from before
         assert srv.get_json("/v1/status")["cache"]["disk_tier"] == "on"
+        assert srv.get_json("/health")["cache_backend"] == {"backend": "persist_q4", "disk_tier": "on"}
         _, cached, _ = reference.send(srv, reference.messages[:-1])
         assert cached >= reference.prompt_tokens[0]
     finally:

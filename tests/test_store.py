@@ -844,3 +844,100 @@ def test_unusable_cache_root_is_refused_in_one_clear_line(tmp_path, case):
     with pytest.raises(StoreError, match=match) as e:
         no_hang(CacheDirLock, root)
     assert "\n" not in str(e.value) and str(root) in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Injected I/O errors (faults.py, the hook the reliability campaigns use)
+
+
+def test_fault_hook_is_off_unless_the_environment_names_one():
+    assert store_mod._FAULT is None
+    r = run_py("""
+        from vllm_mlx_persist import store
+        print(store._FAULT is not None)
+    """)
+    assert r.stdout.strip() == "False"
+    env_spec = "EIO:read@/nonexistent;kill@3"
+    r = subprocess.run([sys.executable, "-c", "from vllm_mlx_persist import store; print(store._FAULT is not None)"],
+                       env=dict(os.environ, PYTHONPATH=str(REPO), VLLM_MLX_PERSIST_FAULT=env_spec),
+                       capture_output=True, text=True, timeout=120)
+    assert r.stdout.strip() == "True" and "fault injection ON" in r.stderr
+
+
+@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x"])
+def test_malformed_fault_spec_is_refused(spec):
+    from vllm_mlx_persist import faults
+
+    with pytest.raises(ValueError):
+        faults.parse(spec)
+
+
+def test_injected_read_error_is_a_miss_that_keeps_a_sound_file(tmp_path, monkeypatch):
+    """Regression: an EIO while reading a block used to quarantine the file as if its bytes were bad,
+    so a transient device error cost the agent its cache for good. Now it is a miss, counted in
+    read_errors, and the block reads back once the device recovers. Same for manifests."""
+    from vllm_mlx_persist import faults
+
+    s = open_store(tmp_path)
+    b = make_block(1)
+    s.write_block(b)
+    s.write_manifest(Manifest("alice", [b.block_id], 16, 1.0))
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:read@{switch}"))
+    assert s.read_block(b.block_id) is None
+    assert s.read_manifest("alice") is None
+    assert s.stats()["read_errors"] == 2 and quarantined(s) == []
+    switch.unlink()
+    assert_same(b, s.read_block(b.block_id))
+    assert s.read_manifest("alice").block_ids == [b.block_id]
+
+
+@pytest.mark.parametrize("step", ["open", "write", "fsync", "rename", "dirsync"])
+def test_injected_write_error_at_each_step_leaves_no_temp_file(tmp_path, monkeypatch, step):
+    from vllm_mlx_persist import faults
+
+    s = open_store(tmp_path)
+    switch = tmp_path / "enospc"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"ENOSPC:{step}@{switch}"))
+    b = make_block(2)
+    with pytest.raises(StoreWriteError) as e:
+        s.write_block(b)
+    assert e.value.errno == 28 and os.listdir(s.tmp_dir) == []
+    assert s.stats()["write_errors"] == 1
+    switch.unlink()
+    s.write_block(b)
+    assert_same(b, s.read_block(b.block_id))
+
+
+def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatch):
+    """Regression (found by the disk campaign): turn 0's save fails (disk full) and waits for its retry;
+    the disk recovers and turn 1 is saved and acknowledged; then turn 0's retry ran and put its older
+    manifest back, so after a restart the agent had lost turn 1. Now the retry writes its blocks
+    (turn 1's manifest names them) but not its manifest."""
+    from vllm_mlx_persist import faults
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.3,))
+    p.load()
+    switch = tmp_path / "enospc"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"ENOSPC:write@{switch}"))
+    b0, b1 = make_block(10), make_block(11)
+    first = p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None)
+    assert first.result(10) is False  # failed; a retry is queued
+    switch.unlink()
+    second = p.save(Manifest("alice", [b0.block_id, b1.block_id], 32, 2.0), [b1], [], lambda: None)
+    assert second.result(10) is True
+    time.sleep(0.6)
+    assert p.flush(10)
+    deadline = time.time() + 10
+    while p.stats()["saves_retrying"] and time.time() < deadline:
+        time.sleep(0.05)
+    p.close()
+    reopened = open_store(tmp_path)
+    assert reopened.read_manifest("alice").block_ids == [b0.block_id, b1.block_id]
+    assert_same(b0, reopened.read_block(b0.block_id))  # written by the superseded retry
+    assert p.counts["saves_superseded"] == 1

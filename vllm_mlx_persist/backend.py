@@ -316,7 +316,9 @@ class PersistQ4Backend:
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
             return {"backend": "persist_q4", **warm}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
-        out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk, **self._pool.snapshot(), **warm}
+        # "health" is what the seam copies into /health (as "cache_backend"): small, O(1).
+        out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
+               "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot(), **warm}
         if self.fleet is not None:
             out["remote"] = self.fleet.stats()
         return out

@@ -53,6 +53,7 @@ class _Job:
     attempts: int = field(compare=False, default=0)
     args: tuple = field(compare=False, default=())
     finished: bool = field(compare=False, default=False)
+    order: int = field(compare=False, default=0)  # submission order (seq changes when it is retried)
 
 
 class Persister:
@@ -78,13 +79,14 @@ class Persister:
         self.block_sizes: dict[str, int] = {}
         self._block_bytes = 0  # sum of block_sizes, kept as it changes
         self.block_refs: dict[str, int] = {}  # how many manifests on disk name each block
+        self._saved_order: dict[str, int] = {}  # per agent: submission order of its manifest on disk
         self._manifest_bytes = 0  # estimated: manifests are small and rewritten every turn
         self._other_dirs: list = []  # other models' directories under the root, oldest first
         self._other_bytes = 0
         self._live: dict[str, int] = {}  # agents with requests in flight: never erased by the budget
         self.counts = dict.fromkeys(
             ["saves", "save_failures", "saves_dropped", "retries", "blocks_written", "bytes_written",
-             "agents_erased", "budget_erasures", "ttl_erasures", "other_dirs_removed"], 0)
+             "agents_erased", "budget_erasures", "ttl_erasures", "other_dirs_removed", "saves_superseded"], 0)
         self._cv = threading.Condition()
         self._ready: list[_Job] = []  # heap by (due, seq)
         self._pending_bytes = 0
@@ -201,6 +203,7 @@ class Persister:
 
     def stats(self) -> dict:
         """Counters only (no file system access); safe from any thread."""
+        store_counts = self.store.counts()
         with self._cv:
             return {
                 **self.counts,
@@ -211,6 +214,7 @@ class Persister:
                 "write_queue_bytes": self._pending_bytes,
                 "write_queue_jobs": len(self._ready),
                 "saves_retrying": self._retrying,
+                **{k: store_counts[k] for k in ("read_errors", "quarantined")},
             }
 
     def _disk_bytes_locked(self) -> int:
@@ -249,6 +253,7 @@ class Persister:
             if self._closed:
                 raise RuntimeError("persister is closed")
             job = _Job(0.0, next(self._seq), run, Future(), nbytes, 0, args)
+            job.order = job.seq
             self._pending_bytes += nbytes
             heapq.heappush(self._ready, job)
             self._cv.notify_all()
@@ -313,9 +318,13 @@ class Persister:
 
     def _save_job(self, job: _Job) -> None:
         manifest, blocks, dead, on_durable = job.args
+        with self._cv:
+            # A retry that runs after a newer turn of the same agent was saved must not put the older
+            # manifest back over it (that lost the newer, acknowledged turn at the next start).
+            superseded = self._saved_order.get(manifest.namespace, -1) > job.order
         try:
             sizes = {}
-            for b in blocks:
+            for b in blocks:  # a superseded turn's blocks still go: the newer manifest may name them
                 written = self.store.write_block(b)
                 sizes[b.block_id] = written or self.store.block_file_size(b.block_id)
                 if written:
@@ -325,11 +334,25 @@ class Persister:
                 current = self.agents.get(manifest.namespace)
                 if current is not None:
                     manifest.pinned = current.pinned
-            self.store.write_manifest(manifest)
+            if not superseded:
+                self.store.write_manifest(manifest)
         except OSError as e:
             self.counts["save_failures"] += 1
             self._retry_or_drop(job, e)
             return
+        if superseded:
+            self.counts["saves_superseded"] += 1
+            with self._cv:
+                for bid, n in sizes.items():
+                    if bid in self.block_refs:
+                        self._set_size(bid, n)
+                unnamed = [b for b in sizes if b not in self.block_refs and b not in self.block_sizes]
+            for b in unnamed:
+                self.store.delete_block(b)
+            self._finish(job, False)
+            return
+        with self._cv:
+            self._saved_order[manifest.namespace] = job.order
         on_durable()
         self.counts["saves"] += 1
         with self._cv:
@@ -375,6 +398,7 @@ class Persister:
     def _erase(self, namespace: str, why: str) -> bool:
         with self._cv:
             agent = self.agents.pop(namespace, None)
+            self._saved_order.pop(namespace, None)
             ids = agent.block_ids if agent is not None else []
             for b in ids:
                 self._unref(b)

@@ -130,6 +130,14 @@ def _fsync(fd: int) -> None:
 
 _FULLFSYNC = getattr(fcntl, "F_FULLFSYNC", None)
 
+# Fault injection (faults.py): None unless VLLM_MLX_PERSIST_FAULT is set, so the cost when off is
+# one global lookup per step. Only the reliability campaigns set it.
+_FAULT = None
+if os.environ.get("VLLM_MLX_PERSIST_FAULT"):
+    from .faults import from_env as _fault_from_env
+
+    _FAULT = _fault_from_env()
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -331,7 +339,7 @@ class DiskStore:
         self._lock = threading.Lock()
         self._counts = {"block_writes": 0, "block_write_skips": 0, "block_reads": 0, "block_misses": 0,
                         "manifest_writes": 0, "manifest_reads": 0, "quarantined": 0,
-                        "write_errors": 0, "bytes_written": 0, "bytes_read": 0}
+                        "write_errors": 0, "read_errors": 0, "bytes_written": 0, "bytes_read": 0}
         try:
             self._open_model_dir(model_info, format_info)
         except OSError as e:
@@ -436,13 +444,18 @@ class DiskStore:
             if not dest.parent.is_dir():
                 dest.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
                 _fsync_dir(dest.parent.parent)
+            _FAULT and _FAULT("open")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
             for c in chunks:
+                _FAULT and _FAULT("write")
                 _write_all(fd, c)
+            _FAULT and _FAULT("fsync")
             _fsync(fd)
             os.close(fd)
             fd = -1
+            _FAULT and _FAULT("rename")
             os.replace(tmp, dest)
+            _FAULT and _FAULT("dirsync")
             _fsync_dir(dest.parent)
         except OSError as e:
             if fd >= 0:
@@ -584,7 +597,14 @@ class DiskStore:
         try:
             try:
                 _check_block_size(fd, size, self.max_block_bytes)  # before reading the data
+                _FAULT and _FAULT("read")
                 block = _parse_block(_read_exact(fd, size), block_id)
+            except OSError as e:  # the device failed (EIO...), not the bytes: a miss, the file is kept
+                logger.warning("cannot read %s: %s", path, e)
+                with self._lock:
+                    self._counts["read_errors"] += 1
+                    self._counts["block_misses"] += 1
+                return None
             except Exception as e:  # untrusted bytes: whatever the parser did not foresee is a bad file
                 self._quarantine(path, _reason(e), fd)
                 with self._lock:
@@ -669,11 +689,17 @@ class DiskStore:
             try:
                 if size > MAX_MANIFEST_BYTES:
                     raise _BadFile(f"{size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest cap")
+                _FAULT and _FAULT("read")
                 m = _parse_manifest(bytes(_read_exact(fd, size)))
                 if path.name != f"{self.agent_key(m.namespace)}.json":
                     raise _BadFile(f"file name does not match its namespace {m.namespace[:64]!r}")
                 if namespace is not None and m.namespace != namespace:
                     raise _BadFile("namespace mismatch")
+            except OSError as e:  # the device failed, not the bytes: skipped this time, kept
+                logger.warning("cannot read %s: %s", path, e)
+                with self._lock:
+                    self._counts["read_errors"] += 1
+                return None
             except Exception as e:  # untrusted bytes: whatever the parser did not foresee is a bad file
                 self._quarantine(path, _reason(e), fd)
                 return None
@@ -822,6 +848,11 @@ class DiskStore:
         model = (self.dir / "model.json")
         base = model.stat().st_size if model.exists() else 0
         return base + sum(b for _, b in self._usage().values())
+
+    def counts(self) -> dict:
+        """The counters only (no file system access): O(1), any thread."""
+        with self._lock:
+            return dict(self._counts)
 
     def stats(self) -> dict:
         usage = self._usage()

@@ -88,29 +88,104 @@ def _crash_worker(root: str, start: str) -> None:
         i += 1
 
 
+class _Worker:
+    """The crash writer in a child process, stdout and stderr on one pipe. Forked from this process
+    (no interpreter start-up: ~5x more trials per second) unless MLX is loaded here (forking after
+    Metal is initialised is unsafe), else a fresh interpreter; either way killed with SIGKILL."""
+
+    def __init__(self, root: Path, acked: dict, point: Optional[int]):
+        from .. import faults, store as store_mod
+
+        self.proc: Optional[subprocess.Popen] = None
+        if hasattr(os, "fork") and "mlx.core" not in sys.modules:
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child: never returns into the campaign
+                try:
+                    os.close(r)
+                    os.dup2(w, 1)
+                    os.dup2(w, 2)
+                    sys.stdout = os.fdopen(1, "w", buffering=1)
+                    store_mod._FAULT = faults.parse(f"kill@{point}") if point else None
+                    _crash_worker(str(root), json.dumps(acked))
+                finally:
+                    os._exit(0)
+            os.close(w)
+            self.pid, self.stdout, self.returncode = pid, os.fdopen(r), None
+            return
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop(faults.ENV, None)
+        if point:
+            env[faults.ENV] = f"kill@{point}"
+        self.proc = subprocess.Popen([sys.executable, "-m", _MODULE, "_crash-worker", str(root), json.dumps(acked)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.pid, self.stdout = self.proc.pid, self.proc.stdout
+
+    def poll(self) -> Optional[int]:
+        if self.proc is not None:
+            return self.proc.poll()
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        deadline = None if timeout is None else time.time() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.time() > deadline:
+                raise subprocess.TimeoutExpired("crash-worker", timeout)
+            time.sleep(0.002)
+        return self.returncode if self.proc is None else self.proc.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+
+DET_STEPS = 40  # deterministic kill points cycle over the first 40 write steps (~3 turns of syscalls)
+
+
 def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dict:
+    """Even trials SIGKILL the writer deterministically just before its Nth write step (open, write,
+    fsync, rename, dir fsync: the store's fault hook, faults.py), N cycling over 1..DET_STEPS; odd
+    trials SIGKILL it from outside at a random moment."""
     rng = random.Random(seed)
     root = work / "crash"
     acked = {f"agent-{k}": -1 for k in range(n_agents)}
     failures: list[dict] = []
-    stats = {"acked_turns": 0, "killed_before_ready": 0, "tmp_removed": 0, "orphans_removed": 0}
+    stats: dict[str, Any] = {"acked_turns": 0, "killed_before_ready": 0, "tmp_removed": 0, "orphans_removed": 0,
+                             "deterministic_trials": 0, "points": {}}
     for trial in range(trials):
+        point = 1 + (trial // 2) % DET_STEPS if trial % 2 == 0 else None
         delay = rng.choice([0.0, rng.uniform(0, 0.002), rng.uniform(0, 0.05), rng.uniform(0, 0.3)])
-        proc = subprocess.Popen([sys.executable, "-m", _MODULE, "_crash-worker", str(root), json.dumps(acked)],
-                                stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = _Worker(root, acked, point)
         lines: list[str] = []
         reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
         reader.start()
-        deadline = time.time() + 60
-        while not lines and time.time() < deadline and proc.poll() is None:
-            time.sleep(0.001)
-        if rng.random() < 0.05:  # sometimes during start-up itself
-            stats["killed_before_ready"] += 1
+        if point is not None:
+            try:
+                proc.wait(60)  # it kills itself at the point
+            except subprocess.TimeoutExpired:
+                failures.append({"trial": trial, "seed": seed, "point": point,
+                                 "problems": ["the writer never reached its kill point"]})
         else:
-            time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
+            deadline = time.time() + 60
+            while not lines and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.001)
+            if rng.random() < 0.05:  # sometimes during start-up itself
+                stats["killed_before_ready"] += 1
+            else:
+                time.sleep(delay)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
         proc.wait()
         reader.join(10)
+        if point is not None:
+            hit = [e.split("(")[-1].rstrip(")\n") for e in lines if e.startswith("FAULT kill")]
+            if hit:
+                stats["deterministic_trials"] += 1
+                stats["points"][hit[0]] = stats["points"].get(hit[0], 0) + 1
         for line in lines:
             if line.startswith("ACK "):
                 _, agent, turn = line.split()
@@ -118,9 +193,13 @@ def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dic
                 stats["acked_turns"] += 1
         problems = _check_after_crash(root, acked, stats)
         if problems:
-            failures.append({"trial": trial, "seed": seed, "delay_s": round(delay, 6), "problems": problems[:5]})
+            failures.append({"trial": trial, "seed": seed, "point": point, "delay_s": round(delay, 6),
+                             "problems": problems[:5]})
     if stats["acked_turns"] == 0:  # a campaign that checked nothing must not pass
         failures.append({"seed": seed, "problems": ["no turn was ever acknowledged: the writer never ran"]})
+    if trials >= 40 and \
+            set(stats["points"]) != {"open", "write", "fsync", "rename", "dirsync"}:
+        failures.append({"seed": seed, "problems": [f"deterministic kills hit only {sorted(stats['points'])}"]})
     return {"trials": trials, "failures": len(failures), "failure_cases": failures[:20], **stats}
 
 
@@ -421,7 +500,19 @@ def fuzz_campaign(trials: int, seed: int, work: Path, timeout: float = 30) -> di
 # report
 
 
-CAMPAIGNS = {"crash": (crash_campaign, 1000, 50), "fuzz": (fuzz_campaign, 1000, 60)}
+def _server(name: str) -> Callable:
+    """A campaign against a real server (server_campaigns.py), imported only when run."""
+    def run(trials: int, seed: int, work: Path) -> dict:
+        from . import server_campaigns
+
+        return getattr(server_campaigns, f"{name}_campaign")(trials, seed, work)
+    return run
+
+
+# name: (function, full trials, quick trials); soak and storm count seconds
+CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
+             "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
+             "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40)}
 
 
 def _machine() -> str:
@@ -430,23 +521,135 @@ def _machine() -> str:
     return f"{cpu_name()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
 
 
+def _report_server_crash(r: dict) -> list[str]:
+    if "modes" not in r:
+        return []
+    return [f"Server lifetimes, each ended by one SIGKILL: {', '.join(f'{k} {v}' for k, v in sorted(r['modes'].items()))} "
+            f"(write-point: the server killed itself before a chosen write step, {r['write_point_kills']} times; "
+            f"final-check: one more start, no kill). Completed turns: {r['completed_turns']}, of which "
+            f"{r['turns_checked_across_a_kill']} were checked after a kill (the agent's next turn's cached_tokens "
+            f"cover the turn before); replies compared with a never-killed server: {r['replies_compared']}; "
+            f"requests in flight at a kill (retried after the restart): {r['requests_killed_in_flight']}."]
+
+
+def _report_disk(r: dict) -> list[str]:
+    if "phases" not in r:
+        return []
+    keys = ("requests_ok", "hits_hot", "hits_disk", "misses", "write_errors", "save_failures", "retries",
+            "saves_dropped", "unsaved_blocks_dropped", "read_errors", "quarantined")
+    out = [f"Fault: {r['tmpfs']}; then EIO injected on fsync, then on reads (faults.py). Server restarts: "
+           f"{r['restarts']}. RSS: {r['rss_baseline_mb']} MB after warm-up, peak {r['rss_peak_mb']} MB, bound "
+           f"{r['rss_bound_mb']} MB (warm-up + hot_mb + stated overhead). Pool hot_bytes peak {r['hot_bytes_peak']} "
+           f"against hot_mb {r['hot_budget_bytes']}, bound {r.get('hot_bound_bytes')} (hot_mb + the turn being "
+           f"committed, all of it unsaved on a failing disk).", "",
+           "| phase | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    for phase, p in r["phases"].items():
+        out.append(f"| {phase} | " + " | ".join(str(p.get(k, "")) for k in keys) + " |")
+    return out
+
+
+def _report_soak(r: dict) -> list[str]:
+    if "tiers" not in r:
+        return []
+    out = [f"{r['agents']} agents over {r['clients']} clients for {r['seconds_run']} s (hot_mb {r['hot_mb']}, "
+           f"disk_mb {r['disk_mb']}); requests per tier: {r['tiers']}; budget erasures {r['budget_erasures']}, "
+           f"agents evicted from memory {r['evicted_agents']}. RSS after warm-up {r['rss_after_warmup_mb']} MB, "
+           f"peak after {r['rss_peak_after_warmup_mb']} MB, bound {r['rss_bound_mb']} MB; disk peak "
+           f"{r['disk_peak_bytes']} bytes (budget {int(r['disk_mb'] * 2**20)} + one turn).", "",
+           "| window (s) | hot p50/p90/p99 ms (n) | disk p50/p90/p99 ms (n) | miss p50/p90/p99 ms (n) |",
+           "|---|---|---|---|"]
+    cell = lambda d: f"{d['p50_ms']}/{d['p90_ms']}/{d['p99_ms']} ({d['n']})" if d else "-"  # noqa: E731
+    for w in r["latency"]:
+        out.append(f"| {w['from_s']}-{w['to_s']} | {cell(w['hot'])} | {cell(w['disk'])} | {cell(w['miss'])} |")
+    return out
+
+
+def _report_storm(r: dict) -> list[str]:
+    if "requests" not in r:
+        return []
+    return [f"{r['clients']} concurrent clients for {r['seconds_run']} s; slowest request {r['slowest_request_s']} s; "
+            f"agents' next turns checked against a cold server afterwards: {r['agents_verified_after']}.", "",
+            "| request kind | outcomes |", "|---|---|"] + [
+        f"| {k} | {', '.join(f'{o} {n}' for o, n in sorted(v.items()))} |" for k, v in sorted(r["requests"].items())]
+
+
+_WHAT = {
+    "crash": "A subprocess writes agents' blocks and manifests through the real store and is SIGKILLed, half the "
+             "trials before a chosen system call of a write (open, write, fsync, rename, directory fsync; the "
+             "store's fault hook), half at a random moment. Then the store is reopened as a server start does: "
+             "every turn acknowledged as durable must read back exactly, nothing half-written may be served, no "
+             "temp file or unreferenced block may survive the start.",
+    "fuzz": "One mutation per trial of a block file, manifest or model.json (bit flips, truncation, zero length, "
+            "appended bytes, forged tokens with a recomputed checksum, swapped blocks, foreign manifests, symlinks "
+            "to files and devices, FIFOs, directories, huge or negative numbers, invalid or deeply nested JSON); "
+            "the store is reopened and read as the pool reads it. Failure: a crash, a hang, or any damaged or "
+            "foreign KV served. Outcomes: quarantined, chain-refused (sound file whose tokens do not chain), "
+            "ignored, refused (model directory: the server then serves from memory and says so).",
+    "server_crash": "A real `vllm-mlx serve --cache-backend persist_q4` (tiny local model) with 4 agents in flight "
+                    "is SIGKILLed once per lifetime: mid-request, right after a response, or by itself before a "
+                    "chosen write step. Failures: a completed turn not covered by the agent's next turn's "
+                    "cached_tokens, a request failing while the server is up, a reply different from a "
+                    "never-killed reference server's reply to the same conversation.",
+    "disk": "The cache root on an 8 MB tmpfs (disk_mb 6), filled with a file, then emptied; then EIO injected on fsync, then on "
+            "reads. Failures: a failed request, a reply different from the reference, memory over its bound, no "
+            "counter saying what was not cached, a cache that does not work again (across a SIGKILL) once the "
+            "fault is gone, a sound file quarantined on EIO.",
+    "storm": "Concurrent clients mixing agents' turns (the same agent from several clients at once), streams "
+             "aborted with a TCP reset, requests hung up early, invalid bodies and agent ids. Failures: the "
+             "server down, a request past its time-out (120 s), a 5xx for a bad body, a bad id not answered 400, "
+             "and any agent whose next turn afterwards differs from a fresh server given the same history cold.",
+    "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
+            "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
+            "post-warm-up RSS + hot_mb + 256 MB, disk past disk_mb + one turn. The full run is one hour "
+            "(`./dev reliability --campaigns soak`: about 62 minutes on 2 cores, a few hundred MB of memory "
+            "and under 10 MB of disk; it replaces only this row).",
+}
+
+
+_SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
+                  "storm": _report_storm}
+
+
+def _merged(results: dict, path: Path) -> dict:
+    """`results` over the report already at `path`: campaigns not run this time keep their figures (each
+    campaign carries the command and date of its own run), so the soak can be run on its own."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return results
+    if old.get("machine") != results["machine"] or not isinstance(old.get("campaigns"), dict):
+        return results
+    campaigns = {n: c for n, c in old["campaigns"].items() if n in CAMPAIGNS and "run" in c}
+    campaigns.update(results["campaigns"])
+    return {**results, "campaigns": {n: campaigns[n] for n in CAMPAIGNS if n in campaigns}}
+
+
 def write_report(results: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     lines = ["# Reliability campaigns", "", f"Command: `{command}`  ", f"Machine: {results['machine']}  ",
-             f"Date: {results['date']}", "", "| campaign | trials | failures | seconds |", "|---|---|---|---|"]
+             f"Date: {results['date']}", "",
+             "Each campaign's own command and date are in its row (a campaign run on its own replaces only its row).",
+             "", "| campaign | trials | failures | seconds | run |", "|---|---|---|---|---|"]
     for name, r in results["campaigns"].items():
-        lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} |")
+        run = r.get("run", {})
+        how = f"{run.get('date', '')}, `{run.get('command', command)}`" + (" (quick)" if run.get("quick") else "")
+        lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} | {how} |")
     for name, r in results["campaigns"].items():
-        lines += ["", f"## {name}", ""]
+        lines += ["", f"## {name}", "", _WHAT.get(name, ""), ""]
         if name == "crash":
             lines.append(f"Acknowledged turns: {r['acked_turns']}; temp files removed at restart: "
                          f"{r['tmp_removed']}; unreferenced blocks removed at restart: {r['orphans_removed']}; "
-                         f"kills during start-up: {r['killed_before_ready']}.")
+                         f"kills during start-up: {r['killed_before_ready']}; kills at a chosen write step "
+                         f"(before the Nth open/write/fsync/rename/dir fsync, N = 1..{DET_STEPS}): "
+                         f"{r['deterministic_trials']} ("
+                         + ", ".join(f"{k} {v}" for k, v in sorted(r["points"].items())) + ").")
         if name == "fuzz":
             lines += ["| mutation | outcomes |", "|---|---|"]
             for mut, o in sorted(r["outcomes"].items()):
                 lines.append(f"| {mut} | {', '.join(f'{k} {v}' for k, v in sorted(o.items()))} |")
+        if name in _SERVER_REPORT:
+            lines += _SERVER_REPORT[name](r)
         for f in r["failure_cases"]:
             lines.append(f"- FAILURE (reproduce with `--campaigns {name} --seed {f['seed']}`): `{json.dumps(f)[:400]}`")
     (out / "reliability.md").write_text("\n".join(lines) + "\n")
@@ -480,14 +683,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             fn, full, quick = CAMPAIGNS[name]
             trials = args.trials or (quick if args.quick else full)
             t0 = time.perf_counter()
-            r = fn(trials, args.seed, work)
+            try:
+                r = fn(trials, args.seed, work)
+            except Exception:  # a campaign that cannot finish is a failure, with its reason
+                import traceback
+
+                r = {"trials": trials, "failures": 1, "failure_cases": [
+                    {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
             r["seconds"] = round(time.perf_counter() - t0, 1)
+            r["run"] = {"command": results["command"], "date": results["date"], "quick": bool(args.quick and not args.trials)}
             results["campaigns"][name] = r
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
     finally:
+        if any(n in names for n in ("server_crash", "disk", "storm", "soak")):
+            from .server_campaigns import close_shared
+
+            close_shared()
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    write_report(results, Path(args.out), results["command"])
+    write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
     return 1 if any(r["failures"] for r in results["campaigns"].values()) else 0
 
 

@@ -58,13 +58,15 @@ class Server:
     """One `vllm-mlx serve MODEL --continuous-batching [--cache-backend ...] [extra args]` process."""
 
     def __init__(self, model_dir: Path, home: Path, *, backend: Optional[str] = "persist_q4",
-                 options: Optional[dict] = None, extra_args: tuple[str, ...] = (), openblas: bool = True):
+                 options: Optional[dict] = None, extra_args: tuple[str, ...] = (), openblas: bool = True,
+                 env: Optional[dict] = None):
         self.model = str(model_dir)
         self.home = Path(home)
         self.backend = backend
         self.options = options or {}
         self.extra_args = tuple(extra_args)
         self.blas = openblas_path() if openblas else None
+        self.extra_env = dict(env or {})  # e.g. VLLM_MLX_PERSIST_FAULT for the reliability campaigns
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
         self.log_path = self.home / "server.log"
@@ -81,6 +83,7 @@ class Server:
     def env(self) -> dict:
         env = dict(os.environ)
         env.update(HOME=str(self.home), XDG_CACHE_HOME=str(self.home / ".cache"), PYTHONUNBUFFERED="1")
+        env.update(self.extra_env)
         if self.blas and self.blas not in env.get("LD_PRELOAD", ""):
             env["LD_PRELOAD"] = self.blas + (":" + env["LD_PRELOAD"] if env.get("LD_PRELOAD") else "")
         return env
