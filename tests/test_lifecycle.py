@@ -368,3 +368,21 @@ def test_restart_restores_the_most_recent_agents_within_hot_mb(model, tmp_path):
     assert n == 40 and restarted.stats["blocks_restored"] == 3
     assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
     restarted.close()
+
+
+def test_a_manifest_never_names_a_block_that_is_not_on_disk(model, tmp_path):
+    """A failed turn's blocks stay in another branch when the next turn diverges inside them: the
+    next save must write them too before its manifest names them (found by the disk campaign)."""
+    pool = budget_pool(model, tmp_path, retry_delays=(60.0,))
+    writes = FailingWrites(pool.store)
+    first = tokens(40)
+    pool.commit("a", first, prefill(model, first)[0])  # fails: its blocks stay PENDING, retry far off
+    writes.failing = False
+    second = first[:36] + tokens(20, seed=7)  # diverges inside the first turn's tail: two branches
+    hit, n, _ = pool.lookup("a", second)
+    cache, _ = prefill(model, second[n:], hit)
+    pool.commit("a", second, cache)
+    (m,) = pool.store.list_manifests()
+    assert len(pool.agents["a"].branches) == 2
+    assert all(pool.store.block_path(b).is_file() for b in m.block_ids)
+    pool.close()

@@ -729,8 +729,10 @@ class BlockPool:
         self.stats["tokens_stored"] += n_valid
         future = None
         if agent.persistent and self.persister is not None:
-            pending = [self.blocks[b] for b in new_ids if self.blocks[b].state == BlockState.PENDING
-                       and self.blocks[b].layers is not None]
+            # Every unsaved block the manifest will name, in any branch (a failed earlier turn's blocks
+            # too): the manifest is written only after all of them are durable.
+            pending = [self.blocks[b] for b in agent.ids if b in self.blocks
+                       and self.blocks[b].state == BlockState.PENDING and self.blocks[b].layers is not None]
             future = self._save(agent, pending, dead)
         self._enforce_budget(keep=agent.namespace)
         return agent, future
