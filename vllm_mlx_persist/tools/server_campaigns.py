@@ -49,6 +49,18 @@ WORDS = ("the cache keeps what the agent has read so that a returning agent only
          "prefills what is new while every other agent keeps its own memory ").split()
 
 
+
+def _run_for(threads: list[threading.Thread], seconds: float, stop: threading.Event) -> int:
+    """Start `threads`, let them run `seconds`, set `stop`, join each for at most a request's time-out
+    (plus slack); returns how many are still running (hung)."""
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join(TIMEOUT_S + 10)
+    return sum(t.is_alive() for t in threads)
+
 def user_text(agent: str, turn: int, words: int = 40) -> str:
     body = " ".join(WORDS[(turn * 7 + len(agent) + i) % len(WORDS)] for i in range(words + 6 * turn))
     return f"{agent} turn {turn}: {body}"
@@ -547,13 +559,7 @@ def soak_campaign(seconds: int, seed: int, work: Path, n_agents: int = 16, clien
                 warm[0] = rss.rss()
 
     threads = [threading.Thread(target=client, args=(convs[k::clients],), daemon=True) for k in range(clients)]
-    threads.append(threading.Thread(target=sampler, daemon=True))
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join(TIMEOUT_S + 10)
+    _run_for(threads + [threading.Thread(target=sampler, daemon=True)], seconds, stop)
     peak_after_warm = max((s["rss_mb"] for s in samples if warm[0] and s["t_s"] > min(30.0, seconds / 4)), default=0)
     final = status(srv)
     srv.stop()
@@ -671,14 +677,8 @@ def storm_campaign(seconds: int, seed: int, work: Path, clients: int = 32, n_age
                 slowest[0] = max(slowest[0], time.perf_counter() - t)
 
     threads = [threading.Thread(target=client, args=(j,), daemon=True) for j in range(clients)]
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join(TIMEOUT_S + 10)
-        if t.is_alive():
-            failures.append({"seed": seed, "problem": "a client thread hung"})
+    for _ in range(_run_for(threads, seconds, stop)):
+        failures.append({"seed": seed, "problem": "a client thread hung"})
     alive = srv.proc is not None and srv.proc.poll() is None
     verified = 0
     try:
