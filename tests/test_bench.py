@@ -102,3 +102,41 @@ def test_quick_families_section_on_gemma3(tmp_path: Path):
         assert turns[str(int(t) - 1)]["prompt_tokens"] <= turns[t]["reused_tokens"] < turns[t]["prompt_tokens"], turns
     assert all(v["ttft_s"][st] > 0 for v in s.values() for st in ("cold", "hot", "restart_sigkill"))
     assert "## Model families" in (out / "bench.md").read_text()
+
+
+def test_quick_workload_sections(tmp_path: Path):
+    """The seeds' workloads (long contexts, batch 2 vs 1 and staggered arrivals, other agents' tokens
+    while a long first turn is written) run on real servers and report what they measured."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "long,concurrency,stall",
+           "--long-contexts", "1024", "--out", str(out), "--work", str(tmp_path / "work")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads((out / "bench.json").read_text())
+    secs = res["sections"]
+    assert all(secs[s]["errors"] == {} for s in ("long", "concurrency", "stall"))
+
+    long_ = secs["long"]["summary"]
+    # after a SIGKILL restart persist_q4 reuses the history from disk; vllm-mlx's memory cache is gone
+    assert long_["persist_q4"]["1024"]["restart_sigkill"]["tier"] == "disk"
+    assert long_["persist_q4"]["1024"]["restart_sigkill"]["reused_tokens"] >= 1024
+    assert long_["vllm_default"]["1024"]["restart_sigkill"]["tier"] == "cold"
+    assert long_["persist_q4"]["1024"]["cold"]["rss_peak_mb"] >= long_["persist_q4"]["1024"]["cold"]["rss_before_mb"]
+
+    conc = secs["concurrency"]["summary"]
+    for system in ("persist_q4", "vllm_default"):
+        for state in ("cold", "hot", "restart_sigkill"):
+            row = conc[system]["256"][state]
+            assert {"batch1", "batch2", "staggered"} <= set(row), row
+            assert row["batch2"]["system_tok_s"] > 0 and row["staggered"]["b_ttft_s"] > 0
+    # returning agents after the restart: every persist_q4 request reports cached tokens, vllm-mlx none
+    kill = [r for r in secs["concurrency"]["runs"] if r["state"] == "restart_sigkill"]
+    assert all(c and c > 0 for r in kill if r["system"] == "persist_q4" for c in r["cached_tokens"])
+    assert all(not c for r in kill if r["system"] == "vllm_default" for c in r["cached_tokens"])
+
+    for system, v in secs["stall"]["systems"].items():
+        assert v["long"]["prompt_tokens"] >= 1024
+        assert v["windows"]["before"]["n"] > 0 and v["windows"]["write"]["n"] > 0, (system, v["windows"])
+    md = (out / "bench.md").read_text()
+    assert "Long contexts" in md and "staggered" in md and "long first turn is written" in md
+    assert (out / "stall.png").exists()

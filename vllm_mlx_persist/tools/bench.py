@@ -1,6 +1,6 @@
 """`vllm-mlx-persist bench`: persist_q4 against vllm-mlx's own caches, on real servers.
 
-Five sections, each selectable with --sections:
+Sections, each selectable with --sections:
 
 - ttft: time to first token against context length, cold / hot / after a restart (SIGTERM, and
   SIGKILL), for persist_q4, vllm-mlx's default prefix cache and vllm-mlx's 4-bit + SSD tier.
@@ -17,6 +17,9 @@ Five sections, each selectable with --sections:
   vllm-mlx's default prefix cache.
 - fleet: two persist_q4 servers sharing a real redis-server (`remote_url`): TTFT of an agent's first
   turn on the second server against cold and against a local-disk hit, and Redis bytes per token.
+- long, concurrency, stall (bench_workloads.py, the seeds' workloads): 16k/32k contexts on a smaller
+  model with the peak memory of the chunked prefill; two agents against one and staggered arrivals;
+  other agents' inter-token gaps while one agent's long first turn is prefilled and written.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -43,425 +46,18 @@ import tempfile
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .serving import RssSampler, Server, cpu_name, openblas_path
-
-SYSTEMS = ("persist_q4", "vllm_default", "vllm_q4_ssd")
-LABELS = {
-    "persist_q4": "persist_q4",
-    "vllm_default": "vllm-mlx default prefix cache",
-    "vllm_q4_ssd": "vllm-mlx 4-bit + SSD tier",
-}
-SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet")
-FAMILIES = ("gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32")
-# turns of the families section: (state, turn index); the restart turn follows a SIGKILL
-FAMILY_TURNS = (("cold", 1), ("hot", 2), ("hot", 3), ("restart_sigkill", 4))
-STATES = ("cold", "hot", "restart_sigterm", "restart_sigkill")
-MB = 2**20
-
-# ---------------------------------------------------------------------------------------------
-# Plans
-
-
-@dataclass
-class Plan:
-    model_size: str = "bench"
-    # ttft
-    contexts: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
-    reps: int = 3  # conversations per context (each gives one cold sample)
-    reps_by_context: dict[int, int] = field(default_factory=lambda: {4096: 2, 8192: 1})
-    hot_turns: int = 2  # hot turns per conversation after its cold turn
-    restart_cycles: int = 2  # SIGTERM restarts; each gives one turn per conversation
-    kill_cycles: int = 1  # SIGKILL restarts; each gives one turn for the first conversation of each context
-    user_words: int = 30  # the short new user turn
-    ttft_max_tokens: int = 8
-    ttft_cache_mb: int = 4096  # hot_mb / --cache-memory-mb: room for every context
-    ttft_systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
-    # agents
-    agents: int = 5
-    agent_tokens: int = 2048
-    agent_rounds: int = 3
-    agent_budget_mb: int = 32
-    agent_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
-    # batch
-    batch_levels: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
-    batch_tokens: int = 512
-    batch_max_tokens: int = 32
-    batch_reps: int = 2
-    batch_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
-    # reload
-    reload_sizes: list[int] = field(default_factory=lambda: [256, 1024, 2048, 4096, 8192, 16384, 32768])
-    reload_reps: int = 3
-    bandwidth_mb: int = 1024
-    # families
-    family_archs: list[str] = field(default_factory=lambda: list(FAMILIES))
-    family_size: str = "small"
-    family_tokens: int = 2048
-    family_max_tokens: int = 8
-    family_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
-    # fanout
-    fanout_levels: list[int] = field(default_factory=lambda: [1, 4, 8])
-    fanout_tokens: int = 4096  # the coordinator's document, in template tokens
-    fanout_question_words: int = 20
-    fanout_max_tokens: int = 8
-    fanout_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
-    fanout_nofork: bool = False  # also persist_q4 without fork_from (each worker prefills the document)
-    # fleet
-    fleet_contexts: list[int] = field(default_factory=lambda: [1024, 4096])
-    fleet_reps: int = 2
-
-    def reps_for(self, context: int) -> int:
-        return self.reps_by_context.get(context, self.reps)
-
-
-QUICK = Plan(
-    model_size="tiny", contexts=[128, 256, 512], reps=1, reps_by_context={}, hot_turns=1,
-    restart_cycles=1, kill_cycles=1, user_words=12, ttft_max_tokens=4, ttft_cache_mb=256,
-    agents=3, agent_tokens=2048, agent_rounds=2, agent_budget_mb=1,
-    batch_levels=[1, 2, 4], batch_tokens=128, batch_max_tokens=16, batch_reps=1,
-    reload_sizes=[256, 1024, 4096], reload_reps=1, bandwidth_mb=64,
-    family_archs=list(FAMILIES[:5]), family_size="tiny", family_tokens=256, family_max_tokens=4,
-    fanout_tokens=512, fleet_contexts=[256, 512], fleet_reps=1,
-)
-
-# ---------------------------------------------------------------------------------------------
-# Small helpers
-
-_T0 = time.perf_counter()
-
-
-def say(msg: str) -> None:
-    print(f"[bench {time.perf_counter() - _T0:7.1f}s] {msg}", file=sys.stderr, flush=True)
-
-
-def median(xs: list[float]) -> Optional[float]:
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
-
-
-def seed_of(*parts: Any) -> int:
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
-
-
-def version(dist: str) -> Optional[str]:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as v
-
-    try:
-        return v(dist)
-    except PackageNotFoundError:
-        return None
-
-
-def machine_info(work: Path) -> dict:
-    import psutil
-
-    blas = openblas_path()
-    try:
-        df = subprocess.run(["df", "-hT", str(work)], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        df = ""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "cpu": cpu_name(),
-        "cores": os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "os": platform.platform(),
-        "python": platform.python_version(),
-        "mlx": version("mlx"),
-        "mlx_backend": version("mlx-cpu") and f"mlx-cpu {version('mlx-cpu')}" or version("mlx-metal") and "metal",
-        "mlx_lm": version("mlx-lm"),
-        "vllm_mlx": version("vllm-mlx"),
-        "vllm_mlx_persist": version("vllm-mlx-persist"),
-        "git_commit": commit,
-        "blas": (f"OpenBLAS preloaded into every server (LD_PRELOAD={blas} -> {os.path.realpath(blas)})"
-                 if blas else ("Accelerate/Metal (macOS)" if platform.system() == "Darwin"
-                               else "mlx-cpu's bundled reference BLAS (OpenBLAS not found: 15-35x slower)")),
-        "disk": df,
-        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
-    }
-
-
-# ---------------------------------------------------------------------------------------------
-# Page cache
-
-
-def _files(paths: list[Path]) -> list[Path]:
-    out = []
-    for p in paths:
-        p = Path(p)
-        if p.is_file():
-            out.append(p)
-        elif p.is_dir():
-            out.extend(f for f in p.rglob("*") if f.is_file() and not f.is_symlink())
-    return out
-
-
-def drop_page_cache(paths: list[Path]) -> dict:
-    """fsync then posix_fadvise(DONTNEED) every file under `paths`; reports how much stayed resident."""
-    files = _files(paths)
-    total = 0
-    for f in files:
-        try:
-            fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            total += os.fstat(fd).st_size
-            try:
-                os.fsync(fd)  # dirty pages cannot be dropped
-            except OSError:
-                pass
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return {"files": len(files), "bytes": total, "resident_after": resident_fraction(files)}
-
-
-def resident_fraction(files: list[Path]) -> Optional[float]:
-    """Fraction of the files' pages in the page cache (mincore; Linux only, else None)."""
-    if platform.system() != "Linux" or not files:
-        return None
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    page = mmap.PAGESIZE
-    resident = pages = 0
-    for f in files:
-        try:
-            size = f.stat().st_size
-            if size == 0:
-                continue
-            fd = os.open(f, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                continue
-            n = (size + page - 1) // page
-            vec = (ctypes.c_ubyte * n)()
-            if libc.mincore(ctypes.c_void_p(addr), size, vec) == 0:
-                resident += sum(v & 1 for v in vec)
-                pages += n
-            libc.munmap(ctypes.c_void_p(addr), size)
-        finally:
-            os.close(fd)
-    return round(resident / pages, 4) if pages else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Prompts
-
-WORDS = (
-    "the agent reads a file and writes a short plan before it calls the next tool with the result of "
-    "every step so that later turns can refer back to what was found earlier in the session while "
-    "other agents keep working on their own tasks in parallel and report progress to the planner "
-    "which merges their notes into one summary for the user who asked for a review of the code the "
-    "tests the build and the deployment including logs metrics traces errors warnings and the time "
-    "each stage took on the machine that ran it yesterday and today after the cache was cleared"
-).split()
-
-
-class Prompts:
-    """Chat histories of a given token length, counted with the served model's own chat template."""
-
-    def __init__(self, model_dir: Path):
-        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        from transformers import AutoTokenizer
-
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir))
-
-    def count(self, messages: list[dict]) -> int:
-        ids = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return len(ids["input_ids"] if hasattr(ids, "keys") else ids)  # transformers 5 returns a BatchEncoding
-
-    @staticmethod
-    def words(rng: random.Random, n: int) -> str:
-        return " ".join(rng.choice(WORDS) for _ in range(n))
-
-    def history(self, seed: int, n_tokens: int, turn_words: int = 120) -> list[dict]:
-        """Alternating user/assistant turns, about `n_tokens` long in the template. The first words
-        are a per-seed nonce so that no two histories share more than the template's first tokens."""
-        rng = random.Random(seed)
-        msgs = [{"role": "user", "content": f"session {seed:016x}: " + self.words(rng, turn_words)}]
-        while self.count(msgs) < n_tokens:
-            role = "assistant" if msgs[-1]["role"] == "user" else "user"
-            msgs.append({"role": role, "content": self.words(rng, turn_words)})
-        if msgs[-1]["role"] == "user" and len(msgs) > 1:
-            msgs.append({"role": "assistant", "content": self.words(rng, 8)})
-        # trim the last message so the history (without the next user turn) is close to n_tokens
-        words = msgs[-1]["content"].split(" ")
-        lo, hi = 1, len(words)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            msgs[-1]["content"] = " ".join(words[:mid])
-            if self.count(msgs) <= n_tokens:
-                lo = mid
-            else:
-                hi = mid - 1
-        msgs[-1]["content"] = " ".join(words[:lo])
-        return msgs
-
-
-class Conversation:
-    """One agent's conversation: a history, then short new user turns and the replies it got."""
-
-    def __init__(self, agent: str, messages: list[dict], seed: int, user_words: int, **meta: Any):
-        self.agent, self.messages, self.seed, self.user_words = agent, messages, seed, user_words
-        self.meta = meta
-        self.turns = 0
-
-    def ask(self) -> list[dict]:
-        rng = random.Random(self.seed * 1000 + self.turns)
-        self.messages.append({"role": "user", "content": f"turn {self.turns}: " + Prompts.words(rng, self.user_words)})
-        self.turns += 1
-        return self.messages
-
-    def answer(self, text: str) -> None:
-        self.messages.append({"role": "assistant", "content": text})
-
-
-# ---------------------------------------------------------------------------------------------
-# Servers and requests
-
-COMMON_ARGS = ("--stream-interval", "1", "--timeout", "7200")
-
-
-def make_server(system: str, model: Path, home: Path, cache_mb: float) -> Server:
-    if system == "persist_q4":
-        return Server(model, home, backend="persist_q4", options={"hot_mb": cache_mb}, extra_args=COMMON_ARGS)
-    args = COMMON_ARGS + ("--cache-memory-mb", str(max(1, int(cache_mb))))
-    if system == "vllm_q4_ssd":
-        args += ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4", "--ssd-cache-dir", str(home / "ssd"))
-    elif system != "vllm_default":
-        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    return Server(model, home, backend=None, extra_args=args)
-
-
-def server_flags(system: str, cache_mb: float) -> str:
-    s = make_server(system, Path("MODEL"), Path("/tmp/HOME"), cache_mb)
-    return " ".join(shlex.quote(a) for a in s.command()[2:] if a not in ("--port", "0", "--host", "127.0.0.1"))
-
-
-def cache_paths(home: Path) -> list[Path]:
-    """Everything a server may persist: persist_q4's dir, vllm-mlx's snapshot and its SSD tier."""
-    return [home / ".cache", home / "ssd"]
-
-
-class Session:
-    """A server plus its event log (start/stop timings) and one OpenAI client."""
-
-    def __init__(self, system: str, server: Server, events: list[dict], phase: str):
-        self.system, self.server, self.events, self.phase = system, server, events, phase
-        self.client = None
-
-    def start(self, note: str = "") -> float:
-        import openai
-
-        t = time.perf_counter()
-        self.server.start(timeout=900)
-        dt = time.perf_counter() - t
-        self.events.append({"system": self.system, "phase": self.phase, "event": "start", "note": note,
-                            "seconds": round(dt, 3)})
-        self.client = openai.OpenAI(base_url=self.server.url + "/v1", api_key="bench", max_retries=0, timeout=7200)
-        # One short anonymous request: one-off costs (persist_q4 hashes the weights on first use,
-        # first-call allocations) do not land in the first measured turn.
-        w = send(self, [{"role": "user", "content": f"warm up {time.time_ns()}"}], None, 2)
-        self.events.append({"system": self.system, "phase": self.phase, "event": "warmup", "note": note,
-                            "seconds": round(w["total_s"], 3)})
-        return dt
-
-    def stop(self, sig: int = signal.SIGTERM, note: str = "") -> float:
-        t = time.perf_counter()
-        self.server.stop(sig, timeout=900)
-        dt = time.perf_counter() - t
-        self.events.append({"system": self.system, "phase": self.phase, "event": f"stop {signal.Signals(sig).name}",
-                            "note": note, "seconds": round(dt, 3)})
-        return dt
-
-
-_PERSIST_RE = re.compile(r"\[persist_q4\] agent=(\S+) (?:HIT (hot|disk) cached=(\d+)|MISS)")
-_FETCH_RE = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS)(?:[^\n]*? cached=(\d+))?")
-_SSD_RE = re.compile(r"\[ssd_promote\] request=\S+ [^\n]*?promote: (\d+)/(\d+) tokens from SSD")
-
-
-def classify(log: str, agent: Optional[str]) -> tuple[str, int]:
-    """(tier, reused tokens) of one turn from the server log lines it produced:
-    memory / disk / cold, from persist_q4's lookup lines or vllm-mlx's cache_fetch / ssd_promote lines."""
-    hits = [m for m in _PERSIST_RE.finditer(log) if m.group(1) == (agent or "<anonymous>")]
-    if hits:
-        m = hits[-1]
-        return {"hot": "memory", "disk": "disk"}.get(m.group(2) or "", "cold"), int(m.group(3) or 0)
-    ssd = list(_SSD_RE.finditer(log))
-    if ssd:
-        return "disk", int(ssd[-1].group(1))
-    fetch = list(_FETCH_RE.finditer(log))
-    if fetch and fetch[-1].group(1) == "HIT" and int(fetch[-1].group(2) or 0) > 0:
-        return "memory", int(fetch[-1].group(2))
-    return "cold", 0
-
-
-def send(session: Session, messages: list[dict], agent: Optional[str], max_tokens: int,
-         client: Any = None, classify_log: bool = True, metadata: Optional[dict] = None) -> dict:
-    """One streamed chat turn. TTFT = send to first non-empty content chunk."""
-    srv = session.server
-    pos = srv.log_path.stat().st_size if classify_log else 0
-    client = client or session.client
-    headers = {"X-Agent-ID": agent} if agent else None
-    t0 = time.perf_counter()
-    stream = client.chat.completions.create(
-        model=srv.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-        stream_options={"include_usage": True}, extra_headers=headers, **({"metadata": metadata} if metadata else {}))
-    first = last = None
-    parts: list[str] = []
-    usage = None
-    for chunk in stream:
-        now = time.perf_counter()
-        if chunk.choices and chunk.choices[0].delta is not None and chunk.choices[0].delta.content:
-            if first is None:
-                first = now
-            last = now
-            parts.append(chunk.choices[0].delta.content)
-        if getattr(chunk, "usage", None):
-            usage = chunk.usage
-    end = time.perf_counter()
-    out = {
-        "ttft_s": round((first if first is not None else end) - t0, 4),
-        "total_s": round(end - t0, 4),
-        "t_send": t0, "t_first": first, "t_last": last, "t_end": end,
-        "text": "".join(parts),
-        "prompt_tokens": getattr(usage, "prompt_tokens", None),
-        "completion_tokens": getattr(usage, "completion_tokens", None),
-    }
-    details = getattr(usage, "prompt_tokens_details", None)
-    out["usage_cached_tokens"] = getattr(details, "cached_tokens", None) if details else None
-    if classify_log:
-        time.sleep(0.05)  # let the log line of the store/lookup reach the file
-        with open(srv.log_path, errors="replace") as f:
-            f.seek(pos)
-            seg = f.read()
-        out["tier"], out["reused_tokens"] = classify(seg, agent)
-    return out
-
-
-def _turn_record(r: dict, **kw: Any) -> dict:
-    keep = ("ttft_s", "total_s", "prompt_tokens", "completion_tokens", "usage_cached_tokens", "tier", "reused_tokens")
-    return {**kw, **{k: r.get(k) for k in keep}}
-
+from .bench_kit import (COMMON_ARGS, FAMILIES, FIXED_REPLY, FAMILY_TURNS, LABELS, MB, QUICK, STATES, SYSTEMS, Conversation, Ctx, Plan,
+                        Prompts, Session, cache_paths, classify, drop_page_cache, machine_info, make_server,
+                        median, say, seed_of, send, server_flags, _turn_record)
+from .serving import RssSampler, Server, openblas_path
+
+from .bench_workloads import (headline_workloads, md_concurrency, md_long, md_stall, section_concurrency,
+                              section_long, section_stall)
+
+SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet", "long", "concurrency", "stall")
 
 # ---------------------------------------------------------------------------------------------
 # Section: TTFT against context length
@@ -540,6 +136,9 @@ def summarize_ttft(samples: list[dict], plan: Plan) -> dict:
             cold = row.get("cold", {}).get("median_s")
             row["ratios"] = {f"cold/{st}": round(cold / row[st]["median_s"], 2)
                              for st in STATES[1:] if cold and st in row and row[st]["median_s"] > 0}
+            hot = row.get("hot", {}).get("median_s")
+            row["ratios"].update({f"{st}/hot": round(row[st]["median_s"] / hot, 2)
+                                  for st in STATES[2:] if hot and st in row})
             prompts = [x["prompt_tokens"] for x in samples if x["system"] == system and x["context"] == L
                        and x["state"] == "cold" and x["prompt_tokens"]]
             row["cold_prompt_tokens"] = median(prompts)
@@ -614,12 +213,6 @@ def section_agents(ctx: "Ctx") -> dict:
 
 # ---------------------------------------------------------------------------------------------
 # Section: batched decoding
-
-# The batch section records this as each assistant turn instead of the random model's output, which
-# often does not survive a detokenize/retokenize round trip: vllm-mlx then prefers an older entry that
-# is an exact prefix over the newest one (an LCP match) and re-prefills hundreds of tokens per turn,
-# which would turn a decoding benchmark into a prefill one. Both systems see the same prompts.
-FIXED_REPLY = "noted, continuing with the next step"
 
 
 def section_batch(ctx: "Ctx") -> dict:
@@ -1218,13 +811,6 @@ def _md_fleet(f: dict, plan: dict) -> list[str]:
 # Report
 
 
-@dataclass
-class Ctx:
-    plan: Plan
-    work: Path
-    model: Optional[Path]  # the llama model of the ttft/agents/batch/reload sections (None if none runs)
-    prompts: Optional[Prompts]
-
 
 def headline(results: dict) -> dict:
     h: dict = {}
@@ -1262,6 +848,7 @@ def headline(results: dict) -> dict:
                                  "reuse_turn3": v["turns"].get("3", {}).get("reuse_ratio"),
                                  "reuse_restart": v["turns"].get("4", {}).get("reuse_ratio"), **v["ttft_s"]}
                              for s, v in per.items()} for a, per in fam["summary"].items()}
+    h.update(headline_workloads(results))
     fan = results.get("fanout")
     if fan and fan.get("ratios"):
         at = max(fan["ratios"], key=int)
@@ -1313,6 +900,9 @@ def render_markdown(res: dict) -> str:
         L += _md_fanout(res["sections"]["fanout"], plan)
     if "fleet" in res["sections"]:
         L += _md_fleet(res["sections"]["fleet"], plan)
+    for name, md in (("long", md_long), ("concurrency", md_concurrency), ("stall", md_stall)):
+        if name in res["sections"]:
+            L += md(res["sections"][name], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
             for s, e in v.get("errors", {}).items()}
     if errs:
@@ -1329,15 +919,16 @@ def _md_ttft(t: dict, plan: dict) -> list[str]:
          f"({plan['restart_cycles']} cycles). Restart (SIGKILL): killed, then started (first conversation of each "
          "context). Before every restart the cache files are fsync'd and dropped from the page cache "
          "(posix_fadvise DONTNEED); vllm-mlx's SIGTERM snapshot is removed before a SIGKILL restart (a crash keeps "
-         "only what an earlier graceful stop saved, and none of these conversations predate one). After every start "
-         "one short anonymous request is served before measuring. Medians; n = samples. "
+         "only what an earlier graceful stop saved, and none of these conversations predate one). No request is "
+         "served between a start and the measured turn (no warm-up request: the turn pays what a user's first request "
+         "after a restart pays; persist_q4 runs its own warm-up at start-up). Medians; n = samples. "
          "Conversations per context: " + ", ".join(f"{c}: {plan['reps_by_context'].get(str(c), plan['reps_by_context'].get(c, plan['reps']))}"
                                                    for c in plan["contexts"]) + ".", "",
          "Cells: median TTFT (samples, where the server says the prefix came from, median prompt tokens). "
          "Every turn adds a short user turn and a short reply, so later states have slightly longer prompts: "
          "a restart that falls back to a cold prefill is slower than the first cold turn.", "",
-         "| system | context | prompt tok | cold s | hot s | restart TERM s | restart KILL s | cold/hot | cold/TERM | cold/KILL |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
+         "| system | context | prompt tok | cold s | hot s | restart TERM s | restart KILL s | cold/hot | cold/TERM | cold/KILL | "
+         "KILL/hot |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s, per in t["summary"].items():
         for c, row in per.items():
             def cell(st: str) -> str:
@@ -1347,7 +938,8 @@ def _md_ttft(t: dict, plan: dict) -> list[str]:
             r = row["ratios"]
             L.append(f"| {s} | {c} | {_f(row['cold_prompt_tokens'], 0)} | {cell('cold')} | {cell('hot')} | "
                      f"{cell('restart_sigterm')} | {cell('restart_sigkill')} | {r.get('cold/hot', '–')} | "
-                     f"{r.get('cold/restart_sigterm', '–')} | {r.get('cold/restart_sigkill', '–')} |")
+                     f"{r.get('cold/restart_sigterm', '–')} | {r.get('cold/restart_sigkill', '–')} | "
+                     f"{r.get('restart_sigkill/hot', '–')} |")
     L += ["", "Server stop and start times (start = until /health answers; includes loading vllm-mlx's snapshot):", "",
           "| system | event | seconds |", "|---|---|---|"]
     for e in t["events"]:
@@ -1530,6 +1122,15 @@ def print_summary(res: dict) -> None:
         print(f"Fan-out at {h['fanout_at']} workers, other / persist_q4 with fork: " + "; ".join(
             f"{name}: prefill x{h['fanout'][k + 'prefill_x']}, time to all first tokens x{h['fanout'][k + 'all_first_x']}"
             for name, k in (("vllm_default", ""), ("persist_q4 without fork", "nofork_")) if k + "prefill_x" in h["fanout"]))
+    if "long" in h:
+        print("Long contexts (cold/hot, after SIGKILL/hot, RSS growth of the cold prefill MB):")
+        for s, per in h["long"].items():
+            print(f"  {s:<14} " + "; ".join(f"{c}: {v['cold_over_hot']}, {v['kill_over_hot']}, "
+                                           f"{v['prefill_rss_growth_mb']}" for c, v in per.items()))
+    if "stall_max_gap_ms" in h:
+        print("Longest gap between other agents' tokens, ms (before / during the long prefill / while it is written):")
+        for s, v in h["stall_max_gap_ms"].items():
+            print(f"  {s:<14} {v.get('before')} / {v.get('prefill')} / {v.get('write')}")
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
     for r in res.get("runs") or [res]:
         print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
@@ -1566,6 +1167,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--fanout-nofork", action="store_true",
                    help="fanout: also run persist_q4 without fork_from (every worker prefills the document itself)")
     p.add_argument("--fleet-contexts", default=None, help="history lengths of the fleet section, e.g. 1024,4096")
+    p.add_argument("--long-contexts", default=None, help="history lengths of the long section, e.g. 16384,32768")
+    p.add_argument("--long-size", default=None, help="models.SIZES preset of the long section (default small)")
+    p.add_argument("--conc-contexts", default=None, help="history lengths of the concurrency section, e.g. 1024,4096")
+    p.add_argument("--stall-tokens", type=int, default=None, help="the long first turn of the stall section, in tokens")
     p.add_argument("--merge", action="store_true",
                    help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
@@ -1592,6 +1197,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
     if args.fleet_contexts:
         plan.fleet_contexts = [int(x) for x in args.fleet_contexts.split(",")]
+    if args.long_contexts:
+        plan.long_contexts = [int(x) for x in args.long_contexts.split(",")]
+    if args.long_size:
+        plan.long_size = args.long_size
+    if args.conc_contexts:
+        plan.conc_contexts = [int(x) for x in args.conc_contexts.split(",")]
+    if args.stall_tokens is not None:
+        plan.stall_tokens = args.stall_tokens
     if args.reload_sizes:
         plan.reload_sizes = [int(x) for x in args.reload_sizes.split(",")]
     if args.families:
@@ -1609,8 +1222,9 @@ def build_plan(args: argparse.Namespace) -> Plan:
         bad = set(systems) - set(SYSTEMS)
         if bad:
             raise SystemExit(f"unknown systems {sorted(bad)}; choose from {', '.join(SYSTEMS)}")
-        plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.family_systems = systems
-        plan.ttft_systems = plan.agent_systems = plan.batch_systems = plan.fanout_systems = systems
+        for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems", "fanout_systems",
+                  "long_systems", "conc_systems", "stall_systems"):
+            setattr(plan, k, systems)
     return plan
 
 
@@ -1638,16 +1252,17 @@ def main(argv: list[str]) -> int:
     from .models import SIZES, build_model_dir
 
     sz = SIZES[plan.model_size]
-    if set(sections) - {"families"}:
+    if set(sections) - {"families", "long"}:
         model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
         ctx = Ctx(plan, work, model, Prompts(model))
-    else:  # the families section builds its own models
+    else:  # the families and long sections build their own models
         ctx = Ctx(plan, work, None, None)
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
                                                  "batch": section_batch, "reload": section_reload,
                                                  "families": section_families, "fanout": section_fanout,
-                                                 "fleet": section_fleet}
+                                                 "fleet": section_fleet, "long": section_long,
+                                                 "concurrency": section_concurrency, "stall": section_stall}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():
@@ -1668,7 +1283,8 @@ def main(argv: list[str]) -> int:
     finally:
         finished = time.time()
         used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems",
-                                   "fanout_systems") for s in getattr(plan, k)},
+                                   "fanout_systems", "long_systems", "conc_systems", "stall_systems")
+                       for s in getattr(plan, k)},
                       key=SYSTEMS.index)
         machine = machine_info(work)
         run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),

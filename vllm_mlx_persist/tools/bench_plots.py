@@ -37,7 +37,8 @@ def write_plots(res: dict, out: Path) -> list[str]:
     secs = res["sections"]
     written = []
     for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
-                     ("families", plot_families), ("fanout", plot_fanout)):
+                     ("families", plot_families), ("fanout", plot_fanout),
+                     ("stall", plot_stall)):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
@@ -235,4 +236,25 @@ def plot_fanout(plt: Any, f: dict, res: dict):
         a.grid(True, alpha=0.3)
         a.legend(fontsize=8)
     fig.suptitle(f"Fan-out over a {res['plan']['fanout_tokens']}-token document. {_title(res)}", fontsize=10)
+    return fig
+
+
+def plot_stall(plt: Any, st: dict, res: dict):
+    systems = list(st.get("systems", {}))
+    if not systems:
+        return None
+    fig, axes = plt.subplots(len(systems), 1, figsize=(10, 2.6 * len(systems)), sharex=True, squeeze=False)
+    for ax, system in zip(axes[:, 0], systems):
+        v = st["systems"][system]
+        for row in v["timeline"]:
+            ax.plot(row["t"], [row["agent"]] * len(row["t"]), "|", markersize=6, color=f"C{row['agent']}")
+        m = v["long_marks"]
+        ax.axvspan(m["send"], m["first"], color="tab:orange", alpha=0.15, label="long turn: prefill")
+        ax.axvline(m["end"], color="tab:red", linestyle="--", label="long turn: response end")
+        ax.set_yticks(sorted({row["agent"] for row in v["timeline"]}))
+        ax.set_ylabel("agent")
+        ax.set_title(system)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[-1, 0].set_xlabel("seconds (each tick: one token of a looping agent)")
+    fig.suptitle("Other agents' tokens while one agent's long first turn is prefilled and written")
     return fig
