@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .caches import ModelCodec
 from .identity import model_fingerprint
 from .persister import Persister
-from .pool import BlockPool
+from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import DEQUANT_MIN_QUERIES, PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
 from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
 
@@ -166,6 +168,8 @@ class PersistQ4Backend:
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
         # The engine holds a finished response at most this long for its turn's write (seam contract).
         self.durable_timeout_s = opts["write_timeout_s"]
+        # the engine admits a request once its blocks are read (ready()), waiting at most this long
+        self.ready_timeout_s = READ_TIMEOUT_S + (opts["remote_wait_s"] if opts.get("remote_url") else 0.0)
         self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
         self.closed = False
 
@@ -280,6 +284,19 @@ class PersistQ4Backend:
                         self.fleet.prefetch(ns)
                     self._pool.prefetch(ns)
 
+    def ready(self, request: Any) -> Optional[Future]:
+        """A future done once the disk reads (and the Redis sync) the request's lookup needs are done,
+        or None. The engine awaits it before admitting the request (seam: EngineCore.add_request), so
+        the worker's fetch finds the blocks read instead of stalling every running sequence on them."""
+        pool = self._pool
+        if pool is None:
+            return None
+        names = [ns for ns in split_namespace(getattr(request, "cache_namespace", None)) if ns is not None]
+        if not names:
+            return None
+        syncs = [f for f in map(self.fleet.pending, names) if f is not None] if self.fleet is not None else []
+        return when_all(syncs, then=lambda: when_all(pool.pending_reads(names)))
+
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
         return self.codec.make_cache()
@@ -385,3 +402,35 @@ class PersistQ4Backend:
         if self.fleet is not None:
             self.fleet.close()
         self._dir_lock.release()
+
+
+def when_all(futures: list[Future], then: Optional[Callable[[], Optional[Future]]] = None) -> Optional[Future]:
+    """A future done once every one of `futures` is done (whatever their outcome) and then the one
+    `then()` returns, if any; None when there is nothing left to wait for."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        return then() if then is not None else None
+    out: Future = Future()
+    left, lock = [len(pending)], threading.Lock()
+
+    def finish(_: Any = None) -> None:
+        if not out.done():
+            out.set_result(None)
+
+    def one(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        try:
+            nxt = then() if then is not None else None
+        except Exception:  # readiness is a hint: never an error
+            nxt = None
+        if nxt is None:
+            finish()
+        else:
+            nxt.add_done_callback(finish)
+
+    for f in pending:
+        f.add_done_callback(one)
+    return out

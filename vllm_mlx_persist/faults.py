@@ -7,6 +7,8 @@ installed that is one global lookup. A hook is installed at import of `store` fr
     VLLM_MLX_PERSIST_FAULT=kill@N              SIGKILL this process just before its Nth write step
     VLLM_MLX_PERSIST_FAULT=ENOSPC:write,fsync@/path/switch
                                                 raise OSError(ENOSPC) at those steps while /path/switch exists
+    VLLM_MLX_PERSIST_FAULT=sleep=1.5:read@/path/switch
+                                                a slow disk: sleep 1.5 s before each of those steps while the switch exists
     VLLM_MLX_PERSIST_FAULT='EIO:read@/a;ENOSPC:write@/b'   several, separated by ';'
 
 Any errno name works (EIO, ENOSPC, EDQUOT, EROFS...). `kill@N` also writes one line to stderr
@@ -20,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Callable, Optional
 
 ENV = "VLLM_MLX_PERSIST_FAULT"
@@ -40,6 +43,11 @@ def parse(spec: str) -> Callable[[str], None]:
         return _killer(int(spec[5:]))
     head, sep, switch = spec.partition("@")
     name, _, steps = head.partition(":")
+    if name.startswith("sleep="):
+        wanted = set(steps.split(",")) if steps else set(STEPS)
+        if not sep or not switch or not wanted <= set(STEPS):
+            raise ValueError(f"{ENV}={spec!r}: expected sleep=SECONDS:step,step@/switch/file (steps {STEPS})")
+        return _sleeper(float(name[6:]), frozenset(wanted), switch)
     code = getattr(errno, name, None)
     wanted = set(steps.split(",")) if steps else set(STEPS)
     if not sep or not switch or not isinstance(code, int) or not wanted <= set(STEPS):
@@ -65,6 +73,13 @@ def _raiser(code: int, steps: frozenset, switch: str) -> Callable[[str], None]:
     def hook(step: str) -> None:
         if step in steps and os.path.exists(switch):
             raise OSError(code, f"{os.strerror(code)} (injected at {step})")
+    return hook
+
+
+def _sleeper(seconds: float, steps: frozenset, switch: str) -> Callable[[str], None]:
+    def hook(step: str) -> None:
+        if step in steps and os.path.exists(switch):
+            time.sleep(seconds)
     return hook
 
 

@@ -82,6 +82,12 @@ class Fleet:
         """Start the agent's sync with Redis (any thread; never blocks)."""
         self._start(namespace)
 
+    def pending(self, namespace: str) -> Optional[Future]:
+        """The agent's sync while it runs (it stays there for `wait`), else None; any thread."""
+        with self._lock:
+            fut = self._syncs.get(namespace)
+        return fut if fut is not None and not fut.done() else None
+
     def wait(self, namespace: str) -> None:
         """Worker thread, before the pool's lookup: wait for the agent's sync at most `wait_s`
         (starting one if no prefetch did), then go on with what is local."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -41,6 +42,8 @@ ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous
 READ_TIMEOUT_S = 30.0  # a block read slower than this (a hung disk) is a miss, not a hung worker
 PREFETCH_MAX_BLOCKS = 1024  # read-ahead results waiting for their lookup, at most
 PREFETCH_TTL_S = 60.0  # read-ahead results nobody looked up (a rejected request) expire
+# Block reads (open, read, sha256: all release the GIL) run in parallel on this many threads.
+READER_THREADS = max(2, min(4, os.cpu_count() or 2))
 
 
 class BlockState(enum.Enum):
@@ -234,7 +237,7 @@ class BlockPool:
             persister.on_erased = self._forget
         self.durable_writes = durable_writes
         self.write_timeout_s = write_timeout_s
-        self.reader = (ThreadPoolExecutor(2, thread_name_prefix="vllm-mlx-persist-reader")
+        self.reader = (ThreadPoolExecutor(READER_THREADS, thread_name_prefix="vllm-mlx-persist-reader")
                        if persister is not None else None)
         # Reads started when a request arrives (HTTP thread), consumed by lookup (worker thread).
         self._prefetch: "OrderedDict[str, tuple[Future, float]]" = OrderedDict()
@@ -353,18 +356,35 @@ class BlockPool:
             self._expire_prefetch()
             if agent is None:
                 return 0
-            started, now = 0, time.monotonic()
-            for bid in agent.ids:  # the most recently used branch's first
-                block = self.blocks.get(bid)
-                if block is not None and block.layers is None and bid not in self._prefetch:
-                    if len(self._prefetch) >= PREFETCH_MAX_BLOCKS:
-                        break
-                    try:
-                        self._prefetch[bid] = (self.reader.submit(self.store.read_block, bid), now)
-                    except RuntimeError:  # shutting down
-                        break
-                    started += 1
-            return started
+            return self._read_ahead(agent.ids)  # the most recently used branch's first
+
+    def pending_reads(self, namespaces: Sequence[str]) -> list[Future]:
+        """The reads still running for these agents' blocks (read-ahead and hot-set restore); any thread."""
+        out = []
+        with self._lock:
+            for ns in namespaces:
+                agent = self.agents.get(ns)
+                for bid in agent.ids if agent is not None else ():
+                    entry = self._prefetch.get(bid) or self._restored.get(bid)
+                    if entry is not None and not entry[0].done():
+                        out.append(entry[0])
+        return out
+
+    def _read_ahead(self, block_ids: Sequence[str]) -> int:
+        """Start reading the cold blocks among `block_ids` (lock held), within PREFETCH_MAX_BLOCKS."""
+        started, now = 0, time.monotonic()
+        for bid in block_ids:
+            block = self.blocks.get(bid)
+            if (block is not None and block.layers is None and bid not in self._prefetch
+                    and bid not in self._restored):  # already being read by the hot-set restore
+                if len(self._prefetch) >= PREFETCH_MAX_BLOCKS:
+                    break
+                try:
+                    self._prefetch[bid] = (self.reader.submit(self.store.read_block, bid), now)
+                except RuntimeError:  # shutting down
+                    break
+                started += 1
+        return started
 
     def _expire_prefetch(self) -> None:
         cutoff = time.monotonic() - PREFETCH_TTL_S
@@ -494,6 +514,11 @@ class BlockPool:
             if block is None:
                 break
             if block.layers is None:
+                if not from_disk and self.reader is not None:
+                    # the blocks this prompt can still use are read in parallel, and while this
+                    # thread converts the first ones (no request's prefetch started them)
+                    self._expire_prefetch()
+                    self._read_ahead(branch.block_ids[i : i + -(-(limit - covered) // self.block_size)])
                 if not self._load_block(agent, block):
                     self._cut_block(bid)  # unreadable: re-cached from here on the next turn
                     break
