@@ -2,7 +2,7 @@
 own cache roots and one real redis-server. An agent moves between servers with zero re-prefill and
 the same answers as on one server; concurrent turns on both servers lose nothing; Redis killed and
 restarted fails no request; an erasure on one server is seen by the other; a damaged value in Redis
-is never served.
+is never served; a fork and an agent's branches move with it.
 
 Tolerance: greedy decoding; a cache fetched from Redis holds the same bits as the one the other
 server computed, so outputs must be identical to a one-server conversation (which itself matches
@@ -20,6 +20,7 @@ import pytest
 
 from test_e2e_lifecycle import call
 from test_e2e_server import Chat, user_text
+from test_e2e_sharing import Worker, doc_messages
 from vllm_mlx_persist.store import decode_block
 from vllm_mlx_persist.tools.models import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
@@ -155,6 +156,62 @@ def test_same_agent_on_both_servers_at_once_loses_no_turn(fleet):
         c = conv[s.url]
         c.turn(s)
         assert c.cached[3] >= c.prompts[2], c.cached
+
+
+def test_fork_moves_to_another_server_with_its_parents_prefix(fleet):
+    rds, a, b = fleet
+    _, _, doc_tokens = Chat("fork-parent").send(a, doc_messages("summarize"))
+    # the fork and a reference fork (another agent taking the same turns), both on A
+    first = doc_messages("task for the fork")
+    (text, cached, prompt), (ref_text, ref_cached, _) = [
+        Worker(agent, "fork-parent").send(a, first) for agent in ("fork-child", "fork-ref")]
+    assert text == ref_text and cached == ref_cached and 0 < cached < prompt and cached >= doc_tokens - 40
+    wait_for(lambda: published(rds, "fork-child", prompt), "the fork's turn in Redis")
+    # the fork's chain starts in its parent's namespace: Redis must carry its links
+    branches = manifest(rds, "fork-child")["body"]["branches"]
+    assert branches[-1]["links"][0] == [0, "fork-parent"] and branches[-1]["links"][-1][1] == "fork-child"
+    before = remote(b)
+    # its next turn on B (no fork named any more: the agent's own history) reuses the parent's prefix
+    # and the fork's own blocks, and answers as A does
+    msgs = first + [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    got = Chat("fork-child").send(b, msgs)
+    want = Chat("fork-ref").send(a, msgs)
+    assert got == want and got[1] >= prompt, (got, want)
+    after = remote(b)
+    assert after["chain_refused"] == before["chain_refused"] and after["fetch_incomplete"] == before["fetch_incomplete"]
+    assert after["blocks_fetched"] > before["blocks_fetched"]
+    info = call(b, "GET", "/v1/agents/fork-child")[1]
+    assert info["forked_from"] == ["fork-parent"] and info["remote"]["version"] is not None, info
+
+
+def test_branches_move_with_the_agent(fleet):
+    rds, a, b = fleet
+    agents = ("branched", "ref-branched")
+    turn0 = [{"role": "user", "content": user_text("branched", 0)}]
+    text0 = [Chat(x).send(a, turn0)[0] for x in agents]
+    assert text0[0] == text0[1]
+    # two continuations of turn 0 on A: the agent (and the reference) hold two branches
+    conts = [turn0 + [{"role": "assistant", "content": text0[0]},
+                      {"role": "user", "content": user_text(f"branch{i}", 1)}] for i in range(2)]
+    sent = {(x, i): Chat(x).send(a, conts[i]) for i in range(2) for x in agents}
+    # (turn 0 stays a branch of its own too: its stored tokens end with the reply as generated,
+    # which the re-rendered history does not repeat token for token)
+    n_branches = len(call(a, "GET", "/v1/agents/branched")[1]["branches"])
+    assert n_branches >= 2
+    wait_for(lambda: len(manifest(rds, "branched").get("body", {}).get("branches") or []) == n_branches
+             and published(rds, "branched", sent["branched", 1][2]), "every branch in Redis")
+    before = remote(b)
+    # on B, each branch's next turn (the older branch first) reuses that branch and answers as on A
+    for i in range(2):
+        msgs = conts[i] + [{"role": "assistant", "content": sent["branched", i][0]},
+                           {"role": "user", "content": "go on"}]
+        got = Chat("branched").send(b, msgs)
+        want = Chat("ref-branched").send(a, msgs)
+        assert got == want and got[1] >= sent["branched", i][2], (i, got, want)
+    after = remote(b)
+    assert after["agents_fetched"] == before["agents_fetched"] + 1 and after["fetch_incomplete"] == before["fetch_incomplete"]
+    assert (call(b, "GET", "/v1/agents/branched")[1]["branches"]
+            == call(a, "GET", "/v1/agents/ref-branched")[1]["branches"])
 
 
 def test_erasure_on_one_server_is_seen_by_the_other(fleet):

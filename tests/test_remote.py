@@ -5,6 +5,7 @@ reaching the caller and within the stated time bound."""
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import signal
 import socket
@@ -107,11 +108,19 @@ def tiers():
         t.close(2)
 
 
-def chain(fingerprint: str, agent: str, n_blocks: int, seed: int = 0) -> list[BlockData]:
+def seed_of(fingerprint: str, agent: str, prev: str | None = None) -> str:
+    """The chain link into `agent` (docs/disk-format.md): its seed, or `prev` re-seeded with it."""
+    seed = hashlib.sha256(f"{fingerprint}\n{agent}".encode()).hexdigest()
+    return seed if prev is None else hashlib.sha256(bytes.fromhex(prev) + bytes.fromhex(seed)).hexdigest()
+
+
+def chain(fingerprint: str, agent: str, n_blocks: int, seed: int = 0, after: BlockData | None = None,
+          ) -> list[BlockData]:
     """Blocks shaped as the pool makes them (2 layers, 2 KV heads, head_dim 32, 4-bit, bfloat16
-    scales/biases as raw uint16), with chained ids like pool.block_id."""
+    scales/biases as raw uint16), with chained ids like pool.block_id: seeded with the agent, or
+    continuing from block `after` re-seeded with the agent (a fork's or a branch's own blocks)."""
     rng = np.random.default_rng(seed)
-    prev = hashlib.sha256(f"{fingerprint}\n{agent}".encode()).hexdigest()
+    prev = seed_of(fingerprint, agent, after.block_id if after is not None else None)
     out = []
     for i in range(n_blocks):
         tokens = np.arange(i * TOKENS_PER_BLOCK, (i + 1) * TOKENS_PER_BLOCK, dtype=np.int32) + seed * 1000
@@ -319,6 +328,118 @@ def test_foreign_values_are_refused(server, fp, tiers):
     assert not clash.put(manifest("mine", blocks), {})
     s = clash.stats()
     assert s["state"].startswith("refused") and not s["connected"] and s["hits"] == 0
+
+
+# ---- branches and forks --------------------------------------------------------------------------
+
+
+def forked(fp: str):
+    """Agent "child" forked from "parent" after 2 blocks, with two branches diverging after block 2:
+    (blocks by id, the child's manifest as the pool writes it, its branches least recent first)."""
+    parent = chain(fp, "parent", 3)
+    own = chain(fp, "child", 2, seed=1, after=parent[1])  # the child's blocks, re-seeded at block 2
+    other = chain(fp, "child", 1, seed=2, after=own[0])  # an older branch diverging at block 3
+    newest = parent[:2] + own
+    older = parent[:2] + own[:1] + other
+    branches = [
+        {"block_ids": [b.block_id for b in older], "n_tokens": 4 * TOKENS_PER_BLOCK - 5,
+         "links": [[0, "parent"], [2, "child"], [3, "child"]]},
+        {"block_ids": [b.block_id for b in newest], "n_tokens": 4 * TOKENS_PER_BLOCK,
+         "links": [[0, "parent"], [2, "child"]]},
+    ]
+    ids = list(dict.fromkeys([b.block_id for b in newest] + [b.block_id for b in older]))
+    m = Manifest("child", ids, 4 * TOKENS_PER_BLOCK, time.time(), branches=branches)
+    return {b.block_id: b for b in parent + own + other}, m, branches
+
+
+def test_branched_and_forked_manifest_round_trips(server, fp, tiers):
+    blocks, m, branches = forked(fp)
+    a, b = tiers(server.url, fp), tiers(server.url, fp)
+    assert a.put(m, blocks) and a.flush(10)
+    assert a.stats()["puts_published"] == 1 and a.stats()["blocks_uploaded"] == 5  # every branch's blocks
+    got = b.get_manifest("child")
+    assert got is not None and (got.block_ids, got.n_tokens, got.branches) == (m.block_ids, m.n_tokens, branches)
+    fetched = b.get_blocks(m.block_ids)
+    assert [x.block_id for x in fetched] == m.block_ids and all(same_block(x, blocks[x.block_id]) for x in fetched)
+    # a retried put of the same history is a no-op; another branch order is a new history
+    assert a.put(m) and a.flush(10) and a.stats()["puts_same"] == 0 and a.get_manifest("child").version == 2
+    assert b.put(m) and b.flush(10) and b.stats()["puts_same"] == 1
+    swapped = Manifest("child", m.block_ids, branches[0]["n_tokens"], time.time(), branches=branches[::-1])
+    assert a.put(swapped) and a.flush(10) and a.get_manifest("child").branches == branches[::-1]
+    # conflict rule: the newest branch's tokens count; a concurrent put naming fewer is kept out
+    assert b.put(m) and b.flush(10) and b.stats()["puts_kept_other"] == 0  # longer newest branch: wins
+    shorter = Manifest("child", m.block_ids, 10, time.time(),
+                       branches=[branches[1], {**branches[0], "n_tokens": 10}])
+    a.put(shorter); a.flush(10)  # A's base is stale (B published since) and names fewer tokens
+    assert a.stats()["puts_kept_other"] == 1 and b.get_manifest("child").branches == branches
+    with pytest.raises(ValueError):  # a branch naming a block the manifest does not list: misuse
+        a.put(Manifest("child", m.block_ids[:2], 5, time.time(), branches=branches))
+
+
+def test_damaged_branches_are_refused(server, fp, tiers):
+    blocks, m, branches = forked(fp)
+    a = tiers(server.url, fp)
+    assert a.put(m, blocks) and a.flush(10)
+    raw = server.client()
+    key = a.manifest_key("child")
+    good = raw.hget(key, "body")
+    # one link's namespace changed, checksum not: refused
+    raw.hset(key, "body", good.replace(b'[2,"child"]', b'[2,"chilD"]', 1))
+    assert a.get_manifest("child") is None and a.stats()["refused"] == 1
+    # checksummed, but not a valid manifest: a branch naming an unlisted block, a bad link, a newest
+    # branch whose tokens are not the manifest's
+    bad = [
+        Manifest("child", m.block_ids[:-1], m.n_tokens, time.time(), branches=branches),
+        Manifest("child", m.block_ids, m.n_tokens, time.time(),
+                 branches=[branches[0], {**branches[1], "links": [[1, "parent"]]}]),
+        Manifest("child", m.block_ids, m.n_tokens + 1, time.time(), branches=branches),
+        Manifest("child", m.block_ids, m.n_tokens, time.time(), branches=[]),
+    ]
+    for i, x in enumerate(bad):
+        raw.hset(key, "body", a._manifest_body(x))
+        assert a.get_manifest("child") is None and a.stats()["refused"] == 2 + i
+    raw.hset(key, "body", good)
+    assert a.get_manifest("child").branches == branches
+
+
+def test_manifest_without_branches_reads_as_one_chain(server, fp, tiers):
+    """What every older server writes (and this one for an agent that never branched or forked)."""
+    hist = chain(fp, "plain", 3)
+    a = tiers(server.url, fp)
+    assert a.put(manifest("plain", hist), {x.block_id: x for x in hist}) and a.flush(10)
+    raw = server.client()
+    body = json.loads(raw.hget(a.manifest_key("plain"), "body"))
+    assert sorted(body) == ["block_ids", "checksum", "fingerprint", "format", "format_version", "n_tokens",
+                            "namespace", "updated_at"]
+    ids = [x.block_id for x in hist]
+    assert raw.hget(a.manifest_key("plain"), "d") == hashlib.sha256("\n".join(ids).encode()).hexdigest().encode()
+    m = tiers(server.url, fp).get_manifest("plain")
+    assert m.branches == [{"block_ids": ids, "n_tokens": 48, "links": [[0, "plain"]]}]
+
+
+def test_get_blocks_pipelines_in_bounded_round_trips_and_stops_at_the_first_bad_block(server, fp, tiers):
+    hist = chain(fp, "many", 10)
+    by_id = {x.block_id: x for x in hist}
+    ids = list(by_id)
+    one = len(encode_block(hist[0]))
+    a = tiers(server.url, fp)
+    assert a.put(manifest("many", hist), by_id) and a.flush(10)
+    b = tiers(server.url, fp, fetch_blocks=4)  # knows no block size yet: one block, then 4 at a time
+    assert [x.block_id for x in b.get_blocks(ids)] == ids
+    assert b.stats()["fetch_round_trips"] == 1 + 3 and b.stats()["hits"] == 10
+    c = tiers(server.url, fp, fetch_blocks=8, fetch_bytes=3 * one)  # the bytes bound: 3 blocks a trip
+    assert all(same_block(x, by_id[x.block_id]) for x in c.get_blocks(ids))
+    assert c.stats()["fetch_round_trips"] == 1 + 3
+    # stops at the first block not served: missing, then damaged (refused and deleted)
+    raw = server.client()
+    raw.delete(a.block_key(ids[7]))
+    assert [x.block_id for x in c.get_blocks(ids)] == ids[:7]
+    value = bytearray(raw.get(a.block_key(ids[4])))
+    value[-3] ^= 0x10
+    raw.set(a.block_key(ids[4]), bytes(value))
+    assert [x.block_id for x in c.get_blocks(ids)] == ids[:4]
+    assert c.stats()["refused"] == 1 and raw.get(a.block_key(ids[4])) is None
+    assert c.get_blocks([]) == []
 
 
 # ---- erasure ----------------------------------------------------------------------------------------

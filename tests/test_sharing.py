@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from vllm_mlx_persist.tools.models import build_model
-from vllm_mlx_persist.pool import BlockPool, _align
+from vllm_mlx_persist.pool import BlockPool, Branch, _align
 from test_pool import COLD_HOT_TOL, assert_same_cache, make_pool, prefill, tokens
 
 
@@ -228,3 +228,53 @@ def test_retokenized_reply_is_reused_and_served_as_the_stored_tokens(model, tmp_
     pool.decode = None
     assert pool.match("a", prompt).num_tokens == 30
     pool.close()
+
+
+def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tmp_path):
+    """The pool's side of the fleet tier (fleet.py; Redis itself in test_remote.py and end to end in
+    test_e2e_fleet.py): a fork with two branches computed by pool A is adopted by pool B, which
+    holds the parent, an older copy of the fork and a branch of its own."""
+    a, b = make_pool(model, tmp_path / "a"), make_pool(model, tmp_path / "b")
+    doc = tokens(40)  # 2 whole blocks of 16 and a tail
+    seqs = [doc + tokens(20, seed=1 + i) for i in range(2)]
+    for pool in (a, b):
+        commit(pool, model, "p", doc)
+    for seq in seqs:
+        commit(a, model, "c", seq, fork_from="p")
+    commit(b, model, "c", doc, fork_from="p")  # a fork of its own, as far as the document
+    commit(b, model, "c", tokens(30, seed=9))  # and a branch A never saw
+    a.flush()
+    fetched = [Branch(list(br.block_ids), br.n_tokens, br.links) for br in a.agents["c"].branches]
+    assert [l[1] for l in fetched[-1].links] == ["p", "c"]
+    data = {bid: a.store.read_block(bid) for br in fetched for bid in br.block_ids}
+
+    # Each branch's chain is checked with its links; the parent's blocks B holds are not fetched.
+    held = b.store.has_block
+    assert held(fetched[-1].block_ids[0]) and held(fetched[-1].block_ids[1])
+    missing = {bid: d for bid, d in data.items() if not held(bid)}
+    assert b.chain_prefix(fetched[-1], missing, held) == (4, False)
+    assert b.chain_prefix(Branch(fetched[-1].block_ids, 60, ((0, "c"),)), data,
+                          lambda _: False) == (0, True)  # seeded with the fork's own id: refused
+    assert b.chain_prefix(Branch(fetched[-1].block_ids, 60, ((0, "p"), (3, "c"))), data,
+                          lambda _: False) == (2, True)  # re-seeded at the wrong block
+    assert b.chain_prefix(fetched[-1], {}, held) == (2, False)  # the fork's own blocks not at hand
+
+    local = [br.block_ids for br in b.agents["c"].branches]
+    done = []
+    fut = b.save_fetched("c", fetched, list(missing.values()), b.branch_state("c"), done.append)
+    assert fut.result(30) and done and done[0] is not None
+    # B's older copy of the fork (the same blocks but its partial tail) is continued by a fetched
+    # branch and goes; its own branch stays, older than the fetched ones
+    assert [br.block_ids for br in b.agents["c"].branches] == [local[1]] + [br.block_ids for br in fetched]
+    assert len(b.store.read_manifest("c").branches) == 3  # on disk as in memory
+    check_accounting(b)
+    for seq in seqs:
+        want, n_a, _ = a.lookup("c", seq + [1])
+        got, n_b, tier = b.lookup("c", seq + [1])
+        assert n_a == n_b == len(seq) and tier == "disk"
+        assert_same_cache(got, want)
+    assert b.lookup("c", tokens(30, seed=9) + [1])[1] == 30
+    # an agent changed since the fetch began keeps its own state
+    assert b.save_fetched("c", fetched, [], (), done.append) is None
+    a.close()
+    b.close()

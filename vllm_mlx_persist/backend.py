@@ -42,6 +42,7 @@ DEFAULTS: dict[str, Any] = {
     "remote_timeout_s": 2.0,  # longest one Redis read may take
     "remote_wait_s": 3.0,  # longest a request waits for its agent's fetch from Redis; then it goes on
     "remote_queue_mb": 1024.0,  # block data waiting for upload, at most (then uploads are dropped)
+    "remote_fetch_mb": 16.0,  # block data asked for in one pipelined Redis round trip, about
     "remote_block_ttl_hours": 168.0,  # blocks expire in Redis unless used (refreshed on every use)
     "remote_manifest_ttl_hours": 720.0,
 }
@@ -77,7 +78,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     opts = {**DEFAULTS, **options}
     try:
         for key in ("hot_mb", "disk_mb", "write_timeout_s", "remote_timeout_s", "remote_wait_s",
-                    "remote_queue_mb", "remote_block_ttl_hours", "remote_manifest_ttl_hours"):
+                    "remote_queue_mb", "remote_fetch_mb", "remote_block_ttl_hours", "remote_manifest_ttl_hours"):
             opts[key] = float(opts[key])
         for key in ("bits", "group_size", "block_size", "branches"):
             opts[key] = int(opts[key])
@@ -106,7 +107,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     url = opts["remote_url"]
     if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))):
         raise ValueError("persist_q4 remote_url must be a redis://, rediss:// or unix:// URL")
-    if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"],
+    if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"], opts["remote_fetch_mb"],
            opts["remote_block_ttl_hours"], opts["remote_manifest_ttl_hours"]) <= 0:
         raise ValueError("persist_q4 remote_* time-outs, sizes and TTLs must be > 0")
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
@@ -243,6 +244,7 @@ class PersistQ4Backend:
             opts["remote_url"], self.fingerprint,
             read_timeout_s=opts["remote_timeout_s"],
             queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
+            fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
             block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
             manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600))
         self.fleet = pool.fleet = Fleet(tier, pool, wait_s=opts["remote_wait_s"],

@@ -8,10 +8,11 @@
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
               module's own threads: read the agent's manifest in Redis; a tombstone newer than what
               this server published or fetched erases the agent locally; a longer history than the
-              local one has its missing blocks fetched (verified as disk blocks, and their id chain
-              checked), saved to local disk through the persister (index and budget see them; they
-              are not uploaded again), then registered in the pool as COLD blocks on the persister
-              thread, in order with every other write. pool.lookup waits for that job at most
+              local one has the missing blocks of each of its branches fetched (pipelined, verified
+              as disk blocks, and each branch's id chain checked with its links: forks included),
+              merged with the local branches, saved to local disk through the persister (index and
+              budget see them; they are not uploaded again), then registered in the pool as COLD
+              blocks on the persister thread, in order with every other write. pool.lookup waits for that job at most
               `wait_s`, then goes on with what is local.
 
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
@@ -29,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Optional
 
-from .pool import BlockPool, block_id, chain_seed
-from .remote import RemoteTier
+from .pool import BlockPool, Branch, cut_branch
+from .remote import RemoteManifest, RemoteTier
 from .store import BlockData, Manifest
 
 log = logging.getLogger("vllm_mlx_persist.fleet")
@@ -151,46 +152,64 @@ class Fleet:
                 log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
                 pool.erase(namespace, fleet_wide=False)
             return
-        local = pool.chain_state(namespace)
-        if local is not None and local[1] >= rm.n_tokens:
+        local = pool.branch_state(namespace)
+        local_n = local[-1][1] if local else 0
+        if local is not None and local_n >= rm.n_tokens:
             return
-        # Fetch what the local disk lacks, in chain order; stop at the first block that is missing,
-        # refused by the tier, or does not follow the chain: the prefix before it is still good.
-        store = pool.store
-        prev = chain_seed(pool.fingerprint, namespace)
-        fetched: list[BlockData] = []
-        n_ok = 0
-        for bid in rm.block_ids:
-            if not store.has_block(bid):
-                data = self.tier.get_block(bid)
-                if data is None:
-                    break
-                if block_id(prev, data.tokens) != bid or len(data.tokens) > pool.block_size:
-                    self._count("chain_refused")
-                    log.warning("fleet: block %s of agent %r does not follow its chain; refused", bid[:16],
-                                namespace)
-                    break
-                fetched.append(data)
-            prev = bid
-            n_ok += 1
-        if n_ok < len(rm.block_ids):
-            self._count("fetch_incomplete")
-        if n_ok == 0:
+        branches, blocks, complete = self._fetch(rm)
+        if not branches or (local is not None and local_n >= branches[-1].n_tokens):
             return
-        n_tokens = rm.n_tokens if n_ok == len(rm.block_ids) else n_ok * pool.block_size
-        if local is not None and local[1] >= n_tokens:
-            return
-        manifest = Manifest(namespace, list(rm.block_ids[:n_ok]), n_tokens, time.time())
-        version = rm.version if n_ok == len(rm.block_ids) else None
-        fut = pool.save_fetched(manifest, fetched, local, lambda adopted: self._adopted(adopted, version))
+        version = rm.version if complete else None
+        fut = pool.save_fetched(namespace, branches, blocks, local, lambda adopted: self._adopted(adopted, version))
         with self._lock:
-            self.counts["blocks_fetched"] += len(fetched)
+            self.counts["blocks_fetched"] += len(blocks)
         try:
             if fut is not None and not fut.result(self.write_timeout_s):
                 self._count("save_failed")
         except FutureTimeout:
             log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
                         namespace, self.write_timeout_s)
+
+    def _fetch(self, rm: RemoteManifest) -> tuple[list[Branch], list[BlockData], bool]:
+        """Fetch what the local disk lacks of the manifest's branches (newest first: it matters
+        most, and older ones mostly share its blocks; at most the pool's `branches`). A branch ends
+        at its first block that is missing, refused by the tier, or off its id chain (checked with
+        the branch's links, exactly as the pool checks disk blocks); the prefix before it is still
+        used. Returns the usable branches (least recently used first), the fetched blocks they
+        name, and whether nothing was cut."""
+        pool, store = self.pool, self.pool.store
+        fetched: dict[str, BlockData] = {}
+        failed: set[str] = set()
+        out: list[Branch] = []
+        complete = True  # branches beyond the pool's bound are left out as on one server: not a cut
+        for entry in reversed(rm.branches[-pool.max_branches:]):
+            br = Branch(list(entry["block_ids"]), entry["n_tokens"],
+                        tuple((int(i), ns) for i, ns in entry["links"]), rm.updated_at)
+            want: list[str] = []
+            for bid in br.block_ids:
+                if bid in failed:
+                    break
+                if bid not in fetched and not store.has_block(bid):
+                    want.append(bid)
+            got = self.tier.get_blocks(want)
+            fetched.update((d.block_id, d) for d in got)
+            if len(got) < len(want):
+                failed.add(want[len(got)])
+            n, refused = pool.chain_prefix(br, fetched, store.has_block)
+            if refused:
+                self._count("chain_refused")
+                failed.add(br.block_ids[n])
+                log.warning("fleet: block %s of agent %r does not follow its chain; refused", br.block_ids[n][:16],
+                            rm.namespace)
+            if n < len(br.block_ids):
+                complete = False
+                self._count("fetch_incomplete")
+                br = cut_branch(br, n, pool.block_size)
+            if br.block_ids:
+                out.append(br)
+        out.reverse()
+        named = {bid for br in out for bid in br.block_ids}
+        return out, [d for bid, d in fetched.items() if bid in named], complete
 
     def _adopted(self, manifest: Optional[Manifest], version: Optional[int]) -> None:
         """Persister thread, once the fetched agent is durable locally (None: the pool kept its own)."""

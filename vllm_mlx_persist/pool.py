@@ -142,6 +142,18 @@ def block_id(prev_id: str, tokens: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def chain_prev(prev: Optional[str], i: int, at: dict, fingerprint: str) -> Optional[str]:
+    """The id block i of a branch chains from: block i-1's id (`prev`), re-seeded where one of the
+    branch's links (`at`: dict(links)) begins."""
+    return link_id(prev, fingerprint, at[i]) if i in at else prev
+
+
+def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
+    """`branch` without block i and the blocks after it."""
+    return Branch(branch.block_ids[:i], min(branch.n_tokens, i * block_size),
+                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1], branch.last_used)
+
+
 def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     if tuple(a[:n]) == tuple(b[:n]):
@@ -270,12 +282,35 @@ class BlockPool:
         at = dict(links)
         prev: Optional[str] = None
         for i, start in enumerate(range(0, len(tokens), self.block_size)):
-            if i in at:
-                prev = link_id(prev, self.fingerprint, at[i])
+            prev = chain_prev(prev, i, at, self.fingerprint)
             bid = block_id(prev, tokens[start : start + self.block_size])
             out.append(bid)
             prev = bid
         return out
+
+    def follows(self, prev: Optional[str], bid: str, tokens: Sequence[int]) -> bool:
+        """Whether a block holding `tokens` is block `bid` of a chain continuing from `prev`: a block
+        written for another model or agent, or one whose tokens were altered, never is, even when
+        its file (or Redis value) is sound."""
+        return prev is not None and 0 < len(tokens) <= self.block_size and block_id(prev, tokens) == bid
+
+    def chain_prefix(self, branch: Branch, fetched: dict, held: Callable[[str], bool]) -> tuple[int, bool]:
+        """How many leading blocks of `branch` (e.g. one fetched from the fleet) can be used, and
+        whether the first that cannot was refused (its tokens do not follow the chain) rather than
+        missing. `fetched`: block id -> BlockData, checked here; `held(bid)`: blocks already on the
+        local disk, checked when read (`_walk`), as every disk block is."""
+        at = dict(branch.links)
+        prev: Optional[str] = None
+        for i, bid in enumerate(branch.block_ids):
+            prev = chain_prev(prev, i, at, self.fingerprint)
+            data = fetched.get(bid)
+            if data is not None:
+                if not self.follows(prev, bid, data.tokens):
+                    return i, True
+            elif not held(bid):
+                return i, False
+            prev = bid
+        return len(branch.block_ids), False
 
     def _is_prefix(self, branch: Branch, tokens: Sequence[int]) -> bool:
         """Whether `tokens` continue `branch` (the branch then adds nothing to them)."""
@@ -508,8 +543,7 @@ class BlockPool:
         at = dict(branch.links)
         prev: Optional[str] = None
         for i, bid in enumerate(list(branch.block_ids)):
-            if i in at:
-                prev = link_id(prev, self.fingerprint, at[i])
+            prev = chain_prev(prev, i, at, self.fingerprint)
             block = self.blocks.get(bid)
             if block is None:
                 break
@@ -525,7 +559,7 @@ class BlockPool:
                 from_disk = True
             # The id chain is seeded with this model and agent: a block written for another model
             # or agent, or one whose tokens were altered, cannot match even if its file is sound.
-            if block_id(prev, block.tokens) != bid:
+            if not self.follows(prev, bid, block.tokens):
                 self.stats["bad_blocks"] += 1
                 self._cut_agent(agent, bid)  # only this agent's: the block may be another's, and sound
                 if bid not in self.refs and self.persister is not None:
@@ -803,14 +837,20 @@ class BlockPool:
         return future
 
     def _manifest(self, agent: Agent) -> Manifest:
-        """The agent's manifest: every block it names, and its branches when it is more than one
-        plain chain (so manifests of agents that never fork or branch read as before)."""
-        plain = len(agent.branches) == 1 and agent.branches[0].links == ((0, agent.namespace),)
-        branches = None if plain else [
+        return self._manifest_of(agent.namespace, agent.branches, agent.pinned)
+
+    @staticmethod
+    def _manifest_of(namespace: str, branches: list[Branch], pinned: bool) -> Manifest:
+        """An agent's manifest: every block it names (newest branch first), and its branches when
+        they are more than one plain chain (so manifests of agents that never fork or branch read
+        as before)."""
+        ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
+        plain = len(branches) == 1 and branches[0].links == ((0, namespace),)
+        listed = None if plain else [
             {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links]}
-            for br in agent.branches]
-        return Manifest(agent.namespace, list(agent.ids), agent.n_tokens, time.time(), agent.pinned,
-                        branches=branches)
+            for br in branches]
+        return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0, time.time(), pinned,
+                        branches=listed)
 
     # ---- agents: admin API ----------------------------------------------------------------------
 
@@ -902,48 +942,64 @@ class BlockPool:
 
     # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
 
-    def chain_state(self, namespace: str) -> Optional[tuple[tuple[str, ...], int]]:
-        """(block ids, tokens) of an agent's most recent branch, or None if unknown; any thread."""
+    def branch_state(self, namespace: str) -> Optional[tuple]:
+        """The agent's branches as ((block ids), tokens, links), least recently used first (the last
+        is the most recent; () when every branch was cut), or None if unknown; any thread."""
         with self._lock:
             agent = self.agents.get(namespace)
-            return None if agent is None else (tuple(agent.block_ids), agent.n_tokens)
+            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links)
+                                                    for br in agent.branches)
 
-    def save_fetched(self, manifest: Manifest, blocks: list[BlockData], expect, on_done) -> Optional[Future]:
-        """Save a history fetched from the fleet (its blocks the local disk lacks, then its manifest)
-        and, once durable, make it the agent's most recent branch with COLD blocks, provided the
-        agent is still as `expect` (chain_state before the fetch). `on_done(manifest or None)` runs
-        on the persister thread, in order with every other write. None when the agent changed."""
+    def save_fetched(self, namespace: str, fetched: list[Branch], blocks: list[BlockData], expect,
+                     on_done) -> Optional[Future]:
+        """Save a history fetched from the fleet (`fetched`: its branches, least recently used
+        first; `blocks`: those the local disk lacks) merged with the agent's local branches (see
+        `_merge_fetched`), and once durable make it the agent's branches with COLD blocks, provided
+        the agent is still as `expect` (branch_state before the fetch). `on_done(manifest or None)`
+        runs on the persister thread, in order with every other write. None when the agent changed."""
         with self._lock:  # commits queue their saves under the lock too: the order is the pool's
-            if self.persister is None or self.chain_state(manifest.namespace) != expect:
+            if self.persister is None or self.branch_state(namespace) != expect:
                 return None
+            agent = self.agents.get(namespace)
+            branches = self._merge_fetched(agent.branches if agent is not None else [], fetched)
+            manifest = self._manifest_of(namespace, branches, agent is not None and agent.pinned)
 
             def on_durable() -> None:  # persister thread; on_done must not raise
                 try:
-                    adopted = self._adopt_fetched(manifest, expect)
+                    adopted = self._adopt_fetched(namespace, branches, expect)
                 except Exception:
-                    log.exception("agent %r: registering its fetched history failed", manifest.namespace)
-                    adopted = None
-                on_done(adopted)
+                    log.exception("agent %r: registering its fetched history failed", namespace)
+                    adopted = False
+                on_done(manifest if adopted else None)
 
             return self.persister.save(manifest, blocks, [], on_durable)
 
-    def _adopt_fetched(self, m: Manifest, expect) -> Optional[Manifest]:
-        """The fetched chain becomes the agent's most recent branch (branches it extends go). Redis
-        manifests carry one chain seeded with the agent: a fork's shared prefix does not chain that
-        way, so such a history is cut at the fork point by the lookup's chain check (safe, less reuse)."""
+    def _merge_fetched(self, local: list[Branch], fetched: list[Branch]) -> list[Branch]:
+        """The agent's branches once a longer history is fetched: the fetched branches become the
+        most recent (the conversation went on there), after the local branches none of them
+        continues; the `branches` most recent are kept. A fetched branch continues a local one when
+        it names all of its blocks but a partial tail (a tail the other server grew)."""
+        def continued(br: Branch) -> bool:
+            whole = br.n_tokens == len(br.block_ids) * self.block_size
+            head = br.block_ids if whole else br.block_ids[:-1]
+            return any(f.n_tokens >= br.n_tokens and f.block_ids[: len(head)] == head for f in fetched)
+
+        return ([br for br in local if not continued(br)] + list(fetched))[-self.max_branches:]
+
+    def _adopt_fetched(self, namespace: str, branches: list[Branch], expect) -> bool:
+        """Give the agent its merged branches with COLD blocks (blocks still hot stay hot)."""
         with self._lock:
-            if self.chain_state(m.namespace) != expect:
-                return None  # a turn, an erasure or a cut since: the pool's own state stands
-            agent = self.agents.get(m.namespace)
+            if self.branch_state(namespace) != expect:
+                return False  # a turn, an erasure or a cut since: the pool's own state stands
+            agent = self.agents.get(namespace)
             if agent is None:
-                agent = self.agents[m.namespace] = Agent(m.namespace)
-            for bid in m.block_ids:
-                self.blocks.setdefault(bid, Block(bid, (), None, BlockState.COLD))
-            new = Branch(list(m.block_ids), m.n_tokens, ((0, m.namespace),))
-            kept = [br for br in agent.branches if br.block_ids != new.block_ids[: len(br.block_ids)]]
-            self._set_branches(agent, (kept + [new])[-self.max_branches:])
+                agent = self.agents[namespace] = Agent(namespace)
+            for br in branches:
+                for bid in br.block_ids:
+                    self.blocks.setdefault(bid, Block(bid, (), None, BlockState.COLD))
+            self._set_branches(agent, branches)
             self._touch(agent)
-            return m
+            return True
 
     # ---- references and memory ------------------------------------------------------------------
 
@@ -1039,9 +1095,7 @@ class BlockPool:
         branches = []
         for br in agent.branches:
             if bid in br.block_ids:
-                i = br.block_ids.index(bid)
-                br = Branch(br.block_ids[:i], min(br.n_tokens, i * self.block_size),
-                            tuple(l for l in br.links if l[0] < i) or br.links[:1], br.last_used)
+                br = cut_branch(br, br.block_ids.index(bid), self.block_size)
             if br.block_ids:
                 branches.append(br)
         self._set_branches(agent, branches)

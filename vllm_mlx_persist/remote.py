@@ -8,6 +8,9 @@ docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
     tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s
     tier.get_block(block_id) -> BlockData | None            # any thread; at most read_timeout_s;
                                                             # verified exactly as a disk block
+    tier.get_blocks(block_ids) -> list[BlockData]           # any thread; pipelined round trips of
+                                                            # bounded size, each at most read_timeout_s;
+                                                            # the blocks up to the first one not served
     tier.put(manifest, blocks=None) -> bool                 # any thread; never blocks: queues the
                                                             # upload, False when dropped (queue full)
     tier.erase(agent) -> bool                               # any thread; never blocks: queued ahead
@@ -40,10 +43,11 @@ import weakref
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from .store import FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id, decode_block, encode_block
+from .store import (FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id, _check_branches,
+                    decode_block, encode_block)
 
 logger = logging.getLogger("vllm_mlx_persist.remote")
 
@@ -105,7 +109,13 @@ class RemoteUnavailable(Exception):
 
 @dataclass
 class RemoteManifest:
-    """An agent's manifest as Redis holds it. `erased`: a tombstone (no blocks)."""
+    """An agent's manifest as Redis holds it. `erased`: a tombstone (no blocks).
+
+    `block_ids` lists every block the manifest names (newest branch first), `n_tokens` is the
+    newest branch's, and `branches` is the agent's branches, least recently used first, in the
+    disk manifest's schema ({"block_ids", "n_tokens", "links"}, docs/disk-format.md): one plain
+    chain seeded with the agent for a manifest without branches (an agent that never branched or
+    forked, or one published by an older server)."""
 
     namespace: str
     block_ids: list[str]
@@ -113,6 +123,7 @@ class RemoteManifest:
     updated_at: float
     version: int
     erased: bool = False
+    branches: list = field(default_factory=list)
 
 
 @dataclass
@@ -211,6 +222,8 @@ class RemoteTier:
         breaker_failures: int = 3,
         breaker_open_s: float = 5.0,
         read_threads: int = 2,
+        fetch_blocks: int = 16,
+        fetch_bytes: int = 16 << 20,
         block_ttl_s: int = 7 * 86400,
         manifest_ttl_s: int = 30 * 86400,
         tombstone_ttl_s: int = 86400,
@@ -221,8 +234,8 @@ class RemoteTier:
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
-        if queue_max < 1 or read_threads < 1 or max_attempts < 1:
-            raise ValueError("queue_max, read_threads and max_attempts must be at least 1")
+        if queue_max < 1 or read_threads < 1 or max_attempts < 1 or fetch_blocks < 1 or fetch_bytes < 1:
+            raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks and fetch_bytes must be at least 1")
         redis, Retry, NoBackoff = _import_redis()
         self._redis_errors = (redis.exceptions.RedisError, OSError)
         self._transport_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
@@ -238,6 +251,8 @@ class RemoteTier:
         self.fingerprint = fingerprint
         self.block_source = block_source
         self.read_timeout_s = read_timeout_s
+        self.fetch_blocks, self.fetch_bytes = fetch_blocks, fetch_bytes
+        self._block_size_seen = 0  # the largest block value read or written: sizes fetch round trips
         self.queue_max, self.queue_max_bytes = queue_max, queue_max_bytes
         self.max_attempts, self.backoff_s, self.backoff_max_s = max_attempts, backoff_s, backoff_max_s
         self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
@@ -261,7 +276,7 @@ class RemoteTier:
         self._gen_counter = 0
         self._c = dict.fromkeys(
             ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
-             "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "hits",
+             "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "fetch_round_trips", "hits",
              "misses", "refused", "bytes_down", "manifest_gets", "manifest_hits", "erases", "erases_done",
              "errors", "timeouts", "skipped"], 0)
 
@@ -327,20 +342,50 @@ class RemoteTier:
             self._count("refused")
             return None
         self._count("manifest_hits")
-        return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, version)
+        branches = m.branches or [{"block_ids": list(m.block_ids), "n_tokens": m.n_tokens, "links": [[0, namespace]]}]
+        return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, version, branches=branches)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
         """The block, verified exactly as a disk block (store.decode_block); None when absent,
         refused (damaged or foreign: deleted from Redis if unchanged) or unreachable in time."""
-        key = self.block_key(block_id)
-        self._count("gets")
-        if self.block_ttl_s > 0:
-            fetch = lambda: self._client.getex(key, ex=self.block_ttl_s)  # a hit keeps the block alive
-        else:
-            fetch = lambda: self._client.get(key)
-        raw = self._bounded_read(fetch)
-        if raw is _FAILED:
-            return None
+        got = self.get_blocks([block_id])
+        return got[0] if got else None
+
+    def get_blocks(self, block_ids: Sequence[str]) -> list[BlockData]:
+        """The blocks in order, each verified as `get_block` does, up to the first one absent,
+        refused or not read in time: the list is then shorter than asked. Read in pipelined round
+        trips of at most `fetch_blocks` blocks and about `fetch_bytes` bytes (estimated from the
+        largest block seen; one block until one was), each bounded by read_timeout_s."""
+        keys = [self.block_key(b) for b in block_ids]
+        out: list[BlockData] = []
+        while len(out) < len(keys):
+            seen = self._block_size_seen
+            n = max(1, min(self.fetch_blocks, self.fetch_bytes // seen)) if seen else 1
+            batch = keys[len(out) : len(out) + n]
+            with self._lock:
+                self._c["gets"] += len(batch)
+                self._c["fetch_round_trips"] += 1
+            raws = self._bounded_read(lambda: self._get_many(batch))
+            if raws is _FAILED:
+                return out
+            for key, raw in zip(batch, raws):
+                block = self._verify(block_ids[len(out)], key, raw)
+                if block is None:
+                    return out
+                out.append(block)
+        return out
+
+    def _get_many(self, keys: list[str]) -> list:
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            if self.block_ttl_s > 0:
+                pipe.getex(key, ex=self.block_ttl_s)  # a hit keeps the block alive
+            else:
+                pipe.get(key)
+        return pipe.execute()
+
+    def _verify(self, block_id: str, key: str, raw: Optional[bytes]) -> Optional[BlockData]:
+        """A value read from Redis as a block, or None (absent, or refused and deleted if unchanged)."""
         if raw is None:
             self._count("misses")
             return None
@@ -355,6 +400,7 @@ class RemoteTier:
         with self._lock:
             self._c["hits"] += 1
             self._c["bytes_down"] += len(raw)
+            self._block_size_seen = max(self._block_size_seen, len(raw))
         return block
 
     def _bounded_read(self, fn: Callable[[], Any]) -> Any:
@@ -401,6 +447,8 @@ class RemoteTier:
         _agent_key(manifest.namespace)
         for b in manifest.block_ids:
             _check_block_id(b)
+        if manifest.branches is not None:
+            _check_branches(manifest.branches, set(manifest.block_ids))
         blocks = dict(blocks or {})
         nbytes = sum(_block_nbytes(b) for b in blocks.values())
         with self._cond:
@@ -586,15 +634,22 @@ class RemoteTier:
                 raise ValueError("malformed fields")
             for b in ids:
                 _check_block_id(b)
+            branches = d.get("branches")  # absent: one plain chain (and every older server's manifest)
+            if branches is not None:
+                _check_branches(branches, set(ids))
+                if branches[-1]["n_tokens"] != n:
+                    raise ValueError("n_tokens is not the newest branch's")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("fleet: refused a manifest from Redis: %s", e)
             return None
-        return Manifest(namespace, list(ids), n, float(ts))
+        return Manifest(namespace, list(ids), n, float(ts), branches=branches)
 
     def _manifest_body(self, m: Manifest) -> bytes:
         d = {"format": _MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
              "namespace": m.namespace, "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens),
              "updated_at": float(m.updated_at)}
+        if m.branches is not None:  # optional, as on disk: plain manifests read as before everywhere
+            d["branches"] = m.branches
         d["checksum"] = "sha256:" + hashlib.sha256(_canonical(d)).hexdigest()
         return _canonical(d)
 
@@ -705,6 +760,7 @@ class RemoteTier:
             with self._lock:
                 self._c["blocks_uploaded"] += 1
                 self._c["bytes_up"] += len(value)
+                self._block_size_seen = max(self._block_size_seen, len(value))
         # The erasure check and the base version are read together: an erasure seen after this point
         # has a version above `base`, so the script refuses this put.
         with self._lock:
@@ -712,7 +768,7 @@ class RemoteTier:
                 return
             st = self._agent(m.namespace)
             base = st.seen
-        digest = hashlib.sha256("\n".join(m.block_ids).encode()).hexdigest()
+        digest = self._digest(m)
         status, version = self._put_script(
             keys=[self.manifest_key(m.namespace)],
             args=[base, int(m.n_tokens), digest, self._manifest_body(m), self.manifest_ttl_s],
@@ -730,6 +786,15 @@ class RemoteTier:
                 self.on_erased(m.namespace)
             except Exception:
                 logger.exception("fleet: on_erased callback failed")
+
+    @staticmethod
+    def _digest(m: Manifest) -> str:
+        """What makes two puts 'the same history' for the script: the block ids, and the branches
+        when there are any (a plain manifest's digest is what older servers compute)."""
+        text = "\n".join(m.block_ids)
+        if m.branches is not None:
+            text += "\n" + _canonical(m.branches).decode()
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def _stale(self, p: _Put, locked: bool = False) -> bool:
         """Whether the put's agent was erased (here, or seen erased) after the put was queued."""

@@ -747,6 +747,7 @@ def section_fleet(ctx: "Ctx") -> dict:
             turn(b, conv, "fleet")
         down = remote(b)
         result["redis"].update(bytes_down=down["bytes_down"], blocks_fetched=down["blocks_fetched"],
+                               fetch_round_trips=down.get("fetch_round_trips"),
                                agents_fetched=down["agents_fetched"], lookup_wait_s_max=down["lookup_wait_s_max"])
         b.stop(signal.SIGTERM, "restart")
         result["page_cache_drop"] = drop_page_cache(cache_paths(b.server.home))
@@ -801,7 +802,8 @@ def _md_fleet(f: dict, plan: dict) -> list[str]:
         L += ["", f"Redis: {r.get('tokens_stored')} tokens stored by A's first turns took "
               f"{r.get('used_memory_per_token')} bytes of Redis `used_memory` per token "
               f"({r.get('bytes_up_per_token')} bytes uploaded per token, {r.get('blocks_uploaded')} blocks); B "
-              f"downloaded {r.get('bytes_down')} bytes in {r.get('blocks_fetched')} blocks for "
+              f"downloaded {r.get('bytes_down')} bytes in {r.get('blocks_fetched')} blocks "
+              f"({r.get('fetch_round_trips')} pipelined round trips) for "
               f"{r.get('agents_fetched')} agents; longest wait of a lookup for Redis "
               f"{r.get('lookup_wait_s_max')} s."]
     return L + [""]
