@@ -694,6 +694,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["run"] = {"command": results["command"], "date": results["date"], "quick": bool(args.quick and not args.trials)}
             results["campaigns"][name] = r
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
+            for case in r.get("failure_cases", []):
+                print(f"  {name} failure: {json.dumps(case)[:600]}", flush=True)
+            # after every campaign, so a long run stopped later keeps the figures it has
+            write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
     finally:
         if any(n in names for n in ("server_crash", "disk", "storm", "soak")):
             from .server_campaigns import close_shared
@@ -701,7 +705,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             close_shared()
         if not args.work:
             shutil.rmtree(work, ignore_errors=True)
-    write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
     return 1 if any(r["failures"] for r in results["campaigns"].values()) else 0
 
 
