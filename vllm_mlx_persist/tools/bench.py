@@ -370,6 +370,35 @@ def measure_bandwidth(path: Path, size_mb: int, reps: int) -> dict:
     return res
 
 
+def measure_checksums(size_mb: int = 64, threads: int = 2) -> dict:
+    """MB/s of the block integrity check (sha256) on this CPU, on one thread and on `threads` (the
+    pool's readers; hashlib releases the GIL), beside cheaper checks it could have been."""
+    import zlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk = os.urandom(MB)
+    bufs = [chunk * (size_mb // threads) for _ in range(threads)]
+    total = sum(len(b) for b in bufs) / MB
+
+    def rate(fn: Callable[[bytes], Any], parallel: bool) -> float:
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            if parallel:
+                with ThreadPoolExecutor(threads) as ex:
+                    list(ex.map(fn, bufs))
+            else:
+                for b in bufs:
+                    fn(b)
+            best = min(best, time.perf_counter() - t)
+        return round(total / best, 1)
+
+    return {"threads": threads, "sha256_mb_s": rate(lambda b: hashlib.sha256(b).digest(), False),
+            "sha256_parallel_mb_s": rate(lambda b: hashlib.sha256(b).digest(), True),
+            "blake2b_mb_s": rate(lambda b: hashlib.blake2b(b).digest(), False),
+            "crc32_mb_s": rate(zlib.crc32, False)}
+
+
 def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int) -> list:
     import mlx.core as mx
 
@@ -401,6 +430,11 @@ def section_reload(ctx: "Ctx") -> dict:
     bw = measure_bandwidth(root / "bandwidth.bin", plan.bandwidth_mb, plan.reload_reps)
     say(f"  buffered after drop {bw['buffered_after_drop_mb_s']} MB/s, O_DIRECT {bw['o_direct_mb_s']} MB/s, "
         f"page cache {bw['page_cache_mb_s']} MB/s")
+    from ..pool import READER_THREADS
+
+    checks = measure_checksums(min(256, max(32, plan.bandwidth_mb // 4)), READER_THREADS)
+    say(f"  sha256 {checks['sha256_mb_s']} MB/s on one thread, {checks['sha256_parallel_mb_s']} MB/s on "
+        f"{READER_THREADS}")
     fingerprint = "bench" + hashlib.sha256(b"reload").hexdigest()
     fmt = {"format_version": FORMAT_VERSION, "bits": 4, "group_size": 64, "block_size": 256}
 
@@ -476,7 +510,7 @@ def section_reload(ctx: "Ctx") -> dict:
             "disk_limit_ms": round(limit * 1e3, 2), "reload_over_limit": round(cold / limit, 2),
         })
     shutil.rmtree(root / "cache", ignore_errors=True)
-    return {"bandwidth": bw, "rows": rows, "summary": summary,
+    return {"bandwidth": bw, "checksums": checks, "rows": rows, "summary": summary,
             "layout": {"layers": n_layers, "kv_heads": n_kv, "head_dim": head_dim, "bits": 4, "group_size": 64,
                        "block_size": 256, "kv_dtype": "float32 scales/biases (the model's dtype)"}}
 
@@ -1011,14 +1045,19 @@ def _md_reload(r: dict, plan: dict) -> list[str]:
          f"model: {lay['layers']} layers, {lay['kv_heads']} KV heads, head_dim {lay['head_dim']}, 4-bit, group 64, "
          f"blocks of 256 tokens, {lay['kv_dtype']}). Reload = `BlockPool.lookup` on a freshly opened pool, after "
          "fsync + posix_fadvise(DONTNEED) on the agent's block files (mincore confirms what stayed resident); it "
-         "reads, verifies (sha256), converts to MLX and concatenates. Read+verify = `DiskStore.read_block` for "
-         "every block, no MLX. Page-cache reload = the same lookup without dropping the files.", "",
+         "reads (the branch's blocks in parallel on the reader threads), verifies (sha256), converts to MLX and "
+         "concatenates. Read+verify = `DiskStore.read_block` for every block, one after another, no MLX. Page-cache reload = the same lookup without dropping the files.", "",
          f"Sequential read bandwidth of the same disk, {bw['file_mb']} MB file: **{bw['buffered_after_drop_mb_s']} "
          f"MB/s** buffered after DONTNEED (resident after drop: {bw['resident_after_drop']}), "
          f"{bw['o_direct_mb_s']} MB/s with O_DIRECT, {bw['page_cache_mb_s']} MB/s from the page cache; "
-         f"write+fsync {bw['write_fsync_mb_s']} MB/s. The disk limit below = size / buffered bandwidth.", "",
-         "| tokens | file MB | reload ms | reload MB/s | read+verify ms | page-cache reload ms | disk limit ms | reload / limit |",
-         "|---|---|---|---|---|---|---|---|"]
+         f"write+fsync {bw['write_fsync_mb_s']} MB/s. The disk limit below = size / buffered bandwidth.", ""]
+    ck = r.get("checksums")
+    if ck:
+        L += [f"Integrity check on this CPU: sha256 {ck['sha256_mb_s']} MB/s on one thread, "
+              f"{ck['sha256_parallel_mb_s']} MB/s on the pool's {ck['threads']} reader threads (blake2b "
+              f"{ck['blake2b_mb_s']}, crc32 {ck['crc32_mb_s']} MB/s on one thread, for comparison).", ""]
+    L += ["| tokens | file MB | reload ms | reload MB/s | read+verify ms | page-cache reload ms | disk limit ms | "
+          "reload / limit |", "|---|---|---|---|---|---|---|---|"]
     for x in r["summary"]:
         L.append(f"| {x['tokens']} | {x['file_mb']} | {x['reload_ms']} | {x['reload_mb_s']} | {x['store_read_ms']} | "
                  f"{x['reload_page_cache_ms']} | {x['disk_limit_ms']} | {x['reload_over_limit']} |")
