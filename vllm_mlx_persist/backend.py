@@ -6,11 +6,12 @@ blocks and tiers in `pool`, files in `store`.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -263,7 +264,7 @@ class PersistQ4Backend:
 
         namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
         m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
-                            fork_from=parent)
+                            fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False))
         agent = namespace or "<anonymous>"
         if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
@@ -296,8 +297,14 @@ class PersistQ4Backend:
         names = [ns for ns in split_namespace(getattr(request, "cache_namespace", None)) if ns is not None]
         if not names:
             return None
-        syncs = [f for f in map(self.fleet.pending, names) if f is not None] if self.fleet is not None else []
-        return when_all(syncs, then=lambda: when_all(pool.pending_reads(names)))
+        reads = lambda: when_all(pool.pending_reads(names))  # noqa: E731 - after the sync registered its blocks
+        if self.fleet is None:
+            return reads()
+        # The Redis part is awaited here, off the worker, at most remote_wait_s (then the request is
+        # served from what is local); the worker's lookup then does not wait for it again.
+        request._vmp_fleet_waited = True
+        syncs = [f for f in map(self.fleet.pending, names) if f is not None]
+        return when_all([with_deadline(when_all(syncs), self.fleet.wait_s)] if syncs else [], then=reads)
 
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
@@ -416,8 +423,7 @@ def when_all(futures: list[Future], then: Optional[Callable[[], Optional[Future]
     left, lock = [len(pending)], threading.Lock()
 
     def finish(_: Any = None) -> None:
-        if not out.done():
-            out.set_result(None)
+        _resolve(out)
 
     def one(_: Future) -> None:
         with lock:
@@ -436,3 +442,25 @@ def when_all(futures: list[Future], then: Optional[Callable[[], Optional[Future]
     for f in pending:
         f.add_done_callback(one)
     return out
+
+
+def with_deadline(future: Optional[Future], seconds: float) -> Optional[Future]:
+    """A future done when `future` is, or `seconds` from now, whichever comes first: a timer of the
+    running event loop (ready() is called on it), so no thread waits. Without a loop: `future`."""
+    if future is None:
+        return None
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return future
+    out: Future = Future()
+    future.add_done_callback(lambda _: _resolve(out))
+    loop.call_later(seconds, _resolve, out)
+    return out
+
+
+def _resolve(future: Future) -> None:
+    try:
+        future.set_result(None)
+    except InvalidStateError:  # the other of two callers got there first
+        pass

@@ -89,11 +89,17 @@ class Fleet:
             fut = self._syncs.get(namespace)
         return fut if fut is not None and not fut.done() else None
 
-    def wait(self, namespace: str) -> None:
+    def wait(self, namespace: str, block: bool = True) -> None:
         """Worker thread, before the pool's lookup: wait for the agent's sync at most `wait_s`
-        (starting one if no prefetch did), then go on with what is local."""
+        (starting one if no prefetch did), then go on with what is local. `block=False`: the
+        request's admission already waited for it (backend.ready, off the worker): do not wait again."""
         fut = self._start(namespace, consume=True)
         if fut is None or fut.done():
+            return
+        if not block:
+            self._count("lookup_wait_timeouts")
+            log.warning("fleet: agent %r: Redis did not answer within %.1fs; serving from local tiers",
+                        namespace, self.wait_s)
             return
         t0 = time.monotonic()
         try:

@@ -437,7 +437,7 @@ class BlockPool:
         return m.cache, m.num_tokens, m.tier
 
     def match(self, namespace: Optional[str], prompt: Sequence[int], request_id: Optional[str] = None,
-              fork_from: Optional[str] = None) -> Match:
+              fork_from: Optional[str] = None, wait_fleet: bool = True) -> Match:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
 
         Every branch of the agent is a candidate, and with `fork_from` every branch of that agent
@@ -449,7 +449,7 @@ class BlockPool:
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
         if self.fleet is not None and namespace is not None:
-            self.fleet.wait(namespace)  # bounded; outside the lock, which a fetch from Redis needs
+            self.fleet.wait(namespace, wait_fleet)  # bounded; outside the lock, which a fetch from Redis needs
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
