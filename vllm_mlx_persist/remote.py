@@ -292,10 +292,9 @@ class RemoteTier:
         # One attempt per command (our breaker and writer retries decide what happens next); every
         # socket operation is bounded. The pool holds at most one connection per thread of ours (on
         # a Cluster: per node; MOVED/ASK redirections are still followed, they are not failures).
-        self._client = self._make_client(url, redis, Retry(NoBackoff(), 0), read_timeout_s, connect_timeout_s,
+        self._client = self._make_client(url, redis, Retry, NoBackoff, read_timeout_s, connect_timeout_s,
                                          read_threads + 2)
-        self._write_client = self._make_client(url, redis, Retry(NoBackoff(), 0), write_timeout_s,
-                                               connect_timeout_s, 1)
+        self._write_client = self._make_client(url, redis, Retry, NoBackoff, write_timeout_s, connect_timeout_s, 1)
         self.url_redacted = self._redact(url)
         self.fingerprint = fingerprint
         self.block_source = block_source
@@ -346,14 +345,31 @@ class RemoteTier:
         self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
         atexit.register(self._atexit)
 
-    def _make_client(self, url: str, redis: Any, retry: Any, timeout: float, connect_timeout: float,
-                     max_connections: int) -> Any:
+    def _make_client(self, url: str, redis: Any, Retry: Any, NoBackoff: Any, timeout: float,
+                     connect_timeout: float, max_connections: int) -> Any:
+        """A client with one attempt per command and every socket operation bounded; a Cluster's is
+        made at its first use (_LazyClient)."""
+        retry = Retry(NoBackoff(), 0)
         if not self.cluster:
             return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=connect_timeout,
                                         retry=retry, max_connections=max_connections, health_check_interval=0)
-        return _LazyClient(lambda: redis.cluster.RedisCluster.from_url(
-            url, socket_timeout=timeout, socket_connect_timeout=connect_timeout, retry=retry,
-            max_connections=max_connections))
+
+        def make() -> Any:
+            # Start from every node the other client has discovered, not only the URL's: the read
+            # client is often made later than the write client, and the URL's node may be down by then.
+            known = [c._made for c in (getattr(self, "_client", None), getattr(self, "_write_client", None))
+                     if c is not None and c._made is not None]
+            nodes = [redis.cluster.ClusterNode(n.host, n.port) for c in known[:1] for n in c.get_nodes()]
+            # The constructor sends COMMAND to a "default node" (the first primary), and only a retry
+            # moves it to another: allow two there, so one dead primary cannot keep the client from
+            # being made; then no retries, as for a single Redis.
+            client = redis.cluster.RedisCluster.from_url(
+                url, startup_nodes=nodes, socket_timeout=timeout, socket_connect_timeout=connect_timeout,
+                retry=Retry(NoBackoff(), 2), max_connections=max_connections)
+            client.set_retry(retry)
+            return client
+
+        return _LazyClient(make)
 
     @staticmethod
     def _check_cluster_url(url: str, redis: Any) -> None:
