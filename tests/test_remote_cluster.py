@@ -322,3 +322,50 @@ def _one_node_killed(c: RedisClusterServers, fp: str, tiers) -> None:
     assert b.put(manifest(n, longer), {x.block_id: x for x in longer}) and b.flush(10)
     assert b.stats()["puts_published"] == 1, b.stats()
     assert a.get_manifest(n).block_ids == [x.block_id for x in longer]
+
+
+# ---- end to end: two real servers on the cluster ---------------------------------------------------
+
+
+def published(c: RedisClusterServers, agent: str, n_tokens: int) -> bool:
+    """Whether the agent's manifest (any model prefix, on whichever node) names at least n_tokens."""
+    client = c.client()
+    for key in client.scan_iter(match="vmp:*:a:" + hashlib.sha256(agent.encode()).hexdigest()):
+        return int(client.hget(key, "n") or -1) >= n_tokens
+    return False
+
+
+def test_agent_moves_between_two_servers_over_a_cluster(cluster, tmp_path):
+    """Turns 1-2 on server A, turn 3 on server B (`remote_cluster: true`, each given another node's
+    URL): B reuses everything A computed, and answers as a one-server conversation does."""
+    from test_e2e_fleet import BLOCK, KEY, Conversation, options, remote, wait_for
+    from vllm_mlx_persist.tools.models import build_model_dir
+    from vllm_mlx_persist.tools.serving import Server
+
+    model = build_model_dir(tmp_path / "model", arch="llama", size="tiny", seed=0)
+    servers = []
+    for name, port in (("a", cluster.ports[0]), ("b", cluster.ports[1])):
+        opts = {**options(tmp_path / f"{name}-cache", f"redis://127.0.0.1:{port}/0"), "remote_cluster": True}
+        servers.append(Server(model, tmp_path / name, options=opts, extra_args=("--api-key", KEY)))
+    a, b = servers
+    try:
+        a.start()
+        b.start()
+        ref = Conversation("ref-cluster", "cluster")
+        moved = Conversation("moved-cluster", "cluster")
+        for _ in range(3):
+            ref.turn(a)
+        moved.turn(a)
+        moved.turn(a)
+        wait_for(lambda: published(cluster, "moved-cluster", moved.prompts[1]), "A's turn 2 in the cluster")
+        moved.turn(b)
+        assert moved.outputs == ref.outputs and moved.cached == ref.cached, (moved.cached, ref.cached)
+        assert moved.cached[2] >= moved.prompts[1], moved.cached
+        s = remote(b)
+        assert s["agents_fetched"] >= 1 and s["blocks_fetched"] >= moved.prompts[1] // BLOCK, s
+        assert (s["refused"], s["errors"], s["state"]) == (0, 0, "ok"), s
+        # the blocks landed on more than one node of the cluster
+        assert sum(1 for p in cluster.ports if cluster.node(p).dbsize() > 0) >= 2
+    finally:
+        a.stop()
+        b.stop()
