@@ -281,8 +281,9 @@ class RemoteTier:
         if queue_max < 1 or read_threads < 1 or max_attempts < 1 or fetch_blocks < 1 or fetch_bytes < 1:
             raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks and fetch_bytes must be at least 1")
         redis, Retry, NoBackoff = _import_redis()
-        # RedisClusterException (not a RedisError): no node of a Cluster reachable, slots not covered.
-        cluster_errors = (redis.exceptions.RedisClusterException,)
+        # RedisClusterException (not a RedisError): no node of a Cluster reachable, slots not covered;
+        # ClusterError: CLUSTERDOWN (a master failed, full coverage required), redirections exhausted.
+        cluster_errors = (redis.exceptions.RedisClusterException, redis.exceptions.ClusterError)
         self._redis_errors = (redis.exceptions.RedisError, OSError, *cluster_errors)
         self._transport_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                                   *cluster_errors)
@@ -294,7 +295,8 @@ class RemoteTier:
         # a Cluster: per node; MOVED/ASK redirections are still followed, they are not failures).
         self._client = self._make_client(url, redis, Retry, NoBackoff, read_timeout_s, connect_timeout_s,
                                          read_threads + 2)
-        self._write_client = self._make_client(url, redis, Retry, NoBackoff, write_timeout_s, connect_timeout_s, 1)
+        self._write_client = self._make_client(url, redis, Retry, NoBackoff, write_timeout_s, connect_timeout_s,
+                                               1)
         self.url_redacted = self._redact(url)
         self.fingerprint = fingerprint
         self.block_source = block_source
