@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future, InvalidStateError
 from pathlib import Path
 from typing import Any, Callable, Optional
+from urllib.parse import urlsplit
 
 from .caches import ModelCodec
 from .identity import model_fingerprint
@@ -40,6 +41,7 @@ DEFAULTS: dict[str, Any] = {
     "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
     # The fleet tier (docs/fleet.md): Redis shared by several servers; None: off.
     "remote_url": None,  # redis://[user:password@]host:6379/0, rediss://... (TLS), unix:///path.sock
+    "remote_cluster": False,  # remote_url is a node of a Redis Cluster (its client discovers the rest)
     "remote_timeout_s": 2.0,  # longest one Redis read may take
     "remote_wait_s": 3.0,  # longest a request waits for its agent's fetch from Redis; then it goes on
     "remote_queue_mb": 1024.0,  # block data waiting for upload, at most (then uploads are dropped)
@@ -100,7 +102,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
             f"got {opts['prefill_attention']!r}"
         )
-    for key in ("durable_writes", "match_text", "warmup"):
+    for key in ("durable_writes", "match_text", "warmup", "remote_cluster"):
         if not isinstance(opts[key], bool):
             raise ValueError(f"persist_q4 {key} must be true or false")
     if not 1 <= opts["branches"] <= 64:
@@ -108,6 +110,10 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     url = opts["remote_url"]
     if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))):
         raise ValueError("persist_q4 remote_url must be a redis://, rediss:// or unix:// URL")
+    if opts["remote_cluster"] and url is not None and (
+            url.startswith("unix://") or urlsplit(url).path.strip("/") not in ("", "0")):
+        raise ValueError("persist_q4 remote_cluster needs a redis:// or rediss:// URL of any node, database 0 "
+                         "(a Redis Cluster has no unix sockets and no other databases)")
     if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"], opts["remote_fetch_mb"],
            opts["remote_block_ttl_hours"], opts["remote_manifest_ttl_hours"]) <= 0:
         raise ValueError("persist_q4 remote_* time-outs, sizes and TTLs must be > 0")
@@ -247,11 +253,12 @@ class PersistQ4Backend:
             queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
             fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
             block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
-            manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600))
+            manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
+            cluster=opts["remote_cluster"])
         self.fleet = pool.fleet = Fleet(tier, pool, wait_s=opts["remote_wait_s"],
                                         write_timeout_s=opts["write_timeout_s"])
-        log.info("persist_q4: fleet tier on: %s (requests wait for it at most %.1fs)", tier.url_redacted,
-                 opts["remote_wait_s"])
+        log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs)", tier.url_redacted,
+                 " (Redis Cluster)" if tier.cluster else "", opts["remote_wait_s"])
 
     @property
     def loaded_pool(self) -> Optional[BlockPool]:

@@ -3,8 +3,9 @@
 Runtime module: numpy and bytes only, never MLX. Layout, conflict rule, sizing and faults are in
 docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
 
-    tier = RemoteTier(url, fingerprint, block_source=...)   # start-up; connects lazily, never raises
-                                                            # for an unreachable Redis
+    tier = RemoteTier(url, fingerprint, block_source=...,   # start-up; connects lazily, never raises
+                      cluster=False)                        # for an unreachable Redis; cluster=True:
+                                                            # a Redis Cluster (any node's URL)
     tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s
     tier.get_block(block_id) -> BlockData | None            # any thread; at most read_timeout_s;
                                                             # verified exactly as a disk block
@@ -191,6 +192,7 @@ def _agent_key(namespace: str) -> str:
 def _import_redis():
     try:
         import redis
+        import redis.cluster
         from redis.backoff import NoBackoff
         from redis.retry import Retry
     except ImportError:
@@ -201,9 +203,50 @@ def _import_redis():
     return redis, Retry, NoBackoff
 
 
+class _LazyClient:
+    """A client made at its first use, then kept: redis-py's RedisCluster connects in its constructor
+    (it discovers the nodes and slots), and the tier must start, and keep trying, without Redis. A
+    failed construction raises to the caller (a transport failure) and is tried again next time."""
+
+    def __init__(self, make: Callable[[], Any]):
+        self._make, self._made, self._lock = make, None, threading.Lock()
+
+    def get(self) -> Any:
+        made = self._made
+        if made is None:
+            with self._lock:
+                if self._made is None:
+                    self._made = self._make()
+                made = self._made
+        return made
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.get(), name)
+
+    def close(self) -> None:
+        if self._made is not None:
+            self._made.close()
+
+
+class _Lua:
+    """A Lua script on one key: EVALSHA, and EVAL on a script-cache miss (which caches it there).
+    Unlike redis-py's Script (SCRIPT LOAD, sent to every primary of a Cluster), it only ever talks
+    to the key's own node, so one Cluster node down does not stop scripts on the others."""
+
+    def __init__(self, text: str, no_script: type):
+        self.text, self.sha, self._no_script = text, hashlib.sha1(text.encode()).hexdigest(), no_script
+
+    def __call__(self, client: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        try:
+            return client.evalsha(self.sha, len(keys), *keys, *args)
+        except self._no_script:
+            return client.eval(self.text, len(keys), *keys, *args)
+
+
 class RemoteTier:
     """Blocks (content-addressed, SET NX) and per-agent manifests (versioned, compare-and-set by a
-    Lua script) in one Redis, for one model fingerprint. See the module docstring for the interface."""
+    Lua script) in one Redis, or a Redis Cluster with `cluster=True` (every command touches one key),
+    for one model fingerprint. See the module docstring for the interface."""
 
     def __init__(
         self,
@@ -231,22 +274,29 @@ class RemoteTier:
         max_agents: int = 100_000,
         max_erasures: int = 10_000,
         on_erased: Optional[Callable[[str], None]] = None,
+        cluster: bool = False,
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
         if queue_max < 1 or read_threads < 1 or max_attempts < 1 or fetch_blocks < 1 or fetch_bytes < 1:
             raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks and fetch_bytes must be at least 1")
         redis, Retry, NoBackoff = _import_redis()
-        self._redis_errors = (redis.exceptions.RedisError, OSError)
-        self._transport_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
+        # RedisClusterException (not a RedisError): no node of a Cluster reachable, slots not covered;
+        # ClusterError: CLUSTERDOWN (a master failed, full coverage required), redirections exhausted.
+        cluster_errors = (redis.exceptions.RedisClusterException, redis.exceptions.ClusterError)
+        self._redis_errors = (redis.exceptions.RedisError, OSError, *cluster_errors)
+        self._transport_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                                  *cluster_errors)
+        self.cluster = bool(cluster)
+        if self.cluster:
+            self._check_cluster_url(url, redis)
         # One attempt per command (our breaker and writer retries decide what happens next); every
-        # socket operation is bounded. The pool holds at most one connection per thread of ours.
-        self._client = redis.Redis.from_url(
-            url, socket_timeout=read_timeout_s, socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0), max_connections=read_threads + 2, health_check_interval=0)
-        self._write_client = redis.Redis.from_url(
-            url, socket_timeout=write_timeout_s, socket_connect_timeout=connect_timeout_s,
-            retry=Retry(NoBackoff(), 0), max_connections=1, health_check_interval=0)
+        # socket operation is bounded. The pool holds at most one connection per thread of ours (on
+        # a Cluster: per node; MOVED/ASK redirections are still followed, they are not failures).
+        self._client = self._make_client(url, redis, Retry, NoBackoff, read_timeout_s, connect_timeout_s,
+                                         read_threads + 2)
+        self._write_client = self._make_client(url, redis, Retry, NoBackoff, write_timeout_s, connect_timeout_s,
+                                               1)
         self.url_redacted = self._redact(url)
         self.fingerprint = fingerprint
         self.block_source = block_source
@@ -264,9 +314,10 @@ class RemoteTier:
                                         "fingerprint": fingerprint})
         self._model_ok = False
         self._disabled: Optional[str] = None  # why the tier refuses to run (another model's keys)
-        self._put_script = self._write_client.register_script(_PUT_LUA)
-        self._erase_script = self._write_client.register_script(_ERASE_LUA)
-        self._del_if_script = self._client.register_script(_DEL_IF_LUA)
+        no_script = redis.exceptions.NoScriptError
+        self._put_script = _Lua(_PUT_LUA, no_script)
+        self._erase_script = _Lua(_ERASE_LUA, no_script)
+        self._del_if_script = _Lua(_DEL_IF_LUA, no_script)
         self._breaker = _Breaker(breaker_failures, breaker_open_s)
         self._connected: Optional[bool] = None  # None: no command answered or failed yet
 
@@ -295,6 +346,43 @@ class RemoteTier:
         ref = weakref.ref(self)
         self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
         atexit.register(self._atexit)
+
+    def _make_client(self, url: str, redis: Any, Retry: Any, NoBackoff: Any, timeout: float,
+                     connect_timeout: float, max_connections: int) -> Any:
+        """A client with one attempt per command and every socket operation bounded; a Cluster's is
+        made at its first use (_LazyClient)."""
+        retry = Retry(NoBackoff(), 0)
+        if not self.cluster:
+            return redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=connect_timeout,
+                                        retry=retry, max_connections=max_connections, health_check_interval=0)
+
+        def make() -> Any:
+            # Start from every node the other client has discovered, not only the URL's: the read
+            # client is often made later than the write client, and the URL's node may be down by then.
+            known = [c._made for c in (getattr(self, "_client", None), getattr(self, "_write_client", None))
+                     if c is not None and c._made is not None]
+            nodes = [redis.cluster.ClusterNode(n.host, n.port) for c in known[:1] for n in c.get_nodes()]
+            # The constructor sends COMMAND to a "default node" (the first primary), and only a retry
+            # moves it to another: allow two there, so one dead primary cannot keep the client from
+            # being made; then no retries, as for a single Redis.
+            client = redis.cluster.RedisCluster.from_url(
+                url, startup_nodes=nodes, socket_timeout=timeout, socket_connect_timeout=connect_timeout,
+                retry=Retry(NoBackoff(), 2), max_connections=max_connections)
+            client.set_retry(retry)
+            return client
+
+        return _LazyClient(make)
+
+    @staticmethod
+    def _check_cluster_url(url: str, redis: Any) -> None:
+        """Refuse at start-up what redis-py's cluster client would refuse at every command."""
+        try:
+            parsed = redis.connection.parse_url(url)
+        except ValueError as e:
+            raise ValueError(f"bad Redis URL: {e}") from None
+        if "path" in parsed or parsed.get("db", 0) != 0:
+            raise ValueError("a Redis Cluster URL is redis:// or rediss:// to any node, database 0 "
+                             "(Cluster has no unix sockets and no other databases)")
 
     # ---- keys -----------------------------------------------------------------------------------
 
@@ -395,7 +483,7 @@ class RemoteTier:
             self._count("refused")
             logger.warning("fleet: refused block %s from Redis (%s); deleting it", block_id, e)
             digest = hashlib.sha1(raw).hexdigest()
-            self._bounded_read(lambda: self._del_if_script(keys=[key], args=[digest], client=self._client))
+            self._bounded_read(lambda: self._del_if_script(self._client, [key], [digest]))
             return None
         with self._lock:
             self._c["hits"] += 1
@@ -720,8 +808,8 @@ class RemoteTier:
     def _erase_now(self, namespace: str) -> None:
         with self._lock:
             base = self._agent(namespace).seen
-        v = int(self._erase_script(keys=[self.manifest_key(namespace)], args=[base, self.tombstone_ttl_s],
-                                   client=self._write_client))
+        v = int(self._erase_script(self._write_client, [self.manifest_key(namespace)],
+                                   [base, self.tombstone_ttl_s]))
         with self._lock:
             st = self._agent(namespace)
             st.seen = max(st.seen, v)  # puts queued after the erasure may recreate the agent
@@ -770,9 +858,8 @@ class RemoteTier:
             base = st.seen
         digest = self._digest(m)
         status, version = self._put_script(
-            keys=[self.manifest_key(m.namespace)],
-            args=[base, int(m.n_tokens), digest, self._manifest_body(m), self.manifest_ttl_s],
-            client=self._write_client)
+            self._write_client, [self.manifest_key(m.namespace)],
+            [base, int(m.n_tokens), digest, self._manifest_body(m), self.manifest_ttl_s])
         status, version = int(status), int(version)
         with self._lock:
             if status in (1, 2):
