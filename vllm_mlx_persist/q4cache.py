@@ -215,6 +215,8 @@ DECODE_FLOAT_AUTO_MB = 1024  # "auto" on a CPU; 0 (off) on a GPU, where quantize
 _decode_float_mb: Any = "auto"
 _MIRRORS: "weakref.WeakSet[BatchQ4KVCache]" = weakref.WeakSet()
 _MIRRORS_LOCK = threading.Lock()  # get_stats reads the set from the HTTP thread
+# Mirrors built, and mirrors not built or dropped because the budget was full (for get_stats).
+MIRROR_COUNTS = {"builds": 0, "refused": 0}
 
 
 def set_decode_float_budget(mb: Any) -> None:
@@ -325,6 +327,9 @@ class BatchQ4KVCache(_BaseCache):
         B, _, cap, _ = self.keys[0].shape
         if self._mirror_fits(self._float_bytes(B, cap)):
             self._set_mirror((self._dequantize(self.keys), self._dequantize(self.values)))
+            MIRROR_COUNTS["builds"] += 1
+        else:
+            MIRROR_COUNTS["refused"] += 1
 
     def _mirror_write(self, prev: int, old_cap: int) -> None:
         """Follow an update of [prev, _idx): grow like the packed storage did, then write the new
@@ -334,6 +339,7 @@ class BatchQ4KVCache(_BaseCache):
         if cap != old_cap:
             if not self._mirror_fits(self._float_bytes(fk.shape[0], cap), released=self.mirror_nbytes):
                 self._set_mirror(None)
+                MIRROR_COUNTS["refused"] += 1
                 return
             fk, fv = _grow((fk, fv), prev, cap - prev)
             self._set_mirror((fk, fv))
@@ -447,6 +453,7 @@ class BatchQ4KVCache(_BaseCache):
             B = self.offset.shape[0] + other.offset.shape[0]
             released = self.mirror_nbytes + other.mirror_nbytes
             mirrored = self._mirror_fits(self._float_bytes(B, max_size, like), released)
+            MIRROR_COUNTS["refused"] += not mirrored
 
         def pad(c: "BatchQ4KVCache"):
             k, v, f = c.keys, c.values, c._mirror
