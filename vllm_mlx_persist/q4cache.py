@@ -83,9 +83,9 @@ def _grow(q: QTuple, keep: int, n: int) -> QTuple:
     )
 
 
-def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
+def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple, QTuple, QTuple]:
     """Quantize `keys`/`values` and write them at [prev, prev + S) of `cache`'s storage, growing
-    it in `cache.step` chunks. Returns the (possibly new) storage tuples."""
+    it in `cache.step` chunks. Returns the (possibly new) storage tuples and the quantized new tokens."""
     S = keys.shape[2]
     qk = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
     qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
@@ -98,7 +98,7 @@ def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple,
             k, v = _grow(k, prev, n), _grow(v, prev, n)
     for dst, src in zip(k + v, qk + qv):
         dst[..., prev : prev + S, :] = src
-    return k, v
+    return k, v, qk, qv
 
 
 def _qmap(fn, *qs: QTuple) -> QTuple:
@@ -127,7 +127,7 @@ class Q4KVCache(QuantizedKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
         # Not the parent's: it sizes packed storage as `dim // (32 // bits)`, which is wrong for
         # 5 and 6 bits at head_dim 128.
-        self.keys, self.values = _append(self, self.offset, keys, values)
+        self.keys, self.values, _, _ = _append(self, self.offset, keys, values)
         self.offset += keys.shape[2]
         return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
 
@@ -272,11 +272,11 @@ class BatchQ4KVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
         prev, S = self._idx, keys.shape[2]
         cap = 0 if self.keys is None else self.keys[0].shape[2]
-        self.keys, self.values = _append(self, prev, keys, values)
+        self.keys, self.values, qk, qv = _append(self, prev, keys, values)
         self.offset += S
         self._idx += S
         if self._mirror is not None:
-            self._mirror_write(prev, cap)
+            self._mirror_write(prev, cap, qk, qv)
         elif S < DEQUANT_MIN_QUERIES:  # decode: the sequences are in the running batch
             self._mirror_build()
         return _qslice(self.keys, self._idx), _qslice(self.values, self._idx)
@@ -331,9 +331,9 @@ class BatchQ4KVCache(_BaseCache):
         else:
             MIRROR_COUNTS["refused"] += 1
 
-    def _mirror_write(self, prev: int, old_cap: int) -> None:
-        """Follow an update of [prev, _idx): grow like the packed storage did, then write the new
-        tokens' dequantized values."""
+    def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple) -> None:
+        """Follow an update of [prev, _idx) with the new tokens quantized as `qk`/`qv`: grow like
+        the packed storage did, then write their dequantized values."""
         fk, fv = self._mirror
         cap = self.keys[0].shape[2]
         if cap != old_cap:
@@ -343,9 +343,8 @@ class BatchQ4KVCache(_BaseCache):
                 return
             fk, fv = _grow((fk, fv), prev, cap - prev)
             self._set_mirror((fk, fv))
-        new = lambda q: self._dequantize(tuple(x[..., prev : self._idx, :] for x in q))
-        fk[..., prev : self._idx, :] = new(self.keys)
-        fv[..., prev : self._idx, :] = new(self.values)
+        fk[..., prev : self._idx, :] = self._dequantize(qk)
+        fv[..., prev : self._idx, :] = self._dequantize(qv)
 
     def __deepcopy__(self, memo) -> "BatchQ4KVCache":
         """A copy without the mirror (mlx-lm deep-copies a prompt batch when it splits it); the
