@@ -581,9 +581,20 @@ def _mirror_ops(budget_mb):
     _check_mirror(a, on)
     seen.append(q4cache.decode_float_bytes())
     d = copy.deepcopy(a)
-    _check_mirror(d, False)  # copies carry no mirror
+    _check_mirror(d, on)  # a copy of the mirror, within the budget
     d.update_and_fetch(*kv(4, 1))
-    _check_mirror(d, on)  # and build their own on their next decode step
+    _check_mirror(d, on)
+    _check_mirror(a, on)  # the copies are independent
+    if on:
+        q4cache.set_decode_float_budget(q4cache.decode_float_bytes() / 2**20)  # full
+        d2 = copy.deepcopy(a)
+        _check_mirror(d2, False)  # no room: no mirror, and none built at its next decode step
+        d2.update_and_fetch(*kv(4, 1))
+        _check_mirror(d2, False)
+        q4cache.set_decode_float_budget(budget_mb)
+        d2.update_and_fetch(*kv(4, 1))
+        _check_mirror(d2, True)  # room again: built
+        d2.filter([])
     out = [a.extract(i) for i in range(4)] + [d.extract(i) for i in range(4)]
     assert all(type(c) is Q4KVCache and c.keys[0].dtype == mx.uint32 for c in out)
     g = BatchQ4KVCache([0], 4, 64)

@@ -347,13 +347,15 @@ class BatchQ4KVCache(_BaseCache):
         fv[..., prev : self._idx, :] = self._dequantize(qv)
 
     def __deepcopy__(self, memo) -> "BatchQ4KVCache":
-        """A copy without the mirror (mlx-lm deep-copies a prompt batch when it splits it); the
-        copy builds its own on its next decode step, within the budget."""
+        """A copy whose mirror is a copy of this one's when it fits the budget, else none (it builds
+        its own on its next decode step). mlx-lm deep-copies a prompt batch when it splits it."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             if k != "_mirror":
                 setattr(new, k, copy.deepcopy(v, memo))
+        if self._mirror is not None and self._mirror_fits(self.mirror_nbytes):
+            new._set_mirror(tuple(mx.array(x) for x in self._mirror))
         return new
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
