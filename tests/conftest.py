@@ -37,3 +37,14 @@ def isolated_home(tmp_path) -> dict[str, str]:
     home = tmp_path / "home"
     (home / ".cache").mkdir(parents=True, exist_ok=True)
     return dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
+
+
+@pytest.fixture(params=["mirror_off", "mirror_on"])
+def decode_mirror(request):
+    """Run a test with batched decode on the 4-bit matmuls (budget 0), then on the float decode
+    mirror (a 256 MB budget); the process default ("auto") is restored after."""
+    from vllm_mlx_persist import q4cache
+
+    q4cache.set_decode_float_budget(256 if request.param == "mirror_on" else 0)
+    yield request.param == "mirror_on"
+    q4cache.set_decode_float_budget("auto")

@@ -410,3 +410,60 @@ def test_unusable_cache_root_is_refused_in_one_line(models, tmp_path, case):
     assert "Traceback" not in log, log
     (line,) = [l for l in log.splitlines() if "persist_q4: " in l and "ERROR" in l]
     assert str(root) in line and ("is not a directory" in line or ".lock: Is a directory" in line), line
+
+
+def _stat(stats, key):
+    if isinstance(stats, dict):
+        if key in stats:
+            return stats[key]
+        for v in stats.values():
+            found = _stat(v, key)
+            if found is not None:
+                return found
+    return None
+
+
+def test_float_decode_mirror_replies_equal_quantized_decode(models, tmp_path):
+    """Four agents batched together, two turns each, greedy: a server whose batched decode runs on
+    the float decode mirror (decode_float_mb 256) gives the same replies as one on the 4-bit
+    matmuls (decode_float_mb 0). The two attend over the same 4-bit K/V values; the logits differ
+    by float rounding only (~5e-6 of their std, tests/test_q4cache.py), far below the top-2 gap of
+    these greedy choices, so the replies are asserted equal. The mirror bytes go back to 0."""
+    agents = ["m-alice", "m-bob", "m-carol", "m-dave"]
+    replies, stats = {}, {}
+    for mb in (0, 256):
+        with Server(models["llama"], tmp_path / f"home{mb}", options={**OPTIONS, "decode_float_mb": mb}) as srv:
+            chats = [Chat(a, api="openai" if i % 2 == 0 else "anthropic") for i, a in enumerate(agents)]
+            warm_builds = _stat(srv.get_json("/v1/cache/stats"), "decode_float_builds")
+            for turn in range(2):
+                threads = [threading.Thread(target=c.turn, args=(srv, turn)) for c in chats]
+                [t.start() for t in threads]
+                [t.join() for t in threads]
+                assert all(len(c.outputs) == turn + 1 for c in chats), srv.log_tail()
+            replies[mb] = [c.outputs for c in chats]
+            assert all(c.cached[1] > 0 for c in chats)
+            for _ in range(50):  # the finished batch's caches are freed right after its last step
+                stats[mb] = srv.get_json("/v1/cache/stats")
+                if _stat(stats[mb], "decode_float_bytes") == 0:
+                    break
+                threading.Event().wait(0.1)
+            stats[mb]["warm_builds"] = warm_builds
+    assert replies[256] == replies[0]
+    assert len({tuple(r) for r in replies[0]}) > 1  # not degenerate
+    assert _stat(stats[0], "decode_float_budget_bytes") == 0 and _stat(stats[0], "decode_float_builds") == 0
+    assert _stat(stats[256], "decode_float_budget_bytes") == 256 * 2**20
+    # the requests' batches decoded on mirrors (beyond the warm-up's), none refused by the budget
+    assert _stat(stats[256], "decode_float_builds") > stats[256]["warm_builds"] > 0
+    assert _stat(stats[256], "decode_float_refused") == 0
+    assert _stat(stats[0], "decode_float_bytes") == _stat(stats[256], "decode_float_bytes") == 0
+
+
+def test_decode_float_option_is_checked():
+    from vllm_mlx_persist.backend import parse_options
+
+    assert parse_options({})["decode_float_mb"] == "auto"
+    assert parse_options({"decode_float_mb": 0})["decode_float_mb"] == 0.0
+    assert parse_options({"decode_float_mb": "512"})["decode_float_mb"] == 512.0
+    for bad in (-1, "fast", True, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="decode_float_mb"):
+            parse_options({"decode_float_mb": bad})

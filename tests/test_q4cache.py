@@ -10,6 +10,7 @@ about to return through the model in the same step (the token sampled after it i
 """
 
 import copy
+import gc
 import hashlib
 import importlib.util
 import inspect
@@ -154,9 +155,25 @@ def extend_sides(monkeypatch):
     return seen
 
 
-def test_batched_matches_per_sequence(model, extend_sides, attention_mode):
+@pytest.fixture
+def mirror_used(monkeypatch):
+    """Record, per attention call on a BatchQ4KVCache, whether it ran on the float decode mirror."""
+    seen = []
+    original = BatchQ4KVCache.float_kv
+
+    def spy(self):
+        out = original(self)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr(BatchQ4KVCache, "float_kv", spy)
+    return seen
+
+
+def test_batched_matches_per_sequence(model, extend_sides, attention_mode, decode_mirror, mirror_used):
     """Staggered inserts, prompt lengths 3..29 (right padding), chunked prefill, a prefix-cached
-    insert and per-sequence max_tokens: batched 4-bit greedy == per-sequence 4-bit greedy."""
+    insert and per-sequence max_tokens: batched 4-bit greedy == per-sequence 4-bit greedy, with
+    decode on the 4-bit matmuls and on the float decode mirror (the reference never has one)."""
     prompts = _prompts(6, 3, 30, seed=1)
     max_tokens = [5, 9, 3, 12, 7, 6]
     prefix_len = 7
@@ -193,6 +210,7 @@ def test_batched_matches_per_sequence(model, extend_sides, attention_mode):
         # all_tokens are the tokens the BatchGenerator put into the cache itself (not the prefix).
         assert all_tokens == (prompts[i][prefix_len:] if i == 4 else prompts[i]) + tokens
     assert len(set(tuple(out[u][0]) for u in uids)) == len(uids)  # outputs are not degenerate
+    assert any(mirror_used) == decode_mirror
     assert (False, True) in extend_sides  # fresh (empty) caches joined a batch mid-prefill
     # merge copies: the inserted prefix cache (e.g. one built from the persistent store) is intact
     after = [x for c in prefix_cache for x in c.state[0] + c.state[1]]
@@ -200,7 +218,7 @@ def test_batched_matches_per_sequence(model, extend_sides, attention_mode):
     assert all(mx.array_equal(a, b).item() for a, b in zip(prefix_snapshot, after))
 
 
-def test_extracted_cache_continues_like_reference(model):
+def test_extracted_cache_continues_like_reference(model, decode_mirror):
     """A second turn inserted on the cache extracted after the first equals the reference that
     keeps decoding on its own per-sequence cache."""
     p1, p2 = _prompts(2, 5, 15, seed=2)
@@ -221,7 +239,9 @@ def test_extracted_cache_continues_like_reference(model):
 
 def test_gqa_batch_equals_kv_heads(model, monkeypatch, attention_mode):
     """B == n_kv_heads == 2 with left padding: the unpatched quantized SDPA silently attends with
-    the other sequence's mask; the fixed one matches the per-sequence reference."""
+    the other sequence's mask; the fixed one matches the per-sequence reference. (Decode on the
+    quantized matmuls: the float decode mirror would bypass them.)"""
+    monkeypatch.setattr(q4cache, "_decode_float_mb", 0)
     prompts = [[5, 17, 300, 42, 8, 99, 100, 1, 2, 3, 4], [77, 3, 250]]
 
     def first_logprobs():
@@ -329,7 +349,7 @@ def test_attention_fix_patch_file(tmp_path):
 
 
 @pytest.mark.parametrize("bits,group_size", [(8, 32), (6, 64), (2, 128)])
-def test_other_formats(bits, group_size, attention_mode):
+def test_other_formats(bits, group_size, attention_mode, decode_mirror):
     """Other bit widths and group sizes batch exactly like their per-sequence reference."""
     install_attention_fix()
     model = _llama(head_dim=128, seed=1)
@@ -489,3 +509,224 @@ def mlx_lm_version() -> str:
     from importlib.metadata import version
 
     return version("mlx-lm")
+
+
+# ---- float decode mirror -------------------------------------------------------------------------
+
+
+def _deq(q, end):
+    return mx.dequantize(*(x[..., :end, :] for x in q), group_size=64, bits=4)
+
+
+def _check_mirror(c: BatchQ4KVCache, want: bool = True):
+    """The mirror holds exactly dequantize(packed) up to the write index (bit for bit)."""
+    kv = c.float_kv()
+    assert (kv is not None) == want
+    if kv is not None:
+        assert kv[0].shape == (c.offset.shape[0], 2, c.size(), 64)
+        assert mx.array_equal(kv[0], _deq(c.keys, c.size())).item()
+        assert mx.array_equal(kv[1], _deq(c.values, c.size())).item()
+
+
+def _mirror_ops(budget_mb):
+    """Every batch-cache operation BatchGenerator uses, on random K/V (the same with any budget):
+    merge, decode updates across a buffer growth, extend (with a mirrored, an unmirrored and an
+    empty side), trim, filter, a right-padded chunk with prepare/finalize, deepcopy, state. Returns
+    every row's extracted cache and the mirror bytes seen after each step."""
+    q4cache.set_decode_float_budget(budget_mb)
+    mx.random.seed(11)
+    kv = lambda B, n: (mx.random.normal((B, 2, n, 64)), mx.random.normal((B, 2, n, 64)))
+    on = budget_mb > 0
+
+    def merged(lens):
+        rows = []
+        for n in lens:
+            c = Q4KVCache()
+            c.update_and_fetch(*kv(1, n))
+            rows.append(c)
+        return Q4KVCache.merge(rows)
+
+    seen = []
+    a = merged([250, 241, 200])
+    _check_mirror(a, False)  # merge builds none: only decode does
+    # 250 -> 510 tokens: the packed buffer (merged at exactly 250) grows to 506 on the first step,
+    # which builds the mirror, and to 762 at token 507, which grows the mirror the same way
+    for i in range(260):
+        a.update_and_fetch(*kv(3, 1))
+        if i in (0, 255, 256, 259):
+            _check_mirror(a, on)
+            seen.append(q4cache.decode_float_bytes())
+    b = merged([30, 12])
+    b.update_and_fetch(*kv(2, 1))  # b has its own mirror
+    a.extend(b)
+    _check_mirror(a, on)
+    assert b.float_kv() is None  # moved into a
+    a.extend(merged([60]))  # a side without a mirror is dequantized into a's
+    _check_mirror(a, on)
+    empty = Q4KVCache.merge([Q4KVCache()])
+    a.extend(empty)
+    _check_mirror(a, on)
+    a.update_and_fetch(*kv(7, 1))
+    _check_mirror(a, on)
+    assert a.trim(2) == 2
+    a.update_and_fetch(*kv(7, 1))
+    _check_mirror(a, on)
+    a.filter([0, 3, 5, 6])
+    _check_mirror(a, on)
+    a.prepare(lengths=[5, 3, 4, 5], right_padding=[0, 2, 1, 0])  # a right-padded prompt chunk
+    a.update_and_fetch(*kv(4, 5))
+    a.finalize()
+    _check_mirror(a, on)
+    a.update_and_fetch(*kv(4, 1))
+    _check_mirror(a, on)
+    seen.append(q4cache.decode_float_bytes())
+    d = copy.deepcopy(a)
+    _check_mirror(d, on)  # a copy of the mirror, within the budget
+    d.update_and_fetch(*kv(4, 1))
+    _check_mirror(d, on)
+    _check_mirror(a, on)  # the copies are independent
+    if on:
+        q4cache.set_decode_float_budget(q4cache.decode_float_bytes() / 2**20)  # full
+        d2 = copy.deepcopy(a)
+        _check_mirror(d2, False)  # no room: no mirror, and none built at its next decode step
+        d2.update_and_fetch(*kv(4, 1))
+        _check_mirror(d2, False)
+        q4cache.set_decode_float_budget(budget_mb)
+        d2.update_and_fetch(*kv(4, 1))
+        _check_mirror(d2, True)  # room again: built
+        d2.filter([])
+    out = [a.extract(i) for i in range(4)] + [d.extract(i) for i in range(4)]
+    assert all(type(c) is Q4KVCache and c.keys[0].dtype == mx.uint32 for c in out)
+    g = BatchQ4KVCache([0], 4, 64)
+    g.update_and_fetch(*kv(1, 1))
+    g.state = b.state
+    _check_mirror(g, False)  # new storage: the old mirror is dropped
+    a.filter([])
+    d.filter([2])
+    return out, seen
+
+
+def test_mirror_follows_every_op_and_storage_is_unchanged():
+    """The mirror equals dequantize(packed) bit for bit after each op, and what is stored and
+    extracted is bit-identical with and without it (the mirror never feeds the storage)."""
+    gc.collect()
+    base = q4cache.decode_float_bytes()
+    try:
+        with_mirror, seen = _mirror_ops(256)
+        without, seen_off = _mirror_ops(0)
+    finally:
+        q4cache.set_decode_float_budget("auto")
+    assert all(n > base for n in seen) and all(n == base for n in seen_off)
+    assert seen[0] == seen[1] < seen[2] == seen[3]  # the growth was accounted
+    for x, y in zip(with_mirror, without):
+        assert x.offset == y.offset
+        assert all(mx.array_equal(p, q).item() for p, q in zip(x.keys + x.values, y.keys + y.values))
+    gc.collect()
+    assert q4cache.decode_float_bytes() == base  # filtered to nothing / freed: nothing held
+
+
+def _teacher_forced(model, lens, steps, budget_mb, seed=0):
+    """Batched decode of fixed tokens (the same inputs whatever the logits) on merged 4-bit rows;
+    returns the logits per step, the peak mirror bytes and the batch caches."""
+    q4cache.set_decode_float_budget(budget_mb)
+    rows = []
+    rng = random.Random(seed)
+    for n in lens:
+        c = make_q4_prompt_cache(model)
+        _prefill(model, c, [rng.randrange(VOCAB) for _ in range(n)])
+        rows.append(c)
+    batch = [BatchQ4KVCache.merge([r[l] for r in rows]) for l in range(len(model.layers))]
+    logits, peak = [], 0
+    for s in range(steps):
+        y = mx.array([[(s * 7 + b) % VOCAB] for b in range(len(lens))])
+        logits.append(model(y, cache=batch)[:, -1])
+        mx.eval(logits[-1])
+        peak = max(peak, q4cache.decode_float_bytes())
+    return mx.stack(logits), peak, batch
+
+
+def test_mirror_logits_match_quantized_decode(model):
+    """Logits with the mirror on vs off (4-bit matmuls), same inputs, 3 left-padded rows, 20 decode
+    steps across the 256-token buffer growth. Same K/V values, so the only difference is float32
+    rounding order (the fused float kernel vs quantized_matmul's on-the-fly dequantization, each
+    ~1e-7 relative), carried through 2 layers: measured 4e-6 of the logit std; asserted 1e-4."""
+    try:
+        off, peak_off, _ = _teacher_forced(model, [245, 230, 180], 20, 0)
+        on, peak_on, batch = _teacher_forced(model, [245, 230, 180], 20, 256)
+        assert all(c.float_kv() is not None for c in batch)
+    finally:
+        q4cache.set_decode_float_budget("auto")
+    rel = (mx.abs(on - off).max() / off.std()).item()
+    print(f"max |Δlogit| / std, mirror on vs off: {rel:.2e}")
+    assert rel < 1e-4
+    # 2 layers x 3 rows x (245 + 256) capacity x 2 heads x 64 x 4 bytes x (K, V)
+    assert peak_off == 0 and peak_on == 2 * 3 * 501 * 2 * 64 * 4 * 2
+    # greedy on the mirrored batch == per-sequence greedy on 4-bit (no mirror) is
+    # test_batched_matches_per_sequence[...mirror_on]
+
+
+def test_mirror_budget_bounds_and_drops(model):
+    """A budget too small for any mirror: none is built, decode is on the 4-bit matmuls and still
+    equals the per-sequence reference. A budget that fits the first mirror but not its growth: the
+    mirror is dropped at the growth (the batch goes on on 4-bit), and the bytes never exceed it."""
+    gc.collect()
+    base = q4cache.decode_float_bytes()
+    try:
+        q4cache.set_decode_float_budget(0.01)  # 10 KB
+        prompts = _prompts(3, 5, 20, seed=4)
+        gen = _batch_gen(model)
+        out, uids = _run(gen, {0: [(p, 6, make_q4_prompt_cache(model)) for p in prompts]})
+        assert q4cache.decode_float_bytes() == base
+        for p, u in zip(prompts, uids):
+            assert out[u][0] == _reference(model, p, 6)[0]
+
+        # 3 rows at capacity 245 + 256 = 501 tokens: 1.47 MB per layer; growing to 757 needs 2.22 MB.
+        # 3.5 MB fits both layers' mirrors, not layer 0's growth (3.69 MB): layer 0 drops its mirror,
+        # which leaves room for layer 1's growth (2.22 MB).
+        _, peak, batch = _teacher_forced(model, [245, 230, 180], 4, 3.5)
+        assert all(c.float_kv() is not None for c in batch) and peak <= 3.5 * 2**20
+        y = mx.zeros((3, 1), dtype=mx.int32)
+        for _ in range(260):
+            mx.eval(model(y, cache=batch))
+            assert q4cache.decode_float_bytes() - base <= 3.5 * 2**20
+        assert batch[0].float_kv() is None and batch[1].float_kv() is not None
+        _check_mirror(batch[1])
+        assert batch[0].size() == 245 + 4 + 260
+    finally:
+        q4cache.set_decode_float_budget("auto")
+    with pytest.raises(ValueError, match="decode_float_mb"):
+        q4cache.set_decode_float_budget(-1)
+    with pytest.raises(ValueError, match="decode_float_mb"):
+        q4cache.set_decode_float_budget("fast")
+    assert q4cache.decode_float_budget_bytes() == q4cache.DECODE_FLOAT_AUTO_MB * 2**20  # CPU default
+    del batch
+    gc.collect()
+    assert q4cache.decode_float_bytes() == base
+
+
+def test_mirror_accounting_returns_to_zero(model):
+    """Through mlx-lm's BatchGenerator (extract of each finished row, filter, and the batch list
+    cleared when the last one finishes): the mirror bytes go back to where they started."""
+    gc.collect()
+    base = q4cache.decode_float_bytes()
+    try:
+        q4cache.set_decode_float_budget(256)
+        gen = _batch_gen(model)
+        peak = []
+        orig_next = gen.next
+
+        def next_():
+            r = orig_next()
+            peak.append(q4cache.decode_float_bytes() - base)
+            return r
+
+        gen.next = next_
+        prompts = _prompts(4, 5, 40, seed=6)
+        out, uids = _run(gen, {0: [(p, m, make_q4_prompt_cache(model)) for p, m in zip(prompts[:2], (4, 9))],
+                               2: [(p, m, make_q4_prompt_cache(model)) for p, m in zip(prompts[2:], (3, 5))]})
+        assert max(peak) > 0
+        assert all(isinstance(c, Q4KVCache) for u in uids for c in out[u][2])
+    finally:
+        q4cache.set_decode_float_budget("auto")
+    gc.collect()
+    assert q4cache.decode_float_bytes() == base

@@ -20,7 +20,16 @@ from .caches import ModelCodec
 from .identity import model_fingerprint
 from .persister import Persister
 from .pool import READ_TIMEOUT_S, BlockPool
-from .q4cache import DEQUANT_MIN_QUERIES, PREFILL_ATTENTION_MODES, install_attention_fix, set_prefill_attention
+from .q4cache import (
+    DEQUANT_MIN_QUERIES,
+    MIRROR_COUNTS,
+    PREFILL_ATTENTION_MODES,
+    decode_float_budget_bytes,
+    decode_float_bytes,
+    install_attention_fix,
+    set_decode_float_budget,
+    set_prefill_attention,
+)
 from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -36,6 +45,7 @@ DEFAULTS: dict[str, Any] = {
     "ttl_hours": None,  # erase agents unused for this long (None: never)
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
     "prefill_attention": "auto",  # see q4cache.set_prefill_attention
+    "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
     "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
     "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
@@ -89,6 +99,15 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             opts["ttl_hours"] = float(opts["ttl_hours"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad persist_q4 option value: {e}") from None
+    mb = opts["decode_float_mb"]
+    if mb != "auto":
+        try:
+            mb = float(mb) if not isinstance(mb, bool) else -1.0
+        except (TypeError, ValueError):
+            mb = -1.0
+        if not 0 <= mb < float("inf"):
+            raise ValueError(f"persist_q4 decode_float_mb must be \"auto\" or a number of MB >= 0; got {opts['decode_float_mb']!r}")
+        opts["decode_float_mb"] = mb
     if opts["disk_mb"] <= 0 or opts["write_timeout_s"] <= 0 or (opts["ttl_hours"] is not None and opts["ttl_hours"] <= 0):
         raise ValueError("persist_q4 disk_mb, write_timeout_s and ttl_hours must be > 0")
     if opts["bits"] not in (2, 3, 4, 5, 6, 8):
@@ -164,6 +183,7 @@ class PersistQ4Backend:
             raise _refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
         set_prefill_attention(opts["prefill_attention"])
+        set_decode_float_budget(opts["decode_float_mb"])
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self.bits, self.group_size = opts["bits"], opts["group_size"]
         self.cache_dir: Path = opts["cache_dir"]
@@ -230,8 +250,9 @@ class PersistQ4Backend:
                 self._start_fleet(self._pool)
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
-                "dir %s (model %s)",
+                "float decode mirror %.0f MB, dir %s (model %s)",
                 self.bits, self.group_size, opts["block_size"], opts["hot_mb"], opts["prefill_attention"],
+                decode_float_budget_bytes() / 2**20,
                 store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
@@ -351,7 +372,9 @@ class PersistQ4Backend:
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
         # "health" is what the seam copies into /health (as "cache_backend"): small, O(1).
         out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
-               "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot(), **warm}
+               "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot(), **warm,
+               "decode_float_bytes": decode_float_bytes(), "decode_float_budget_bytes": decode_float_budget_bytes(),
+               "decode_float_builds": MIRROR_COUNTS["builds"], "decode_float_refused": MIRROR_COUNTS["refused"]}
         if self.fleet is not None:
             out["remote"] = self.fleet.stats()
         return out
@@ -372,9 +395,10 @@ class PersistQ4Backend:
     def warm_up(self) -> dict:
         """Run the model once over a tiny prompt through fresh 4-bit caches, so that the first
         request after a (re)start does not pay first-use costs (allocations, compiled functions,
-        the quantize / dequantized-prefill / quantized-decode kernels): two sequences of
+        the quantize / dequantized-prefill / batched-decode kernels): two sequences of
         WARMUP_TOKENS and one fewer are prefilled in one chunk each (the dequantized path), merged
-        the way BatchGenerator merges them, and decoded WARMUP_STEPS steps (the quantized path).
+        the way BatchGenerator merges them, and decoded WARMUP_STEPS steps (the float decode mirror
+        when its budget allows, else the quantized path).
         Bounded (a few dozen tokens of KV), stored nowhere, never fatal; returns what it did."""
         import mlx.core as mx
         from mlx_lm.generate import _merge_caches

@@ -10,11 +10,17 @@ Models pick mlx-lm's quantized attention path by duck typing (`hasattr(cache, "b
 a mask-broadcasting bug under grouped-query attention with a batched mask; `install_attention_fix`
 replaces it with ours (see patches/README.md) and, on the CPU, routes multi-token chunks (prefill) through
 the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_attention`).
+
+On the CPU, a `BatchQ4KVCache` in decode also keeps a bounded float *decode mirror*: the dequantized
+values of its 4-bit K/V, on which attention runs with the fast float SDPA (`set_decode_float_budget`).
 """
 
 from __future__ import annotations
 
+import copy
 import sys
+import threading
+import weakref
 from typing import Any, List, Optional, Sequence
 
 import mlx.core as mx
@@ -77,9 +83,9 @@ def _grow(q: QTuple, keep: int, n: int) -> QTuple:
     )
 
 
-def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
+def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple, QTuple, QTuple]:
     """Quantize `keys`/`values` and write them at [prev, prev + S) of `cache`'s storage, growing
-    it in `cache.step` chunks. Returns the (possibly new) storage tuples."""
+    it in `cache.step` chunks. Returns the (possibly new) storage tuples and the quantized new tokens."""
     S = keys.shape[2]
     qk = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
     qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
@@ -92,7 +98,7 @@ def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple,
             k, v = _grow(k, prev, n), _grow(v, prev, n)
     for dst, src in zip(k + v, qk + qv):
         dst[..., prev : prev + S, :] = src
-    return k, v
+    return k, v, qk, qv
 
 
 def _qmap(fn, *qs: QTuple) -> QTuple:
@@ -121,7 +127,7 @@ class Q4KVCache(QuantizedKVCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
         # Not the parent's: it sizes packed storage as `dim // (32 // bits)`, which is wrong for
         # 5 and 6 bits at head_dim 128.
-        self.keys, self.values = _append(self, self.offset, keys, values)
+        self.keys, self.values, _, _ = _append(self, self.offset, keys, values)
         self.offset += keys.shape[2]
         return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
 
@@ -189,14 +195,68 @@ class Q4KVCache(QuantizedKVCache):
         return _qnbytes(self.keys) + _qnbytes(self.values)
 
 
+# ---- float decode mirror --------------------------------------------------------------------------
+#
+# mlx's CPU `quantized_matmul(transpose=True)` costs ~3x a float matmul of the same shape (see
+# docs/performance.md), so on the CPU a batch cache in decode keeps beside its 4-bit K/V a float
+# copy holding exactly `dequantize(packed)` (every token, each new decode token included) and
+# attention runs on that copy with mx.fast.scaled_dot_product_attention: 4-bit KV numerics, float
+# speed. Storage, blocks, disk and everything `extract` returns stay 4-bit.
+#
+# Accounting rule: a mirror's bytes count against the process-wide budget for exactly as long as
+# the BatchQ4KVCache holding it is alive and keeps it. Each operation that creates, grows, shrinks
+# (filter), moves (extend) or drops a mirror checks the budget explicitly before allocating; the
+# bytes in use are the sum over the live mirrors, kept in a WeakSet, so a batch cache that mlx-lm
+# simply lets go of (it clears its cache list when the last sequence finishes) releases its share
+# when it is freed, without a __del__. A mirror that would not fit is dropped (or never built) and
+# that cache decodes on the 4-bit matmuls as before; never an error.
+
+DECODE_FLOAT_AUTO_MB = 1024  # "auto" on a CPU; 0 (off) on a GPU, where quantized attention is fast
+_decode_float_mb: Any = "auto"
+_MIRRORS: "weakref.WeakSet[BatchQ4KVCache]" = weakref.WeakSet()
+_MIRRORS_LOCK = threading.Lock()  # get_stats reads the set from the HTTP thread
+# Mirrors built, and mirrors not built or dropped because the budget was full (for get_stats).
+MIRROR_COUNTS = {"builds": 0, "refused": 0}
+
+
+def set_decode_float_budget(mb: Any) -> None:
+    """Process-wide budget for float decode mirrors, in MB: a number >= 0 (0: off) or "auto"
+    (DECODE_FLOAT_AUTO_MB when MLX's default device is the CPU, else 0). Existing mirrors are kept;
+    the budget applies to the next build or growth."""
+    global _decode_float_mb
+    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
+        raise ValueError(f"decode_float_mb must be \"auto\" or a number >= 0; got {mb!r}")
+    _decode_float_mb = mb
+
+
+def decode_float_budget_bytes() -> int:
+    """The budget `set_decode_float_budget` resolves to on the current default device."""
+    mb = _decode_float_mb
+    if mb == "auto":
+        mb = DECODE_FLOAT_AUTO_MB if mx.default_device().type == mx.DeviceType.cpu else 0
+    return int(mb * 2**20)
+
+
+def decode_float_bytes() -> int:
+    """Bytes held by the float decode mirrors of all live batch caches."""
+    with _MIRRORS_LOCK:
+        caches = list(_MIRRORS)
+    return sum(c.mirror_nbytes for c in caches)
+
+
 class BatchQ4KVCache(_BaseCache):
     """Batched quantized KV cache: `BatchKVCache`'s contract over (packed, scales, biases).
 
     Sequences are left-padded; `_idx` is the physical write index, `offset[b]` the logical
     position of sequence b (physical index minus its left padding).
+
+    `_mirror` is the optional float decode mirror (see above): (keys, values) float arrays laid out
+    exactly like the packed storage (same rows, same capacity), built on the first decode-sized
+    update and then following every operation on the packed storage.
     """
 
     step = 256
+    _mirror: Optional[tuple] = None  # class default: from_state builds objects without __init__
 
     def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64):
         _check_format(bits, group_size)
@@ -210,10 +270,93 @@ class BatchQ4KVCache(_BaseCache):
         self.group_size = group_size
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
-        self.keys, self.values = _append(self, self._idx, keys, values)
-        self.offset += keys.shape[2]
-        self._idx += keys.shape[2]
+        prev, S = self._idx, keys.shape[2]
+        cap = 0 if self.keys is None else self.keys[0].shape[2]
+        self.keys, self.values, qk, qv = _append(self, prev, keys, values)
+        self.offset += S
+        self._idx += S
+        if self._mirror is not None:
+            self._mirror_write(prev, cap, qk, qv)
+        elif S < DEQUANT_MIN_QUERIES:  # decode: the sequences are in the running batch
+            self._mirror_build()
         return _qslice(self.keys, self._idx), _qslice(self.values, self._idx)
+
+    # -- float decode mirror --
+
+    def float_kv(self) -> Optional[tuple[mx.array, mx.array]]:
+        """The mirror's (keys, values) up to the write index, or None when there is no mirror."""
+        if self._mirror is None:
+            return None
+        fk, fv = self._mirror
+        return fk[..., : self._idx, :], fv[..., : self._idx, :]
+
+    @property
+    def mirror_nbytes(self) -> int:
+        m = self._mirror
+        return 0 if m is None else m[0].nbytes + m[1].nbytes
+
+    def _set_mirror(self, mirror: Optional[tuple]) -> None:
+        self._mirror = mirror
+        with _MIRRORS_LOCK:
+            if mirror is None:
+                _MIRRORS.discard(self)
+            else:
+                _MIRRORS.add(self)
+
+    def _float_bytes(self, B: int, T: int, like: Optional["BatchQ4KVCache"] = None) -> int:
+        """Bytes of a float mirror of B rows and T tokens (K and V, the scales' dtype)."""
+        like = like or self
+        per = sum(q[0].shape[1] * (q[0].shape[3] * 32 // self.bits) * q[1].dtype.size
+                  for q in (like.keys, like.values))
+        return B * T * per
+
+    def _mirror_fits(self, nbytes: int, released: int = 0) -> bool:
+        """Whether `nbytes` more mirror bytes fit the budget once `released` bytes are given back."""
+        budget = decode_float_budget_bytes()
+        return budget > 0 and decode_float_bytes() - released + nbytes <= budget
+
+    def _dequantize(self, q: QTuple) -> mx.array:
+        if q[0].size == 0:  # mx.dequantize cannot reshape an empty array
+            B, H, T, P = q[0].shape
+            return mx.zeros((B, H, T, P * 32 // self.bits), dtype=q[1].dtype)
+        return mx.dequantize(*q, group_size=self.group_size, bits=self.bits)
+
+    def _mirror_build(self) -> None:
+        if self.keys is None or decode_float_budget_bytes() == 0:
+            return
+        B, _, cap, _ = self.keys[0].shape
+        if self._mirror_fits(self._float_bytes(B, cap)):
+            self._set_mirror((self._dequantize(self.keys), self._dequantize(self.values)))
+            MIRROR_COUNTS["builds"] += 1
+        else:
+            MIRROR_COUNTS["refused"] += 1
+
+    def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple) -> None:
+        """Follow an update of [prev, _idx) with the new tokens quantized as `qk`/`qv`: grow like
+        the packed storage did, then write their dequantized values."""
+        fk, fv = self._mirror
+        cap = self.keys[0].shape[2]
+        if cap != old_cap:
+            if not self._mirror_fits(self._float_bytes(fk.shape[0], cap), released=self.mirror_nbytes):
+                self._set_mirror(None)
+                MIRROR_COUNTS["refused"] += 1
+                return
+            fk, fv = _grow((fk, fv), prev, cap - prev)
+            self._set_mirror((fk, fv))
+        fk[..., prev : self._idx, :] = self._dequantize(qk)
+        fv[..., prev : self._idx, :] = self._dequantize(qv)
+
+    def __deepcopy__(self, memo) -> "BatchQ4KVCache":
+        """A copy whose mirror is a copy of this one's when it fits the budget, else none (it builds
+        its own on its next decode step). mlx-lm deep-copies a prompt batch when it splits it."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k != "_mirror":
+                setattr(new, k, copy.deepcopy(v, memo))
+        if self._mirror is not None and self._mirror_fits(self.mirror_nbytes):
+            new._set_mirror(tuple(mx.array(x) for x in self._mirror))
+        return new
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         if left_padding is not None:
@@ -230,6 +373,8 @@ class BatchQ4KVCache(_BaseCache):
             pad = self._right_padding
             roll = lambda x: dynamic_roll(x, pad[:, None], axis=2)
             self.keys, self.values = tuple(map(roll, self.keys)), tuple(map(roll, self.values))
+            if self._mirror is not None:
+                self._set_mirror(tuple(map(roll, self._mirror)))
             self.offset -= pad
             self.left_padding += pad
             self._right_padding = None
@@ -245,6 +390,8 @@ class BatchQ4KVCache(_BaseCache):
     def state(self, v) -> None:
         self.keys, self.values, self.offset, self.left_padding = v
         self._idx = 0 if self.keys is None else self.keys[0].shape[2]
+        if self._mirror is not None:
+            self._set_mirror(None)  # it mirrored the storage just replaced
 
     @property
     def meta_state(self):
@@ -274,6 +421,9 @@ class BatchQ4KVCache(_BaseCache):
         if self.keys is not None:
             self.keys = tuple(x[batch_indices] for x in self.keys)
             self.values = tuple(x[batch_indices] for x in self.values)
+        if self._mirror is not None:
+            rows = batch_indices.size
+            self._set_mirror(tuple(x[batch_indices] for x in self._mirror) if rows else None)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         min_left_pad = self.left_padding.min().item() if self.left_padding.size else 0
@@ -281,6 +431,8 @@ class BatchQ4KVCache(_BaseCache):
             if self.keys is not None:
                 self.keys = tuple(x[..., min_left_pad:, :] for x in self.keys)
                 self.values = tuple(x[..., min_left_pad:, :] for x in self.values)
+            if self._mirror is not None:
+                self._set_mirror(tuple(x[..., min_left_pad:, :] for x in self._mirror))
             self._idx -= min_left_pad
             self.left_padding -= min_left_pad
 
@@ -295,28 +447,43 @@ class BatchQ4KVCache(_BaseCache):
         like = self if self.keys is not None else other
         max_idx = max(self._idx, other._idx)
         max_size = max(c.keys[0].shape[2] for c in (self, other) if c.keys is not None)
+        # The mirror follows when either side has one and the joined one fits; a side without one
+        # is dequantized (once, what its own first decode step would do).
+        mirrored = self._mirror is not None or other._mirror is not None
+        if mirrored:
+            B = self.offset.shape[0] + other.offset.shape[0]
+            released = self.mirror_nbytes + other.mirror_nbytes
+            mirrored = self._mirror_fits(self._float_bytes(B, max_size, like), released)
+            MIRROR_COUNTS["refused"] += not mirrored
 
         def pad(c: "BatchQ4KVCache"):
-            k, v = c.keys, c.values
+            k, v, f = c.keys, c.values, c._mirror
             if k is None:  # an empty side still has rows: give them zero-length storage
                 Bc = c.offset.shape[0]
                 k, v = _alloc(like.keys, Bc, 0), _alloc(like.values, Bc, 0)
+                f = None
+            if mirrored and f is None:
+                f = (like._dequantize(k), like._dequantize(v))
             left = max_idx - c._idx
             right = max_size - k[0].shape[2] - left
             if right < 0:
                 k, v = _qslice(k, right), _qslice(v, right)
+                f = f and _qslice(f, right)
                 right = 0
             if left or right:
                 widths = [(0, 0), (0, 0), (left, right), (0, 0)]
                 k = tuple(mx.pad(x, widths) for x in k)
                 v = tuple(mx.pad(x, widths) for x in v)
-            return k, v, c.offset, c.left_padding + left
+                f = f and tuple(mx.pad(x, widths) for x in f)
+            return k, v, f, c.offset, c.left_padding + left
 
-        (k1, v1, o1, l1), (k2, v2, o2, l2) = pad(self), pad(other)
+        (k1, v1, f1, o1, l1), (k2, v2, f2, o2, l2) = pad(self), pad(other)
         cat = lambda a, b: mx.concatenate([a, b], axis=0)
         self.keys, self.values = _qmap(cat, k1, k2), _qmap(cat, v1, v2)
         self.offset, self.left_padding = cat(o1, o2), cat(l1, l2)
         self._idx = max_idx
+        other._set_mirror(None)  # moved into self (or dropped): `other` is consumed
+        self._set_mirror(_qmap(cat, f1, f2) if mirrored else None)
 
     def extract(self, idx: int) -> Q4KVCache:
         """A contiguous per-sequence copy of row `idx`'s valid tokens."""
@@ -480,9 +647,15 @@ def _make_fixed(original):
 
 def _make_dispatcher(original):
     """base.scaled_dot_product_attention, with quantized caches going to our quantized SDPA, which
-    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache)."""
+    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches that
+    hold a float decode mirror going to the fast float SDPA on it."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        mirror = cache.float_kv() if isinstance(cache, BatchQ4KVCache) else None
+        if mirror is not None:  # the float decode mirror of the 4-bit K/V: the float kernel
+            return mx.fast.scaled_dot_product_attention(
+                queries, *mirror, scale=scale, mask=mask, sinks=sinks
+            )
         if hasattr(cache, "bits"):
             kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
             return _mlx_base.quantized_scaled_dot_product_attention(

@@ -4,9 +4,11 @@ BatchKVCache, in one process, interleaved (a tool; the server never imports it).
 For each batch size and context length it builds per-sequence caches of slightly different lengths
 (so the batch is left-padded, as in a server) from one float prefill of the project's own model,
 merges them with `BatchKVCache.merge` (float, vllm-mlx's default) and `BatchQ4KVCache.merge`
-(persist_q4), and times greedy decode steps of the real model forward on each, alternating the
-systems rep by rep. Reports median step time, the q4/float tok/s ratio per rep (median and range),
-and a per-op profile of one attention layer's decode work (cache update, mask, attention).
+(persist_q4: "q4" with the float decode mirror off, "q4+mirror" with it on), and times greedy decode
+steps of the real model forward on each, alternating the systems rep by rep. Reports median step
+time, the q4/float and q4+mirror/float tok/s ratios per rep (median and range), the CPU time of
+the first q4+mirror step (it builds the mirror: one dequantization of the batch's K/V), and a per-op
+profile of one attention layer's decode work (cache update, mask, attention).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from .models import SIZES, build_model
+from .. import q4cache
 from ..q4cache import BatchQ4KVCache, Q4KVCache, install_attention_fix
 
 _ROW_STAGGER = 7  # row i is i * 7 tokens shorter than row 0: a left-padded batch
@@ -58,20 +61,23 @@ def _merge(rows, cls) -> list:
     return [cls.merge([r[l] for r in rows]) for l in range(len(rows[0]))]
 
 
-def _decode(model, cache: list, B: int, steps: int, warm: int = 2) -> tuple[float, float]:
+def _decode(model, cache: list, B: int, steps: int, warm: int = 2) -> tuple[float, float, float]:
     """Median wall and process-CPU seconds per greedy decode step (model forward + argmax,
-    evaluated). CPU time is the steadier figure on a machine shared with other work."""
+    evaluated), and the first step's CPU seconds. CPU time is the steadier figure on a machine
+    shared with other work."""
     y = mx.array([[1 + b] for b in range(B)])
-    ts, cs = [], []
+    ts, cs, first = [], [], None
     for i in range(warm + steps):
         t, c = time.perf_counter(), time.process_time()
         logits = model(y, cache=cache)
         y = mx.argmax(logits[:, -1:, :], axis=-1)
         mx.eval(y)
+        if first is None:
+            first = time.process_time() - c
         if i >= warm:
             ts.append(time.perf_counter() - t)
             cs.append(time.process_time() - c)
-    return statistics.median(ts), statistics.median(cs)
+    return statistics.median(ts), statistics.median(cs), first
 
 
 def _time_ops(fn: Callable[[], object], n: int) -> float:
@@ -100,7 +106,12 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
     fc.update_and_fetch(k, v)
     qc = BatchQ4KVCache(pads, bits, group_size)
     qc.update_and_fetch(k, v)
-    mx.eval(fc.keys, [x for x in qc.keys])
+    mc = BatchQ4KVCache(pads, bits, group_size)  # with the float decode mirror
+    mc.update_and_fetch(k, v)
+    mx.eval(fc.keys, [x for x in qc.keys], [x for x in mc.keys])
+    q4cache.set_decode_float_budget(1 << 20)
+    mc.update_and_fetch(nk, nv)  # a decode step: builds the mirror
+    q4cache.set_decode_float_budget(0)  # qc stays without one
 
     def upd(c):
         def f():
@@ -117,6 +128,7 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
     out = {
         "update float": _time_ops(upd(fc), n),
         "update q4": _time_ops(upd(qc), n),
+        "update q4+mirror": _time_ops(upd(mc), n),
         "quantize new token (k+v)": _time_ops(lambda: (mx.quantize(nk, group_size, bits), mx.quantize(nv, group_size, bits)), n),
         "make_mask": _time_ops(lambda: create_causal_mask(1, offset=T, left_padding=fc.left_padding), n),
         "sdpa float": _time_ops(lambda: mx.fast.scaled_dot_product_attention(q, fk, fv, scale=0.125, mask=mask), n),
@@ -125,6 +137,7 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
                                              mx.dequantize(*qv, group_size=group_size, bits=bits)), n),
         "sdpa on dequantized": _time_ops(lambda: mx.fast.scaled_dot_product_attention(q, dk, dv, scale=0.125, mask=mask), n),
     }
+    q4cache.set_decode_float_budget("auto")
     return {k: round(v) for k, v in out.items()}
 
 
@@ -140,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", action="store_true", help="also the per-op profile of one layer")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
+    p.add_argument("--mirror-mb", type=float, default=8192,
+                   help="float decode mirror budget for the q4+mirror system (large: always on)")
     a = p.parse_args(argv)
 
     model, config = build_model(a.arch, a.size)
@@ -147,30 +162,33 @@ def main(argv: list[str] | None = None) -> int:
     n_layers = len(model.layers)
     s = SIZES[a.size]
     print(f"model {a.arch}/{a.size}: {n_layers} layers, {s.heads} q / {s.kv_heads} kv heads, head_dim {s.head_dim}")
-    print("| B | context | float ms/step | q4 ms/step | q4/float tok/s (wall) | range | float CPU ms | q4 CPU ms | q4/float (CPU) | range |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| B | context | float ms/step | q4 ms/step | q4+mirror ms/step | q4/float tok/s (wall) | "
+          "q4+mirror/float (wall) | float CPU ms | q4 CPU ms | q4+mirror CPU ms | q4/float (CPU) | range | "
+          "q4+mirror/float (CPU) | range | mirror build step CPU ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    systems = [("f", BatchKVCache, 0), ("q", BatchQ4KVCache, 0), ("m", BatchQ4KVCache, a.mirror_mb)]
     for T in [int(x) for x in a.context.split(",")]:
         full = _prefill(model, n_layers, T)
         for B in [int(x) for x in a.batch.split(",")]:
-            fl_rows, q4_rows = _rows(full, B, T, a.bits, a.group_size)
-            tf, tq, ratios, cf, cq, cratios = [], [], [], [], [], []
+            rows = dict(zip(("f", "q"), _rows(full, B, T, a.bits, a.group_size)))
+            rows["m"] = rows["q"]
+            got: dict[str, list] = {k: [] for k, _, _ in systems}
             for rep in range(a.reps):
-                order = [("f", BatchKVCache, fl_rows), ("q", BatchQ4KVCache, q4_rows)]
-                if rep % 2:
-                    order.reverse()
-                got = {}
-                for name, cls, rows in order:
-                    got[name] = _decode(model, _merge(rows, cls), B, a.steps)
-                tf.append(got["f"][0])
-                tq.append(got["q"][0])
-                ratios.append(got["f"][0] / got["q"][0])
-                cf.append(got["f"][1])
-                cq.append(got["q"][1])
-                cratios.append(got["f"][1] / got["q"][1])
+                order = systems[rep % 3:] + systems[:rep % 3]  # rotate who goes first
+                for name, cls, mb in order:
+                    q4cache.set_decode_float_budget(mb)
+                    got[name].append(_decode(model, _merge(rows[name], cls), B, a.steps))
+            q4cache.set_decode_float_budget("auto")
+            col = lambda k, i: [r[i] for r in got[k]]
+            ratio = lambda k, i: [f / x for f, x in zip(col("f", i), col(k, i))]
             med = lambda xs: statistics.median(xs) * 1e3
-            print(f"| {B} | {T} | {med(tf):.1f} | {med(tq):.1f} | {statistics.median(ratios):.2f} | "
-                  f"{min(ratios):.2f}-{max(ratios):.2f} | {med(cf):.1f} | {med(cq):.1f} | "
-                  f"{statistics.median(cratios):.2f} | {min(cratios):.2f}-{max(cratios):.2f} |", flush=True)
+            rng = lambda xs: f"{min(xs):.2f}-{max(xs):.2f}"
+            print(f"| {B} | {T} | {med(col('f', 0)):.1f} | {med(col('q', 0)):.1f} | {med(col('m', 0)):.1f} | "
+                  f"{statistics.median(ratio('q', 0)):.2f} | {statistics.median(ratio('m', 0)):.2f} | "
+                  f"{med(col('f', 1)):.1f} | {med(col('q', 1)):.1f} | {med(col('m', 1)):.1f} | "
+                  f"{statistics.median(ratio('q', 1)):.2f} | {rng(ratio('q', 1))} | "
+                  f"{statistics.median(ratio('m', 1)):.2f} | {rng(ratio('m', 1))} | {med(col('m', 2)):.1f} |",
+                  flush=True)
             if a.profile:
                 prof = profile_layer(B, T, s.heads, s.kv_heads, s.head_dim, a.bits, a.group_size)
                 print("    one layer, us: " + ", ".join(f"{k} {v}" for k, v in prof.items()), flush=True)
