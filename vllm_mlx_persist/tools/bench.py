@@ -1212,6 +1212,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--long-size", default=None, help="models.SIZES preset of the long section (default small)")
     p.add_argument("--conc-contexts", default=None, help="history lengths of the concurrency section, e.g. 1024,4096")
     p.add_argument("--stall-tokens", type=int, default=None, help="the long first turn of the stall section, in tokens")
+    p.add_argument("--persist-options", default=None,
+                   help='extra persist_q4 options (JSON) for every persist_q4 server, e.g. \'{"decode_float_mb": 0}\'')
     p.add_argument("--merge", action="store_true",
                    help="keep the other sections of an existing OUT/bench.json (re-run one section of a full run)")
     p.add_argument("--no-plots", action="store_true")
@@ -1272,6 +1274,10 @@ def build_plan(args: argparse.Namespace) -> Plan:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     plan = build_plan(args)
+    if args.persist_options:
+        from . import bench_kit
+
+        bench_kit.PERSIST_OPTIONS.update(json.loads(args.persist_options))
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     bad = set(sections) - set(SECTIONS)
     if bad:

@@ -335,9 +335,14 @@ FIXED_REPLY = "noted, continuing with the next step"
 COMMON_ARGS = ("--stream-interval", "1", "--timeout", "7200")
 
 
+# Extra persist_q4 options for every server of a run (bench --persist-options), e.g. to compare a setting.
+PERSIST_OPTIONS: dict = {}
+
+
 def make_server(system: str, model: Path, home: Path, cache_mb: float) -> Server:
     if system == "persist_q4":
-        return Server(model, home, backend="persist_q4", options={"hot_mb": cache_mb}, extra_args=COMMON_ARGS)
+        return Server(model, home, backend="persist_q4", options={"hot_mb": cache_mb, **PERSIST_OPTIONS},
+                      extra_args=COMMON_ARGS)
     args = COMMON_ARGS + ("--cache-memory-mb", str(max(1, int(cache_mb))))
     if system == "vllm_q4_ssd":
         args += ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4", "--ssd-cache-dir", str(home / "ssd"))
