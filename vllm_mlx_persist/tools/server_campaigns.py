@@ -41,7 +41,20 @@ from .serving import RssSampler, Server
 OPTIONS = {"block_size": 32, "hot_mb": 64, "match_text": False}
 MAX_TOKENS = 8
 TIMEOUT_S = 120.0  # no request may take longer: past it, it counts as a hang
-OVERHEAD_MB = 256  # stated allowance over the post-warm-up RSS beyond hot_mb (MLX buffers, HTTP, threads)
+# Replies are compared with a reference server's token for token, but both servers batch whichever
+# requests are in flight, and multi-threaded OpenBLAS splits a product differently by its row count:
+# the last bits of the logits then depend on the batch partners, and a random-weight model's near-tied
+# greedy choice can flip (1 reply in 148 did in one full run). One BLAS thread per server makes every
+# row's result independent of the batch, so a different reply means a different cache.
+BATCH_INVARIANT_ENV = {"OPENBLAS_NUM_THREADS": "1"}
+# Soak memory: RSS may not grow (the lowest sample of the last third of the run within GROWTH_MB +
+# hot_mb of the first third's lowest: what stays resident between requests), and may not pass the
+# post-warm-up RSS + hot_mb + OVERHEAD_MB at any time. The overhead covers MLX's transient buffers of concurrent prefills (attention scores of a
+# 2k-token chunk are tens of MB per layer and sequence), HTTP and threads: the one-hour run peaked at
+# 600 MB over its post-warm-up RSS (4 clients prefilling up to ~2k-token histories at once), and went
+# back to it between peaks.
+OVERHEAD_MB = 1024
+GROWTH_MB = 64
 TURN_SLACK = 1 << 20  # disk may pass disk_mb by the save in progress (the budget is enforced after it)
 # 4-bit K+V of the tiny llama: 2 layers x 2 x 2 KV heads x 64 dims x 0.5625 bytes (docs/operations.md)
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 9 // 16
@@ -121,7 +134,8 @@ class Shared:
     def ref(self) -> Server:
         with self._lock:
             if self._ref is None:
-                self._ref = Server(self.model, self.work / "reference", options=OPTIONS).start()
+                self._ref = Server(self.model, self.work / "reference", options=OPTIONS,
+                                   env=BATCH_INVARIANT_ENV).start()
             return self._ref
 
     def reply(self, agent: str, messages: list[dict]) -> str:
@@ -184,6 +198,16 @@ class Conv:
 # server_crash
 
 
+def rss_growth(samples: list[dict]) -> Optional[dict]:
+    """How much the lowest and the highest RSS sample of the last third of a run exceed the first
+    third's, MB (None with fewer than 6 samples)."""
+    if len(samples) < 6:
+        return None
+    k = len(samples) // 3
+    first, last = [s["rss_mb"] for s in samples[:k]], [s["rss_mb"] for s in samples[-k:]]
+    return {"low": round(min(last) - min(first), 1), "high": round(max(last) - max(first), 1)}
+
+
 def server_crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dict:
     sh = shared(work)
     model = str(sh.model)
@@ -198,7 +222,7 @@ def server_crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4)
         final = trial == trials
         mode = "final-check" if final else modes[trial % 3]
         point = rng.randint(1, 60) if mode == "write-point" else None
-        srv.extra_env = {FAULT_ENV: f"kill@{point}"} if point else {}
+        srv.extra_env = {**BATCH_INVARIANT_ENV, **({FAULT_ENV: f"kill@{point}"} if point else {})}
         try:
             srv.start()
         except RuntimeError as e:
@@ -567,6 +591,10 @@ def soak_campaign(seconds: int, seed: int, work: Path, n_agents: int = 16, clien
     bound_mb = baseline / 2**20 + hot_mb + OVERHEAD_MB
     if peak_after_warm > bound_mb:
         failures.append({"seed": seed, "problem": f"RSS {peak_after_warm} MB over {bound_mb:.0f} MB"})
+    growth = rss_growth([s for s in samples if s["t_s"] > min(30.0, seconds / 4)])
+    if growth is not None and growth["low"] > GROWTH_MB + hot_mb:
+        failures.append({"seed": seed, "problem": f"resident memory grew over the run: {growth} MB (last third "
+                                                  "against the first; low: lowest samples, high: highest)"})
     disk_peak = max((s["disk_walk_bytes"] for s in samples), default=0)
     if disk_peak > disk_mb * 2**20 + TURN_SLACK:
         failures.append({"seed": seed, "problem": f"disk {disk_peak} bytes over disk_mb {disk_mb} MB + one turn"})
@@ -579,7 +607,7 @@ def soak_campaign(seconds: int, seed: int, work: Path, n_agents: int = 16, clien
     return {"trials": len(lat), "failures": len(failures), "failure_cases": failures[:20], "seconds_run": seconds,
             "agents": n_agents, "clients": clients, "hot_mb": hot_mb, "disk_mb": disk_mb,
             "rss_after_warmup_mb": round(baseline / 2**20, 1), "rss_peak_after_warmup_mb": peak_after_warm,
-            "rss_bound_mb": round(bound_mb, 1), "disk_peak_bytes": disk_peak,
+            "rss_bound_mb": round(bound_mb, 1), "rss_growth_mb": growth, "disk_peak_bytes": disk_peak,
             "tiers": {k: sum(1 for _, t, _ in lat if t == k) for k in ("hot", "disk", "miss", "unknown")},
             "latency": per_window, "budget_erasures": final.get("budget_erasures", 0),
             "evicted_agents": final.get("evicted_agents", 0), "samples": samples[:: max(1, len(samples) // 60)]}
