@@ -53,6 +53,8 @@ def test_classify_reads_both_servers_log_lines():
                "INFO:vllm_mlx.scheduler:[cache_fetch] request=f08e5bf0-1e4 HOT prompt_tokens=1269 cached=1225\n")
     assert classify(persist, "a") == ("disk", 1225)
     assert classify("[persist_q4] agent=a MISS prompt=13\n", "a") == ("cold", 0)
+    fork = "[persist_q4] agent=w1 HIT hot from parent coord cached=4096 prompt=4120\n"
+    assert classify(fork, "w1") == ("memory", 4096)  # a fork's first turn, served from its parent's blocks
     hit = "[cache_fetch] request=708bf183-9ca HIT prompt_tokens=192 cached=153 remaining=39 time=0.000s\n"
     assert classify(hit, "x") == ("memory", 153)
     assert classify("[cache_fetch] request=1 MISS prompt_tokens=36 time=0.000s entries=0\n", "x") == ("cold", 0)

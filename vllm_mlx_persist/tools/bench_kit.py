@@ -390,7 +390,7 @@ class Session:
         return dt
 
 
-_PERSIST_RE = re.compile(r"\[persist_q4\] agent=(\S+) (?:HIT (hot|disk) cached=(\d+)|MISS)")
+_PERSIST_RE = re.compile(r"\[persist_q4\] agent=(\S+) (?:HIT (hot|disk)(?: from parent \S+)? cached=(\d+)|MISS)")
 _FETCH_RE = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS)(?:[^\n]*? cached=(\d+))?")
 _SSD_RE = re.compile(r"\[ssd_promote\] request=\S+ [^\n]*?promote: (\d+)/(\d+) tokens from SSD")
 
