@@ -49,9 +49,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .bench_kit import (COMMON_ARGS, FAMILIES, FIXED_REPLY, FAMILY_TURNS, LABELS, MB, QUICK, STATES, SYSTEMS, Conversation, Ctx, Plan,
-                        Prompts, Session, cache_paths, classify, drop_page_cache, machine_info, make_server,
-                        median, say, seed_of, send, server_flags, _turn_record)
+from .bench_kit import (COMMON_ARGS, FAMILIES, FAMILY_TURNS, FIXED_REPLY, LABELS, MB, QUICK, STATES, SYSTEMS,
+                        Conversation, Ctx, Plan, Prompts, Session, _turn_record, cache_paths, classify,
+                        drop_page_cache, machine_info, make_server, median, say, section_failed, seed_of, send,
+                        server_flags)
 from .serving import RssSampler, Server, openblas_path
 
 from .bench_workloads import (headline_workloads, md_concurrency, md_long, md_stall, section_concurrency,
@@ -110,9 +111,7 @@ def section_ttft(ctx: "Ctx") -> dict:
                 for conv in firsts:
                     turn(conv, "restart_sigkill", cycle)
         except Exception as e:
-            errors[system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"ttft: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(errors, "ttft", system, s, e)
         finally:
             s.stop(signal.SIGTERM, "end")
     return {"samples": samples, "events": events, "page_cache_drops": drops, "errors": errors,
@@ -179,9 +178,7 @@ def section_agents(ctx: "Ctx") -> dict:
                         f"reused {r['reused_tokens']}/{r['prompt_tokens']}")
             stats = s.server.get_json("/v1/cache/stats").get("engine_cache")
         except Exception as e:
-            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"agents: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(result["errors"], "agents", system, s, e)
             stats, baseline = None, 0
         finally:
             peak = sampler.stop()
@@ -292,9 +289,7 @@ def section_batch(ctx: "Ctx") -> dict:
                     say(f"  {system} x{level} rep {rep}: {run['system_tok_s']} tok/s system, "
                         f"{run['per_agent_tok_s_mean']} tok/s per agent, tokens {toks}, hits {run['cache_hits']}")
         except Exception as e:
-            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"batch: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(result["errors"], "batch", system, s, e)
         finally:
             s.stop(signal.SIGTERM, "end")
         summary = {}
@@ -681,9 +676,7 @@ def section_fanout(ctx: "Ctx") -> dict:
                     f"{levels[str(n)]['prefill_tokens']} of {sum(prompt)} tok, all first tokens in "
                     f"{levels[str(n)]['all_first_s']:.2f}s (cached {cached})")
         except Exception as e:
-            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"fanout: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(result["errors"], "fanout", system, s, e)
         finally:
             s.stop(signal.SIGTERM, "end")
         result["systems"][system] = {"levels": levels}

@@ -14,6 +14,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -467,3 +468,10 @@ class Ctx:
     work: Path
     model: Optional[Path]  # the llama model of the ttft/agents/batch/reload sections (None if none runs)
     prompts: Optional[Prompts]
+
+
+def section_failed(errors: dict, section: str, system: str, session: Session, e: Exception) -> None:
+    """Record a system's failure in a section (its reason and the server's last log lines) and go on."""
+    errors[system] = f"{type(e).__name__}: {e}\n{session.server.log_tail(30)}"
+    say(f"{section}: {system} FAILED: {e}")
+    traceback.print_exc()

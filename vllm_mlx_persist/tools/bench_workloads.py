@@ -20,11 +20,10 @@ import signal
 import statistics
 import threading
 import time
-import traceback
 from typing import Any, Optional
 
-from .bench_kit import (FIXED_REPLY, Conversation, Ctx, Prompts, Session, cache_paths, drop_page_cache,
-                        make_server, median, say, seed_of, send, _turn_record)
+from .bench_kit import (FIXED_REPLY, Conversation, Ctx, Prompts, Session, _turn_record, cache_paths,
+                        drop_page_cache, make_server, median, say, section_failed, seed_of, send)
 from .serving import RssSampler
 
 MB = 2**20
@@ -99,9 +98,7 @@ def section_long(ctx: Ctx) -> dict:
             for conv in convs:
                 turn(conv, "restart_sigkill")
         except Exception as e:
-            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"long: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(result["errors"], "long", system, s, e)
         finally:
             s.stop(signal.SIGTERM, "end")
     summary: dict = {}
@@ -215,9 +212,7 @@ def section_concurrency(ctx: Ctx) -> dict:
             for L in plan.conc_contexts:
                 run(L, "restart_sigkill")
         except Exception as e:
-            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"concurrency: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(result["errors"], "concurrency", system, s, e)
         finally:
             s.stop(signal.SIGTERM, "end")
     result["summary"] = summarize_concurrency(result["runs"], plan.conc_stagger_s)
@@ -364,9 +359,7 @@ def section_stall(ctx: Ctx) -> dict:
                 f"{w['before'].get('max_ms')} prefill {w['prefill'].get('max_ms')} write {w['write'].get('max_ms')}")
         except Exception as e:
             stop.set()
-            result["errors"][system] = f"{type(e).__name__}: {e}\n{s.server.log_tail(30)}"
-            say(f"stall: {system} FAILED: {e}")
-            traceback.print_exc()
+            section_failed(result["errors"], "stall", system, s, e)
         finally:
             s.stop(signal.SIGTERM, "end")
     return result
