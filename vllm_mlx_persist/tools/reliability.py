@@ -554,7 +554,9 @@ def _report_soak(r: dict) -> list[str]:
     out = [f"{r['agents']} agents over {r['clients']} clients for {r['seconds_run']} s (hot_mb {r['hot_mb']}, "
            f"disk_mb {r['disk_mb']}); requests per tier: {r['tiers']}; budget erasures {r['budget_erasures']}, "
            f"agents evicted from memory {r['evicted_agents']}. RSS after warm-up {r['rss_after_warmup_mb']} MB, "
-           f"peak after {r['rss_peak_after_warmup_mb']} MB, bound {r['rss_bound_mb']} MB; disk peak "
+           f"peak after {r['rss_peak_after_warmup_mb']} MB, bound {r['rss_bound_mb']} MB; growth of the resident "
+           f"minimum, last third against first, {(r.get('rss_growth_mb') or {}).get('low')} MB (limit "
+           f"{r.get('rss_growth_limit_mb')} MB, judged on runs of {r.get('rss_growth_min_s')} s or more); disk peak "
            f"{r['disk_peak_bytes']} bytes (budget {int(r['disk_mb'] * 2**20)} + one turn).", "",
            "| window (s) | hot p50/p90/p99 ms (n) | disk p50/p90/p99 ms (n) | miss p50/p90/p99 ms (n) |",
            "|---|---|---|---|"]
