@@ -58,6 +58,15 @@ def test_agent_api_lists_shows_pins_and_erases(model, tmp_path):
         assert set(by_id) == {"alpha", "beta"}
         assert by_id["alpha"]["tokens"] > by_id["beta"]["tokens"] > 0
         assert by_id["alpha"]["bytes_disk"] > 0 and by_id["alpha"]["tier"] == "hot"
+        assert listing["has_more"] is False and listing["last_id"] == "beta"
+        first = call(server, "GET", "/v1/agents?limit=1")[1]  # pages by id
+        assert [a["id"] for a in first["data"]] == ["alpha"] and first["has_more"] is True
+        rest = call(server, "GET", f"/v1/agents?limit=1&after={first['last_id']}")[1]
+        assert [a["id"] for a in rest["data"]] == ["beta"] and rest["has_more"] is False
+        assert call(server, "GET", "/v1/agents?after=beta")[1]["data"] == []
+        assert call(server, "GET", "/v1/agents?limit=0")[0] in (400, 422)
+        assert call(server, "GET", "/v1/agents?limit=1001")[0] in (400, 422)
+        assert call(server, "GET", "/v1/agents?after=bad%20id")[0] == 400
         assert call(server, "GET", "/v1/agents/beta")[1]["id"] == "beta"
         assert call(server, "GET", "/v1/agents/nobody")[0] == 404
         assert call(server, "GET", "/v1/agents/bad%20id")[0] == 400

@@ -1,7 +1,9 @@
 """The agent admin API that persist_q4 adds to vllm-mlx (through the `vllm_mlx_api_routers` hook).
 
-    GET    /v1/agents              every agent: id, tokens, bytes hot and on disk, tier, pinned, last used,
-                                   branches (tokens of each, newest first), shared_blocks, forked_from
+    GET    /v1/agents              agents by id, a page at a time (?limit=1..1000, default 100; ?after=ID, the
+                                   last id of the previous page; has_more, last_id): id, tokens, bytes hot
+                                   and on disk, tier, pinned, last used, branches (tokens of each, newest
+                                   first), shared_blocks, forked_from
     GET    /v1/agents/{id}         one agent (404 if unknown)
     DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown)
     PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL
@@ -16,8 +18,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Callable, Optional
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
+
+
+PAGE_DEFAULT, PAGE_MAX = 100, 1000  # agents per GET /v1/agents reply: every response has a bound
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -44,12 +49,18 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
         return pool_or_error()
 
     @router.get("/v1/agents")
-    async def list_agents():
+    async def list_agents(limit: int = Query(PAGE_DEFAULT, ge=1, le=PAGE_MAX), after: Optional[str] = None):
         pool, err = pool_or_error()
         if err:
             return err
-        agents = await asyncio.to_thread(pool.list_agents)
-        return {"object": "list", "data": agents}
+        if after is not None:
+            try:
+                validate_id(after, "`after`")
+            except ValueError as e:
+                return _error(400, str(e))
+        agents, more = await asyncio.to_thread(pool.list_agents, limit, after)
+        return {"object": "list", "data": agents, "has_more": more,
+                "first_id": agents[0]["id"] if agents else None, "last_id": agents[-1]["id"] if agents else None}
 
     @router.get("/v1/agents/{agent_id}")
     async def show_agent(agent_id: str):

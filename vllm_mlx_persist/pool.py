@@ -887,10 +887,13 @@ class BlockPool:
         info["bytes_disk"] = self.persister.agent_disk_bytes(namespace) if self.persister is not None else 0
         return info
 
-    def list_agents(self) -> list[dict]:
+    def list_agents(self, limit: int, after: Optional[str] = None) -> tuple[list[dict], bool]:
+        """One page of agents ordered by id: up to `limit` whose ids sort after `after`, and whether
+        more follow. Id order keeps pages stable while agents are used (recency would reshuffle them)."""
         with self._lock:
-            names = list(self.agents)
-        return [i for i in map(self.agent_info, reversed(names)) if i is not None]
+            names = sorted(n for n in self.agents if after is None or n > after)
+        page = [i for i in map(self.agent_info, names[:limit]) if i is not None]
+        return page, len(names) > limit
 
     def erase(self, namespace: str, timeout: Optional[float] = 60.0, fleet_wide: bool = True) -> bool:
         """Forget an agent in memory and on disk (durable when this returns); False if unknown.
