@@ -588,9 +588,13 @@ def _mirror_ops(budget_mb):
     if on:
         q4cache.set_decode_float_budget(q4cache.decode_float_bytes() / 2**20)  # full
         d2 = copy.deepcopy(a)
-        _check_mirror(d2, False)  # no room: no mirror, and none built at its next decode step
+        _check_mirror(d2, False)  # no room: no mirror, and none built at its next decode steps
+        refused = q4cache.MIRROR_COUNTS["refused"]
+        d2.update_and_fetch(*kv(4, 1))
         d2.update_and_fetch(*kv(4, 1))
         _check_mirror(d2, False)
+        assert q4cache.MIRROR_COUNTS["refused"] == refused + 1  # one cache refused, not one per step
+        assert a.nbytes == d2.nbytes + a.mirror_nbytes > d2.nbytes  # nbytes counts the mirror
         q4cache.set_decode_float_budget(budget_mb)
         d2.update_and_fetch(*kv(4, 1))
         _check_mirror(d2, True)  # room again: built

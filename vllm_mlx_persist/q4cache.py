@@ -257,6 +257,7 @@ class BatchQ4KVCache(_BaseCache):
 
     step = 256
     _mirror: Optional[tuple] = None  # class default: from_state builds objects without __init__
+    _mirror_refused = False  # the budget refused this cache's mirror (counted once, retried each step)
 
     def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64):
         _check_format(bits, group_size)
@@ -328,8 +329,10 @@ class BatchQ4KVCache(_BaseCache):
         if self._mirror_fits(self._float_bytes(B, cap)):
             self._set_mirror((self._dequantize(self.keys), self._dequantize(self.values)))
             MIRROR_COUNTS["builds"] += 1
-        else:
+            self._mirror_refused = False
+        elif not self._mirror_refused:
             MIRROR_COUNTS["refused"] += 1
+            self._mirror_refused = True
 
     def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple) -> None:
         """Follow an update of [prev, _idx) with the new tokens quantized as `qk`/`qv`: grow like
@@ -543,7 +546,8 @@ class BatchQ4KVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        return _qnbytes(self.keys) + _qnbytes(self.values)
+        """The 4-bit storage and, while there is one, the float decode mirror."""
+        return _qnbytes(self.keys) + _qnbytes(self.values) + self.mirror_nbytes
 
 
 # ---- attention fix -------------------------------------------------------------------------------
