@@ -43,14 +43,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from .bench_kit import (COMMON_ARGS, FAMILIES, FAMILY_TURNS, FIXED_REPLY, LABELS, MB, QUICK, STATES, SYSTEMS,
-                        Conversation, Ctx, Plan, Prompts, Session, _turn_record, cache_paths, classify,
+                        Conversation, Ctx, Plan, Prompts, Session, _turn_record, at_once, cache_paths, classify,
                         drop_page_cache, machine_info, make_server, median, say, section_failed, seed_of, send,
                         server_flags)
 from .serving import RssSampler, Server, openblas_path
@@ -236,30 +235,13 @@ def section_batch(ctx: "Ctx") -> dict:
             for level in plan.batch_levels:
                 for rep in range(plan.batch_reps):
                     group = convs[:level]
-                    barrier = threading.Barrier(level)
-                    res: list[Optional[dict]] = [None] * level
-                    errs: list[BaseException] = []
 
-                    def worker(i: int) -> None:
-                        try:
-                            msgs = group[i].ask()
-                            barrier.wait()
-                            res[i] = send(s, msgs, group[i].agent, plan.batch_max_tokens, client=clients[i],
-                                          classify_log=False)
-                            group[i].answer(FIXED_REPLY)
-                        except BaseException as e:  # noqa: BLE001 - surfaced below
-                            errs.append(e)
+                    def one(i: int, msgs: list[dict]) -> dict:
+                        r = send(s, msgs, group[i].agent, plan.batch_max_tokens, client=clients[i], classify_log=False)
+                        group[i].answer(FIXED_REPLY)
+                        return r
 
-                    pos = s.server.log_path.stat().st_size
-                    threads = [threading.Thread(target=worker, args=(i,)) for i in range(level)]
-                    [t.start() for t in threads]
-                    [t.join() for t in threads]
-                    if errs:
-                        raise errs[0]
-                    time.sleep(0.05)
-                    with open(s.server.log_path, errors="replace") as f:
-                        f.seek(pos)
-                        seg = f.read()
+                    res, seg = at_once(level, lambda i: group[i].ask(), one, s.server.log_path)
                     t0 = min(r["t_send"] for r in res)
                     t_end = max(r["t_last"] or r["t_end"] for r in res)
                     toks = [r["completion_tokens"] or 0 for r in res]
@@ -634,30 +616,17 @@ def section_fanout(ctx: "Ctx") -> dict:
                 msgs = [dict(m) for m in docs[n]]
                 c = send(s, msgs, coord, plan.fanout_max_tokens, classify_log=False)
                 history = msgs + [{"role": "assistant", "content": c["text"]}]
-                barrier = threading.Barrier(n)
-                res: list[Optional[dict]] = [None] * n
-                errs: list[BaseException] = []
 
-                def worker(i: int) -> None:
-                    try:
-                        rng = random.Random(seed_of("fanout-q", n, i))
-                        q = {"role": "user", "content": f"Worker {i}: " + Prompts.words(rng, plan.fanout_question_words)}
-                        barrier.wait()
-                        res[i] = send(s, history + [q], f"fanout-{n}-w{i}", plan.fanout_max_tokens, client=clients[i],
-                                      classify_log=False, metadata={"fork_from": coord} if fork else None)
-                    except BaseException as e:  # noqa: BLE001 - surfaced below
-                        errs.append(e)
+                def question(i: int) -> dict:
+                    rng = random.Random(seed_of("fanout-q", n, i))
+                    return {"role": "user", "content": f"Worker {i}: " + Prompts.words(rng, plan.fanout_question_words)}
 
-                pos = s.server.log_path.stat().st_size
-                threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-                [t.start() for t in threads]
-                [t.join() for t in threads]
-                if errs:
-                    raise errs[0]
-                time.sleep(0.05)
-                with open(s.server.log_path, errors="replace") as f:
-                    f.seek(pos)
-                    fetched = [(int(p), int(k or 0)) for p, k in _FETCH_TOKENS_RE.findall(f.read())]
+                def ask(i: int, q: dict) -> dict:
+                    return send(s, history + [q], f"fanout-{n}-w{i}", plan.fanout_max_tokens, client=clients[i],
+                                classify_log=False, metadata={"fork_from": coord} if fork else None)
+
+                res, seg = at_once(n, question, ask, s.server.log_path)
+                fetched = [(int(p), int(k or 0)) for p, k in _FETCH_TOKENS_RE.findall(seg)]
                 if len(fetched) != n:
                     raise RuntimeError(f"{len(fetched)} [cache_fetch] lines for {n} workers")
                 t0 = min(r["t_send"] for r in res)

@@ -13,11 +13,12 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .serving import Server, cpu_name, openblas_path
 
@@ -475,3 +476,36 @@ def section_failed(errors: dict, section: str, system: str, session: Session, e:
     errors[system] = f"{type(e).__name__}: {e}\n{session.server.log_tail(30)}"
     say(f"{section}: {system} FAILED: {e}")
     traceback.print_exc()
+
+
+def at_once(n: int, before: Callable[[int], Any], request: Callable[[int, Any], dict],
+            log_path: Optional[Path] = None) -> tuple[list[dict], str]:
+    """Run `request(i, before(i))` for i < n on n threads that meet at a barrier after `before`, so
+    the n requests leave together. Returns their results and the server log written meanwhile (from
+    `log_path`, "" without one); the first error is raised (it breaks the barrier, so no thread waits
+    for one that failed)."""
+    barrier = threading.Barrier(n)
+    res: list[Optional[dict]] = [None] * n
+    errs: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            arg = before(i)
+            barrier.wait()
+            res[i] = request(i, arg)
+        except BaseException as e:  # noqa: BLE001 - raised below
+            errs.append(e)
+            barrier.abort()
+
+    pos = log_path.stat().st_size if log_path else 0
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    if errs:
+        raise next((e for e in errs if not isinstance(e, threading.BrokenBarrierError)), errs[0])
+    if log_path is None:
+        return res, ""  # type: ignore[return-value]
+    time.sleep(0.05)  # the server logs a request's lines around its reply
+    with open(log_path, errors="replace") as f:
+        f.seek(pos)
+        return res, f.read()  # type: ignore[return-value]

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any, Optional
 
-from .bench_kit import (FIXED_REPLY, Conversation, Ctx, Prompts, Session, _turn_record, cache_paths,
+from .bench_kit import (FIXED_REPLY, Conversation, Ctx, Prompts, Session, _turn_record, at_once, cache_paths,
                         drop_page_cache, make_server, median, say, section_failed, seed_of, send)
 from .serving import RssSampler
 
@@ -165,27 +165,14 @@ def section_concurrency(ctx: Ctx) -> dict:
 
         def together(group: list[Conversation], delays: list[float]) -> list[dict]:
             clients = [_client(s) for _ in group]
-            res: list[Optional[dict]] = [None] * len(group)
-            errs: list[BaseException] = []
-            barrier = threading.Barrier(len(group))
 
-            def worker(i: int) -> None:
-                try:
-                    msgs = group[i].ask()
-                    barrier.wait()
-                    time.sleep(delays[i])
-                    res[i] = send(s, msgs, group[i].agent, plan.conc_max_tokens, client=clients[i],
-                                  classify_log=False)
-                    group[i].answer(FIXED_REPLY)
-                except BaseException as e:  # noqa: BLE001 - surfaced below
-                    errs.append(e)
+            def one(i: int, msgs: list[dict]) -> dict:
+                time.sleep(delays[i])
+                r = send(s, msgs, group[i].agent, plan.conc_max_tokens, client=clients[i], classify_log=False)
+                group[i].answer(FIXED_REPLY)
+                return r
 
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(group))]
-            [t.start() for t in threads]
-            [t.join() for t in threads]
-            if errs:
-                raise errs[0]
-            return res  # type: ignore[return-value]
+            return at_once(len(group), lambda i: group[i].ask(), one)[0]
 
         def run(L: int, state: str) -> None:
             for kind, group, delays in (("batch1", ["solo"], [0.0]), ("batch2", ["pair0", "pair1"], [0.0, 0.0]),
