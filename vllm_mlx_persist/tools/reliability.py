@@ -602,7 +602,9 @@ _WHAT = {
              "and any agent whose next turn afterwards differs from a fresh server given the same history cold.",
     "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
             "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
-            "post-warm-up RSS + hot_mb + 256 MB, disk past disk_mb + one turn. The full run is one hour "
+            "post-warm-up RSS + hot_mb + 1 GB (transient buffers of concurrent prefills), growth of the resident "
+            "minimum (lowest RSS of the last third against the first) past 64 MB + hot_mb on runs of 10 minutes "
+            "or more, disk past disk_mb + one turn. The full run is one hour "
             "(`./dev reliability --campaigns soak`: about 62 minutes on 2 cores, a few hundred MB of memory "
             "and under 10 MB of disk; it replaces only this row).",
 }
