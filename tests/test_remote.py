@@ -440,6 +440,36 @@ def test_get_blocks_pipelines_in_bounded_round_trips_and_stops_at_the_first_bad_
     assert [x.block_id for x in c.get_blocks(ids)] == ids[:4]
     assert c.stats()["refused"] == 1 and raw.get(a.block_key(ids[4])) is None
     assert c.get_blocks([]) == []
+    # the bytes held: it stops once max_bytes are in
+    assert [x.block_id for x in c.get_blocks(ids[:4], max_bytes=2 * hist[0].nbytes + 1)] == ids[:3]
+    assert c.get_blocks(ids[:4], max_bytes=0) == []
+
+
+def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, tiers, tmp_path):
+    """An agent larger than the fetch budget is fetched up to it (the rest is prefilled later),
+    counted, and saved locally as a usable prefix; memory per sync stays bounded."""
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.persister import Persister
+    from vllm_mlx_persist.pool import BlockPool
+
+    hist = chain(fp, "big", 10)
+    a = tiers(server.url, fp)
+    assert a.put(manifest("big", hist), {x.block_id: x for x in hist}) and a.flush(10)
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    persister = Persister(DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30)
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, persister=persister)
+    fleet = Fleet(tiers(server.url, fp), pool, max_fetch_bytes=3 * hist[0].nbytes)
+    try:
+        fleet._sync_agent("big")
+        assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1
+        assert fleet.counts["blocks_fetched"] == 3
+        ((ids, n_tokens, _),) = pool.branch_state("big")
+        assert list(ids) == [x.block_id for x in hist[:3]] and n_tokens == 3 * TOKENS_PER_BLOCK
+        assert all(persister.store.has_block(x.block_id) for x in hist[:3])
+    finally:
+        fleet.close()
+        pool.close()
 
 
 # ---- erasure ----------------------------------------------------------------------------------------

@@ -43,19 +43,24 @@ class Fleet:
     """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
 
     def __init__(self, tier: RemoteTier, pool: BlockPool, *, wait_s: float = 3.0,
-                 write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS):
+                 write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
+                 max_fetch_bytes: Optional[int] = None):
         if pool.persister is None:
             raise ValueError("the fleet tier needs the local disk tier")
         self.tier, self.pool, self.wait_s = tier, pool, wait_s
         self.write_timeout_s = write_timeout_s
         self.max_syncs = max_syncs
+        # Block data one sync holds between Redis and the local save, at most (default: the local
+        # write queue's budget, which a larger save could not enter anyway); beyond it the history
+        # is cut and the rest prefilled. Memory: threads x this.
+        self.max_fetch_bytes = max_fetch_bytes if max_fetch_bytes is not None else pool.persister.queue_bytes
         self._lock = threading.Lock()
         self._syncs: "OrderedDict[str, Future]" = OrderedDict()
         self._exec = ThreadPoolExecutor(threads, thread_name_prefix="vllm-mlx-persist-fleet")
         self._closed = False
         self.counts = dict.fromkeys(
             ["syncs", "syncs_skipped", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
-             "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
+             "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
              "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
         tier.block_source = pool.store.read_block  # blocks a put lacks come from the local disk, verified
         tier.on_erased = self._erased_elsewhere
@@ -185,6 +190,7 @@ class Fleet:
         name, and whether nothing was cut."""
         pool, store = self.pool, self.pool.store
         fetched: dict[str, BlockData] = {}
+        held = 0  # bytes of fetched block data, bounded by max_fetch_bytes
         failed: set[str] = set()
         out: list[Branch] = []
         complete = True  # branches beyond the pool's bound are left out as on one server: not a cut
@@ -197,10 +203,14 @@ class Fleet:
                     break
                 if bid not in fetched and not store.has_block(bid):
                     want.append(bid)
-            got = self.tier.get_blocks(want)
+            room = self.max_fetch_bytes - held
+            got = self.tier.get_blocks(want, max_bytes=room) if room > 0 else []
             fetched.update((d.block_id, d) for d in got)
+            held += sum(d.nbytes for d in got)
             if len(got) < len(want):
                 failed.add(want[len(got)])
+                if held >= self.max_fetch_bytes:
+                    self._count("fetch_cut_at_budget")
             n, refused = pool.chain_prefix(br, fetched, store.has_block)
             if refused:
                 self._count("chain_refused")

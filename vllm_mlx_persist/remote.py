@@ -439,14 +439,16 @@ class RemoteTier:
         got = self.get_blocks([block_id])
         return got[0] if got else None
 
-    def get_blocks(self, block_ids: Sequence[str]) -> list[BlockData]:
+    def get_blocks(self, block_ids: Sequence[str], max_bytes: Optional[int] = None) -> list[BlockData]:
         """The blocks in order, each verified as `get_block` does, up to the first one absent,
-        refused or not read in time: the list is then shorter than asked. Read in pipelined round
-        trips of at most `fetch_blocks` blocks and about `fetch_bytes` bytes (estimated from the
-        largest block seen; one block until one was), each bounded by read_timeout_s."""
+        refused or not read in time, or once `max_bytes` of block data are held: the list is then
+        shorter than asked. Read in pipelined round trips of at most `fetch_blocks` blocks and about
+        `fetch_bytes` bytes (estimated from the largest block seen; one block until one was), each
+        bounded by read_timeout_s."""
         keys = [self.block_key(b) for b in block_ids]
         out: list[BlockData] = []
-        while len(out) < len(keys):
+        held = 0
+        while len(out) < len(keys) and (max_bytes is None or held < max_bytes):
             seen = self._block_size_seen
             n = max(1, min(self.fetch_blocks, self.fetch_bytes // seen)) if seen else 1
             batch = keys[len(out) : len(out) + n]
@@ -457,10 +459,13 @@ class RemoteTier:
             if raws is _FAILED:
                 return out
             for key, raw in zip(batch, raws):
+                if max_bytes is not None and held >= max_bytes:
+                    return out
                 block = self._verify(block_ids[len(out)], key, raw)
                 if block is None:
                     return out
                 out.append(block)
+                held += block.nbytes
         return out
 
     def _get_many(self, keys: list[str]) -> list:

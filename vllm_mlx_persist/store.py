@@ -93,6 +93,10 @@ class BlockData:
     arrays: dict[str, np.ndarray]  # 16-bit floats arrive as uint16 views; real dtype in `dtypes`
     dtypes: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def nbytes(self) -> int:
+        return self.tokens.nbytes + sum(a.nbytes for a in self.arrays.values())
+
 
 @dataclass
 class Manifest:
