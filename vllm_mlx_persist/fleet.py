@@ -51,8 +51,8 @@ class Fleet:
         self.write_timeout_s = write_timeout_s
         self.max_syncs = max_syncs
         # Block data one sync holds between Redis and the local save, at most (default: the local
-        # write queue's budget, which a larger save could not enter anyway); beyond it the history
-        # is cut and the rest prefilled. Memory: threads x this.
+        # write queue's byte budget); beyond it the history is cut and the rest prefilled.
+        # Memory: threads x this.
         self.max_fetch_bytes = max_fetch_bytes if max_fetch_bytes is not None else pool.persister.queue_bytes
         self._lock = threading.Lock()
         self._syncs: "OrderedDict[str, Future]" = OrderedDict()
