@@ -142,3 +142,23 @@ def test_quick_workload_sections(tmp_path: Path):
     md = (out / "bench.md").read_text()
     assert "Long contexts" in md and "staggered" in md and "long first turn is written" in md
     assert (out / "stall.png").exists()
+
+
+def test_goal_ratios_read_each_section():
+    from vllm_mlx_persist.tools.bench import GOALS, _md_goals, goal_ratios
+
+    sections = {
+        "ttft": {"summary": {"persist_q4": {"4096": {"hot": {"median_s": 1.0}, "restart_sigkill": {"median_s": 1.1},
+                                                     "ratios": {}}},
+                             "vllm_default": {"4096": {"hot": {"median_s": 0.8}, "ratios": {}}}}},
+        "long": {"summary": {"persist_q4": {"16384": {"kill_over_hot": 1.5}}}},
+        "reload": {"summary": [{"tokens": 1024, "reload_over_limit": 9.0}, {"tokens": 4096, "reload_over_limit": 1.2}]},
+        "batch": {"systems": {"persist_q4": {"summary": {"1": {"system_tok_s": 5.0}, "4": {"system_tok_s": 19.0}}},
+                              "vllm_default": {"summary": {"1": {"system_tok_s": 9.0}, "4": {"system_tok_s": 20.0}}}}},
+    }
+    got = {(GOALS.index(next(x for x in GOALS if x[0] == g)), where): x for g, where, x in goal_ratios(sections)}
+    assert got == {(0, "4096 tokens"): 1.1, (1, "16384 tokens"): 1.5, (2, "4096 tokens"): 1.2, (3, "4 agents"): 0.95,
+                   (4, "4096 tokens"): 1.25}
+    md = "\n".join(_md_goals(sections))
+    # met: restart at 4k (1.1 <= 1.2), reload (1.2 <= 1.3), batch (0.95 >= 0.95); not: long restart, hot turn
+    assert md.count("| yes |") == 3 and md.count("| no |") == 2

@@ -879,6 +879,7 @@ def render_markdown(res: dict) -> str:
           f"vllm-mlx {m['vllm_mlx']}, vllm-mlx-persist {m['vllm_mlx_persist']} (git {m['git_commit']}) |",
           f"| BLAS | {m['blas']} |", f"| disk | `{' '.join(m['disk'].splitlines()[-1].split()) if m['disk'] else '?'}` |",
           f"| load average at start / end | {m['load_average_at_start']} / {m.get('load_average_at_end')} |", ""]
+    L += _md_goals(res["sections"])
     L += ["Systems (every server: `vllm-mlx serve MODEL --continuous-batching --stream-interval 1 --timeout 7200`, "
           "own HOME in a temp dir):", ""]
     for s, flags in res["systems"].items():
@@ -906,6 +907,54 @@ def render_markdown(res: dict) -> str:
     if errs:
         L += ["## Errors", ""] + [f"- {k}: ```{e.splitlines()[0]}```" for k, e in errs.items()] + [""]
     return "\n".join(L) + "\n"
+
+
+# Issue #11's speed goals: (what, target, pass when the measured ratio is <= or >= the target)
+GOALS = (("first turn after SIGKILL / hot turn (persist_q4, ttft section)", 1.2, "<="),
+         ("first turn after SIGKILL / hot turn (persist_q4, long section)", 1.2, "<="),
+         ("reload / (file bytes / disk's sequential bandwidth), 4k tokens and up", 1.3, "<="),
+         ("batched decoding, persist_q4 / vllm-mlx default system tok/s", 0.95, ">="),
+         ("hot turn TTFT, persist_q4 / vllm-mlx default", 1.05, "<="))
+
+
+def goal_ratios(sections: dict) -> list[tuple[str, str, Optional[float]]]:
+    """(goal, where, measured ratio) for each of GOALS that the sections measured."""
+    out: list[tuple[str, str, Optional[float]]] = []
+    ttft = sections.get("ttft", {}).get("summary", {})
+    p, v = ttft.get("persist_q4", {}), ttft.get("vllm_default", {})
+    for c, row in p.items():
+        kill, hot = row.get("restart_sigkill"), row.get("hot")
+        out.append((GOALS[0][0], f"{c} tokens",
+                    round(kill["median_s"] / hot["median_s"], 2) if kill and hot and hot["median_s"] else None))
+    for c, row in sections.get("long", {}).get("summary", {}).get("persist_q4", {}).items():
+        out.append((GOALS[1][0], f"{c} tokens", row.get("kill_over_hot")))
+    for r in sections.get("reload", {}).get("summary", []):
+        if r["tokens"] >= 4096:
+            out.append((GOALS[2][0], f"{r['tokens']} tokens", r["reload_over_limit"]))
+    batch = sections.get("batch", {}).get("systems", {})
+    if {"persist_q4", "vllm_default"} <= set(batch):
+        for lv, x in batch["persist_q4"]["summary"].items():
+            y = batch["vllm_default"]["summary"].get(lv)
+            if int(lv) >= 4 and x and y and y["system_tok_s"]:
+                out.append((GOALS[3][0], f"{lv} agents", round(x["system_tok_s"] / y["system_tok_s"], 2)))
+    for c, row in p.items():
+        hp, hv = row.get("hot"), v.get(c, {}).get("hot")
+        if hp and hv and hv["median_s"]:
+            out.append((GOALS[4][0], f"{c} tokens", round(hp["median_s"] / hv["median_s"], 2)))
+    return out
+
+
+def _md_goals(sections: dict) -> list[str]:
+    rows = goal_ratios(sections)
+    if not rows:
+        return []
+    L = ["## Speed goals (issue #11), as measured in this run", "",
+         "| goal | where | measured | target | met |", "|---|---|---|---|---|"]
+    for what, where, x in rows:
+        target, op = next((t, o) for g, t, o in GOALS if g == what)
+        met = "–" if x is None else ("yes" if (x <= target if op == "<=" else x >= target) else "no")
+        L.append(f"| {what} | {where} | {_f(x, 2)} | {op} {target} | {met} |")
+    return L + [""]
 
 
 def _md_ttft(t: dict, plan: dict) -> list[str]:
