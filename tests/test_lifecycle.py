@@ -370,6 +370,42 @@ def test_restart_restores_the_most_recent_agents_within_hot_mb(model, tmp_path):
     restarted.close()
 
 
+def test_a_returning_agent_does_not_wait_behind_the_hot_set_restore(model, tmp_path, monkeypatch):
+    """The restore reads on its own thread, one block at a time; a request's read-ahead takes its
+    agent's blocks that are still queued there and reads them at once on the readers, so the first
+    turns after a restart do not wait for other agents' blocks (slow disk: the store's fault hook)."""
+    from vllm_mlx_persist import faults, store as store_mod
+
+    seqs = {f"a{i}": tokens(3 * BLOCK, seed=i) for i in range(5)}
+    pool = budget_pool(model, tmp_path)
+    for name, seq in seqs.items():  # a4 is the most recently used, a0 the least: last in the restore
+        pool.commit(name, seq, prefill(model, seq)[0])
+    on_demand = pool.lookup("a0", seqs["a0"] + [1])[0]
+    pool.close()
+
+    switch = tmp_path / "slow"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"sleep=0.3:read@{switch}"))
+    restarted = budget_pool(model, tmp_path)
+    restarted.restore_hot_set()
+    deadline = time.time() + 10
+    while time.time() < deadline and not any(b in restarted._restored for b in restarted.agents["a0"].ids):
+        time.sleep(0.02)  # the restore has queued every agent's blocks, a0's last
+    assert restarted.prefetch("a0") == 3  # taken out of the restore's queue, read on the readers
+    mine = restarted.pending_reads(["a0"])
+    assert len(mine) == 3 and not any(b in restarted._restored for b in restarted.agents["a0"].ids)
+    for f in mine:
+        f.result(10)
+    others = [f for name in ("a1", "a2", "a3") for b in restarted.agents[name].ids
+              for f, _ in [restarted._restored.get(b, (None, 0))] if f is not None]
+    assert others and not all(f.done() for f in others)  # a0 was read before the restore got that far
+    switch.unlink()
+    hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1])
+    assert n == 3 * BLOCK and tier == "disk" and restarted.stats["blocks_prefetched"] == 3
+    assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
+    restarted.close()
+
+
 def test_a_manifest_never_names_a_block_that_is_not_on_disk(model, tmp_path):
     """A failed turn's blocks stay in another branch when the next turn diverges inside them: the
     next save must write them too before its manifest names them (found by the disk campaign)."""

@@ -251,6 +251,10 @@ class BlockPool:
         self.write_timeout_s = write_timeout_s
         self.reader = (ThreadPoolExecutor(READER_THREADS, thread_name_prefix="vllm-mlx-persist-reader")
                        if persister is not None else None)
+        # The hot-set restore reads on a thread of its own, one block at a time: a request's own
+        # reads never queue behind it on the readers (they took its queued blocks out of it).
+        self.restorer = (ThreadPoolExecutor(1, thread_name_prefix="vllm-mlx-persist-restore")
+                         if persister is not None else None)
         # Reads started when a request arrives (HTTP thread), consumed by lookup (worker thread).
         self._prefetch: "OrderedDict[str, tuple[Future, float]]" = OrderedDict()
         # Blocks of the most recently used agents read at start-up (restore_hot_set), most recent
@@ -341,7 +345,7 @@ class BlockPool:
 
     def restore_hot_set(self) -> None:
         """After a restart, read the most recently used agents' blocks, in the order they were last
-        used, up to `hot_budget` bytes, on the reader threads (numpy only): their first turns then
+        used, up to `hot_budget` bytes, on the restore thread (numpy only): their first turns then
         find them in memory instead of on disk. Returns at once; nothing waits for it."""
         if self.persister is None or self.hot_budget <= 0:
             return
@@ -349,12 +353,12 @@ class BlockPool:
             plan = [bid for a in reversed(self.agents.values()) for bid in a.ids
                     if bid in self.blocks and self.blocks[bid].layers is None]
         try:
-            self.reader.submit(self._plan_restore, list(dict.fromkeys(plan)))
+            self.restorer.submit(self._plan_restore, list(dict.fromkeys(plan)))
         except RuntimeError:  # closing
             pass
 
     def _plan_restore(self, plan: list[str]) -> None:
-        """(reader thread) Queue the reads of `plan`'s blocks while their sizes fit the budget."""
+        """(restore thread) Queue the reads of `plan`'s blocks while their sizes fit the budget."""
         for bid in plan:
             size = self.store.block_file_size(bid)
             with self._lock:
@@ -363,7 +367,7 @@ class BlockPool:
                 if self.hot_bytes + self._restored_bytes + size > self.hot_budget:
                     return
                 try:
-                    self._restored[bid] = (self.reader.submit(self.store.read_block, bid), size)
+                    self._restored[bid] = (self.restorer.submit(self.store.read_block, bid), size)
                 except RuntimeError:
                     return
                 self._restored_bytes += size
@@ -373,6 +377,17 @@ class BlockPool:
         if entry is None:
             return None
         self._restored_bytes -= entry[1]
+        return entry[0]
+
+    def _restore_started(self, bid: str) -> Optional[Future]:
+        """The restore's read of `bid` if it has started (lock held); one still queued is taken
+        out of the restore (None), so that the caller reads it at once on the readers."""
+        entry = self._restored.get(bid)
+        if entry is None:
+            return None
+        if entry[0].cancel():
+            self._drop_restored(bid)
+            return None
         return entry[0]
 
     # ---- lookup ---------------------------------------------------------------------------------
@@ -411,7 +426,7 @@ class BlockPool:
         for bid in block_ids:
             block = self.blocks.get(bid)
             if (block is not None and block.layers is None and bid not in self._prefetch
-                    and bid not in self._restored):  # already being read by the hot-set restore
+                    and self._restore_started(bid) is None):  # else being read by the hot-set restore
                 if len(self._prefetch) >= PREFETCH_MAX_BLOCKS:
                     break
                 try:
@@ -634,7 +649,7 @@ class BlockPool:
         if self.store is None:
             return False
         entry = self._prefetch.pop(block.block_id, None)
-        restored = self._drop_restored(block.block_id)
+        restored = self._restore_started(block.block_id) and self._drop_restored(block.block_id)
         if entry is not None:
             self.stats["blocks_prefetched"] += 1
             future = entry[0]
@@ -1209,6 +1224,7 @@ class BlockPool:
         if self.persister is not None:
             self.persister.close()
             self.reader.shutdown(wait=False, cancel_futures=True)
+            self.restorer.shutdown(wait=False, cancel_futures=True)
 
     def snapshot(self) -> dict:
         """Counters for /v1/status, /health and /metrics: O(1), no disk access, any thread."""
