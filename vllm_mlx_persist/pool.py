@@ -649,7 +649,9 @@ class BlockPool:
         if self.store is None:
             return False
         entry = self._prefetch.pop(block.block_id, None)
-        restored = self._restore_started(block.block_id) and self._drop_restored(block.block_id)
+        restored = self._restore_started(block.block_id)
+        if restored is not None:
+            self._drop_restored(block.block_id)
         if entry is not None:
             self.stats["blocks_prefetched"] += 1
             future = entry[0]

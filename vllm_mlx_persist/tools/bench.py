@@ -948,7 +948,7 @@ def _md_goals(sections: dict) -> list[str]:
     rows = goal_ratios(sections)
     if not rows:
         return []
-    L = ["## Speed goals (issue #11), as measured in this run", "",
+    L = ["## Speed goals (issue #11), from the sections below", "",
          "| goal | where | measured | target | met |", "|---|---|---|---|---|"]
     for what, where, x in rows:
         target, op = next((t, o) for g, t, o in GOALS if g == what)
