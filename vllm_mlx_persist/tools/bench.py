@@ -1211,6 +1211,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agent-budget-mb", type=int, default=None, help="memory budget of the agents section")
     p.add_argument("--agent-tokens", type=int, default=None, help="history tokens per agent in the agents section")
     p.add_argument("--batch-levels", default=None, help="concurrency levels, e.g. 1,2,4,8")
+    p.add_argument("--batch-reps", type=int, default=None, help="repetitions per level of the batch section")
     p.add_argument("--reload-sizes", default=None, help="agent sizes in tokens for the reload section")
     p.add_argument("--families", default=None, help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--family-size", default=None, help="models.SIZES preset of the families section (default "
@@ -1249,6 +1250,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.agent_tokens = args.agent_tokens
     if args.batch_levels:
         plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
+    if args.batch_reps is not None:
+        plan.batch_reps = args.batch_reps
     if args.fleet_contexts:
         plan.fleet_contexts = [int(x) for x in args.fleet_contexts.split(",")]
     if args.long_contexts:
