@@ -396,8 +396,8 @@ def test_a_returning_agent_does_not_wait_behind_the_hot_set_restore(model, tmp_p
     assert len(mine) == 3 and not any(b in restarted._restored for b in restarted.agents["a0"].ids)
     for f in mine:
         f.result(10)
-    others = [f for name in ("a1", "a2", "a3") for b in restarted.agents[name].ids
-              for f, _ in [restarted._restored.get(b, (None, 0))] if f is not None]
+    others = [restarted._restored[b][0] for name in ("a1", "a2", "a3") for b in restarted.agents[name].ids
+              if b in restarted._restored]
     assert others and not all(f.done() for f in others)  # a0 was read before the restore got that far
     switch.unlink()
     hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1])
