@@ -356,10 +356,7 @@ def test_restart_restores_the_most_recent_agents_within_hot_mb(model, tmp_path):
     pool.close()
 
     restarted = budget_pool(model, tmp_path, hot_bytes=int(one * 2.2))
-    restarted.restore_hot_set()
-    deadline = time.time() + 20
-    while time.time() < deadline and not (restarted._restored and all(f.done() for f, _ in restarted._restored.values())):
-        time.sleep(0.05)
+    restarted.restore_hot_set().result(20)
     restored_agents = {name for name in seqs
                        if any(b in restarted._restored for b in restarted.agents[name].ids)}
     assert restored_agents == {"a4", "a3"}  # the most recent ones, within the budget (a2 would not fit)
@@ -370,11 +367,13 @@ def test_restart_restores_the_most_recent_agents_within_hot_mb(model, tmp_path):
     restarted.close()
 
 
-def test_a_returning_agent_does_not_wait_behind_the_hot_set_restore(model, tmp_path, monkeypatch):
-    """The restore reads on its own thread, one block at a time; a request's read-ahead takes its
-    agent's blocks that are still queued there and reads them at once on the readers, so the first
-    turns after a restart do not wait for other agents' blocks (slow disk: the store's fault hook)."""
+def test_the_hot_set_restore_gives_way_to_requests(model, tmp_path, monkeypatch):
+    """The restore reads on its own thread, one block at a time, and only while no request is
+    served: a returning agent's blocks are read at once on the readers (not behind the restore),
+    and its turn does not share the CPU or the disk with other agents' reads (slow disk: the
+    store's fault hook). Once the server is idle again, the restore goes on."""
     from vllm_mlx_persist import faults, store as store_mod
+    from vllm_mlx_persist.pool import RESTORE_IDLE_S
 
     seqs = {f"a{i}": tokens(3 * BLOCK, seed=i) for i in range(5)}
     pool = budget_pool(model, tmp_path)
@@ -387,22 +386,22 @@ def test_a_returning_agent_does_not_wait_behind_the_hot_set_restore(model, tmp_p
     switch.touch()
     monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"sleep=0.3:read@{switch}"))
     restarted = budget_pool(model, tmp_path)
-    restarted.restore_hot_set()
+    job = restarted.restore_hot_set()
     deadline = time.time() + 10
-    while time.time() < deadline and not any(b in restarted._restored for b in restarted.agents["a0"].ids):
-        time.sleep(0.02)  # the restore has queued every agent's blocks, a0's last
-    assert restarted.prefetch("a0") == 3  # taken out of the restore's queue, read on the readers
-    mine = restarted.pending_reads(["a0"])
-    assert len(mine) == 3 and not any(b in restarted._restored for b in restarted.agents["a0"].ids)
-    for f in mine:
-        f.result(10)
-    others = [restarted._restored[b][0] for name in ("a1", "a2", "a3") for b in restarted.agents[name].ids
-              if b in restarted._restored]
-    assert others and not all(f.done() for f in others)  # a0 was read before the restore got that far
-    switch.unlink()
-    hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1])
+    while time.time() < deadline and not restarted._restored:
+        time.sleep(0.02)  # the restore is reading a4's first block
+    assert restarted.prefetch("a0") == 3  # a0 arrives: its blocks are read on the readers at once
+    hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1], request_id="r0")
     assert n == 3 * BLOCK and tier == "disk" and restarted.stats["blocks_prefetched"] == 3
     assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
+    paused = len(restarted._restored)
+    time.sleep(RESTORE_IDLE_S + 0.7)  # r0 is in flight: the restore reads nothing meanwhile
+    assert len(restarted._restored) == paused <= 2 and not job.done()
+    switch.unlink()
+    restarted.finish("r0")
+    job.result(20)
+    restored = {name for name in seqs if any(b in restarted._restored for b in restarted.agents[name].ids)}
+    assert restored == {"a1", "a2", "a3", "a4"}  # a0 is in memory already
     restarted.close()
 
 

@@ -111,6 +111,40 @@ def test_reloaded_from_disk_is_bit_identical_to_hot(model, tmp_path):
     assert mx.array_equal(a, b).item()
 
 
+def test_a_reloaded_run_stays_counted_until_its_last_block_goes(model, tmp_path):
+    """Blocks read from disk together are views of one import per array (no per-block copy, no
+    concatenation when the lookup takes them from the start); a block that leaves the run frees
+    nothing while the others hold the arrays, so the hot tier keeps counting all of it."""
+    seq = tokens(70)  # blocks of 16: four full and one of 6 tokens
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    query = seq + tokens(5, seed=3)
+    hot = pool.lookup("a", query)[0]
+    pool.close()
+
+    pool = make_pool(model, tmp_path)
+    cache, n, tier = pool.lookup("a", query)
+    assert (n, tier) == (70, "disk")
+    assert_same_cache(hot, cache)
+    blocks = [pool.blocks[b] for b in pool.agents["a"].block_ids]
+    run = blocks[0].run[0]
+    assert [b.run for b in blocks] == [(run, 16 * i) for i in range(5)] and run.members == blocks
+    whole = sum(a.nbytes for a in run.arrays.values())
+    assert pool.hot_bytes == whole == sum(b.nbytes for b in blocks)
+
+    # The next turn replaces the 6-token block with a longer one: it leaves the run, its bytes stay.
+    cache, _ = prefill(model, query[n:], cache)
+    pool.commit("a", query, cache)
+    assert blocks[4].layers is None and run.members == blocks[:4]
+    new = [pool.blocks[b] for b in pool.agents["a"].block_ids if pool.blocks[b].run is None]
+    assert len(new) == 1 and pool.hot_bytes == whole + new[0].nbytes
+    again, m, tier = pool.lookup("a", query + [7])
+    assert (m, tier) == (75, "hot")
+    assert_same_cache(again, cache)
+    pool.clear()
+    assert pool.hot_bytes == 0 and run.members == []
+
+
 def test_lru_spills_to_disk_and_reloads_identically(model, tmp_path):
     seqs = {name: tokens(48, seed=i) for i, name in enumerate("abc")}
     caches = {name: prefill(model, s)[0] for name, s in seqs.items()}

@@ -461,6 +461,15 @@ def test_batch_cache_contract_unit(model):
     g.state = b.state
     assert g.size() == 9 and same(g.extract(1), singles[1])
 
+    # one sequence: merged without a copy, and nothing written to the batch reaches the single
+    one = Q4KVCache.merge([singles[1]])
+    kept = [mx.array(x) for x in singles[1].to_arrays()[0]]
+    assert same(one.extract(0), singles[1])
+    one.trim(3)
+    one.update_and_fetch(mx.random.normal((1, 2, 2, 64)), mx.random.normal((1, 2, 2, 64)))  # in place
+    assert one.size() == 8 and singles[1].offset == 9
+    assert all(mx.array_equal(a, b).item() for a, b in zip(singles[1].to_arrays()[0], kept))
+
     with pytest.raises(ValueError):
         Q4KVCache.merge([singles[0], Q4KVCache(group_size=32, bits=4)])
 

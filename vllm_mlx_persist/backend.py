@@ -49,6 +49,7 @@ DEFAULTS: dict[str, Any] = {
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
     "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
     "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
+    "restore": True,  # at start-up, read the most recently used agents' blocks up to hot_mb (in the background)
     # The fleet tier (docs/fleet.md): Redis shared by several servers; None: off.
     "remote_url": None,  # redis://[user:password@]host:6379/0, rediss://... (TLS), unix:///path.sock
     "remote_cluster": False,  # remote_url is a node of a Redis Cluster (its client discovers the rest)
@@ -121,7 +122,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
             f"got {opts['prefill_attention']!r}"
         )
-    for key in ("durable_writes", "match_text", "warmup", "remote_cluster"):
+    for key in ("durable_writes", "match_text", "warmup", "restore", "remote_cluster"):
         if not isinstance(opts[key], bool):
             raise ValueError(f"persist_q4 {key} must be true or false")
     if not 1 <= opts["branches"] <= 64:
@@ -386,7 +387,8 @@ class PersistQ4Backend:
     def load(self) -> int:
         """At server start, on the worker thread: read the agents' manifests, then warm up."""
         n = self.pool.load_manifests()
-        self.pool.restore_hot_set()  # in the background: start-up does not wait for it
+        if self.opts["restore"]:
+            self.pool.restore_hot_set()  # in the background: start-up does not wait for it
         log.info("persist_q4: %d agents on disk", n)
         if self.opts["warmup"]:
             self.warm_up()

@@ -42,6 +42,7 @@ ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous
 READ_TIMEOUT_S = 30.0  # a block read slower than this (a hung disk) is a miss, not a hung worker
 PREFETCH_MAX_BLOCKS = 1024  # read-ahead results waiting for their lookup, at most
 PREFETCH_TTL_S = 60.0  # read-ahead results nobody looked up (a rejected request) expire
+RESTORE_IDLE_S = 0.2  # the hot-set restore reads only once no request has arrived for this long and none is served
 # Block reads (open, read, sha256: all release the GIL) run in parallel on this many threads.
 READER_THREADS = max(2, min(4, os.cpu_count() or 2))
 
@@ -52,24 +53,37 @@ class BlockState(enum.Enum):
     COLD = "cold"  # on disk only
 
 
-@dataclass
+@dataclass(eq=False)  # a block is itself: never compared by its arrays
 class Block:
     block_id: str
     tokens: tuple[int, ...]
     layers: Optional[dict]  # name -> mx.array (see caches.codec); None while COLD
     state: BlockState = BlockState.PENDING
-    nbytes: int = 0  # bytes in memory; fixed when the layers are set, so readers never sum arrays
+    nbytes: int = 0  # bytes it keeps in memory; fixed when set (and see Run), so readers never sum arrays
     # The agent whose hot_bytes count this block's bytes (the one that brought it into memory);
     # None while COLD, or while hot but named only by agents that did not (an "orphan", see
     # BlockPool._orphans). So a block shared by several agents is counted once.
     owner: Optional["Agent"] = None
+    run: Optional[tuple["Run", int]] = None  # read from disk with others: (them, its first token)
 
-    def set_layers(self, layers: Optional[dict]) -> int:
+    def set_layers(self, layers: Optional[dict], run: Optional[tuple["Run", int]] = None) -> int:
         """Set (or drop, with None) the in-memory arrays; returns the change in bytes."""
         before = self.nbytes
-        self.layers = layers
+        self.layers, self.run = layers, run
         self.nbytes = 0 if layers is None else sum(a.nbytes for a in layers.values())
         return self.nbytes - before
+
+
+@dataclass(eq=False)
+class Run:
+    """Consecutive blocks read from disk together. `arrays` holds their token arrays concatenated
+    (one MLX import each) and every member's layers are views of them, so a lookup that uses the
+    run from its start takes the arrays whole (codec.build's `whole`) instead of concatenating.
+    The arrays live while any member is hot: a dropped member's bytes move to a surviving member,
+    so the hot budget always counts all of them."""
+
+    arrays: dict
+    members: list[Block]  # the hot ones, in chain order
 
 
 Links = tuple[tuple[int, str], ...]
@@ -251,10 +265,13 @@ class BlockPool:
         self.write_timeout_s = write_timeout_s
         self.reader = (ThreadPoolExecutor(READER_THREADS, thread_name_prefix="vllm-mlx-persist-reader")
                        if persister is not None else None)
-        # The hot-set restore reads on a thread of its own, one block at a time: a request's own
-        # reads never queue behind it on the readers (they took its queued blocks out of it).
+        # The hot-set restore reads on a thread of its own, one block at a time and only while no
+        # request is served: a request's own reads and its prefill never share the CPU or the disk
+        # with it, and never queue behind it on the readers.
         self.restorer = (ThreadPoolExecutor(1, thread_name_prefix="vllm-mlx-persist-restore")
                          if persister is not None else None)
+        self._restore_stop = threading.Event()
+        self._last_arrival = 0.0  # monotonic time of the last prefetch (a request's arrival)
         # Reads started when a request arrives (HTTP thread), consumed by lookup (worker thread).
         self._prefetch: "OrderedDict[str, tuple[Future, float]]" = OrderedDict()
         # Blocks of the most recently used agents read at start-up (restore_hot_set), most recent
@@ -343,34 +360,50 @@ class BlockPool:
                 self.agents.move_to_end(m.namespace, last=False)  # disk agents are the coldest
             return len(self.agents)
 
-    def restore_hot_set(self) -> None:
+    def restore_hot_set(self) -> Optional[Future]:
         """After a restart, read the most recently used agents' blocks, in the order they were last
         used, up to `hot_budget` bytes, on the restore thread (numpy only): their first turns then
-        find them in memory instead of on disk. Returns at once; nothing waits for it."""
+        find them in memory instead of on disk. Returns at once (the restore's future, for tests)."""
         if self.persister is None or self.hot_budget <= 0:
-            return
+            return None
         with self._lock:
             plan = [bid for a in reversed(self.agents.values()) for bid in a.ids
                     if bid in self.blocks and self.blocks[bid].layers is None]
+            self._restore_stop.set()  # a restore still running (a second call) stops
+            self._restore_stop = stop = threading.Event()
         try:
-            self.restorer.submit(self._plan_restore, list(dict.fromkeys(plan)))
+            return self.restorer.submit(self._restore, list(dict.fromkeys(plan)), stop)
         except RuntimeError:  # closing
-            pass
+            return None
 
-    def _plan_restore(self, plan: list[str]) -> None:
-        """(restore thread) Queue the reads of `plan`'s blocks while their sizes fit the budget."""
+    def _restore(self, plan: list[str], stop: threading.Event) -> None:
+        """(restore thread) Read `plan`'s blocks one by one while their sizes fit the budget, each
+        once the server is idle (`_idle`), until `stop` is set (clear, close)."""
         for bid in plan:
             size = self.store.block_file_size(bid)
+            while not self._idle():
+                if stop.wait(RESTORE_IDLE_S / 4):
+                    return
             with self._lock:
+                if stop.is_set():
+                    return
                 if size == 0 or bid in self._restored or bid not in self.blocks or self.blocks[bid].layers is not None:
                     continue
                 if self.hot_bytes + self._restored_bytes + size > self.hot_budget:
                     return
-                try:
-                    self._restored[bid] = (self.restorer.submit(self.store.read_block, bid), size)
-                except RuntimeError:
-                    return
+                future: Future = Future()
+                future.set_running_or_notify_cancel()  # started: a lookup now waits for it, never repeats it
+                self._restored[bid] = (future, size)
                 self._restored_bytes += size
+            try:
+                future.set_result(self.store.read_block(bid))
+            except BaseException as e:  # read_block returns None for a bad file; this is a bug or a dying thread
+                future.set_exception(e)
+
+    def _idle(self) -> bool:
+        """No request in flight, and none arrived in the last RESTORE_IDLE_S (one may be on its way
+        from arrival to its lookup)."""
+        return not self._inflight and time.monotonic() - self._last_arrival >= RESTORE_IDLE_S
 
     def _drop_restored(self, bid: str) -> Optional[Future]:
         entry = self._restored.pop(bid, None)
@@ -379,16 +412,6 @@ class BlockPool:
         self._restored_bytes -= entry[1]
         return entry[0]
 
-    def _restore_started(self, bid: str) -> Optional[Future]:
-        """The restore's read of `bid` if it has started (lock held); one still queued is taken
-        out of the restore (None), so that the caller reads it at once on the readers."""
-        entry = self._restored.get(bid)
-        if entry is None:
-            return None
-        if entry[0].cancel():
-            self._drop_restored(bid)
-            return None
-        return entry[0]
 
     # ---- lookup ---------------------------------------------------------------------------------
 
@@ -402,6 +425,7 @@ class BlockPool:
         if self.reader is None:
             return 0
         with self._lock:
+            self._last_arrival = time.monotonic()
             agent = self.agents.get(namespace)
             self._expire_prefetch()
             if agent is None:
@@ -426,7 +450,7 @@ class BlockPool:
         for bid in block_ids:
             block = self.blocks.get(bid)
             if (block is not None and block.layers is None and bid not in self._prefetch
-                    and self._restore_started(bid) is None):  # else being read by the hot-set restore
+                    and bid not in self._restored):  # else read (or being read) by the hot-set restore
                 if len(self._prefetch) >= PREFETCH_MAX_BLOCKS:
                     break
                 try:
@@ -514,7 +538,7 @@ class BlockPool:
             if registered:
                 self._touch(agent)
             self._enforce_budget(keep=agent.namespace)
-            cache, covered = self.codec.build([(b.layers, n) for b, n in used]) if used else (None, 0)
+            cache, covered = self.codec.build([(b.layers, n) for b, n in used], _whole(used)) if used else (None, 0)
             if covered == 0:
                 self.stats["misses"] += 1
                 return Match(None, 0, "miss")
@@ -557,21 +581,27 @@ class BlockPool:
         covered, used, from_disk = 0, [], False
         at = dict(branch.links)
         prev: Optional[str] = None
+        run: list[tuple[Block, BlockData]] = []  # consecutive blocks read here, converted together
         for i, bid in enumerate(list(branch.block_ids)):
             prev = chain_prev(prev, i, at, self.fingerprint)
             block = self.blocks.get(bid)
             if block is None:
                 break
+            data = None
             if block.layers is None:
                 if not from_disk and self.reader is not None:
-                    # the blocks this prompt can still use are read in parallel, and while this
-                    # thread converts the first ones (no request's prefetch started them)
+                    # the blocks this prompt can still use are read in parallel while this thread
+                    # checks the first ones (no request's prefetch started them)
                     self._expire_prefetch()
                     self._read_ahead(branch.block_ids[i : i + -(-(limit - covered) // self.block_size)])
-                if not self._load_block(agent, block):
+                data = self._read_block(block)
+                if data is None:
                     self._cut_block(bid)  # unreadable: re-cached from here on the next turn
                     break
                 from_disk = True
+            elif run:  # a hot block between read ones ends the run
+                self._convert(agent, run)
+                run = []
             # The id chain is seeded with this model and agent: a block written for another model
             # or agent, or one whose tokens were altered, cannot match even if its file is sound.
             if not self.follows(prev, bid, block.tokens):
@@ -581,7 +611,9 @@ class BlockPool:
                     # nobody names it now: moved aside, on the writer so before any rewrite of it
                     self.persister.quarantine_block(bid, "its tokens do not follow the agent's chain")
                 break
-            if block.owner is None:
+            if data is not None:
+                run.append((block, data))
+            elif block.owner is None:
                 self._adopt(agent, block)
             prev = bid
             n = min(_lcp(block.tokens, prompt[covered : covered + len(block.tokens)]), limit - covered)
@@ -591,6 +623,8 @@ class BlockPool:
             covered += n
             if n < len(block.tokens):
                 break
+        if run:
+            self._convert(agent, run)
         return used, from_disk
 
     # ---- matching across re-tokenization --------------------------------------------------------
@@ -636,8 +670,10 @@ class BlockPool:
             if block is None:
                 break
             if block.layers is None:
-                if not self._load_block(agent, block):
+                data = self._read_block(block)
+                if data is None:
                     break
+                self._convert(agent, [(block, data)])
                 from_disk = True
             out.extend(block.tokens)
         return out, from_disk
@@ -645,13 +681,13 @@ class BlockPool:
     def _first_block(self, agent: Agent) -> Block:
         return self.blocks[agent.block_ids[0]]
 
-    def _load_block(self, agent: Agent, block: Block) -> bool:
+    def _read_block(self, block: Block) -> Optional[BlockData]:
+        """The block's data from disk (a read-ahead's or the restore's if started, else read now),
+        checked, its tokens set; None when it cannot be used."""
         if self.store is None:
-            return False
+            return None
         entry = self._prefetch.pop(block.block_id, None)
-        restored = self._restore_started(block.block_id)
-        if restored is not None:
-            self._drop_restored(block.block_id)
+        restored = self._drop_restored(block.block_id)
         if entry is not None:
             self.stats["blocks_prefetched"] += 1
             future = entry[0]
@@ -665,19 +701,27 @@ class BlockPool:
         except FutureTimeout:
             self.stats["read_timeouts"] += 1
             log.warning("reading block %s took over %.0f s; served as a miss", block.block_id[:16], READ_TIMEOUT_S)
-            return False
+            return None
         except Exception as e:  # CancelledError, a reader that died: a miss
             log.warning("reading block %s failed: %s", block.block_id[:16], e)
-            return False
+            return None
         if data is None or not self._valid(data):
             self.stats["bad_blocks"] += 1
-            return False
+            return None
         block.tokens = tuple(int(t) for t in data.tokens)
-        self._set_layers(block, self.codec.from_numpy(data.arrays, data.dtypes), agent)
-        block.state = BlockState.DURABLE
-        self.stats["blocks_loaded"] += 1
-        self.stats["bytes_loaded"] += block.nbytes
-        return True
+        return data
+
+    def _convert(self, agent: Agent, run: list[tuple[Block, BlockData]]) -> None:
+        """Bring consecutive blocks read from disk into memory, charged to `agent`: one MLX import
+        per token array for the whole run (codec.from_numpy_run), each block holding views of it."""
+        layers, whole = self.codec.from_numpy_run([(d.arrays, d.dtypes) for _, d in run])
+        together, start = Run(whole, [b for b, _ in run]), 0
+        for (block, _), arrays in zip(run, layers):
+            self._set_layers(block, arrays, agent, (together, start))
+            start += len(block.tokens)
+            block.state = BlockState.DURABLE
+            self.stats["blocks_loaded"] += 1
+            self.stats["bytes_loaded"] += block.nbytes
 
     def _valid(self, data: BlockData) -> bool:
         n = len(data.tokens)
@@ -1066,20 +1110,29 @@ class BlockPool:
         if agent.persistent and self.agents.get(agent.namespace) is agent:
             self._hot_agents += (agent.hot_bytes > 0) - (before > 0)
 
-    def _set_layers(self, block: Block, layers: Optional[dict], agent: Optional[Agent] = None) -> None:
+    def _set_layers(self, block: Block, layers: Optional[dict], agent: Optional[Agent] = None,
+                    run: Optional[tuple[Run, int]] = None) -> None:
         """Bring a block's arrays into memory (charged to `agent`) or drop them (None)."""
-        before = block.nbytes
+        before, left = block.nbytes, block.run
         if block.owner is not None:
             self._charge(block.owner, -before)
         elif block.layers is not None:
             self._orphans.pop(block.block_id, None)
-        delta = block.set_layers(layers)
+        delta = block.set_layers(layers, run)
         self.hot_bytes += delta
         block.owner = agent if layers is not None else None
         if block.owner is not None:
             self._charge(block.owner, block.nbytes)
         elif layers is not None:
             self._orphans[block.block_id] = None
+        if left is not None:  # its views no longer hold the run's arrays, the other members' still do
+            left[0].members = [b for b in left[0].members if b is not block]
+            if left[0].members and before:
+                heir = left[0].members[0]
+                heir.nbytes += before
+                self.hot_bytes += before
+                if heir.owner is not None:
+                    self._charge(heir.owner, before)
 
     def _orphan(self, block: Block) -> None:
         """The block's owner no longer names it, but another agent does: still hot, counted by none."""
@@ -1209,6 +1262,7 @@ class BlockPool:
             for future, _ in self._prefetch.values():
                 future.cancel()
             self._prefetch.clear()
+            self._restore_stop.set()
             for bid in list(self._restored):
                 self._drop_restored(bid).cancel()
 
@@ -1221,6 +1275,7 @@ class BlockPool:
             for future, _ in self._prefetch.values():
                 future.cancel()
             self._prefetch.clear()
+            self._restore_stop.set()
             for bid in list(self._restored):
                 self._drop_restored(bid).cancel()
         if self.persister is not None:
@@ -1255,6 +1310,20 @@ class BlockPool:
 TEXT_MATCH_WINDOW = 256  # tokens past a mismatch searched for the same text
 TEXT_MATCH_MAX_REALIGN = 4  # mismatches matched by text per lookup, at most
 TEXT_MATCH_CONTEXT = 8  # tokens decoded before the mismatch, so both sides decode in the same context
+
+
+def _whole(used: list[tuple[Block, int]]) -> Optional[dict]:
+    """The run's token arrays when the used blocks are, in order, the start of one run read
+    together (Block.run), else None."""
+    first = used[0][0].run
+    if first is None or first[1] != 0:
+        return None
+    start = 0
+    for block, _ in used:
+        if block.run is None or block.run[0] is not first[0] or block.run[1] != start:
+            return None
+        start += len(block.tokens)
+    return first[0].arrays
 
 
 def _align(stored: list[int], prompt: list[int], k: int,

@@ -519,6 +519,14 @@ class BatchQ4KVCache(_BaseCache):
         padding = [max_length - l for l in lengths]
         src = next(c for c in caches if c.keys is not None)
         B = len(caches)
+        if B == 1:
+            # One sequence (a returning agent's prompt, usually): its arrays as they are, no copy;
+            # the first write grows them into new storage (_append), so they are never written.
+            cache = cls([0], bits, group_size)
+            cache.keys, cache.values = _qslice(src.keys, max_length), _qslice(src.values, max_length)
+            cache.offset += max_length
+            cache._idx = max_length
+            return cache
         keys, values = _alloc(src.keys, B, max_length), _alloc(src.values, B, max_length)
         for i, (p, c) in enumerate(zip(padding, caches)):
             if c.keys is None or c.offset == 0:

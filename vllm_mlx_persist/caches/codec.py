@@ -139,10 +139,13 @@ class ModelCodec:
 
     # ---- blocks -> cache ------------------------------------------------------------------------
 
-    def build(self, used: Sequence[tuple[Arrays, int]]) -> tuple[Optional[list], int]:
+    def build(self, used: Sequence[tuple[Arrays, int]], whole: Optional[Arrays] = None,
+              ) -> tuple[Optional[list], int]:
         """A per-sequence cache from the first n tokens of each block in `used` (consecutive from
         position 0). Recurrent models stop at the last checkpoint at or before the end; returns
-        (cache, tokens covered), or (None, 0) when nothing can be reused."""
+        (cache, tokens covered), or (None, 0) when nothing can be reused. `whole`: the token arrays
+        of `from_numpy_run` when the used blocks are, in order, the start of that run; the cache
+        is then views of them, not a concatenation."""
         covered = sum(n for _, n in used)
         state = None
         if self.has_state:
@@ -158,7 +161,10 @@ class ModelCodec:
             used = _truncate(used, covered)
         if covered == 0:
             return None, 0
-        cat = lambda name: _concat([arrays[name][..., :n, :] for arrays, n in used])
+        if whole is not None:
+            cat = lambda name: whole[name][..., :covered, :]
+        else:
+            cat = lambda name: _concat([arrays[name][..., :n, :] for arrays, n in used])
         cache, si = [], 0
         for l, k in enumerate(self.kinds):
             if k == Q4:
@@ -194,8 +200,28 @@ class ModelCodec:
             out[name] = x.view(mx.bfloat16) if dtypes.get(name) == "bfloat16" else x
         return out
 
-    def valid(self, arrays: dict[str, np.ndarray], n: int) -> bool:
-        """Whether a block read from disk has exactly the arrays this model's layers need for n tokens."""
+    def from_numpy_run(self, blocks: Sequence[tuple[dict[str, np.ndarray], dict[str, str]]],
+                       ) -> tuple[list[Arrays], Arrays]:
+        """Consecutive blocks read from disk, with one copy into MLX per token array: each is
+        concatenated in numpy and imported once. Returns each block's arrays (views of the
+        imports, plus its own checkpoints) and the imports themselves (for `build`)."""
+        names = sorted(self.token_names())
+        whole: Arrays = {}
+        for name in names:
+            pieces = [arrays[name] for arrays, _ in blocks]
+            x = mx.array(np.concatenate(pieces, axis=2) if len(pieces) > 1 else pieces[0])
+            whole[name] = x.view(mx.bfloat16) if blocks[0][1].get(name) == "bfloat16" else x
+        out, start = [], 0
+        for arrays, dtypes in blocks:
+            n = arrays[names[0]].shape[2] if names else 0
+            own = self.from_numpy({k: a for k, a in arrays.items() if k not in whole}, dtypes)
+            own.update({name: whole[name][..., start : start + n, :] for name in names})
+            out.append(own)
+            start += n
+        return out, whole
+
+    def token_names(self) -> set[str]:
+        """Names of the per-token arrays, (1, H, n_tokens, .), that every block holds."""
         want = set()
         for l, k in enumerate(self.kinds):
             if k == Q4:
@@ -204,6 +230,11 @@ class ModelCodec:
                 want |= {f"{l}.k", f"{l}.v"}
             elif k != STATE:
                 want |= {f"{l}.{j}.{x}" for j in range(len(k[1])) for x in "kv"}
+        return want
+
+    def valid(self, arrays: dict[str, np.ndarray], n: int) -> bool:
+        """Whether a block read from disk has exactly the arrays this model's layers need for n tokens."""
+        want = self.token_names()
         for name in want:
             a = arrays.get(name)
             if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
