@@ -963,9 +963,9 @@ def _md_ttft(t: dict, plan: dict) -> list[str]:
          f"words), `max_tokens={plan['ttft_max_tokens']}`, streamed; TTFT = send to first content chunk. Cold: the "
          f"first turn of a new agent. Hot: the next turn ({plan['hot_turns']} per conversation), cache in memory. "
          f"Restart (SIGTERM): server stopped gracefully and started again between turns "
-         f"({plan['restart_cycles']} cycles). Restart (SIGKILL): killed, then started (first conversation of each "
-         "context). Before every restart the cache files are fsync'd and dropped from the page cache "
-         "(posix_fadvise DONTNEED); vllm-mlx's SIGTERM snapshot is removed before a SIGKILL restart (a crash keeps "
+         f"({plan['restart_cycles']} cycles). Restart (SIGKILL): killed, then started ({plan.get('kill_cycles', 1)} "
+         "cycles; each gives one turn of the first conversation of each context, in context order). Before every "
+         "restart the cache files are fsync'd and dropped from the page cache (posix_fadvise DONTNEED); vllm-mlx's SIGTERM snapshot is removed before a SIGKILL restart (a crash keeps "
          "only what an earlier graceful stop saved, and none of these conversations predate one). No request is "
          "served between a start and the measured turn (no warm-up request: the turn pays what a user's first request "
          "after a restart pays; persist_q4 runs its own warm-up at start-up). Medians; n = samples. "
@@ -1212,6 +1212,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--agent-tokens", type=int, default=None, help="history tokens per agent in the agents section")
     p.add_argument("--batch-levels", default=None, help="concurrency levels, e.g. 1,2,4,8")
     p.add_argument("--batch-reps", type=int, default=None, help="repetitions per level of the batch section")
+    p.add_argument("--kill-cycles", type=int, default=None, help="SIGKILL restarts in the ttft section (one turn each "
+                   "for the first conversation of each context)")
     p.add_argument("--reload-sizes", default=None, help="agent sizes in tokens for the reload section")
     p.add_argument("--families", default=None, help=f"comma-separated subset of {','.join(FAMILIES)}")
     p.add_argument("--family-size", default=None, help="models.SIZES preset of the families section (default "
@@ -1252,6 +1254,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.batch_levels = [int(x) for x in args.batch_levels.split(",")]
     if args.batch_reps is not None:
         plan.batch_reps = args.batch_reps
+    if args.kill_cycles is not None:
+        plan.kill_cycles = args.kill_cycles
     if args.fleet_contexts:
         plan.fleet_contexts = [int(x) for x in args.fleet_contexts.split(",")]
     if args.long_contexts:
