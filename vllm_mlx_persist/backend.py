@@ -292,14 +292,16 @@ class PersistQ4Backend:
         from vllm_mlx.cache_backend import CacheLookup
 
         namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+        t0 = time.perf_counter()
         m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
                             fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False))
         agent = namespace or "<anonymous>"
         if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
             return None
-        log.info("[persist_q4] agent=%s HIT %s%s cached=%d prompt=%d%s", agent, m.tier,
+        log.info("[persist_q4] agent=%s HIT %s%s cached=%d prompt=%d in %.1f ms%s", agent, m.tier,
                  f" from parent {parent}" if m.forked else "", m.num_tokens, len(request.prompt_token_ids),
+                 (time.perf_counter() - t0) * 1e3,
                  f" (matched by text; served as {len(m.prompt)} stored tokens)" if m.prompt is not None else "")
         if m.prompt is not None:
             # The prompt differs from the stored tokens but decodes to the same text: it is served
