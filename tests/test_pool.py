@@ -145,6 +145,42 @@ def test_a_reloaded_run_stays_counted_until_its_last_block_goes(model, tmp_path)
     assert pool.hot_bytes == 0 and run.members == []
 
 
+def test_each_turn_is_one_run_that_the_next_lookup_takes_whole(model, tmp_path):
+    """A turn's blocks are views of its cache (one Run), and the blocks its lookup reused are
+    re-pointed to the same bytes of the new cache, so an agent's blocks stay one run and a hot
+    lookup takes it whole: bit-identical to a reload, the hot bytes exactly the run's. A fork's
+    blocks after a shared prefix stay copies (a run over the prefix would hold it uncounted)."""
+    seq = tokens(40)  # blocks of 16: two full and one of 8 tokens
+    pool = make_pool(model, tmp_path)
+    pool.commit("a", seq, prefill(model, seq)[0])
+    first = [pool.blocks[b] for b in pool.agents["a"].block_ids]
+    old = first[0].run[0]
+    assert [b.run for b in first] == [(old, 0), (old, 16), (old, 32)]
+
+    query = seq + tokens(12, seed=5)
+    cache, n, tier = pool.lookup("a", query, request_id="r1")
+    assert (n, tier) == (40, "hot")
+    cache, _ = prefill(model, query[n:], cache)
+    pool.commit("a", query, cache, request_id="r1")
+    pool.finish("r1")
+    blocks = [pool.blocks[b] for b in pool.agents["a"].block_ids]
+    run = blocks[0].run[0]
+    assert run is not old and old.members == [] and blocks[:2] == first[:2]  # re-pointed, not rebuilt
+    assert [b.run for b in blocks] == [(run, 0), (run, 16), (run, 32), (run, 48)]
+    assert pool.hot_bytes == sum(a.nbytes for a in run.arrays.values())
+
+    hot, m, tier = pool.lookup("a", query + [3])
+    assert (m, tier) == (52, "hot")
+    pool.flush()
+    assert_same_cache(hot, make_pool(model, tmp_path).lookup("a", query + [3])[0])
+
+    child = query + tokens(20, seed=6)
+    c, k, _ = pool.lookup("b", child, fork_from="a")
+    pool.commit("b", child, prefill(model, child[k:], c)[0], fork_from="a")
+    own = [pool.blocks[b] for b in pool.agents["b"].block_ids if pool.refs[b] == 1]
+    assert own and all(b.run is None for b in own)
+
+
 def test_lru_spills_to_disk_and_reloads_identically(model, tmp_path):
     seqs = {name: tokens(48, seed=i) for i, name in enumerate("abc")}
     caches = {name: prefill(model, s)[0] for name, s in seqs.items()}

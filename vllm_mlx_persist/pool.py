@@ -492,7 +492,7 @@ class BlockPool:
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
-                self._inflight[request_id] = [namespace, False]
+                self._inflight[request_id] = [namespace, False, 0]  # + tokens its lookup reused
                 if self.persister is not None:
                     self.persister.begin_use(namespace)
             if namespace is None:
@@ -542,6 +542,8 @@ class BlockPool:
             if covered == 0:
                 self.stats["misses"] += 1
                 return Match(None, 0, "miss")
+            if request_id is not None and request_id in self._inflight:
+                self._inflight[request_id][2] = covered
             tier = "disk" if from_disk else "hot"
             self.stats["hits_disk" if from_disk else "hits_hot"] += 1
             self.stats["tokens_reused"] += covered
@@ -775,7 +777,7 @@ class BlockPool:
             inflight = self._inflight.get(request_id) if request_id is not None else None
             if inflight is not None and inflight[1]:
                 return 0, None  # the agent was erased while this request ran: its turn must not bring it back
-            _, future = self._commit_locked(namespace, tokens, cache, fork_from)
+            _, future = self._commit_locked(namespace, tokens, cache, fork_from, inflight[2] if inflight else 0)
         return n_valid, future
 
     def _links_for(self, agent: Agent, tokens: list[int], fork_from: Optional[str]) -> Links:
@@ -802,7 +804,9 @@ class BlockPool:
         return links
 
     def _commit_locked(self, namespace: Optional[str], tokens: list[int], cache: list,
-                       fork_from: Optional[str] = None):
+                       fork_from: Optional[str] = None, reused: int = 0):
+        """`reused`: the tokens the request's lookup took from this agent's blocks; the cache holds
+        them bit for bit, so the blocks holding only those become views of it too."""
         n_valid = len(tokens)
         if namespace is None:
             agent, evicted = self.anonymous.slot(tokens, self._first_block, self.block_size)
@@ -816,22 +820,45 @@ class BlockPool:
         links = self._links_for(agent, tokens, fork_from)
         new_ids = self.chain_ids(links, tokens)
         new_blocks = []
+        # A block that is missing or only on disk (possibly unreadable) is rebuilt from the cache we
+        # hold anyway; the writer skips files that are already valid. A block another agent names is
+        # never rebuilt: shared blocks are never modified. A hot block holding only tokens the lookup
+        # reused holds the cache's own bytes (the lookup copied them from it).
+        plan = []
         for i, bid in enumerate(new_ids):
             start = i * self.block_size
             chunk = tuple(tokens[start : start + self.block_size])
             block = self.blocks.get(bid)
             others = self.refs.get(bid, 0) - (bid in agent.ids)
-            # A block that is missing or only on disk (possibly unreadable) is rebuilt from the
-            # cache we hold anyway; the writer skips files that are already valid. A block another
-            # agent names is never rebuilt: shared blocks are never modified.
             if block is None or (block.layers is None and others <= 0):
-                kv = self.codec.slice(cache, start, start + len(chunk), checkpoints)
+                plan.append((start, chunk, bid, block, "new"))
+            elif block.layers is not None and others <= 0 and start + len(chunk) <= reused:
+                plan.append((start, chunk, bid, block, "same"))
+            else:
+                plan.append((start, chunk, bid, block, "keep"))
+        # When every block can, the turn's blocks are views of the cache's arrays (one Run), so the
+        # next lookup takes them whole instead of concatenating; the Run's bytes are then exactly
+        # its members'. Otherwise (a fork's shared prefix) new blocks are copies, as they were.
+        run = None
+        if all(what != "keep" for *_, what in plan):
+            arrays = self.codec.token_arrays(cache)
+            run = Run({n: mx.contiguous(a[..., :n_valid, :]) for n, a in arrays.items()}, [])
+        for start, chunk, bid, block, what in plan:
+            if what == "new":
+                kv = self.codec.slice(cache, start, start + len(chunk), checkpoints, run.arrays if run else None)
                 if block is None:
                     block = self.blocks[bid] = Block(bid, chunk, None)
                 block.tokens = chunk
                 block.state = BlockState.PENDING  # rewritten; the store skips a file already valid
-                self._set_layers(block, kv, agent)
                 new_blocks.append(block)
+            elif what == "same" and run is not None:
+                kv = {**{n: a for n, a in block.layers.items() if n not in run.arrays},
+                      **{n: a[..., start : start + len(chunk), :] for n, a in run.arrays.items()}}
+            else:
+                continue
+            self._set_layers(block, kv, agent, (run, start) if run is not None else None)
+            if run is not None:
+                run.members.append(block)
         if new_blocks:
             mx.eval([a for b in new_blocks for a in b.layers.values()])
         limit = self.max_branches if agent.persistent else 1

@@ -115,20 +115,29 @@ class ModelCodec:
             out.append((start + int(p.item()), states))
         return out
 
-    def slice(self, cache: list, start: int, end: int, checkpoints: Sequence[tuple[int, list]] = ()) -> Arrays:
-        """The arrays of the block holding tokens [start, end) of a per-sequence cache, with the
-        newest MAX_CHECKPOINTS of `checkpoints` (absolute positions) that fall in (start, end]."""
+    def token_arrays(self, cache: list) -> Arrays:
+        """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views."""
         out: Arrays = {}
-        cut = lambda a: mx.contiguous(a[..., start:end, :])
         for l, (c, k) in enumerate(zip(cache, self.kinds)):
             if k == Q4:
                 keys, values = c.to_arrays()
-                out.update({f"{l}.{p}": cut(a) for p, a in zip(_Q4_PARTS, keys + values)})
+                out.update({f"{l}.{p}": a for p, a in zip(_Q4_PARTS, keys + values)})
             elif k == FULL:  # keys/values directly: `state` differs between mlx-lm 0.31 and 0.32
-                out.update({f"{l}.k": cut(c.keys), f"{l}.v": cut(c.values)})
+                out.update({f"{l}.k": _valid(c, c.keys), f"{l}.v": _valid(c, c.values)})
             elif k != STATE:
                 for j, sub in enumerate(c.caches):
-                    out.update({f"{l}.{j}.k": cut(sub.keys), f"{l}.{j}.v": cut(sub.values)})
+                    out.update({f"{l}.{j}.k": _valid(sub, sub.keys), f"{l}.{j}.v": _valid(sub, sub.values)})
+        return out
+
+    def slice(self, cache: list, start: int, end: int, checkpoints: Sequence[tuple[int, list]] = (),
+              whole: Optional[Arrays] = None) -> Arrays:
+        """The arrays of the block holding tokens [start, end) of a per-sequence cache, with the
+        newest MAX_CHECKPOINTS of `checkpoints` (absolute positions) that fall in (start, end].
+        The token arrays are copies, or views of `whole` (the cache's token arrays, contiguous)."""
+        if whole is None:
+            out = {n: mx.contiguous(a[..., start:end, :]) for n, a in self.token_arrays(cache).items()}
+        else:
+            out = {n: a[..., start:end, :] for n, a in whole.items()}
         mine = sorted({p: s for p, s in checkpoints if start < p <= end}.items())[-MAX_CHECKPOINTS:]
         state_layers = [l for l, k in enumerate(self.kinds) if k == STATE]
         for c, (p, states) in enumerate(mine):
@@ -269,6 +278,10 @@ def _truncate(used, covered: int):
 
 def _concat(pieces: list) -> mx.array:
     return mx.concatenate(pieces, axis=2) if len(pieces) > 1 else mx.contiguous(pieces[0])
+
+
+def _valid(c: KVCache, a: mx.array) -> mx.array:
+    return a[..., : c.offset, :]
 
 
 def _kv(keys: mx.array, values: mx.array) -> KVCache:
