@@ -42,7 +42,7 @@ ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous
 READ_TIMEOUT_S = 30.0  # a block read slower than this (a hung disk) is a miss, not a hung worker
 PREFETCH_MAX_BLOCKS = 1024  # read-ahead results waiting for their lookup, at most
 PREFETCH_TTL_S = 60.0  # read-ahead results nobody looked up (a rejected request) expire
-RESTORE_IDLE_S = 0.2  # the hot-set restore reads only once no request has arrived for this long and none is served
+RESTORE_IDLE_S = 0.2  # the hot-set restore reads only when no request is served and none came this recently
 # Block reads (open, read, sha256: all release the GIL) run in parallel on this many threads.
 READER_THREADS = max(2, min(4, os.cpu_count() or 2))
 
@@ -64,7 +64,7 @@ class Block:
     # None while COLD, or while hot but named only by agents that did not (an "orphan", see
     # BlockPool._orphans). So a block shared by several agents is counted once.
     owner: Optional["Agent"] = None
-    run: Optional[tuple["Run", int]] = None  # read from disk with others: (them, its first token)
+    run: Optional[tuple["Run", int]] = None  # (the Run its layers are views of, its first token in it)
 
     def set_layers(self, layers: Optional[dict], run: Optional[tuple["Run", int]] = None) -> int:
         """Set (or drop, with None) the in-memory arrays; returns the change in bytes."""
@@ -76,9 +76,10 @@ class Block:
 
 @dataclass(eq=False)
 class Run:
-    """Consecutive blocks read from disk together. `arrays` holds their token arrays concatenated
-    (one MLX import each) and every member's layers are views of them, so a lookup that uses the
-    run from its start takes the arrays whole (codec.build's `whole`) instead of concatenating.
+    """Consecutive blocks whose token arrays are slices of one array each: the blocks a lookup read
+    from disk together (one MLX import per array), or a committed turn's (its cache's arrays). Every
+    member's layers are views of `arrays`, so a lookup that uses the run from its start takes them
+    whole (codec.build's `whole`) instead of concatenating.
     The arrays live while any member is hot: a dropped member's bytes move to a surviving member,
     so the hot budget always counts all of them."""
 
@@ -412,7 +413,6 @@ class BlockPool:
         self._restored_bytes -= entry[1]
         return entry[0]
 
-
     # ---- lookup ---------------------------------------------------------------------------------
 
     def prefetch(self, namespace: str) -> int:
@@ -538,7 +538,8 @@ class BlockPool:
             if registered:
                 self._touch(agent)
             self._enforce_budget(keep=agent.namespace)
-            cache, covered = self.codec.build([(b.layers, n) for b, n in used], _whole(used)) if used else (None, 0)
+            cache, covered = (self.codec.build([(b.layers, n) for b, n in used], _whole(used))
+                              if used else (None, 0))
             if covered == 0:
                 self.stats["misses"] += 1
                 return Match(None, 0, "miss")
@@ -684,7 +685,7 @@ class BlockPool:
         return self.blocks[agent.block_ids[0]]
 
     def _read_block(self, block: Block) -> Optional[BlockData]:
-        """The block's data from disk (a read-ahead's or the restore's if started, else read now),
+        """The block's data from disk (a read-ahead's or the restore's read, else one started now),
         checked, its tokens set; None when it cannot be used."""
         if self.store is None:
             return None
