@@ -678,6 +678,42 @@ def test_mirror_logits_match_quantized_decode(model):
     # test_batched_matches_per_sequence[...mirror_on]
 
 
+def test_a_returning_turn_dequantizes_once(model):
+    """A returning agent's turn: its 4-bit cache merged alone, a prefill chunk of new tokens, then
+    decode steps. The chunk dequantizes the K/V once, into the mirror (one build per layer), which
+    the chunk's attention reads and the decode steps keep. Before, the chunk dequantized into a
+    transient copy and the first decode step dequantized again into the mirror (reproduced here
+    with no budget during the chunk): the same values, so the logits are bit-identical."""
+    rng = random.Random(9)
+    history = [rng.randrange(VOCAB) for _ in range(300)]
+    new = [rng.randrange(VOCAB) for _ in range(12)]
+
+    def turn(chunk_budget_mb: float):
+        cache = make_q4_prompt_cache(model)
+        _prefill(model, cache, history)
+        batch = [BatchQ4KVCache.merge([c]) for c in cache]
+        builds = q4cache.MIRROR_COUNTS["builds"]
+        q4cache.set_decode_float_budget(chunk_budget_mb)
+        logits = [model(mx.array([new]), cache=batch)[:, -1]]
+        in_chunk = q4cache.MIRROR_COUNTS["builds"] - builds
+        q4cache.set_decode_float_budget(256)
+        for y in (3, 5, 7):
+            logits.append(model(mx.array([[y]]), cache=batch)[:, -1])
+        mx.eval(logits)
+        assert all(c.float_kv() is not None for c in batch)
+        return logits, in_chunk, q4cache.MIRROR_COUNTS["builds"] - builds
+
+    try:
+        logits, in_chunk, total = turn(256)
+        ref, ref_in_chunk, ref_total = turn(0)
+    finally:
+        q4cache.set_decode_float_budget("auto")
+    n = len(model.layers)
+    assert (in_chunk, total) == (n, n)  # built by the chunk, kept by the decode steps
+    assert (ref_in_chunk, ref_total) == (0, n)  # built again by the first decode step
+    assert all(mx.array_equal(a, b).item() for a, b in zip(logits, ref))
+
+
 def test_mirror_budget_bounds_and_drops(model):
     """A budget too small for any mirror: none is built, decode is on the 4-bit matmuls and still
     equals the per-sequence reference. A budget that fits the first mirror but not its growth: the

@@ -11,8 +11,9 @@ a mask-broadcasting bug under grouped-query attention with a batched mask; `inst
 replaces it with ours (see patches/README.md) and, on the CPU, routes multi-token chunks (prefill) through
 the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_attention`).
 
-On the CPU, a `BatchQ4KVCache` in decode also keeps a bounded float *decode mirror*: the dequantized
-values of its 4-bit K/V, on which attention runs with the fast float SDPA (`set_decode_float_budget`).
+On the CPU, a `BatchQ4KVCache` also keeps a bounded float *decode mirror*: the dequantized values of
+its 4-bit K/V, built on its first prefill chunk or decode step, on which attention runs with the fast
+float SDPA (`set_decode_float_budget`).
 """
 
 from __future__ import annotations
@@ -198,8 +199,8 @@ class Q4KVCache(QuantizedKVCache):
 # ---- float decode mirror --------------------------------------------------------------------------
 #
 # mlx's CPU `quantized_matmul(transpose=True)` costs ~3x a float matmul of the same shape (see
-# docs/performance.md), so on the CPU a batch cache in decode keeps beside its 4-bit K/V a float
-# copy holding exactly `dequantize(packed)` (every token, each new decode token included) and
+# docs/performance.md), so on the CPU a batch cache in prefill or decode keeps beside its 4-bit K/V a float
+# copy holding exactly `dequantize(packed)` (every token, each new token included) and
 # attention runs on that copy with mx.fast.scaled_dot_product_attention: 4-bit KV numerics, float
 # speed. Storage, blocks, disk and everything `extract` returns stay 4-bit.
 #
@@ -278,7 +279,10 @@ class BatchQ4KVCache(_BaseCache):
         self._idx += S
         if self._mirror is not None:
             self._mirror_write(prev, cap, qk, qv)
-        elif S < DEQUANT_MIN_QUERIES:  # decode: the sequences are in the running batch
+        elif S < DEQUANT_MIN_QUERIES or _dequantize_for(S):
+            # decode, or a prefill chunk whose attention would dequantize all of the layer's K/V
+            # anyway: dequantize once into the mirror, which the chunk's attention then reads and
+            # the following decode steps keep (a returning agent's turn dequantized twice before)
             self._mirror_build()
         return _qslice(self.keys, self._idx), _qslice(self.values, self._idx)
 
