@@ -712,6 +712,11 @@ def test_a_returning_turn_dequantizes_once(model):
     assert (in_chunk, total) == (n, n)  # built by the chunk, kept by the decode steps
     assert (ref_in_chunk, ref_total) == (0, n)  # built again by the first decode step
     assert all(mx.array_equal(a, b).item() for a, b in zip(logits, ref))
+    # A full-size chunk of a long prompt attends on a transient copy: no mirror held through a
+    # cold prefill (the chunks after it would keep a float copy of the whole history).
+    batch = [BatchQ4KVCache.merge([c]) for c in make_q4_prompt_cache(model)]
+    model(mx.array([[1] * q4cache.MIRROR_PREFILL_MAX_QUERIES]), cache=batch)
+    assert all(c.float_kv() is None for c in batch)
 
 
 def test_mirror_budget_bounds_and_drops(model):

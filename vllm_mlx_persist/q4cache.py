@@ -279,10 +279,12 @@ class BatchQ4KVCache(_BaseCache):
         self._idx += S
         if self._mirror is not None:
             self._mirror_write(prev, cap, qk, qv)
-        elif S < DEQUANT_MIN_QUERIES or _dequantize_for(S):
-            # decode, or a prefill chunk whose attention would dequantize all of the layer's K/V
-            # anyway: dequantize once into the mirror, which the chunk's attention then reads and
-            # the following decode steps keep (a returning agent's turn dequantized twice before)
+        elif S < DEQUANT_MIN_QUERIES or (S < MIRROR_PREFILL_MAX_QUERIES and _dequantize_for(S)):
+            # decode, or a short prefill chunk (a returning agent's new text, a prompt's last chunk)
+            # whose attention would dequantize all of the layer's K/V anyway: dequantize once into
+            # the mirror, which the chunk's attention reads and the decode steps keep (such a turn
+            # dequantized twice before). Full-size chunks of a long prompt attend on a transient
+            # copy instead, so a cold prefill holds no float copy of the whole history.
             self._mirror_build()
         return _qslice(self.keys, self._idx), _qslice(self.values, self._idx)
 
@@ -570,6 +572,9 @@ class BatchQ4KVCache(_BaseCache):
 # dequantized K/V (measured in docs/design.md). From this many queries per step on, dequantizing the
 # layer's K/V (a temporary freed right after the op; the cache itself stays quantized) is cheaper.
 DEQUANT_MIN_QUERIES = 4
+# Prefill chunks shorter than this build the float mirror (see BatchQ4KVCache.update_and_fetch);
+# vllm-mlx's prefill chunks are 2048 tokens, so only a prompt's last chunk or a short one does.
+MIRROR_PREFILL_MAX_QUERIES = 512
 PREFILL_ATTENTION_MODES = ("auto", "quantized", "dequantized")
 _prefill_attention = "auto"
 
