@@ -135,7 +135,7 @@ def test_block_file_is_standard_safetensors(tmp_path):
     assert meta["format_version"] == "1" and meta["block_id"] == blk.block_id
     assert int(meta["n_tokens"]) == len(blk.tokens)
     assert json.loads(meta["dtypes"]) == blk.dtypes
-    assert meta["checksum"].startswith("sha256:")
+    assert meta["checksum"].startswith("crc32:")
 
 
 def test_write_existing_block_is_skipped(tmp_path):
@@ -247,6 +247,72 @@ def test_flipped_byte_is_quarantined_miss(tmp_path, where):
     p.write_bytes(bytes(raw))
     assert s.read_block(blk.block_id) is None
     assert len(quarantined(s)) == 1 and not p.exists()
+
+
+def _split(raw: bytes) -> tuple[dict, bytes]:
+    hlen = int.from_bytes(raw[:8], "little")
+    return json.loads(raw[8:8 + hlen]), raw[8 + hlen:]
+
+
+def _join(header: dict, data: bytes) -> bytes:
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hbytes += b" " * (-(8 + len(hbytes)) % 8)
+    return len(hbytes).to_bytes(8, "little") + hbytes + data
+
+
+def _as_sha256(raw: bytes) -> bytes:
+    """The block file an earlier build wrote: the same file with the sha256 checksum."""
+    header, data = _split(raw)
+    meta = header["__metadata__"]
+    names = sorted(n for n in header if n != "__metadata__")
+    tensors = [(n, header[n]["dtype"], header[n]["shape"], memoryview(data)[slice(*header[n]["data_offsets"])])
+               for n in names]
+    meta["checksum"] = store_mod._block_checksum(meta["block_id"], int(meta["n_tokens"]),
+                                                 json.loads(meta["dtypes"]), tensors)
+    return _join(header, data)
+
+
+def _put(s: DiskStore, blk: BlockData, raw: bytes) -> Path:
+    p = s.block_path(blk.block_id)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(raw)
+    return p
+
+
+def test_blocks_written_with_sha256_are_still_read(tmp_path):
+    """Blocks from builds before the crc32 check carry a sha256 checksum: read and verified as
+    such (a flipped data byte is still caught); a checksum of no known kind is a bad file."""
+    s = open_store(tmp_path)
+    blk, other = make_block(21), make_block(22)
+    raw = _as_sha256(store_mod.encode_block(blk))
+    assert _split(raw)[0]["__metadata__"]["checksum"].startswith("sha256:")
+    _put(s, blk, raw)
+    assert_same(blk, s.read_block(blk.block_id))
+    header, data = _split(raw)
+    data = bytearray(data)
+    data[header["0.k.q"]["data_offsets"][0] + 3] ^= 0x01
+    p = _put(s, blk, _join(header, bytes(data)))
+    assert s.read_block(blk.block_id) is None and not p.exists()
+    header, data = _split(store_mod.encode_block(other))
+    header["__metadata__"]["checksum"] = "md5:" + "0" * 32
+    _put(s, other, _join(header, data))
+    assert s.read_block(other.block_id) is None
+    assert len(quarantined(s)) == 2
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+def test_swapped_tensor_offsets_are_caught(tmp_path, checksum):
+    """A header whose offsets of two same-sized tensors are swapped still parses and covers the
+    data exactly; the checksum (it covers the offsets, or the data in name order) catches it."""
+    s = open_store(tmp_path)
+    blk = make_block(23)
+    raw = store_mod.encode_block(blk)
+    raw = _as_sha256(raw) if checksum == "sha256" else raw
+    header, data = _split(raw)
+    a, b = header["0.k.q"], header["0.v.q"]
+    a["data_offsets"], b["data_offsets"] = b["data_offsets"], a["data_offsets"]
+    p = _put(s, blk, _join(header, data))
+    assert s.read_block(blk.block_id) is None and not p.exists()
 
 
 def test_block_renamed_to_another_id_is_a_miss(tmp_path):
