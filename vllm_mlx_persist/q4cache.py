@@ -12,7 +12,7 @@ replaces it with ours (see patches/README.md) and, on the CPU, routes multi-toke
 the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_attention`).
 
 On the CPU, a `BatchQ4KVCache` also keeps a bounded float *decode mirror*: the dequantized values of
-its 4-bit K/V, built on its first prefill chunk or decode step, on which attention runs with the fast
+its 4-bit K/V, built on its first decode step or short prefill chunk, on which attention runs with the fast
 float SDPA (`set_decode_float_budget`).
 """
 
