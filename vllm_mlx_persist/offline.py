@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .store import CacheDirLock, DiskStore, Manifest, StoreError, _MODEL_DIR_RE
+from .store import CacheDirLock, DiskStore, Manifest, StoreError, _MODEL_DIR_RE, erase_agent_files
 
 
 def _model_stores(root: Path) -> Iterator[DiskStore]:
@@ -38,16 +38,6 @@ def _describe(store: DiskStore, m: Manifest) -> dict:
         "pinned": m.pinned,
         "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.updated_at)),
     }
-
-
-def _erase(store: DiskStore, namespace: str) -> bool:
-    manifests = store.list_manifests()
-    target = next((m for m in manifests if m.namespace == namespace), None)
-    if target is None:
-        return False
-    others = {b for m in manifests if m.namespace != namespace for b in m.block_ids}
-    store.delete_agent(namespace, [b for b in target.block_ids if b not in others])
-    return True
 
 
 def main(argv: list[str]) -> int:
@@ -82,8 +72,10 @@ def _run(args: argparse.Namespace, root: Path) -> int:
         removed = sum(s.gc(set()) for s in stores)  # blocks no manifest names, stale temp files
         print(f"removed {removed} unreferenced block file(s) in {len(stores)} model director(ies)")
         return 0
-    if args.action == "rm":
-        erased = [s.dir.name for s in stores if _erase(s, args.agent_id)]
+    if args.action == "rm":  # under every model directory, those of other disk formats too
+        dirs = sorted(e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)
+                      and _MODEL_DIR_RE.fullmatch(e.name) and os.path.exists(os.path.join(e.path, "model.json")))
+        erased = [Path(d).name for d in dirs if erase_agent_files(Path(d), args.agent_id) >= 0]
         if not erased:
             print(f"no agent {args.agent_id!r} under {root}", file=sys.stderr)
             return 1

@@ -364,6 +364,7 @@ class DiskStore:
         except OSError as e:
             raise StoreError(f"cannot open the cache directory {self.dir}: {e}") from e
         self._clean_tmp(max_age_live=STALE_TMP_S)
+        self.quarantine_bytes = 0  # counted as files are moved aside and removed (the disk budget's)
         self._prune_quarantine()
 
     # -- model directory --------------------------------------------------------------------
@@ -496,9 +497,10 @@ class DiskStore:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
         dest = self.quarantine_dir / f"{path.name}.{stamp}"
         try:
+            cur = os.lstat(path)
             if fd is not None:
                 # Only move the file we actually read, not a good copy renamed over it meanwhile.
-                st, cur = os.fstat(fd), os.lstat(path)
+                st = os.fstat(fd)
                 if (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino):
                     logger.warning("%s failed its checks (%s) but was replaced meanwhile; left alone", path, reason)
                     return
@@ -510,25 +512,35 @@ class DiskStore:
             return
         with self._lock:
             self._counts["quarantined"] += 1
+            self.quarantine_bytes += cur.st_size if stat.S_ISREG(cur.st_mode) else 0
         logger.warning("quarantined %s -> %s: %s", path, dest.name, reason)
 
-    def _prune_quarantine(self) -> int:
+    def _prune_quarantine(self, keep: bool = True) -> int:
         """Delete quarantined files older than QUARANTINE_KEEP_S, and all but the newest
-        QUARANTINE_KEEP_FILES; returns how many were deleted."""
+        QUARANTINE_KEEP_FILES (`keep=False`: every one); returns how many were deleted."""
         # Any entry counts, not only regular files: FIFOs, symlinks and directories are quarantined too.
         try:
-            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e.path, e.is_dir(follow_symlinks=False))
+            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e.path, e.is_dir(follow_symlinks=False),
+                               e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else 0)
                               for e in os.scandir(self.quarantine_dir)), reverse=True)
         except OSError:
             return 0
-        cutoff = time.time() - QUARANTINE_KEEP_S
-        old = [(path, is_dir) for i, (mtime, path, is_dir) in enumerate(entries)
+        cutoff = time.time() - QUARANTINE_KEEP_S if keep else float("inf")
+        old = [(path, is_dir) for i, (mtime, path, is_dir, _) in enumerate(entries)
                if i >= QUARANTINE_KEEP_FILES or mtime < cutoff]
+        kept = sum(size for i, (mtime, _, _, size) in enumerate(entries)
+                   if i < QUARANTINE_KEEP_FILES and mtime >= cutoff)
         for path, _ in (o for o in old if o[1]):
             shutil.rmtree(path, ignore_errors=True)
         removed = _remove_files([path for path, is_dir in old if not is_dir], "old quarantined file(s)",
                                 self.quarantine_dir)
+        with self._lock:
+            self.quarantine_bytes = kept
         return removed + sum(1 for o in old if o[1])
+
+    def clear_quarantine(self) -> int:
+        """Delete every quarantined file (the disk budget reclaims them first); returns how many."""
+        return self._prune_quarantine(keep=False)
 
     def _clean_tmp(self, max_age_live: float) -> int:
         """Remove tmp files of dead processes, and any older than max_age_live seconds."""
@@ -812,7 +824,17 @@ class DiskStore:
             except OSError:
                 pass
 
-    def other_model_dirs(self) -> list[tuple[Path, int, float]]:
+    def erase_elsewhere(self, namespace: str) -> tuple[int, int]:
+        """Erase the agent under every other model (or format) directory of the root, as
+        `erase_agent_files`; returns (directories it was in, bytes freed)."""
+        found = freed = 0
+        for path, _, _ in self.other_model_dirs(sizes=False):
+            n = erase_agent_files(path, namespace)
+            if n >= 0:
+                found, freed = found + 1, freed + n
+        return found, freed
+
+    def other_model_dirs(self, sizes: bool = True) -> list[tuple[Path, int, float]]:
         """(path, bytes, last modified) of the other model/format directories under the root,
         oldest first: what a disk budget reclaims before any agent of this model."""
         out = []
@@ -825,7 +847,7 @@ class DiskStore:
                 continue
             if not e.is_dir(follow_symlinks=False) or not os.path.exists(os.path.join(e.path, "model.json")):
                 continue
-            total, newest = _tree_usage(Path(e.path))
+            total, newest = _tree_usage(Path(e.path)) if sizes else (0, 0.0)
             out.append((Path(e.path), total, newest))
         return sorted(out, key=lambda t: t[2])
 
@@ -884,6 +906,71 @@ class DiskStore:
         out["disk_bytes"] = self.disk_bytes()
         out.update(counts)
         return out
+
+
+def erase_agent_files(model_dir: Path, namespace: str) -> int:
+    """Erase an agent from a model directory of any model or disk-format version, durably: its
+    manifest, then the block files it names that no other manifest there names. Manifests are read
+    leniently (JSON with a `block_ids` list), so directories this build cannot serve are erased too;
+    a manifest that cannot be read names nothing. Returns the bytes freed, or -1 when the agent has
+    no manifest there. Nothing else may write the directory meanwhile (its server's persister
+    thread, or the root's lock held offline)."""
+    agents_dir, blocks_dir = Path(model_dir) / "agents", Path(model_dir) / "blocks"
+    target = agents_dir / f"{DiskStore.agent_key(namespace)}.json"
+    mine = _lenient_block_ids(target)
+    if mine is None:
+        return -1
+    others: set[str] = set()
+    try:
+        names = [e.name for e in os.scandir(agents_dir) if e.name.endswith(".json") and e.name != target.name]
+    except OSError:
+        names = []
+    for name in names:
+        others.update(_lenient_block_ids(agents_dir / name) or ())
+    freed = 0
+    try:
+        freed += os.lstat(target).st_size
+        os.unlink(target)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # a directory where a manifest should be: moved out of the way, then removed
+        logger.warning("erasing %s: %s", target, e)
+        shutil.rmtree(target, ignore_errors=True)
+    shards = set()
+    for bid in mine - others:
+        path = blocks_dir / bid[:2] / f"{bid}{_BLOCK_SUFFIX}"
+        try:
+            size = os.lstat(path).st_size
+            os.unlink(path)
+            freed += size
+            shards.add(path.parent)
+        except FileNotFoundError:
+            pass
+    for d in (agents_dir, *shards):
+        try:
+            _fsync_dir(d)
+        except OSError:
+            pass
+    return freed
+
+
+def _lenient_block_ids(path: Path) -> Optional[set[str]]:
+    """The block ids a manifest file names, read without its checks; None when there is no such
+    file, an empty set when it cannot be read."""
+    try:
+        fd, size = _open_regular(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, _BadFile):
+        return set() if os.path.lexists(path) else None
+    try:
+        body = json.loads(bytes(_read_exact(fd, min(size, MAX_MANIFEST_BYTES))))
+        ids = body.get("block_ids") if isinstance(body, dict) else None
+        return {b for b in ids if isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b)} if isinstance(ids, list) else set()
+    except (OSError, ValueError, RecursionError):
+        return set()
+    finally:
+        os.close(fd)
 
 
 def _tree_usage(path: Path) -> tuple[int, float]:
