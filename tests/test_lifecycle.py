@@ -12,7 +12,6 @@ import pytest
 from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.tools.models import build_model
-from vllm_mlx_persist.persister import Persister
 from vllm_mlx_persist.pool import BlockPool, BlockState
 from vllm_mlx_persist.store import DiskStore, Manifest, StoreWriteError
 
@@ -27,9 +26,9 @@ def budget_pool(model, root, *, disk_budget=1 << 40, hot_bytes=1 << 30, ttl_s=No
     fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
     fp = model_fingerprint(model, None, fmt)
     store = DiskStore(root, fp, {"test": True}, fmt)
-    persister = Persister(store, disk_budget=disk_budget, ttl_s=ttl_s, retry_delays=retry_delays)
     pool = BlockPool(fingerprint=fp, n_layers=len(model.layers), bits=BITS, group_size=GROUP,
-                     block_size=BLOCK, hot_bytes=hot_bytes, persister=persister)
+                     block_size=BLOCK, hot_bytes=hot_bytes, store=store, disk_budget=disk_budget,
+                     persister_options={"ttl_s": ttl_s, "retry_delays": retry_delays})
     pool.load_manifests()
     return pool
 
@@ -181,7 +180,7 @@ def test_full_disk_keeps_memory_within_the_hot_budget_and_recovers(model, tmp_pa
     writes.failing = False  # space is back: new turns are cached and durable again
     seq = tokens(40, seed=99)
     pool.commit("back", seq, prefill(model, seq)[0])
-    assert all(pool.blocks[b].state == BlockState.DURABLE for b in pool.agents["back"].block_ids)
+    assert all(pool.blocks[b].state == BlockState.DURABLE for b in pool.agent("back").block_ids)
     pool.close()
     assert budget_pool(model, tmp_path).lookup("back", seq + [1])[1] == 40
 
@@ -196,7 +195,7 @@ def test_failed_writes_are_retried_without_waiting_for_the_agent(model, tmp_path
     deadline = time.time() + 10
     while time.time() < deadline and pool.snapshot()["saves"] == 0:
         time.sleep(0.05)
-    assert all(pool.blocks[b].state == BlockState.DURABLE for b in pool.agents["a"].block_ids)
+    assert all(pool.blocks[b].state == BlockState.DURABLE for b in pool.agent("a").block_ids)
     pool.close()
     assert budget_pool(model, tmp_path).lookup("a", seq + [1])[1] == 40
 
@@ -215,7 +214,7 @@ def test_erased_agent_is_not_resurrected_by_a_pending_retry(model, tmp_path):
 
 
 def test_read_ahead_of_a_request_that_never_comes_expires(model, tmp_path, monkeypatch):
-    import vllm_mlx_persist.pool as pool_module
+    import vllm_mlx_persist.reads as reads_module
 
     seq = tokens(70)
     pool = budget_pool(model, tmp_path)
@@ -223,8 +222,8 @@ def test_read_ahead_of_a_request_that_never_comes_expires(model, tmp_path, monke
     pool.close()
     pool = budget_pool(model, tmp_path)
     assert pool.prefetch("a") == 5
-    monkeypatch.setattr(pool_module, "PREFETCH_TTL_S", 0.0)
-    assert pool.prefetch("nobody") == 0 and not pool._prefetch  # expired on the next call
+    monkeypatch.setattr(reads_module, "PREFETCH_TTL_S", 0.0)
+    assert pool.prefetch("nobody") == 0 and not pool.reads.snapshot()["prefetch_pending"]  # expired on the next call
     pool.close()
     assert pool.prefetch("a") == 0  # closed: no read is started, nothing raises
 
@@ -358,7 +357,7 @@ def test_restart_restores_the_most_recent_agents_within_hot_mb(model, tmp_path):
     restarted = budget_pool(model, tmp_path, hot_bytes=int(one * 2.2))
     restarted.restore_hot_set().result(20)
     restored_agents = {name for name in seqs
-                       if any(b in restarted._restored for b in restarted.agents[name].ids)}
+                       if any(b in restarted.reads.restored_ids() for b in restarted.agent(name).ids)}
     assert restored_agents == {"a4", "a3"}  # the most recent ones, within the budget (a2 would not fit)
     assert restarted.snapshot()["restored_bytes"] <= int(one * 2.2)
     hit, n, tier = restarted.lookup("a4", seqs["a4"] + [1])
@@ -373,7 +372,7 @@ def test_the_hot_set_restore_gives_way_to_requests(model, tmp_path, monkeypatch)
     and its turn does not share the CPU or the disk with other agents' reads (slow disk: the
     store's fault hook). Once the server is idle again, the restore goes on."""
     from vllm_mlx_persist import faults, store as store_mod
-    from vllm_mlx_persist.pool import RESTORE_IDLE_S
+    from vllm_mlx_persist.reads import RESTORE_IDLE_S
 
     seqs = {f"a{i}": tokens(3 * BLOCK, seed=i) for i in range(5)}
     pool = budget_pool(model, tmp_path)
@@ -388,19 +387,19 @@ def test_the_hot_set_restore_gives_way_to_requests(model, tmp_path, monkeypatch)
     restarted = budget_pool(model, tmp_path)
     job = restarted.restore_hot_set()
     deadline = time.time() + 10
-    while time.time() < deadline and not restarted._restored:
+    while time.time() < deadline and not restarted.reads.restored_ids():
         time.sleep(0.02)  # the restore is reading a4's first block
     assert restarted.prefetch("a0") == 3  # a0 arrives: its blocks are read on the readers at once
     hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1], request_id="r0")
     assert n == 3 * BLOCK and tier == "disk" and restarted.stats["blocks_prefetched"] == 3
     assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
-    paused = len(restarted._restored)
+    paused = len(restarted.reads.restored_ids())
     time.sleep(RESTORE_IDLE_S + 0.7)  # r0 is in flight: the restore reads nothing meanwhile
-    assert len(restarted._restored) == paused <= 2 and not job.done()
+    assert len(restarted.reads.restored_ids()) == paused <= 2 and not job.done()
     switch.unlink()
     restarted.finish("r0")
     job.result(20)
-    restored = {name for name in seqs if any(b in restarted._restored for b in restarted.agents[name].ids)}
+    restored = {name for name in seqs if any(b in restarted.reads.restored_ids() for b in restarted.agent(name).ids)}
     assert restored == {"a1", "a2", "a3", "a4"}  # a0 is in memory already
     restarted.close()
 
@@ -418,6 +417,6 @@ def test_a_manifest_never_names_a_block_that_is_not_on_disk(model, tmp_path):
     cache, _ = prefill(model, second[n:], hit)
     pool.commit("a", second, cache)
     (m,) = pool.store.list_manifests()
-    assert len(pool.agents["a"].branches) == 2
+    assert len(pool.agent("a").branches) == 2
     assert all(pool.store.block_path(b).is_file() for b in m.block_ids)
     pool.close()

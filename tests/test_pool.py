@@ -126,7 +126,7 @@ def test_a_reloaded_run_stays_counted_until_its_last_block_goes(model, tmp_path)
     cache, n, tier = pool.lookup("a", query)
     assert (n, tier) == (70, "disk")
     assert_same_cache(hot, cache)
-    blocks = [pool.blocks[b] for b in pool.agents["a"].block_ids]
+    blocks = [pool.blocks[b] for b in pool.agent("a").block_ids]
     run = blocks[0].run[0]
     assert [b.run for b in blocks] == [(run, 16 * i) for i in range(5)] and run.members == blocks
     whole = sum(a.nbytes for a in run.arrays.values())
@@ -136,7 +136,7 @@ def test_a_reloaded_run_stays_counted_until_its_last_block_goes(model, tmp_path)
     cache, _ = prefill(model, query[n:], cache)
     pool.commit("a", query, cache)
     assert blocks[4].layers is None and run.members == blocks[:4]
-    new = [pool.blocks[b] for b in pool.agents["a"].block_ids if pool.blocks[b].run is None]
+    new = [pool.blocks[b] for b in pool.agent("a").block_ids if pool.blocks[b].run is None]
     assert len(new) == 1 and pool.hot_bytes == whole + new[0].nbytes
     again, m, tier = pool.lookup("a", query + [7])
     assert (m, tier) == (75, "hot")
@@ -153,7 +153,7 @@ def test_each_turn_is_one_run_that_the_next_lookup_takes_whole(model, tmp_path):
     seq = tokens(40)  # blocks of 16: two full and one of 8 tokens
     pool = make_pool(model, tmp_path)
     pool.commit("a", seq, prefill(model, seq)[0])
-    first = [pool.blocks[b] for b in pool.agents["a"].block_ids]
+    first = [pool.blocks[b] for b in pool.agent("a").block_ids]
     old = first[0].run[0]
     assert [b.run for b in first] == [(old, 0), (old, 16), (old, 32)]
 
@@ -163,7 +163,7 @@ def test_each_turn_is_one_run_that_the_next_lookup_takes_whole(model, tmp_path):
     cache, _ = prefill(model, query[n:], cache)
     pool.commit("a", query, cache, request_id="r1")
     pool.finish("r1")
-    blocks = [pool.blocks[b] for b in pool.agents["a"].block_ids]
+    blocks = [pool.blocks[b] for b in pool.agent("a").block_ids]
     run = blocks[0].run[0]
     assert run is not old and old.members == [] and blocks[:2] == first[:2]  # re-pointed, not rebuilt
     assert [b.run for b in blocks] == [(run, 0), (run, 16), (run, 32), (run, 48)]
@@ -177,7 +177,7 @@ def test_each_turn_is_one_run_that_the_next_lookup_takes_whole(model, tmp_path):
     child = query + tokens(20, seed=6)
     c, k, _ = pool.lookup("b", child, fork_from="a")
     pool.commit("b", child, prefill(model, child[k:], c)[0], fork_from="a")
-    own = [pool.blocks[b] for b in pool.agents["b"].block_ids if pool.refs[b] == 1]
+    own = [pool.blocks[b] for b in pool.agent("b").block_ids if pool.refs[b] == 1]
     assert own and all(b.run is None for b in own)
 
 
@@ -253,7 +253,7 @@ def test_prefetched_blocks_are_the_blocks_read_on_demand(model, tmp_path):
     hit, n, tier = ahead.lookup("a", seq + [1])
     assert (n, tier) == (70, "disk") and ahead.stats["blocks_prefetched"] == 5
     assert_same_cache(hit, on_demand)
-    assert ahead.prefetch("a") == 0 and not ahead._prefetch  # now hot: nothing to read
+    assert ahead.prefetch("a") == 0 and not ahead.reads.snapshot()["prefetch_pending"]  # now hot: nothing to read
 
 
 def test_refused_block_is_dropped_quarantined_and_recached(model, tmp_path):
@@ -263,7 +263,7 @@ def test_refused_block_is_dropped_quarantined_and_recached(model, tmp_path):
     cache, _ = prefill(model, seq)
     pool = make_pool(model, tmp_path)
     pool.commit("a", seq, cache)
-    forged_id = pool.agents["a"].block_ids[2]
+    forged_id = pool.agent("a").block_ids[2]
     pool.close()
     store = pool.store
     data = store.read_block(forged_id)
@@ -273,7 +273,7 @@ def test_refused_block_is_dropped_quarantined_and_recached(model, tmp_path):
     restarted = make_pool(model, tmp_path)
     hit, n, _ = restarted.lookup("a", seq + [1])
     assert n == 32 and restarted.stats["bad_blocks"] == 1
-    assert restarted.agents["a"].block_ids == pool.agents["a"].block_ids[:2]
+    assert restarted.agent("a").block_ids == pool.agent("a").block_ids[:2]
     restarted.flush()
     assert any(q.startswith(forged_id) for q in os.listdir(store.quarantine_dir))
     # The next turn rebuilds the refused block and those after it; nothing is refused again.
@@ -293,10 +293,10 @@ def test_manifest_naming_another_agents_blocks_leaves_them_alone(model, tmp_path
     pool.commit("a", seq, prefill(model, seq)[0])
     pool.close()
     store = pool.store
-    store.write_manifest(Manifest("b", list(pool.agents["a"].block_ids), 40, 1.0))
+    store.write_manifest(Manifest("b", list(pool.agent("a").block_ids), 40, 1.0))
     restarted = make_pool(model, tmp_path)
     assert restarted.lookup("b", seq + [1])[1] == 0 and restarted.stats["bad_blocks"] == 1
-    assert restarted.agents["b"].block_ids == []
+    assert restarted.agent("b").block_ids == []
     restarted.flush()
     assert os.listdir(store.quarantine_dir) == []
     assert restarted.lookup("a", seq + [1])[1] == 40

@@ -449,17 +449,16 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
     """An agent larger than the fetch budget is fetched up to it (the rest is prefilled later),
     counted, and saved locally as a usable prefix; memory per sync stays bounded."""
     from vllm_mlx_persist.fleet import Fleet
-    from vllm_mlx_persist.persister import Persister
     from vllm_mlx_persist.pool import BlockPool
 
     hist = chain(fp, "big", 10)
     a = tiers(server.url, fp)
     assert a.put(manifest("big", hist), {x.block_id: x for x in hist}) and a.flush(10)
     fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
-    persister = Persister(DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30)
     pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
-                     hot_bytes=1 << 30, persister=persister)
-    fleet = Fleet(tiers(server.url, fp), pool, max_fetch_bytes=3 * hist[0].nbytes)
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30,
+                     fleet=lambda p: Fleet(tiers(server.url, fp), p, max_fetch_bytes=3 * hist[0].nbytes))
+    fleet, persister = pool.fleet, pool.persister
     try:
         fleet._sync_agent("big")
         assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1

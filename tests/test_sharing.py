@@ -13,7 +13,9 @@ import mlx.core as mx
 import pytest
 
 from vllm_mlx_persist.tools.models import build_model
-from vllm_mlx_persist.pool import BlockPool, Branch, _align
+from vllm_mlx_persist.chain import Branch
+from vllm_mlx_persist.pool import BlockPool
+from vllm_mlx_persist.text_match import align as _align
 from test_pool import COLD_HOT_TOL, assert_same_cache, make_pool, prefill, tokens
 
 
@@ -26,12 +28,8 @@ def model():
 def check_accounting(pool: BlockPool) -> None:
     """Every hot block counted once; references equal the agents naming each block; the disk
     index counts each block once per manifest naming it."""
-    hot = sum(b.nbytes for b in pool.blocks.values())
-    owned = sum(a.hot_bytes for a in pool.agents.values()) + sum(a.hot_bytes for a in pool.anonymous.entries.values())
-    orphans = sum(pool.blocks[b].nbytes for b in pool._orphans)
-    assert pool.hot_bytes == hot == owned + orphans
-    names = Counter(b for a in pool.agents.values() for b in a.ids)
-    names.update(b for a in pool.anonymous.entries.values() for b in a.ids)
+    assert pool.check() == []  # the block table's invariants (blocks.BlockTable.check)
+    names = Counter(b for a in pool.agents.all() for b in a.ids)
     assert pool.refs == dict(names)
     assert pool.snapshot()["shared_blocks"] == sum(1 for n in names.values() if n > 1)
     assert set(pool.blocks) == set(names)
@@ -54,7 +52,7 @@ def test_fork_shares_the_parents_blocks_by_reference(model, tmp_path):
     doc = tokens(70)  # 4 whole blocks of 16 and a tail
     cache_p, _ = prefill(model, doc)
     pool.commit("parent", doc, cache_p)
-    parent_ids = list(pool.agents["parent"].ids)
+    parent_ids = list(pool.agent("parent").ids)
 
     # First turn of a child: the parent's whole prefix, bit-identical to what the parent stored.
     q1 = doc + tokens(20, seed=1)
@@ -69,10 +67,10 @@ def test_fork_shares_the_parents_blocks_by_reference(model, tmp_path):
 
     # Siblings share the parent's whole blocks, nothing else, even with the same continuation.
     assert commit(pool, model, "w2", q1, fork_from="parent") == 70
-    w1, w2 = pool.agents["w1"].ids, pool.agents["w2"].ids
+    w1, w2 = pool.agent("w1").ids, pool.agent("w2").ids
     assert set(w1) & set(w2) == set(parent_ids[:4])
     assert pool.agent_info("w1")["shared_blocks"] == 4 and pool.agent_info("w1")["forked_from"] == ["parent"]
-    assert pool.agents["parent"].ids.keys() == dict.fromkeys(parent_ids).keys()  # parent unaffected
+    assert pool.agent("parent").ids.keys() == dict.fromkeys(parent_ids).keys()  # parent unaffected
     check_accounting(pool)
 
     # The child's later turns are its own: the parent and a sibling never reuse them.
@@ -90,7 +88,7 @@ def test_fork_shares_the_parents_blocks_by_reference(model, tmp_path):
         assert n >= 90
     pool.close()
     pool = make_pool(model, tmp_path)
-    assert "parent" not in pool.agents
+    assert pool.agent("parent") is None
     hit, n, tier = pool.lookup("w1", q2 + [7])
     assert (n, tier) == (len(q2), "disk")
     _, hot_logits = prefill(model, [7], hit)
@@ -127,7 +125,7 @@ def test_three_concurrent_branches_each_keep_their_continuation(model, tmp_path)
         caches.append(prefill(model, s[n:], hit)[0])
     for s, c in zip(seqs, caches):
         pool.commit("a", s, c)
-    assert len(pool.agents["a"].branches) == 3  # the history was replaced by its continuations
+    assert len(pool.agent("a").branches) == 3  # the history was replaced by its continuations
     check_accounting(pool)
     for s in seqs:  # each follow-up reuses its own whole branch
         assert pool.lookup("a", s + tokens(5, seed=99))[1] == 70
@@ -157,7 +155,7 @@ def test_least_recently_used_branch_goes_first(model, tmp_path):
     check_accounting(pool)
     pool.flush()
     files = {p.stem for p in (tmp_path).glob("*/blocks/*/*.safetensors")}
-    assert files == set(pool.agents["a"].ids)  # the evicted branch's own blocks are deleted
+    assert files == set(pool.agent("a").ids)  # the evicted branch's own blocks are deleted
     pool.close()
 
 
@@ -173,7 +171,7 @@ def test_hot_budget_counts_a_shared_block_once(model, tmp_path):
     check_accounting(pool)
 
     # Evict the parent: the shared blocks it owned go cold, the children reload them from disk.
-    pool._evict(pool.agents["parent"])
+    pool.agents.evict(pool.agent("parent"), durable=True)
     check_accounting(pool)
     hit, n, tier = pool.lookup("w0", doc + [5, 6, 7])
     assert n == 66 and tier == "disk"
@@ -244,7 +242,7 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
     commit(b, model, "c", doc, fork_from="p")  # a fork of its own, as far as the document
     commit(b, model, "c", tokens(30, seed=9))  # and a branch A never saw
     a.flush()
-    fetched = [Branch(list(br.block_ids), br.n_tokens, br.links) for br in a.agents["c"].branches]
+    fetched = [Branch(list(br.block_ids), br.n_tokens, br.links) for br in a.agent("c").branches]
     assert [l[1] for l in fetched[-1].links] == ["p", "c"]
     data = {bid: a.store.read_block(bid) for br in fetched for bid in br.block_ids}
 
@@ -252,20 +250,20 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
     held = b.store.has_block
     assert held(fetched[-1].block_ids[0]) and held(fetched[-1].block_ids[1])
     missing = {bid: d for bid, d in data.items() if not held(bid)}
-    assert b.chain_prefix(fetched[-1], missing, held) == (4, False)
-    assert b.chain_prefix(Branch(fetched[-1].block_ids, 60, ((0, "c"),)), data,
+    assert b.chains.prefix(fetched[-1], missing, held) == (4, False)
+    assert b.chains.prefix(Branch(fetched[-1].block_ids, 60, ((0, "c"),)), data,
                           lambda _: False) == (0, True)  # seeded with the fork's own id: refused
-    assert b.chain_prefix(Branch(fetched[-1].block_ids, 60, ((0, "p"), (3, "c"))), data,
+    assert b.chains.prefix(Branch(fetched[-1].block_ids, 60, ((0, "p"), (3, "c"))), data,
                           lambda _: False) == (2, True)  # re-seeded at the wrong block
-    assert b.chain_prefix(fetched[-1], {}, held) == (2, False)  # the fork's own blocks not at hand
+    assert b.chains.prefix(fetched[-1], {}, held) == (2, False)  # the fork's own blocks not at hand
 
-    local = [br.block_ids for br in b.agents["c"].branches]
+    local = [br.block_ids for br in b.agent("c").branches]
     done = []
-    fut = b.save_fetched("c", fetched, list(missing.values()), b.branch_state("c"), done.append)
+    fut = b.save_fetched("c", fetched, list(missing.values()), b.agent_version("c"), done.append)
     assert fut.result(30) and done and done[0] is not None
     # B's older copy of the fork (the same blocks but its partial tail) is continued by a fetched
     # branch and goes; its own branch stays, older than the fetched ones
-    assert [br.block_ids for br in b.agents["c"].branches] == [local[1]] + [br.block_ids for br in fetched]
+    assert [br.block_ids for br in b.agent("c").branches] == [local[1]] + [br.block_ids for br in fetched]
     assert len(b.store.read_manifest("c").branches) == 3  # on disk as in memory
     check_accounting(b)
     for seq in seqs:

@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 
 from .caches import ModelCodec
 from .identity import model_fingerprint
-from .persister import Persister
 from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import (
     DEQUANT_MIN_QUERIES,
@@ -227,12 +226,7 @@ class PersistQ4Backend:
             except StoreError as e:
                 store, self.disk_error = None, str(e)
                 log.error("persist_q4: disk tier DISABLED, agents are cached in memory only: %s", e)
-            persister = None
-            if store is not None:
-                ttl = opts["ttl_hours"]
-                persister = Persister(store, disk_budget=int(opts["disk_mb"] * 2**20),
-                                      ttl_s=None if ttl is None else ttl * 3600.0,
-                                      queue_bytes=max(64 << 20, int(opts["hot_mb"] * 2**20) // 4))
+            ttl = opts["ttl_hours"]
             self._pool = BlockPool(
                 fingerprint=self.fingerprint,
                 n_layers=n_layers,
@@ -240,15 +234,20 @@ class PersistQ4Backend:
                 group_size=self.group_size,
                 block_size=opts["block_size"],
                 hot_bytes=int(opts["hot_mb"] * 2**20),
-                persister=persister,
+                store=store,
+                disk_budget=int(opts["disk_mb"] * 2**20),
+                persister_options={"ttl_s": None if ttl is None else ttl * 3600.0,
+                                   "queue_bytes": max(64 << 20, int(opts["hot_mb"] * 2**20) // 4)},
                 durable_writes=opts["durable_writes"],
                 write_timeout_s=opts["write_timeout_s"],
                 codec=self.codec,
                 branches=opts["branches"],
                 decode=self._decode if opts["match_text"] else None,
+                fleet=self._fleet_factory() if opts["remote_url"] is not None and store is not None else None,
             )
-            if opts["remote_url"] is not None:
-                self._start_fleet(self._pool)
+            self.fleet = self._pool.fleet
+            if opts["remote_url"] is not None and store is None:
+                log.error("persist_q4: fleet tier OFF: it needs the local disk tier, which is disabled")
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
                 "float decode mirror %.0f MB, dir %s (model %s)",
@@ -261,26 +260,27 @@ class PersistQ4Backend:
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=False)
 
-    def _start_fleet(self, pool: BlockPool) -> None:
+    def _fleet_factory(self) -> Callable[[BlockPool], Any]:
+        """What builds the fleet tier's glue for the pool (BlockPool(fleet=...))."""
         from .fleet import Fleet
         from .remote import RemoteTier
 
         opts = self.opts
-        if pool.persister is None:
-            log.error("persist_q4: fleet tier OFF: it needs the local disk tier, which is disabled")
-            return
-        tier = RemoteTier(
-            opts["remote_url"], self.fingerprint,
-            read_timeout_s=opts["remote_timeout_s"],
-            queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
-            fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
-            block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
-            manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
-            cluster=opts["remote_cluster"])
-        self.fleet = pool.fleet = Fleet(tier, pool, wait_s=opts["remote_wait_s"],
-                                        write_timeout_s=opts["write_timeout_s"])
-        log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs)", tier.url_redacted,
-                 " (Redis Cluster)" if tier.cluster else "", opts["remote_wait_s"])
+
+        def build(pool: BlockPool) -> Fleet:
+            tier = RemoteTier(
+                opts["remote_url"], self.fingerprint,
+                read_timeout_s=opts["remote_timeout_s"],
+                queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
+                fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
+                block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
+                manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
+                cluster=opts["remote_cluster"])
+            log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs)", tier.url_redacted,
+                     " (Redis Cluster)" if tier.cluster else "", opts["remote_wait_s"])
+            return Fleet(tier, pool, wait_s=opts["remote_wait_s"], write_timeout_s=opts["write_timeout_s"])
+
+        return build
 
     @property
     def loaded_pool(self) -> Optional[BlockPool]:

@@ -28,11 +28,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from .pool import BlockPool, Branch, cut_branch
+from .chain import Branch, cut_branch
 from .remote import RemoteManifest, RemoteTier
 from .store import BlockData, Manifest
+
+if TYPE_CHECKING:  # the pool builds its Fleet (BlockPool(fleet=...)): no import at run time
+    from .pool import BlockPool
 
 log = logging.getLogger("vllm_mlx_persist.fleet")
 
@@ -42,7 +45,7 @@ MAX_SYNCS = 1024  # agents whose sync job is tracked at once (running, or done a
 class Fleet:
     """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
 
-    def __init__(self, tier: RemoteTier, pool: BlockPool, *, wait_s: float = 3.0,
+    def __init__(self, tier: RemoteTier, pool: "BlockPool", *, wait_s: float = 3.0,
                  write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
                  max_fetch_bytes: Optional[int] = None):
         if pool.persister is None:
@@ -153,6 +156,9 @@ class Fleet:
 
     def _sync_agent(self, namespace: str) -> None:
         seen = self.tier.seen_version(namespace)  # before the read: get_manifest records tombstones
+        # Before the read too: an erasure from here on (an API erasure racing this sync) makes the
+        # pool refuse what this sync fetched, even for an agent it does not know.
+        expect = self.pool.agent_version(namespace)
         rm = self.tier.get_manifest(namespace)
         if rm is None:
             return
@@ -163,7 +169,7 @@ class Fleet:
                 log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
                 pool.erase(namespace, fleet_wide=False)
             return
-        local = pool.branch_state(namespace)
+        local = expect[1]
         local_n = local[-1][1] if local else 0
         if local is not None and local_n >= rm.n_tokens:
             return
@@ -171,7 +177,7 @@ class Fleet:
         if not branches or (local is not None and local_n >= branches[-1].n_tokens):
             return
         version = rm.version if complete else None
-        fut = pool.save_fetched(namespace, branches, blocks, local, lambda adopted: self._adopted(adopted, version))
+        fut = pool.save_fetched(namespace, branches, blocks, expect, lambda adopted: self._adopted(adopted, version))
         with self._lock:
             self.counts["blocks_fetched"] += len(blocks)
         try:
@@ -196,7 +202,7 @@ class Fleet:
         complete = True  # branches beyond the pool's bound are left out as on one server: not a cut
         for entry in reversed(rm.branches[-pool.max_branches:]):
             br = Branch(list(entry["block_ids"]), entry["n_tokens"],
-                        tuple((int(i), ns) for i, ns in entry["links"]), rm.updated_at)
+                        tuple((int(i), ns) for i, ns in entry["links"]))
             want: list[str] = []
             for bid in br.block_ids:
                 if bid in failed:
@@ -211,7 +217,7 @@ class Fleet:
                 failed.add(want[len(got)])
                 if held >= self.max_fetch_bytes:
                     self._count("fetch_cut_at_budget")
-            n, refused = pool.chain_prefix(br, fetched, store.has_block)
+            n, refused = pool.chains.prefix(br, fetched, store.has_block)
             if refused:
                 self._count("chain_refused")
                 failed.add(br.block_ids[n])

@@ -3,12 +3,17 @@
 The pool hands it numpy copies of a turn's new blocks and the agent's manifest; it writes the blocks,
 then the manifest (so a manifest only ever names durable blocks), retries failed saves in the
 background with back-off, and erases least recently used agents when the disk budget or the TTL says
-so. Its queue is bounded in bytes: a full queue makes the caller wait (back-pressure) up to a
-time-out, then the turn is dropped and counted. Disk usage is counted as files come and go, so
-`stats()` never walks the disk.
+so. Its queue is bounded in bytes and never makes the caller wait: a save that finds it full is
+dropped and counted (the pool keeps the blocks unsaved in memory; the agent's next save writes them).
+Disk usage, quarantined files included, is counted as files come and go, so `stats()` never walks
+the disk.
 
+Owns the disk index (agents, block sizes, references from manifests on disk and from saves still
+queued), the job queue and its thread. A block named by a queued save's manifest, and an agent with a
+save queued or a request in flight, are never erased by the budget or the TTL; pinned agents never.
 Threads: `save`, `erase`, `set_pinned`, `touch`, `begin_use`/`end_use` and `stats` may be called from
-any thread; the jobs run on the persister thread, which only sees numpy arrays, bytes and files.
+any thread (its lock is held for bookkeeping only); the jobs run on the persister thread, which only
+sees numpy arrays, bytes and files, and calls `on_erased` and a save's `on_durable` without its lock.
 """
 
 from __future__ import annotations
@@ -68,12 +73,14 @@ class Persister:
         queue_bytes: int = 256 << 20,
         on_erased: Optional[Callable[[str], None]] = None,
         retry_delays: tuple[float, ...] = RETRY_DELAYS_S,
+        clock: Callable[[], float] = time.time,
     ):
         self.store = store
         self.disk_budget = disk_budget
         self.ttl_s = ttl_s
         self.queue_bytes = queue_bytes
         self.retry_delays = retry_delays
+        self.clock = clock  # wall-clock time of last uses and of the TTL (a test may move it on)
         self.on_erased = on_erased or (lambda namespace: None)
         self.agents: "OrderedDict[str, DiskAgent]" = OrderedDict()  # least recently used first
         self.block_sizes: dict[str, int] = {}
@@ -84,9 +91,14 @@ class Persister:
         self._other_dirs: list = []  # other models' directories under the root, oldest first
         self._other_bytes = 0
         self._live: dict[str, int] = {}  # agents with requests in flight: never erased by the budget
+        # What queued (or retrying) saves will name once written: never erased meanwhile.
+        self._queued_agents: dict[str, int] = {}
+        self._queued_refs: dict[str, int] = {}
         self.counts = dict.fromkeys(
             ["saves", "save_failures", "saves_dropped", "retries", "blocks_written", "bytes_written",
-             "agents_erased", "budget_erasures", "ttl_erasures", "other_dirs_removed", "saves_superseded"], 0)
+             "agents_erased", "budget_erasures", "ttl_erasures", "other_dirs_removed", "saves_superseded",
+             "quarantine_removed", "budget_blocked", "erased_elsewhere"], 0)
+        self._blocked_logged = False
         self._cv = threading.Condition()
         self._ready: list[_Job] = []  # heap by (due, seq)
         self._pending_bytes = 0
@@ -127,25 +139,14 @@ class Persister:
 
     # ---- the caller's side ----------------------------------------------------------------------
 
-    def wait_for_room(self, timeout: float) -> bool:
-        """Back-pressure: wait up to `timeout` while the write queue is over its byte budget and
-        draining (not while saves fail and retry: then waiting would only stall the caller)."""
-        with self._cv:
-            deadline = time.monotonic() + timeout
-            while self._pending_bytes > self.queue_bytes and not self._retrying and not self._closed:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
-            return self._pending_bytes <= self.queue_bytes
-
     def save(self, manifest: Manifest, blocks: list[BlockData], dead: list[str],
              on_durable: Callable[[], None]) -> Future:
         """Queue a turn: `blocks` (new ones), then `manifest`, then delete `dead` blocks no manifest
-        names any more. Never blocks (see `wait_for_room`): with the queue over its byte budget the
-        turn is dropped and counted. The future is True once durable, False if the save failed
-        (retries go on in the background; `on_durable` runs on the writer when one succeeds) or
-        was dropped."""
+        names any more. Never blocks: with the queue over its byte budget the turn is dropped and
+        counted. The future is True once durable, False if the save failed (retries go on in the
+        background; `on_durable` runs on the writer when one succeeds) or was dropped. Until it is
+        settled for good, the agent and every block the manifest names are safe from the budget
+        and the TTL."""
         nbytes = sum(a.nbytes for b in blocks for a in b.arrays.values())
         with self._cv:
             if self._closed or (self._pending_bytes and self._pending_bytes + nbytes > self.queue_bytes):
@@ -153,10 +154,25 @@ class Persister:
                 f: Future = Future()
                 f.set_result(False)
                 return f
-        return self._submit(self._save_job, nbytes, (manifest, blocks, dead, on_durable))
+            self._hold(manifest, +1)
+            return self._submit(self._save_job, nbytes, (manifest, blocks, dead, on_durable))
+
+    def _hold(self, manifest: Manifest, delta: int) -> None:
+        """(lock held) Count (or release) a queued save's agent and the blocks its manifest names."""
+        for d, key in ((self._queued_agents, manifest.namespace), *((self._queued_refs, b) for b in manifest.block_ids)):
+            n = d.get(key, 0) + delta
+            if n > 0:
+                d[key] = n
+            else:
+                d.pop(key, None)
+
+    def _named(self, bid: str) -> bool:
+        """(lock held) Whether a manifest on disk or a queued save names the block."""
+        return bid in self.block_refs or bid in self._queued_refs
 
     def erase(self, namespace: str) -> Future:
-        """Erase an agent's manifest and the blocks only it names; True if it was on disk."""
+        """Erase an agent's manifest and the blocks only it names, in this model's directory and in
+        every other model's under the root; True if it was on disk."""
         return self._submit(self._erase_job, 0, (namespace, "request"))
 
     def set_pinned(self, namespace: str, pinned: bool) -> Future:
@@ -176,7 +192,7 @@ class Persister:
         with self._cv:
             agent = self.agents.get(namespace)
             if agent is not None:
-                agent.last_used = time.time()
+                agent.last_used = self.clock()
                 self.agents.move_to_end(namespace)
 
     def begin_use(self, namespace: str) -> None:
@@ -195,6 +211,15 @@ class Persister:
         with self._cv:
             a = self.agents.get(namespace)
             return None if a is None else DiskAgent(list(a.block_ids), a.last_used, a.pinned, a.n_tokens)
+
+    def block_size_of(self, bid: str) -> int:
+        """A block file's size from the index; for one not indexed (yet), the mean indexed size
+        (64 KiB when none is). No I/O."""
+        with self._cv:
+            n = self.block_sizes.get(bid)
+            if n is not None:
+                return n
+            return self._block_bytes // len(self.block_sizes) if self.block_sizes else 64 << 10
 
     def agent_disk_bytes(self, namespace: str) -> int:
         with self._cv:
@@ -218,9 +243,18 @@ class Persister:
             }
 
     def _disk_bytes_locked(self) -> int:
-        return self._block_bytes + self._manifest_bytes + self._other_bytes
+        return self._block_bytes + self._manifest_bytes + self._other_bytes + self.store.quarantine_bytes
 
     # ---- lifecycle ------------------------------------------------------------------------------
+
+    def sweep(self) -> Future:
+        """Check the TTL and the disk budget now (after the jobs queued before), not at the next
+        minute's sweep."""
+        def job(j: _Job) -> None:
+            self._sweep()
+            self._finish(j, True)
+
+        return self._submit(job, 0)
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         """Wait for every job queued before this call (retries not included); False on time-out."""
@@ -294,6 +328,8 @@ class Persister:
         """(lock held) Drop the saves still waiting for a retry at close."""
         for job in self._ready:
             job.finished = True
+            if job.run == self._save_job:
+                self._hold(job.args[0], -1)
             if not job.future.done():
                 job.future.set_result(False)
         self.counts["saves_dropped"] += len(self._ready)
@@ -301,20 +337,27 @@ class Persister:
         self._pending_bytes = self._retrying = 0
 
     def _finish(self, job: _Job, result=None, error: Optional[BaseException] = None) -> None:
-        """The job leaves the queue for good: release its bytes and settle its future (once)."""
+        """The job leaves the queue for good: release its bytes and holds, settle its future (once)."""
         with self._cv:
-            if job.finished:
-                return
-            job.finished = True
-            self._pending_bytes -= job.nbytes
-            if job.attempts:
-                self._retrying -= 1
-            self._cv.notify_all()
+            self._release(job)
         if not job.future.done():
             if error is not None:
                 job.future.set_exception(error)
             else:
                 job.future.set_result(result)
+
+    def _release(self, job: _Job) -> bool:
+        """(lock held) `_finish`'s bookkeeping; False when the job was finished already."""
+        if job.finished:
+            return False
+        job.finished = True
+        self._pending_bytes -= job.nbytes
+        if job.attempts:
+            self._retrying -= 1
+        if job.run == self._save_job:
+            self._hold(job.args[0], -1)
+        self._cv.notify_all()
+        return True
 
     def _save_job(self, job: _Job) -> None:
         manifest, blocks, dead, on_durable = job.args
@@ -343,10 +386,11 @@ class Persister:
         if superseded:
             self.counts["saves_superseded"] += 1
             with self._cv:
+                self._release(job)  # its own manifest no longer holds its blocks
                 for bid, n in sizes.items():
                     if bid in self.block_refs:
                         self._set_size(bid, n)
-                unnamed = [b for b in sizes if b not in self.block_refs and b not in self.block_sizes]
+                unnamed = [b for b in sizes if not self._named(b) and b not in self.block_sizes]
             for b in unnamed:
                 self.store.delete_block(b)
             self._finish(job, False)
@@ -358,8 +402,8 @@ class Persister:
         with self._cv:
             for bid, n in sizes.items():
                 self._set_size(bid, n)
-            old = self._index(manifest)
-            gone = [b for b in set(dead) | set(old) if b not in self.block_refs and b in self.block_sizes]
+            old = self._index(manifest)  # the manifest on disk now names what the queued save did
+            gone = [b for b in set(dead) | set(old) if not self._named(b) and b in self.block_sizes]
             for b in gone:
                 self._drop_size(b)
         for b in gone:
@@ -397,25 +441,34 @@ class Persister:
 
     def _erase(self, namespace: str, why: str) -> bool:
         with self._cv:
+            # a save of this agent still waiting for its retry must not bring it back
+            stale = [j for j in self._ready if j.run == self._save_job and j.args[0].namespace == namespace]
+            for j in stale:
+                self._ready.remove(j)
+                self._release(j)
+            heapq.heapify(self._ready)
             agent = self.agents.pop(namespace, None)
             self._saved_order.pop(namespace, None)
             ids = agent.block_ids if agent is not None else []
             for b in ids:
                 self._unref(b)
-            gone = [b for b in ids if b not in self.block_refs]
+            gone = [b for b in ids if not self._named(b)]  # another agent's queued save may name it
             for b in gone:
                 self._drop_size(b)
-            # a save of this agent still waiting for its retry must not bring it back
-            stale = [j for j in self._ready if j.run == self._save_job and j.args[0].namespace == namespace]
-            for j in stale:
-                self._ready.remove(j)
-            heapq.heapify(self._ready)
             if agent is not None:
                 self._manifest_bytes -= _MANIFEST_ESTIMATE
         for j in stale:
-            self._finish(j, False)
+            if not j.future.done():
+                j.future.set_result(False)
         on_disk = agent is not None or self.store.manifest_path(namespace).exists()
         self.store.delete_agent(namespace, gone)
+        if why == "request":  # the user's erasure: the agent's files under other models' directories too
+            removed, freed = self.store.erase_elsewhere(namespace)
+            if removed:
+                on_disk = True
+                self.counts["erased_elsewhere"] += removed
+                with self._cv:
+                    self._other_bytes = max(0, self._other_bytes - freed)
         if on_disk:
             self.counts["agents_erased"] += 1
             self.on_erased(namespace)
@@ -467,24 +520,33 @@ class Persister:
         self._block_bytes -= self.block_sizes.pop(bid, 0)
 
     def _enforce_budget(self) -> None:
-        """Erase until the disk fits the budget: other models' directories first, then the least
-        recently used agents with no request in flight, pinned agents last."""
+        """Erase until the disk fits the budget: quarantined files first, then other models'
+        directories, then the least recently used agents, never one that is pinned, has a request in
+        flight or a save queued (when only those are left, the disk stays over budget: counted as
+        `budget_blocked` and logged once)."""
         while True:
             with self._cv:
                 if self._disk_bytes_locked() <= self.disk_budget:
+                    self._blocked_logged = False
                     return
-                if self._other_dirs:
+                quarantined = self.store.quarantine_bytes > 0
+                path = victim = None
+                if not quarantined and self._other_dirs:
                     path, size, _ = self._other_dirs.pop(0)
-                    victim = None
-                else:
-                    path = None
-                    candidates = [ns for ns, a in self.agents.items() if ns not in self._live]
-                    victim = next((ns for ns in candidates if not self.agents[ns].pinned), None)
+                elif not quarantined:
+                    busy = self._live.keys() | self._queued_agents.keys()
+                    victim = next((ns for ns, a in self.agents.items() if ns not in busy and not a.pinned), None)
                     if victim is None:
-                        victim = candidates[0] if candidates else None
-                    if victim is None:
-                        return  # everything left is in use right now
-            if path is not None:
+                        self.counts["budget_blocked"] += 1
+                        if not self._blocked_logged:
+                            self._blocked_logged = True
+                            log.warning("disk budget: %d bytes used of %d, and every agent left is pinned or in "
+                                        "use; pinned agents are never erased", self._disk_bytes_locked(),
+                                        self.disk_budget)
+                        return
+            if quarantined:
+                self.counts["quarantine_removed"] += self.store.clear_quarantine()
+            elif path is not None:
                 with self._cv:
                     self._other_bytes -= size
                 shutil.rmtree(path, ignore_errors=True)
@@ -498,10 +560,10 @@ class Persister:
         """Erase agents unused for longer than the TTL (pinned and in-use agents excepted)."""
         self._last_sweep = time.time()
         if self.ttl_s is not None:
-            cutoff = time.time() - self.ttl_s
+            cutoff = self.clock() - self.ttl_s
             with self._cv:
-                expired = [ns for ns, a in self.agents.items()
-                           if a.last_used < cutoff and not a.pinned and ns not in self._live]
+                expired = [ns for ns, a in self.agents.items() if a.last_used < cutoff and not a.pinned
+                           and ns not in self._live and ns not in self._queued_agents]
             for ns in expired:
                 self.counts["ttl_erasures"] += 1
                 self._erase(ns, "ttl")

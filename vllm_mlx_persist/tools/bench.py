@@ -407,7 +407,7 @@ def section_reload(ctx: "Ctx") -> dict:
     bw = measure_bandwidth(root / "bandwidth.bin", plan.bandwidth_mb, plan.reload_reps)
     say(f"  buffered after drop {bw['buffered_after_drop_mb_s']} MB/s, O_DIRECT {bw['o_direct_mb_s']} MB/s, "
         f"page cache {bw['page_cache_mb_s']} MB/s")
-    from ..pool import READER_THREADS
+    from ..reads import READER_THREADS
 
     checks = measure_checksums(min(256, max(32, plan.bandwidth_mb // 4)), READER_THREADS)
     say(f"  sha256 {checks['sha256_mb_s']} MB/s on one thread, {checks['sha256_parallel_mb_s']} MB/s on "
@@ -433,7 +433,7 @@ def section_reload(ctx: "Ctx") -> dict:
     for n in plan.reload_sizes:
         one_files[n] = root / f"one-file-{n}.bin"
         with open(one_files[n], "wb") as out:
-            for b in pool.agents[f"reload-{n}"].block_ids:
+            for b in pool.agent(f"reload-{n}").block_ids:
                 out.write(pool.store.block_path(b).read_bytes())
             out.flush()
             os.fsync(out.fileno())
@@ -450,7 +450,7 @@ def section_reload(ctx: "Ctx") -> dict:
             ns = f"reload-{n}"
             pool = open_pool()
             pool.load_manifests()
-            ids = list(pool.agents[ns].block_ids)
+            ids = list(pool.agent(ns).block_ids)
             files = [pool.store.block_path(b) for b in ids]
             nbytes = sum(f.stat().st_size for f in files)
             drop = drop_page_cache(files)

@@ -243,7 +243,7 @@ def _check_after_crash(root: Path, acked: dict[str, int], stats: dict) -> list[s
 
 
 def _build_fuzz_store(root: Path, agents: int = 3, blocks: int = 3) -> dict[str, list[BlockData]]:
-    from ..pool import block_id, chain_seed  # here: the crash worker must start without importing MLX
+    from ..chain import block_id, chain_seed  # here: the crash worker must start without importing MLX
 
     store = DiskStore(root, FP, *_INFO)
     out = {}
@@ -421,7 +421,7 @@ def _other_format_version(p: Path, rng: random.Random, ctx: dict) -> None:
 def _served(store: DiskStore, chains: dict[str, list[BlockData]]) -> list[str]:
     """Read every agent as the pool does (manifest, then blocks while the id chain holds); return
     problems: any block served that is not exactly that agent's own."""
-    from ..pool import block_id, chain_seed
+    from ..chain import block_id, chain_seed
 
     problems, refused = [], 0
     for m in store.list_manifests():

@@ -1,0 +1,192 @@
+"""Which agents exist, in what recency, and who leaves memory when the hot tier is over budget.
+
+Owns the agent registry (`Agents.registry`, least recently used first), the anonymous namespace's
+LRU (requests without an agent id: in memory only, reused by token prefix, never visible to agents)
+and the hot-budget policy. Blocks and their bytes are the block table's (blocks.py).
+Threads: any, with the pool's lock held; nothing here does I/O or waits (a PENDING block's unsaved
+turn is simply not cached when it must leave memory).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from .blocks import Agent, Block, BlockState, BlockTable
+from .chain import cut_branch, lcp
+
+log = logging.getLogger("vllm_mlx_persist.pool")
+
+ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous entries never collide
+
+
+class Agents:
+    """The agent registry, the anonymous LRU, eviction and the hot budget."""
+
+    def __init__(self, table: BlockTable, block_size: int, max_anonymous: int, stats: dict,
+                 on_drop: Callable[[list[str]], None], clock: Callable[[], float] = time.time):
+        self.table = table
+        self.clock = clock
+        self.block_size = block_size
+        self.max_anonymous = max_anonymous
+        self.stats = stats
+        self.on_drop = on_drop  # block ids whose pending reads are no longer wanted (reads.cancel)
+        self.registry: "OrderedDict[str, Agent]" = OrderedDict()  # least recently used first
+        self.anonymous: "OrderedDict[str, Agent]" = OrderedDict()  # least recently used first
+
+    def get(self, namespace: str) -> Optional[Agent]:
+        return self.registry.get(namespace)
+
+    def all(self) -> list[Agent]:
+        """Every agent naming blocks: registered and anonymous."""
+        return list(self.registry.values()) + list(self.anonymous.values())
+
+    def add(self, agent: Agent, coldest: bool = False) -> None:
+        """Register (or re-register) `agent`; `coldest`: as the least recently used (start-up)."""
+        if agent.persistent:
+            self.registry[agent.namespace] = agent
+            self.registry.move_to_end(agent.namespace, last=not coldest)
+        else:
+            self.anonymous[agent.namespace] = agent
+        self.table.list(agent, True)
+
+    def touch(self, agent: Agent) -> None:
+        agent.last_used = self.clock()
+        entries = self.registry if agent.persistent else self.anonymous
+        if entries.get(agent.namespace) is agent:
+            entries.move_to_end(agent.namespace)
+
+    # ---- the anonymous namespace ----------------------------------------------------------------
+
+    def find_anonymous(self, prompt: Sequence[int]) -> Optional[Agent]:
+        """The anonymous entry sharing the longest prefix with `prompt` in its first block."""
+        best, best_n = None, 0
+        for agent in self.anonymous.values():
+            first = self._first_tokens(agent)
+            if first:
+                n = lcp(first, prompt[: len(first)])
+                if n > best_n:
+                    best, best_n = agent, n
+        return best
+
+    def anonymous_slot(self, tokens: Sequence[int]) -> Agent:
+        """The anonymous entry this sequence extends, or a new one (the least recently used entry
+        leaves when there are `max_anonymous`)."""
+        for agent in self.anonymous.values():
+            first = self._first_tokens(agent)
+            if first and (tuple(tokens[: len(first)]) == first or first[: len(tokens)] == tuple(tokens)):
+                return agent
+        if len(self.anonymous) >= self.max_anonymous:
+            self.stats["evicted_agents"] += 1
+            self.drop(next(iter(self.anonymous.values())))
+        key = ANON_PREFIX + hashlib.sha256(np.asarray(tokens[: self.block_size], np.int32).tobytes()).hexdigest()
+        return Agent(key, persistent=False)
+
+    def _first_tokens(self, agent: Agent) -> tuple[int, ...]:
+        block = self.table.blocks.get(agent.block_ids[0]) if agent.block_ids else None
+        return block.tokens if block is not None else ()
+
+    # ---- leaving ----------------------------------------------------------------------------------
+
+    def drop(self, agent: Agent) -> list[str]:
+        """Forget `agent` in memory: it leaves the registry and names nothing; returns the ids of
+        blocks nobody names any more."""
+        entries = self.registry if agent.persistent else self.anonymous
+        if entries.get(agent.namespace) is agent:
+            del entries[agent.namespace]
+        ids = list(agent.ids)
+        dead = self.table.name(agent, [])
+        self.table.list(agent, False)
+        self.on_drop(ids)
+        return dead
+
+    def cut(self, agent: Agent, bid: str) -> list[str]:
+        """Cut the agent's branches naming `bid` at it (unreadable, refused or unsaved): they are
+        re-cached from there on its next turn. Returns the ids nobody names any more."""
+        branches = []
+        for br in agent.branches:
+            if bid in br.block_ids:
+                br = cut_branch(br, br.block_ids.index(bid), self.block_size)
+            if br.block_ids:
+                branches.append(br)
+        return self.table.name(agent, branches)
+
+    def cut_everywhere(self, bid: str) -> list[str]:
+        """`cut` for every agent naming `bid`."""
+        dead = []
+        for agent in [a for a in self.all() if bid in a.ids]:
+            dead += self.cut(agent, bid)
+        return dead
+
+    def evict(self, agent: Agent, durable: bool) -> None:
+        """Take an agent out of memory: the hot blocks it owns go COLD (`durable`: there is a disk
+        tier to come back from; else the agent is forgotten), PENDING ones (a write that has not
+        succeeded) are dropped with the rest of their branches, so memory stays bounded on a
+        failing disk. Blocks it names but others own stay (counted by them)."""
+        self.stats["evicted_agents"] += 1
+        if not agent.persistent or not durable:
+            self.drop(agent)
+            return
+        for bid in [b for b in agent.ids if self._owned_pending(agent, b)]:
+            if bid in agent.ids:
+                before = len(agent.ids)
+                self.cut(agent, bid)
+                dropped = before - len(agent.ids)
+                self.stats["unsaved_blocks_dropped"] += dropped
+                log.warning("agent %r: %d unsaved block(s) left memory uncached", agent.namespace, dropped)
+        for bid in agent.ids:
+            block = self.table.blocks.get(bid)
+            if block is not None and block.owner is agent:
+                self.table.drop(block)
+
+    def _owned_pending(self, agent: Agent, bid: str) -> bool:
+        block = self.table.blocks.get(bid)
+        return block is not None and block.owner is agent and block.state == BlockState.PENDING
+
+    def drop_orphans(self, budget: int) -> None:
+        """Drop hot blocks no agent counts (least recently orphaned first) while over `budget`."""
+        table = self.table
+        while table.orphans and table.hot_bytes > budget:
+            bid = next(iter(table.orphans))
+            block = table.blocks.get(bid)
+            if block is None or block.layers is None:
+                table.orphans.pop(bid, None)
+                continue
+            if block.state == BlockState.PENDING:
+                self.stats["unsaved_blocks_dropped"] += 1
+                self.cut_everywhere(bid)  # nobody names it now: out of the table with its layers
+                table.orphans.pop(bid, None)
+                continue
+            table.drop(block)
+
+    def enforce(self, budget: int, keep: Sequence[str], durable: bool) -> None:
+        """Evict least recently used agents (anonymous entries and unpinned agents, never those in
+        `keep`: the request being served), then hot blocks nobody counts, until the hot tier fits
+        `budget`. Every agent is evicted at most once per call, so this always ends."""
+        table = self.table
+        tried: set[int] = set()
+        while table.hot_bytes > budget:
+            victim = None
+            for agent in self.anonymous.values():
+                if agent.namespace not in keep and id(agent) not in tried:
+                    victim = agent
+                    break
+            for agent in self.registry.values():
+                if (agent.namespace not in keep and agent.hot_bytes and not agent.pinned
+                        and id(agent) not in tried):
+                    if victim is None or agent.last_used < victim.last_used:
+                        victim = agent
+                    break
+            if victim is None:
+                self.drop_orphans(budget)
+                return
+            tried.add(id(victim))
+            self.evict(victim, durable)
+            if victim.hot_bytes:  # the invariant says it cannot be; never loop on it
+                log.error("agent %r still counts %d hot bytes after its eviction", victim.namespace,
+                          victim.hot_bytes)

@@ -1,0 +1,161 @@
+"""Chained block ids and branches: pure functions and values, no state, any thread.
+
+A block's id is `sha256(previous id || its token ids)`, the chain seeded with the model's fingerprint
+and the agent's namespace, so blocks never match across models or agents. A `Branch` is one
+continuation of an agent's history: its block ids, how many tokens they hold, and its `links`, where
+the chain is (re-)seeded with a namespace (a fork starts on its parent's chain and continues on its
+own). Manifests (store.Manifest) carry branches in the schema of docs/disk-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional, Sequence
+
+import numpy as np
+
+from .store import BlockData, Manifest
+
+Links = tuple[tuple[int, str], ...]
+
+
+@dataclass
+class Branch:
+    """One continuation of an agent's history: a chain of block ids.
+
+    `links` says how the chain is seeded: ((0, ns),) is an agent's own chain, seeded with its
+    namespace. A fork is ((0, parent), (k, child)): blocks 0..k-1 are the parent's (the same ids,
+    shared by reference) and block k's link is re-seeded with the child's namespace, so what the
+    child adds can never collide with what the parent or a sibling adds after the same prefix.
+    A branch's `block_ids` list is never changed in place: a changed branch is a new Branch.
+    """
+
+    block_ids: list[str]
+    n_tokens: int
+    links: Links
+
+
+def chain_seed(fingerprint: str, namespace: str) -> str:
+    """First link of an agent's block chain: blocks never match across agents or models."""
+    return hashlib.sha256(f"{fingerprint}\n{namespace}".encode()).hexdigest()
+
+
+def link_id(prev: Optional[str], fingerprint: str, namespace: str) -> str:
+    """The chain's link into `namespace`: its seed at the start, else the previous id re-seeded."""
+    seed = chain_seed(fingerprint, namespace)
+    if prev is None:
+        return seed
+    return hashlib.sha256(bytes.fromhex(prev) + bytes.fromhex(seed)).hexdigest()
+
+
+def block_id(prev_id: str, tokens: Sequence[int]) -> str:
+    h = hashlib.sha256(bytes.fromhex(prev_id))
+    h.update(np.asarray(tokens, dtype=np.int32).tobytes())
+    return h.hexdigest()
+
+
+def chain_prev(prev: Optional[str], i: int, at: dict, fingerprint: str) -> Optional[str]:
+    """The id block i of a branch chains from: block i-1's id (`prev`), re-seeded where one of the
+    branch's links (`at`: dict(links)) begins."""
+    return link_id(prev, fingerprint, at[i]) if i in at else prev
+
+
+def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
+    """`branch` without block i and the blocks after it."""
+    return Branch(branch.block_ids[:i], min(branch.n_tokens, i * block_size),
+                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1])
+
+
+def lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = min(len(a), len(b))
+    if tuple(a[:n]) == tuple(b[:n]):
+        return n
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def common(a: Sequence[str], b: Sequence[str]) -> int:
+    """How many leading ids two chains share."""
+    i, n = 0, min(len(a), len(b))
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class Chains:
+    """Block ids of one model (fingerprint) and block size."""
+
+    def __init__(self, fingerprint: str, block_size: int):
+        self.fingerprint = fingerprint
+        self.block_size = block_size
+
+    def ids(self, links: Links, tokens: Sequence[int]) -> list[str]:
+        """The block ids `tokens` get on a chain seeded by `links` (see Branch)."""
+        out: list[str] = []
+        at = dict(links)
+        prev: Optional[str] = None
+        for i, start in enumerate(range(0, len(tokens), self.block_size)):
+            prev = chain_prev(prev, i, at, self.fingerprint)
+            bid = block_id(prev, tokens[start : start + self.block_size])
+            out.append(bid)
+            prev = bid
+        return out
+
+    def walk(self, branch: Branch) -> Iterator[tuple[int, str, str]]:
+        """(index, block id, the id it chains from) for each block of `branch`."""
+        at = dict(branch.links)
+        prev: Optional[str] = None
+        for i, bid in enumerate(branch.block_ids):
+            prev = chain_prev(prev, i, at, self.fingerprint)
+            yield i, bid, prev
+            prev = bid
+
+    def follows(self, prev: Optional[str], bid: str, tokens: Sequence[int]) -> bool:
+        """Whether a block holding `tokens` is block `bid` of a chain continuing from `prev`: a block
+        written for another model or agent, or one whose tokens were altered, never is, even when
+        its file (or Redis value) is sound."""
+        return prev is not None and 0 < len(tokens) <= self.block_size and block_id(prev, tokens) == bid
+
+    def continues(self, branch: Branch, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` continue `branch` (the branch then adds nothing to them)."""
+        return (branch.n_tokens <= len(tokens)
+                and self.ids(branch.links, tokens[: branch.n_tokens]) == branch.block_ids)
+
+    def prefix(self, branch: Branch, fetched: dict[str, BlockData], held: Callable[[str], bool]) -> tuple[int, bool]:
+        """How many leading blocks of `branch` (e.g. one fetched from the fleet) can be used, and
+        whether the first that cannot was refused (its tokens do not follow the chain) rather than
+        missing. `fetched`: block id -> BlockData, checked here; `held(bid)`: blocks already on the
+        local disk, checked when read, as every disk block is."""
+        for i, bid, prev in self.walk(branch):
+            data = fetched.get(bid)
+            if data is not None:
+                if not self.follows(prev, bid, data.tokens):
+                    return i, True
+            elif not held(bid):
+                return i, False
+        return len(branch.block_ids), False
+
+
+def branches_of(m: Manifest) -> list[Branch]:
+    """A manifest's branches, least recently used first (one plain chain when it lists none)."""
+    listed = m.branches or [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}]
+    return [Branch(list(b["block_ids"]), b["n_tokens"],
+                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]))
+            for b in listed]
+
+
+def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None) -> Manifest:
+    """An agent's manifest: every block it names (newest branch first), and its branches when they
+    are more than one plain chain (so manifests of agents that never fork or branch read as before)."""
+    ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
+    plain = len(branches) == 1 and branches[0].links == ((0, namespace),)
+    listed = None if plain else [
+        {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links]}
+        for br in branches]
+    return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
+                    time.time() if now is None else now, pinned, branches=listed)

@@ -1,0 +1,245 @@
+"""A finished turn becomes the agent's newest branch: plan, build, install.
+
+Owns nothing. `plan` (the pool's lock held) decides which of the turn's blocks the agent or its fork
+parent already holds and which are new; `build` (no lock) slices the new blocks out of the turn's
+cache and converts what the disk needs to numpy, the MLX work; `install` (the lock held) names the
+blocks, makes them hot and queues the save. If anything the plan relied on changed in between
+(an erasure, a fleet sync, on other threads), `install` says so and the pool plans again.
+Worker thread only (MLX).
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from .agents import Agents
+from .blocks import Agent, Block, BlockState, BlockTable, Run
+from .caches import ModelCodec
+from .chain import Branch, Chains, Links, common, lcp, manifest_of
+from .persister import Persister
+from .store import BlockData
+
+
+@dataclass
+class Step:
+    start: int
+    tokens: tuple[int, ...]
+    block_id: str
+    block: Optional[Block]
+    what: str  # "new": sliced from the cache; "same": hot, re-pointed at the cache's bytes; "keep"
+    layers: Optional[dict] = None  # "same": the block's arrays at plan time
+
+
+@dataclass
+class Plan:
+    agent: Agent
+    tokens: list[int]
+    links: Links
+    ids: list[str]
+    steps: list[Step]
+    epoch: int  # the pool's epoch when planned (see BlockPool.epoch)
+    old_hot: list[tuple[int, int, dict]] = field(default_factory=list)  # (start, tokens on the turn, arrays)
+    unsaved: list[tuple[Block, dict]] = field(default_factory=list)  # an earlier failed turn's PENDING blocks
+
+
+@dataclass
+class Built:
+    layers: dict[str, dict] = field(default_factory=dict)  # block id -> arrays ("new" and "same")
+    run: Optional[Run] = None
+    datas: dict[str, BlockData] = field(default_factory=dict)  # block id -> numpy copy for the disk
+
+
+class Commit:
+    """Plans, builds and installs a turn's blocks (see the module docstring)."""
+
+    def __init__(self, chains: Chains, table: BlockTable, agents: Agents, codec: ModelCodec,
+                 persister: Optional[Persister], stats: dict, max_branches: int,
+                 on_saved: Callable[[Agent, list[Block], dict, list[str]], Future]):
+        self.chains, self.table, self.agents, self.codec = chains, table, agents, codec
+        self.persister, self.stats, self.max_branches = persister, stats, max_branches
+        self.block_size = chains.block_size
+        self.on_saved = on_saved  # (agent, unsaved blocks, their numpy data, dead ids) -> save future
+
+    # ---- plan (lock held) -----------------------------------------------------------------------
+
+    def plan(self, agent: Agent, tokens: list[int], fork_from: Optional[str], reused: int, epoch: int) -> Plan:
+        """`reused`: the tokens the request's lookup took from this agent's blocks; the cache holds
+        them bit for bit, so the blocks holding only those become views of it too."""
+        links = self._links_for(agent, tokens, fork_from)
+        ids = self.chains.ids(links, tokens)
+        steps = []
+        # A block that is missing or only on disk (possibly unreadable) is rebuilt from the cache we
+        # hold anyway; the writer skips files that are already valid. A block another agent names is
+        # never rebuilt: shared blocks are never modified.
+        for i, bid in enumerate(ids):
+            start = i * self.block_size
+            chunk = tuple(tokens[start : start + self.block_size])
+            block = self.table.blocks.get(bid)
+            others = self.table.refs.get(bid, 0) - (bid in agent.ids)
+            if block is None or (block.layers is None and others <= 0):
+                steps.append(Step(start, chunk, bid, block, "new"))
+            elif block.layers is not None and others <= 0 and start + len(chunk) <= reused:
+                steps.append(Step(start, chunk, bid, block, "same", block.layers))
+            else:
+                steps.append(Step(start, chunk, bid, block, "keep"))
+        plan = Plan(agent, tokens, links, ids, steps, epoch)
+        if self.codec.has_state:
+            plan.old_hot = self._hot_prefixes(agent, tokens)
+        planned = {s.block_id for s in steps if s.what == "new"}
+        plan.unsaved = [(b, b.layers) for b in (self.table.blocks.get(x) for x in agent.ids)
+                        if b is not None and b.state == BlockState.PENDING and b.layers is not None
+                        and b.block_id not in planned]
+        return plan
+
+    def _links_for(self, agent: Agent, tokens: list[int], fork_from: Optional[str]) -> Links:
+        """How the chain of `tokens` is seeded: along the agent's branch sharing the most blocks
+        with it, or the fork parent's if that shares more whole blocks; re-seeded with the agent's
+        namespace where its own blocks begin."""
+        best: Links = ()
+        d = 0
+        for br in agent.branches:
+            k = common(self.chains.ids(br.links, tokens), br.block_ids)
+            if k > d:
+                best, d = br.links, k
+        parent = self.agents.get(fork_from) if fork_from and fork_from != agent.namespace else None
+        if parent is not None and agent.persistent:
+            full = len(tokens) // self.block_size
+            for br in parent.branches:
+                k = min(common(self.chains.ids(br.links, tokens), br.block_ids),
+                        full, br.n_tokens // self.block_size)  # whole blocks only
+                if k > d:
+                    best, d = br.links, k
+        links = tuple((i, ns) for i, ns in best if i < d)
+        if not links or links[-1][1] != agent.namespace:
+            links += ((d, agent.namespace),)
+        return links
+
+    def _hot_prefixes(self, agent: Agent, tokens: list[int]) -> list[tuple[int, int, dict]]:
+        """(start, how many of its tokens lie on `tokens`, arrays) of the agent's hot blocks along its
+        branches, as far as each branch agrees (their recurrent-state checkpoints carry over)."""
+        out = []
+        for br in agent.branches:
+            start = 0
+            for bid in br.block_ids:
+                block = self.table.blocks.get(bid)
+                if block is None or block.layers is None:
+                    break
+                n = len(block.tokens)
+                ok = lcp(block.tokens, tokens[start : start + n])
+                out.append((start, ok, block.layers))
+                if ok < n:
+                    break
+                start += n
+        return out
+
+    # ---- build (no lock) ------------------------------------------------------------------------
+
+    def build(self, plan: Plan, cache: list) -> Built:
+        """Slice the new blocks out of `cache` and make the disk's numpy copies: the MLX work.
+
+        When every block can, the turn's blocks are views of the cache's arrays (one Run), so the
+        next lookup takes them whole instead of concatenating; the Run's bytes are then exactly its
+        members'. Otherwise (a fork's shared prefix) new blocks are copies."""
+        n_valid = len(plan.tokens)
+        checkpoints = self.codec.live_checkpoints(cache, n_valid) + self._old_checkpoints(plan)
+        built = Built()
+        if all(s.what != "keep" for s in plan.steps):
+            arrays = self.codec.token_arrays(cache)
+            built.run = Run({n: mx.contiguous(a[..., :n_valid, :]) for n, a in arrays.items()}, [])
+        whole = built.run.arrays if built.run is not None else None
+        for s in plan.steps:
+            end = s.start + len(s.tokens)
+            if s.what == "new":
+                built.layers[s.block_id] = self.codec.slice(cache, s.start, end, checkpoints, whole)
+            elif s.what == "same" and whole is not None:
+                built.layers[s.block_id] = {**{n: a for n, a in s.layers.items() if n not in whole},
+                                            **{n: a[..., s.start : end, :] for n, a in whole.items()}}
+        new = [built.layers[s.block_id] for s in plan.steps if s.what == "new"]
+        if new:
+            mx.eval([a for layers in new for a in layers.values()])
+        if self.persister is not None and plan.agent.persistent:
+            for s in plan.steps:
+                if s.what == "new":
+                    built.datas[s.block_id] = _to_numpy(s.block_id, s.tokens, built.layers[s.block_id], self.codec)
+            for block, layers in plan.unsaved:
+                built.datas[block.block_id] = _to_numpy(block.block_id, block.tokens, layers, self.codec)
+        return built
+
+    def _old_checkpoints(self, plan: Plan) -> list:
+        """Recurrent-state checkpoints in the agent's hot blocks that still lie on the turn's tokens,
+        so that rebuilding the block holding one (a grown tail) carries it over."""
+        out = []
+        for start, ok, layers in plan.old_hot:
+            out += [(p, s) for p, s in self.codec.block_checkpoints(layers, start) if p - start <= ok]
+        return list({p: (p, s) for p, s in out}.values())
+
+    # ---- install (lock held) --------------------------------------------------------------------
+
+    def stale(self, plan: Plan, epoch: int) -> bool:
+        """Whether something the plan relied on changed since (another thread erased or synced)."""
+        if epoch == plan.epoch:
+            return False
+        for s in plan.steps:
+            block = self.table.blocks.get(s.block_id)
+            if s.what == "keep" and block is None:
+                return True
+            if s.what == "same" and (block is not s.block or block.layers is not s.layers):
+                return True
+        return plan.agent.persistent and self.agents.get(plan.agent.namespace) not in (None, plan.agent)
+
+    def install(self, plan: Plan, built: Built) -> tuple[list[str], Optional[Future]]:
+        """Name the turn's blocks as the agent's newest branch (branches it continues are replaced by
+        it, and beyond `max_branches` the least recently used goes), make the new ones hot and queue
+        the save. Returns (dead block ids, the save's future or None)."""
+        agent, tokens = plan.agent, plan.tokens
+        if agent.persistent and self.agents.get(agent.namespace) is not agent:
+            self.agents.add(agent)  # registered first, so the blocks it counts count it as hot
+        elif not agent.persistent and agent.namespace not in self.agents.anonymous:
+            self.agents.add(agent)
+        limit = self.max_branches if agent.persistent else 1
+        kept = [br for br in agent.branches if not self.chains.continues(br, tokens)]
+        kept.append(Branch(plan.ids, len(tokens), plan.links))
+        if len(kept) > limit:
+            self.stats["branches_evicted"] += len(kept) - limit
+            kept = kept[-limit:]
+        dead = self.table.name(agent, kept)
+        run = built.run
+        for s in plan.steps:
+            layers = built.layers.get(s.block_id)
+            block = self.table.blocks.get(s.block_id)
+            if layers is None or block is None:
+                continue
+            if s.what == "same" and (block is not s.block or block.layers is not s.layers):
+                continue  # changed meanwhile: it keeps what it has
+            if s.what == "new":
+                block.tokens = s.tokens
+                block.state = BlockState.PENDING  # rewritten; the store skips a file already valid
+            self.table.set_layers(block, layers, agent, (run, s.start) if run is not None else None)
+            if run is not None:
+                run.members.append(block)
+        self.agents.touch(agent)
+        self.stats["tokens_stored"] += len(tokens)
+        future = None
+        if agent.persistent and self.persister is not None:
+            # Every unsaved block the manifest will name, in any branch (a failed earlier turn's too):
+            # the manifest is written only after all of them are durable.
+            unsaved = [b for b in (self.table.blocks.get(x) for x in agent.ids)
+                       if b is not None and b.state == BlockState.PENDING and b.layers is not None
+                       and b.block_id in built.datas]
+            future = self.on_saved(agent, unsaved, built.datas, dead)
+        return dead, future
+
+
+def _to_numpy(bid: str, tokens: tuple, layers: dict, codec: ModelCodec) -> BlockData:
+    import numpy as np
+
+    arrays, dtypes = codec.to_numpy(layers)
+    return BlockData(bid, np.asarray(tokens, dtype=np.int32), arrays, dtypes)
+
+
+__all__ = ["Commit", "Plan", "Built", "manifest_of"]
