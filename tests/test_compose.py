@@ -1,0 +1,298 @@
+"""Features used together, in the pool and its persister on real MLX (a tiny llama): each test is a
+defect found when forks, budgets, restarts, erasure, the fleet and slow disks met, kept as a
+regression. End to end, through real servers: tests/test_e2e_interactions.py; every operation at
+random: tests/test_state_machine.py.
+
+Tolerances: reused K/V is compared bit for bit with what was stored (assert_same_cache); "returns
+within" bounds are wall-clock seconds with a wide margin over the measured time (milliseconds), and
+far under the injected delay they guard against.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from vllm_mlx_persist import faults, store as store_mod
+from vllm_mlx_persist.identity import model_fingerprint
+from vllm_mlx_persist.pool import BlockPool
+from vllm_mlx_persist.store import DiskStore
+from vllm_mlx_persist.tools.models import build_model
+from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    m, _ = build_model("llama", "tiny", seed=0)
+    return m
+
+
+def make(model, root, *, hot_bytes=1 << 30, disk_budget=1 << 40, fingerprint=None, **kw) -> BlockPool:
+    fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
+    fp = fingerprint or model_fingerprint(model, None, fmt)
+    pool = BlockPool(fingerprint=fp, n_layers=len(model.layers), bits=BITS, group_size=GROUP, block_size=BLOCK,
+                     hot_bytes=hot_bytes, store=DiskStore(root, fp, {"test": True}, fmt), disk_budget=disk_budget, **kw)
+    pool.load_manifests()
+    return pool
+
+
+def serve(pool, model, agent, seq, fork_from=None, request_id=None):
+    """One request: lookup, prefill what is new, commit (durably); returns the tokens reused."""
+    hit, n, _ = pool.lookup(agent, seq, request_id=request_id, fork_from=fork_from)
+    cache, _ = prefill(model, seq[n:], hit) if n else prefill(model, seq)
+    assert pool.commit(agent, seq, cache, request_id=request_id, fork_from=fork_from) == len(seq)
+    if request_id is not None:
+        pool.finish(request_id)
+    return n
+
+
+def within(seconds: float, fn, *args):
+    """fn(*args) on a thread, which must return within `seconds` (a hang fails the test, never hangs it)."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(fn(*args)), daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"{getattr(fn, '__name__', fn)} did not return within {seconds} s"
+    return out[0] if out else None
+
+
+@pytest.fixture
+def slow_disk(tmp_path, monkeypatch):
+    """slow_disk(seconds, steps): the store sleeps before those steps while the returned switch exists."""
+    def install(seconds: float, steps: str):
+        switch = tmp_path / f"slow-{steps.replace(',', '-')}"
+        switch.touch()
+        monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"sleep={seconds}:{steps}@{switch}"))
+        return switch
+    return install
+
+
+def test_a_fork_after_a_restart_under_a_hot_budget_neither_hangs_nor_fails(model, tmp_path):
+    """A child with a history of its own asks again naming its parent after a restart: the parent's
+    blocks it reads (its partial tail, which the child's own branch lacks) are counted by the parent,
+    which names them, so evicting the child empties it and the budget loop ends (before: the child
+    kept bytes it did not name, was picked forever with the pool's lock held: the server hung).
+    The child's first request after the restart under a full hot tier gets the parent's prefix (before:
+    `'NoneType' object is not subscriptable` once the budget evicted the parent's blocks in use)."""
+    doc = tokens(70)  # 4 whole blocks and a partial tail
+    pool = make(model, tmp_path)
+    serve(pool, model, "parent", doc)
+    child_own = doc[:64] + tokens(40, seed=1)  # shares the whole blocks, not the tail
+    serve(pool, model, "child", child_own, fork_from="parent")
+    serve(pool, model, "other", tokens(60, seed=2))
+    stored = pool.lookup("parent", doc + [1])[0]
+    pool.close()
+
+    one_block = sum(a.nbytes for c in prefill(model, doc[:BLOCK])[0] for part in c.to_arrays() for a in part)
+    pool = make(model, tmp_path, hot_bytes=2 * one_block)  # far less than one agent
+    hit, n, tier = within(20, pool.lookup, "child", doc + tokens(5, seed=3), None, "parent")
+    assert (n, tier) == (70, "disk")  # the parent's tail too: longer than the child's own 64
+    assert_same_cache(hit, stored)
+    assert pool.check() == []
+    within(20, serve, pool, model, "other", tokens(60, seed=2) + [7, 8])  # evicts the child: must end
+    within(20, serve, pool, model, "child", doc + tokens(9, seed=4), "parent")
+    assert pool.check() == []
+    pool.close()
+
+
+def test_a_disk_budget_erasure_spares_blocks_a_queued_save_names(model, tmp_path, slow_disk):
+    """The parent is the least recently used agent when another agent's save pushes the disk over
+    budget, while its fork child's save (naming the parent's blocks) is still queued: the parent goes,
+    its blocks stay for the child's manifest (before: deleted, and the child's acknowledged turn
+    reused nothing after a restart)."""
+    doc = tokens(64)
+    probe = make(model, tmp_path / "probe")
+    serve(probe, model, "x", doc)
+    probe.flush()
+    one = probe.snapshot()["disk_bytes"]
+    probe.close()
+
+    pool = make(model, tmp_path / "root", disk_budget=int(one * 1.5))
+    serve(pool, model, "parent", doc)
+    pool.flush()
+    switch = slow_disk(0.3, "write")  # the next saves queue up behind slow writes
+    big = tokens(64, seed=5)
+    _, f_big = pool.commit_async("big", big, prefill(model, big)[0])
+    child = doc + tokens(20, seed=6)
+    hit, n, _ = pool.lookup("child", child, fork_from="parent")
+    assert n == 64
+    cache, _ = prefill(model, child[n:], hit)
+    n_child, f_child = pool.commit_async("child", child, cache, fork_from="parent")
+    switch.unlink()
+    assert f_big.result(30) and f_child.result(30)
+    pool.flush()
+    s = pool.snapshot()
+    assert s["budget_erasures"] >= 1 and pool.agent("parent") is None  # the budget did erase the parent
+    pool.close()
+
+    restarted = make(model, tmp_path / "root", disk_budget=int(one * 1.5))
+    assert restarted.lookup("child", child + [1])[1] == len(child)  # every block of its manifest is there
+    restarted.close()
+
+
+def test_pinned_agents_are_never_erased_by_the_disk_budget(model, tmp_path):
+    pool = make(model, tmp_path, disk_budget=1)  # nothing fits
+    serve(pool, model, "keep", tokens(40))
+    assert pool.set_pinned("keep", True)
+    for i in range(3):
+        serve(pool, model, f"a{i}", tokens(40, seed=i + 1))
+    pool.flush()
+    s = pool.snapshot()
+    assert pool.agent("keep") is not None and pool.persister.disk_agent("keep") is not None
+    assert s["budget_blocked"] >= 1 and s["disk_bytes"] > s["disk_budget_bytes"]  # over budget, said so
+    pool.close()
+    restarted = make(model, tmp_path, disk_budget=1)
+    assert restarted.lookup("keep", tokens(40) + [1])[1] == 40
+    restarted.close()
+
+
+def test_quarantined_files_count_in_the_disk_budget_and_go_first(model, tmp_path):
+    pool = make(model, tmp_path)
+    serve(pool, model, "a", tokens(40))
+    pool.flush()
+    before = pool.snapshot()["disk_bytes"]
+    junk = dataclasses.replace(pool.store.read_block(pool.agent("a").block_ids[0]), block_id="ab" * 32)
+    size = pool.store.write_block(junk)
+    pool.store.quarantine_block(junk.block_id, "test")
+    assert pool.snapshot()["disk_bytes"] == before + size  # moved aside, still counted
+    pool.persister.disk_budget = before  # the next turn's blocks put it over
+    serve(pool, model, "a", tokens(40) + tokens(20, seed=1))
+    pool.flush()
+    s = pool.snapshot()
+    assert s["quarantine_removed"] == 1 and pool.store.quarantine_bytes == 0  # reclaimed first
+    assert s["budget_erasures"] == 0 and pool.agent("a") is not None  # the agent in use is never erased
+    pool.close()
+
+
+def test_erasure_reaches_every_model_directory_under_the_root(model, tmp_path):
+    """An agent used with two models (or two cache formats) under one root: erasing it through the
+    server of one removes its manifest and the blocks only it names under the other too."""
+    other = make(model, tmp_path, fingerprint="f" * 64)
+    serve(other, model, "a", tokens(40))
+    serve(other, model, "b", tokens(40, seed=1))
+    other.flush()
+    other_dir = other.store.dir
+    a_blocks = set(other.agent("a").ids)
+    other.close()
+
+    pool = make(model, tmp_path)
+    serve(pool, model, "a", tokens(40))
+    assert pool.erase("a")
+    assert not (other_dir / "agents" / f"{DiskStore.agent_key('a')}.json").exists()
+    assert not any((other_dir / "blocks" / b[:2] / f"{b}.safetensors").exists() for b in a_blocks)
+    assert pool.snapshot()["erased_elsewhere"] == 1
+    pool.close()
+    again = make(model, tmp_path, fingerprint="f" * 64)
+    assert again.lookup("a", tokens(40) + [1])[1] == 0 and again.lookup("b", tokens(40, seed=1) + [1])[1] == 40
+    again.close()
+
+
+def test_a_fleet_sync_that_read_an_agent_before_its_erasure_is_refused(model, tmp_path):
+    """An erasure racing a fleet sync of the agent (unknown here: the state check compared None with
+    None and the fetched history came back after the 200)."""
+    pool = make(model, tmp_path)
+    expect = pool.agent_version("x")
+    assert pool.erase("x") is False
+    assert pool.save_fetched("x", [], [], expect, lambda m: None) is None
+    pool.close()
+
+
+def test_nothing_waits_for_a_slow_disk_behind_the_pools_lock(model, tmp_path, slow_disk):
+    """A lookup reading an agent's blocks from a slow disk holds no lock meanwhile: the event loop's
+    calls (read-ahead, readiness), the admin API's and the stats answer at once (before: behind the
+    read, up to 30 s)."""
+    pool = make(model, tmp_path)
+    seq = tokens(70)
+    serve(pool, model, "a", seq)
+    serve(pool, model, "b", tokens(40, seed=1))
+    pool.close()
+    pool = make(model, tmp_path)
+    slow_disk(1.5, "read")
+    worker = threading.Thread(target=pool.lookup, args=("a", seq + [1]), daemon=True)
+    worker.start()
+    time.sleep(0.3)  # the lookup is waiting for its reads
+    for call, args in ((pool.prefetch, ("b",)), (pool.pending_reads, (["a"],)), (pool.agent_info, ("b",)),
+                       (pool.list_agents, (10,)), (pool.snapshot, ()), (pool.agent_version, ("a",))):
+        t = time.perf_counter()
+        call(*args)
+        assert time.perf_counter() - t < 0.25, call.__name__
+    assert worker.is_alive()  # it was still reading throughout
+    worker.join(30)
+    pool.close()
+
+
+def test_a_full_write_queue_never_makes_the_worker_wait(model, tmp_path, slow_disk):
+    """Back-pressure is off the worker: a turn that finds the write queue full is dropped from it at
+    once (counted), its blocks stay unsaved in memory, and the agent's next save writes them."""
+    pool = make(model, tmp_path, persister_options={"queue_bytes": 1})
+    switch = slow_disk(1.0, "write")
+    first = tokens(40)
+    _, f1 = pool.commit_async("a", first, prefill(model, first)[0])
+    other = tokens(40, seed=1)
+    t = time.perf_counter()
+    _, f2 = pool.commit_async("b", other, prefill(model, other)[0])
+    assert time.perf_counter() - t < 0.5 and f2.result(0) is False  # not waited for: dropped
+    switch.unlink()
+    assert f1.result(30)
+    hit, n, _ = pool.lookup("b", other + [2])
+    assert n == 40  # still in memory
+    grown = other + [2, 3]
+    cache, _ = prefill(model, grown[n:], hit)
+    assert pool.commit("b", grown, cache) == len(grown)
+    pool.flush()
+    pool.close()
+    restarted = make(model, tmp_path)
+    assert restarted.lookup("b", grown + [4])[1] == len(grown)  # the dropped turn's blocks were written
+    restarted.close()
+
+
+def test_read_ahead_holds_at_most_its_byte_budget(model, tmp_path):
+    pool = make(model, tmp_path)
+    seq = tokens(16 * BLOCK)
+    serve(pool, model, "a", seq)
+    pool.flush()
+    one = pool.persister.block_size_of(pool.agent("a").block_ids[0])
+    pool.close()
+    pool = make(model, tmp_path, read_ahead_bytes=3 * one)
+    pool.flush()  # the disk index knows the block sizes
+    assert pool.prefetch("a") == 3
+    s = pool.snapshot()
+    assert s["prefetch_bytes"] <= 3 * one and s["read_ahead_over_budget"] == 1
+    hit, n, _ = pool.lookup("a", seq + [1])
+    assert n == len(seq)  # the lookup reads the rest itself, a budget at a time
+    assert pool.check() == []
+    pool.close()
+
+
+def test_commit_plans_again_when_an_erasure_lands_between_plan_and_install(model, tmp_path):
+    """The commit's MLX work runs without the lock; an erasure of the fork parent meanwhile (the
+    admin API's thread) removes blocks the plan kept by reference: the commit plans again and slices
+    them from its own cache, so the child's history is whole after a restart."""
+    pool = make(model, tmp_path)
+    doc = tokens(64)
+    serve(pool, model, "parent", doc)
+    child = doc + tokens(20, seed=1)
+    hit, n, _ = pool.lookup("child", child, fork_from="parent")
+    cache, _ = prefill(model, child[n:], hit)
+    build = pool.committer.build
+
+    def erase_then_build(plan, c):
+        if not getattr(erase_then_build, "done", False):
+            erase_then_build.done = True
+            threading.Thread(target=pool.erase, args=("parent",)).start()
+            time.sleep(0.5)
+        return build(plan, c)
+
+    pool.committer.build = erase_then_build
+    assert pool.commit("child", child, cache, fork_from="parent") == len(child)
+    assert pool.stats["commit_replans"] == 1 and pool.check() == []
+    pool.flush()
+    pool.close()
+    restarted = make(model, tmp_path)
+    got, n, _ = restarted.lookup("child", child + [1])
+    assert n == len(child)
+    assert_same_cache(got, cache)
+    restarted.close()
