@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -504,6 +506,141 @@ def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
     # B learns of the erasure through its own refused put: the callback fires
     b.put(manifest("gone", new + hist[:1]), {**blocks, **{x.block_id: x for x in new}}); b.flush(10)
     assert erased_seen == ["gone"] and a.get_manifest("gone").erased
+
+
+# ---- versions: builds of different formats sharing one Redis -------------------------------------
+
+# The last build before blocks carried crc32 (8b66dfa): it knows only sha256 checksums and deleted
+# crc32 blocks from Redis as damaged when both shared one keyspace.
+OLD_BUILD = "cb2a569"
+# Run by that build in a subprocess. It imports this module for chain() and manifest(), so this
+# module imports nothing from vllm_mlx_persist.remote at its top but RemoteTier.
+OLD_BUILD_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from test_remote import chain, manifest
+from vllm_mlx_persist.remote import RemoteTier
+url, fp, agent, *ids = sys.argv[2:]
+t = RemoteTier(url, fp)
+out = {"manifest": t.get_manifest(agent) is not None, "blocks": [t.get_block(b) is not None for b in ids]}
+own = chain(fp, "old-agent", 2, seed=3)
+t.put(manifest("old-agent", own), {b.block_id: b for b in own})
+t.flush(10)
+out["own_ids"] = [b.block_id for b in own]
+out["own"] = [t.get_block(b) is not None for b in out["own_ids"]]
+out["refused"] = t.stats()["refused"]
+t.close(2)
+print(json.dumps(out))
+"""
+
+
+def old_build(tmp_path: Path) -> Path:
+    """The package as it was at OLD_BUILD, extracted under tmp_path (skips without git history)."""
+    root = Path(__file__).resolve().parent.parent
+    git = shutil.which("git")
+    if git is None or subprocess.run([git, "cat-file", "-e", OLD_BUILD], cwd=root,
+                                     capture_output=True).returncode != 0:
+        pytest.skip(f"needs git and commit {OLD_BUILD} (the build before crc32 blocks)")
+    archive = subprocess.run([git, "archive", OLD_BUILD, "vllm_mlx_persist"], cwd=root, capture_output=True,
+                             check=True).stdout
+    dest = tmp_path / "old-build"
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def test_an_older_build_sharing_the_redis_neither_sees_nor_deletes_this_builds_values(server, fp, tiers,
+                                                                                        tmp_path):
+    """The issue: a server not yet upgraded read crc32 blocks as damaged and deleted them. Now each
+    remote format version has its own keyspace: the older build runs beside this one, on its own keys."""
+    hist = chain(fp, "new-agent", 3)
+    ids = [x.block_id for x in hist]
+    a = tiers(server.url, fp)
+    assert a.put(manifest("new-agent", hist), {x.block_id: x for x in hist}) and a.flush(10)
+    old = old_build(tmp_path)
+    done = subprocess.run([sys.executable, "-c", OLD_BUILD_SCRIPT, str(Path(__file__).parent), server.url, fp,
+                           "new-agent", *ids], capture_output=True, text=True, timeout=120,
+                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})  # cwd: not this checkout
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["manifest"] is False and seen["blocks"] == [False] * 3 and seen["refused"] == 0
+    assert seen["own"] == [True, True]  # the older build works on its own keys
+    # this build's values are intact, and it leaves the older build's keys alone
+    b = tiers(server.url, fp)
+    assert [x.block_id for x in b.get_blocks(ids)] == ids and b.get_manifest("new-agent").n_tokens == 48
+    raw = server.client()
+    old_keys = [f"vmp:{fp[:32]}:b:{i}" for i in seen["own_ids"]] + [
+        f"vmp:{fp[:32]}:a:{hashlib.sha256(b'old-agent').hexdigest()}"]
+    assert b.get_blocks(seen["own_ids"]) == [] and b.get_manifest("old-agent") is None
+    assert all(raw.exists(k) for k in old_keys)
+    assert b.stats()["refused"] == b.stats()["foreign"] == 0
+
+
+def with_metadata(raw: bytes, **meta: str) -> bytes:
+    """A block file's bytes with these __metadata__ entries changed (data section untouched)."""
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + hlen])
+    header["__metadata__"].update(meta)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)
+    return len(head).to_bytes(8, "little") + head + raw[8 + hlen :]
+
+
+def test_a_block_of_a_format_this_build_cannot_read_is_left_in_redis(server, fp, tiers):
+    """Our own refusal path deletes only what it can judge: a value that says it is our block in a
+    later format version or with a checksum kind unknown here is 'not mine', not 'damaged'."""
+    hist = chain(fp, "newer", 3)
+    by_id = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp)
+    assert a.put(manifest("newer", hist), by_id) and a.flush(10)
+    raw = server.client()
+    good = [raw.get(a.block_key(x.block_id)) for x in hist]
+    newer = {hist[0].block_id: with_metadata(good[0], checksum="xxh3:0123456789abcdef"),
+             hist[1].block_id: with_metadata(good[1], format_version="2")}
+    for bid, value in newer.items():
+        raw.set(a.block_key(bid), value)
+    for bid, value in newer.items():
+        assert a.get_block(bid) is None
+        assert raw.get(a.block_key(bid)) == value  # not deleted
+    s = a.stats()
+    assert (s["foreign"], s["refused"]) == (2, 0)
+    # a damaged block of this format is still refused and deleted, so a put can store a good copy
+    flipped = bytearray(good[2])
+    flipped[-3] ^= 0x10
+    raw.set(a.block_key(hist[2].block_id), bytes(flipped))
+    assert a.get_block(hist[2].block_id) is None and raw.get(a.block_key(hist[2].block_id)) is None
+    assert a.stats()["refused"] == 1
+
+
+def test_two_remote_format_versions_coexist(server, fp, tiers, monkeypatch):
+    import vllm_mlx_persist.remote as remote
+
+    hist = chain(fp, "both", 3)
+    by_id = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp)
+    monkeypatch.setattr(remote, "REMOTE_FORMAT_VERSION", remote.REMOTE_FORMAT_VERSION + 1)
+    b = tiers(server.url, fp)
+    assert a.stats()["keyspace"] != b.stats()["keyspace"]
+    assert a.put(manifest("both", hist[:2]), by_id) and b.put(manifest("both", hist), by_id)
+    assert a.flush(10) and b.flush(10)
+    assert (a.get_manifest("both").n_tokens, b.get_manifest("both").n_tokens) == (32, 48)
+    assert a.get_manifest("both").version == b.get_manifest("both").version == 1  # no interplay
+    raw = server.client()
+    assert len(list(raw.scan_iter(match=f"vmp:{fp[:32]}:*"))) == 2 * (1 + 1) + 2 + 3  # model, manifest, blocks
+    assert all(t.stats()["refused"] == t.stats()["foreign"] == 0 for t in (a, b))
+
+
+def test_the_remote_version_pins_what_its_keyspace_holds():
+    """A tripwire: keyspace r2 holds store FORMAT_VERSION 1 blocks checked by crc32 or sha256, and
+    every r2 reader accepts exactly those. A build that writes anything else must bump
+    REMOTE_FORMAT_VERSION (docs/fleet.md, Versions), or it deletes, or is deleted by, its peers."""
+    import vllm_mlx_persist.remote as remote
+    from vllm_mlx_persist import store
+
+    raw = encode_block(chain("f" * 64, "t", 1)[0])
+    meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    assert (store.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
+    assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
 
 
 # ---- faults ------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ redis = pytest.importorskip("redis", reason='the fleet extra is not installed: p
 import redis.cluster  # noqa: E402
 
 from test_remote import SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
-from vllm_mlx_persist.remote import RemoteTier  # noqa: E402
+from vllm_mlx_persist.remote import REMOTE_FORMAT_VERSION, RemoteTier  # noqa: E402
 
 NODE_TIMEOUT_MS = 2000
 
@@ -267,7 +267,7 @@ def _one_node_killed(c: RedisClusterServers, fp: str, tiers) -> None:
     # master); not the one holding the model key (a server's first command checks it, docs/fleet.md).
     victim = c.port_of_slot(0)
     fp = next(f for f in (hashlib.sha256(f"{fp}{i}".encode()).hexdigest() for i in range(100))
-              if c.port_of(f"vmp:{f[:32]}:model") != victim)
+              if c.port_of(f"vmp:{f[:32]}:r{REMOTE_FORMAT_VERSION}:model") != victim)
     a = tiers(f"redis://127.0.0.1:{victim}/0", fp, cluster=True, **kw)
     model_port = c.port_of(a._model_key)
     assert model_port != victim

@@ -47,10 +47,20 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from .store import (FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id, _check_branches,
-                    decode_block, encode_block)
+from .store import (_BLOCK_FORMAT, FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id,
+                    _check_branches, decode_block, encode_block)
 
 logger = logging.getLogger("vllm_mlx_persist.remote")
+
+# The version of everything this tier writes to Redis: key layout, block values, manifest fields and
+# body. It names the keyspace (vmp:<fingerprint[:32]>:r2:...), and a build reads and writes only its
+# own, so builds of different versions sharing one Redis never see each other's values.
+# Rule (docs/fleet.md, "Versions"): a build may write into keyspace rN only what every build that
+# reads rN accepts; any change an older reader of rN would refuse (a new block checksum kind or
+# store.FORMAT_VERSION, a manifest field it cannot ignore, another key layout) bumps it.
+REMOTE_FORMAT_VERSION = 2
+# The block checksum kinds every r2 reader verifies (store.decode_block): the only ones r2 may hold.
+BLOCK_CHECKSUM_KINDS = ("crc32", "sha256")
 
 _MANIFEST_FORMAT = "vllm-mlx-persist.remote-manifest"
 _MODEL_FORMAT = "vllm-mlx-persist.remote-model"
@@ -183,6 +193,28 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def _newer_block(data: Any) -> Optional[str]:
+    """What a block value that failed decode_block says it is, when that is our block format in
+    a version or with a checksum kind this build does not know (a value not ours to judge, so not
+    to delete); None for anything else (damaged: its header does not parse or its checks fail)."""
+    try:
+        hlen = int.from_bytes(data[:8], "little")
+        if not 0 < hlen <= min(len(data) - 8, 16 << 20):
+            return None
+        meta = json.loads(bytes(data[8 : 8 + hlen]))["__metadata__"]
+        fmt, version, checksum = meta["format"], meta["format_version"], meta["checksum"]
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        return None
+    if fmt != _BLOCK_FORMAT or not isinstance(version, str) or not isinstance(checksum, str):
+        return None
+    if version != str(FORMAT_VERSION) and version.isdigit():
+        return f"block format version {version}"
+    kind, sep, _ = checksum.partition(":")
+    if sep and re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", kind) and kind not in BLOCK_CHECKSUM_KINDS:
+        return f"a block with a {kind} checksum"
+    return None
+
+
 def _agent_key(namespace: str) -> str:
     if not isinstance(namespace, str) or not namespace:
         raise ValueError("agent id (namespace) must be a non-empty string")
@@ -246,7 +278,8 @@ class _Lua:
 class RemoteTier:
     """Blocks (content-addressed, SET NX) and per-agent manifests (versioned, compare-and-set by a
     Lua script) in one Redis, or a Redis Cluster with `cluster=True` (every command touches one key),
-    for one model fingerprint. See the module docstring for the interface."""
+    for one model fingerprint, in the keyspace of this REMOTE_FORMAT_VERSION. See the module
+    docstring for the interface."""
 
     def __init__(
         self,
@@ -308,12 +341,13 @@ class RemoteTier:
         self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
         self.max_agents, self.max_erasures = max_agents, max_erasures
         self.on_erased = on_erased
-        self._prefix = f"{key_prefix}:{fingerprint[:32]}:"
+        self._prefix = f"{key_prefix}:{fingerprint[:32]}:r{REMOTE_FORMAT_VERSION}:"
         self._model_key = self._prefix + "model"
-        self._model_value = _canonical({"format": _MODEL_FORMAT, "format_version": FORMAT_VERSION,
-                                        "fingerprint": fingerprint})
+        self._model_value = _canonical({"format": _MODEL_FORMAT, "remote_version": REMOTE_FORMAT_VERSION,
+                                        "format_version": FORMAT_VERSION, "fingerprint": fingerprint})
         self._model_ok = False
         self._disabled: Optional[str] = None  # why the tier refuses to run (another model's keys)
+        self._warned: set[str] = set()  # kinds of refusal already logged at WARNING
         no_script = redis.exceptions.NoScriptError
         self._put_script = _Lua(_PUT_LUA, no_script)
         self._erase_script = _Lua(_ERASE_LUA, no_script)
@@ -328,8 +362,8 @@ class RemoteTier:
         self._c = dict.fromkeys(
             ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
              "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "fetch_round_trips", "hits",
-             "misses", "refused", "bytes_down", "manifest_gets", "manifest_hits", "erases", "erases_done",
-             "errors", "timeouts", "skipped"], 0)
+             "misses", "refused", "foreign", "bytes_down", "manifest_gets", "manifest_hits", "erases",
+             "erases_done", "errors", "timeouts", "skipped"], 0)
 
         self._q: deque = deque()
         self._q_puts = 0
@@ -435,7 +469,8 @@ class RemoteTier:
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
         """The block, verified exactly as a disk block (store.decode_block); None when absent,
-        refused (damaged or foreign: deleted from Redis if unchanged) or unreachable in time."""
+        refused (damaged or another block's: deleted from Redis if unchanged), of a format this
+        build cannot read (left alone) or unreachable in time."""
         got = self.get_blocks([block_id])
         return got[0] if got else None
 
@@ -478,13 +513,22 @@ class RemoteTier:
         return pipe.execute()
 
     def _verify(self, block_id: str, key: str, raw: Optional[bytes]) -> Optional[BlockData]:
-        """A value read from Redis as a block, or None (absent, or refused and deleted if unchanged)."""
+        """A value read from Redis as a block, or None: absent; refused (damaged: deleted if
+        unchanged, so a put can store a good copy); or not ours to judge (a newer format of ours:
+        left in place)."""
         if raw is None:
             self._count("misses")
             return None
         try:
             block = decode_block(raw, block_id)
         except BadBlockError as e:
+            newer = _newer_block(raw)
+            if newer is not None:
+                self._count("foreign")
+                self._warn_once("block-foreign", "fleet: block %s in Redis is %s, which this build cannot read; "
+                                "left in place (a build of another format wrote it into this keyspace; "
+                                "further ones: debug log)", block_id, newer)
+                return None
             self._count("refused")
             logger.warning("fleet: refused block %s from Redis (%s); deleting it", block_id, e)
             digest = hashlib.sha1(raw).hexdigest()
@@ -645,6 +689,7 @@ class RemoteTier:
         out["state"] = self._disabled or ("ok" if out["connected"] else
                                           "not contacted yet" if self._connected is None else "unreachable")
         out["url"] = self.url_redacted
+        out["keyspace"] = self._prefix
         return out
 
     # ---- internals: bookkeeping ---------------------------------------------------------------------
@@ -691,6 +736,13 @@ class RemoteTier:
             if version > st.seen:  # a new erasure: queued puts from before it must not revive it
                 st.seen = version
                 self._bump_gen(namespace)
+
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        """Log at WARNING the first time, then at DEBUG: values that keep coming must not flood the log."""
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        (logger.warning if first else logger.debug)(msg, *args)
 
     def _ensure_model(self, client: Any) -> None:
         """Check once per connection life that these keys belong to this exact model (as model.json
