@@ -152,6 +152,21 @@ def manifest(agent: str, blocks: list[BlockData]) -> Manifest:
     return Manifest(agent, [b.block_id for b in blocks], sum(len(b.tokens) for b in blocks), time.time())
 
 
+def plant(client, tier: RemoteTier, agent: str, m: Manifest | None = None, *, key: str | None = None,
+          version: int = 1, ident: str = "ab" * 8, body: bytes | None = None, tagger: RemoteTier | None = None) -> None:
+    """Write an agent's manifest (None: a tombstone) straight into Redis, tagged as `tagger` (default
+    `tier`) tags values: what anyone who can write to the Redis can write."""
+    key = key or tier.manifest_key(agent)
+    tagger = tagger or tier
+    if m is None:
+        fields = tagger._manifest_fields(key, version, ident, True)
+    else:
+        body = tier._manifest_body(m) if body is None else body
+        fields = tagger._manifest_fields(key, version, ident, False, m.n_tokens, tier._digest(m), body)
+    client.delete(key)
+    client.hset(key, mapping=dict(zip(fields[::2], fields[1::2])))
+
+
 def same_block(a: BlockData, b: BlockData) -> bool:
     return (a.block_id == b.block_id and np.array_equal(a.tokens, b.tokens) and a.dtypes == b.dtypes
             and a.arrays.keys() == b.arrays.keys()
@@ -385,10 +400,10 @@ def test_damaged_branches_are_refused(server, fp, tiers):
     raw = server.client()
     key = a.manifest_key("child")
     good = raw.hget(key, "body")
-    # one link's namespace changed, checksum not: refused
+    # one link's namespace changed, tag not: refused
     raw.hset(key, "body", good.replace(b'[2,"child"]', b'[2,"chilD"]', 1))
     assert a.get_manifest("child") is None and a.stats()["refused"] == 1
-    # checksummed, but not a valid manifest: a branch naming an unlisted block, a bad link, a newest
+    # tagged, but not a valid manifest: a branch naming an unlisted block, a bad link, a newest
     # branch whose tokens are not the manifest's
     bad = [
         Manifest("child", m.block_ids[:-1], m.n_tokens, time.time(), branches=branches),
@@ -398,9 +413,9 @@ def test_damaged_branches_are_refused(server, fp, tiers):
         Manifest("child", m.block_ids, m.n_tokens, time.time(), branches=[]),
     ]
     for i, x in enumerate(bad):
-        raw.hset(key, "body", a._manifest_body(x))
+        plant(raw, a, "child", x)
         assert a.get_manifest("child") is None and a.stats()["refused"] == 2 + i
-    raw.hset(key, "body", good)
+    plant(raw, a, "child", m)
     assert a.get_manifest("child").branches == branches
 
 
@@ -482,18 +497,20 @@ def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
     blocks = {x.block_id: x for x in hist}
     erased_seen = []
     a = tiers(server.url, fp)
-    b = tiers(server.url, fp, on_erased=erased_seen.append)
+    b = tiers(server.url, fp, on_erased=lambda agent, ident: erased_seen.append((agent, ident)))
     c = tiers(server.url, fp)
     b.put(manifest("gone", hist[:2]), blocks); b.flush(10)
     c.put(manifest("gone", hist[:2]), blocks); c.flush(10)
     assert a.get_manifest("gone").version == 1
     assert a.erase("gone") and a.flush(10)
     m = b.get_manifest("gone")
-    assert m.erased and m.block_ids == [] and m.version == 2
+    assert m.erased and m.block_ids == [] and m.version == 2 and not m.seen
+    assert a.get_manifest("gone").seen  # A erased it itself
     # C published before the erasure and never looked since: its next turn must not revive it
     c.put(manifest("gone", hist[:3]), blocks); c.flush(10)
     assert c.stats()["puts_erased"] == 1 and a.get_manifest("gone").erased
-    # B saw the erasure; a new conversation under the same id starts afresh
+    # B saw the erasure and dropped its copy; a new conversation under the same id starts afresh
+    assert b.erased_locally("gone", m.ident) and b.get_manifest("gone").seen
     new = chain(fp, "gone", 1, seed=7)
     b.put(manifest("gone", new), {x.block_id: x for x in new}); b.flush(10)
     m = a.get_manifest("gone")
@@ -503,9 +520,10 @@ def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
     a.put(manifest("gone", hist), blocks)
     a.erase("gone")
     assert a.flush(10) and a.get_manifest("gone").erased
-    # B learns of the erasure through its own refused put: the callback fires
+    # B learns of the erasure through its own refused put: the callback fires, naming the tombstone
     b.put(manifest("gone", new + hist[:1]), {**blocks, **{x.block_id: x for x in new}}); b.flush(10)
-    assert erased_seen == ["gone"] and a.get_manifest("gone").erased
+    m = a.get_manifest("gone")
+    assert m.erased and erased_seen == [("gone", m.ident)]
 
 
 # ---- versions: builds of different formats sharing one Redis -------------------------------------
@@ -641,6 +659,105 @@ def test_the_remote_version_pins_what_its_keyspace_holds():
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
     assert (store.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
     assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
+
+
+# ---- tombstones: an erasure holds fleet-wide -------------------------------------------------------
+
+
+def test_a_server_that_read_the_tombstone_cannot_put_its_old_history_back(server, fp, tiers):
+    """B holds agent X locally and never published it; X is erased on A. B's sync reads the tombstone,
+    and a save job of B's old history ends after that read (the tier has no way to tell it from a
+    turn made after B erased its copy): its put must not bring X back. Nor may C's, which never
+    synced X. Only once B has dropped its copy (erased_locally) does its put start a new history."""
+    hist = chain(fp, "x", 3)
+    blocks = {x.block_id: x for x in hist}
+    met = []
+    a = tiers(server.url, fp)
+    b = tiers(server.url, fp, on_erased=lambda agent, ident: met.append((agent, ident)))
+    c = tiers(server.url, fp)
+    assert a.erase("x") and a.flush(10)
+    tomb = b.get_manifest("x")
+    assert tomb.erased
+    assert b.put(manifest("x", hist), blocks) and b.flush(10)
+    assert a.get_manifest("x").erased and b.stats()["puts_erased"] == 1
+    assert c.put(manifest("x", hist), blocks) and c.flush(10)
+    assert a.get_manifest("x").erased and c.stats()["puts_erased"] == 1
+    assert not tomb.seen and met == [("x", tomb.ident)]
+    assert not b.erased_locally("x", "not-that-one")
+    assert b.erased_locally("x", tomb.ident) and b.get_manifest("x").seen
+    new = chain(fp, "x", 1, seed=5)
+    assert b.put(manifest("x", new), {new[0].block_id: new[0]}) and b.flush(10)
+    m = a.get_manifest("x")
+    assert not m.erased and m.block_ids == [new[0].block_id] and m.version == tomb.version + 1
+
+
+def test_a_tombstone_written_after_the_manifest_expired_is_not_mistaken_for_one_seen(server, fp, tiers):
+    """Versions start again once a key expires: B published X as version 1, the manifest expired (or
+    was evicted), and A's erasure wrote a tombstone that is version 1 too. B has not seen it."""
+    hist = chain(fp, "y", 3)
+    blocks = {x.block_id: x for x in hist}
+    a, b = tiers(server.url, fp), tiers(server.url, fp, on_erased=lambda *e: None)
+    assert b.put(manifest("y", hist[:2]), blocks) and b.flush(10) and b.seen_version("y") == 1
+    server.client().delete(b.manifest_key("y"))
+    assert a.erase("y") and a.flush(10)
+    tomb = b.get_manifest("y")
+    assert tomb.erased and tomb.version == 1
+    assert b.put(manifest("y", hist), blocks) and b.flush(10)
+    assert a.get_manifest("y").erased and b.stats()["puts_erased"] == 1
+    assert not tomb.seen  # the fleet erases B's copy on reading it
+
+
+def test_tombstones_live_as_long_as_manifests(server, fp, tiers):
+    a = tiers(server.url, fp)  # defaults: manifests 30 days
+    assert a.erase("z") and a.flush(10)
+    assert a.manifest_ttl_s - 60 <= server.client().ttl(a.manifest_key("z")) <= a.manifest_ttl_s
+    b = tiers(server.url, fp, manifest_ttl_s=3600)
+    assert b.erase("z2") and b.flush(10) and 3500 <= server.client().ttl(b.manifest_key("z2")) <= 3600
+    for manifest_ttl, tombstone_ttl in ((3600, 60), (0, 60)):
+        with pytest.raises(ValueError):
+            RemoteTier(server.url, fp, manifest_ttl_s=manifest_ttl, tombstone_ttl_s=tombstone_ttl)
+
+
+def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tiers, tmp_path):
+    """Fleet glue: a put refused by a tombstone has the agent erased here, then acknowledged; a sync
+    reading a tombstone does the same, once."""
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.persister import Persister
+    from vllm_mlx_persist.pool import BlockPool
+
+    hist = chain(fp, "moved", 3)
+    blocks = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp)
+    assert a.put(manifest("moved", hist), blocks) and a.flush(10)
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    persister = Persister(DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30)
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, persister=persister)
+    b = tiers(server.url, fp)
+    fleet = Fleet(b, pool)
+    try:
+        fleet._sync_agent("moved")
+        assert pool.branch_state("moved") is not None and b.seen_version("moved") == 1
+        assert a.erase("moved") and a.flush(10)
+        # a save job of B's ending after the erasure: refused; B then drops its copy, and says so
+        assert b.put(manifest("moved", hist)) and b.flush(10)
+        assert a.get_manifest("moved").erased and fleet.counts["erased_from_fleet"] == 1
+        deadline = time.monotonic() + 10
+        while (pool.branch_state("moved") is not None or not b.get_manifest("moved").seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.branch_state("moved") is None and b.get_manifest("moved").seen
+        new = chain(fp, "moved", 1, seed=9)
+        assert b.put(manifest("moved", new), {new[0].block_id: new[0]}) and b.flush(10)
+        assert a.get_manifest("moved").block_ids == [new[0].block_id]
+        # erased again: B's sync reads the tombstone, erases here and acknowledges it, once
+        assert a.erase("moved") and a.flush(10)
+        fleet._sync_agent("moved")
+        assert fleet.counts["erased_from_fleet"] == 2 and b.get_manifest("moved").seen
+        fleet._sync_agent("moved")
+        assert fleet.counts["erased_from_fleet"] == 2
+    finally:
+        fleet.close()
+        pool.close()
 
 
 # ---- faults ------------------------------------------------------------------------------------------

@@ -201,7 +201,7 @@ def test_erasure_on_a_cluster(cluster, fp, tiers):
     blocks = {x.block_id: x for x in hist}
     erased_seen = []
     a = ctier(tiers, cluster, fp)
-    b = ctier(tiers, cluster, fp, on_erased=erased_seen.append)
+    b = ctier(tiers, cluster, fp, on_erased=lambda agent, ident: erased_seen.append((agent, ident)))
     assert b.put(manifest("gone", hist[:2]), blocks) and b.flush(10)
     assert a.get_manifest("gone").version == 1
     assert a.erase("gone") and a.flush(10)
@@ -210,8 +210,9 @@ def test_erasure_on_a_cluster(cluster, fp, tiers):
     assert 0 < cluster.client().ttl(a.manifest_key("gone")) <= a.tombstone_ttl_s
     # B published before the erasure: its next put is refused and tells it so
     assert b.put(manifest("gone", hist), blocks) and b.flush(10)
-    assert b.stats()["puts_erased"] == 1 and erased_seen == ["gone"] and a.get_manifest("gone").erased
-    # having seen it, B starts a new history under the same id
+    assert b.stats()["puts_erased"] == 1 and erased_seen == [("gone", m.ident)] and a.get_manifest("gone").erased
+    # having erased its copy because of it, B starts a new history under the same id
+    assert b.erased_locally("gone", m.ident)
     new = chain(fp, "gone", 1, seed=7)
     assert b.put(manifest("gone", new), {x.block_id: x for x in new}) and b.flush(10)
     m = a.get_manifest("gone")
