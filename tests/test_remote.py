@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -155,7 +156,7 @@ def manifest(agent: str, blocks: list[BlockData]) -> Manifest:
 def plant(client, tier: RemoteTier, agent: str, m: Manifest | None = None, *, key: str | None = None,
           version: int = 1, ident: str = "ab" * 8, body: bytes | None = None, tagger: RemoteTier | None = None) -> None:
     """Write an agent's manifest (None: a tombstone) straight into Redis, tagged as `tagger` (default
-    `tier`) tags values: what anyone who can write to the Redis can write."""
+    `tier`) tags values: what any holder of its secret (or anyone, for an unauthenticated tier) can write."""
     key = key or tier.manifest_key(agent)
     tagger = tagger or tier
     if m is None:
@@ -402,7 +403,7 @@ def test_damaged_branches_are_refused(server, fp, tiers):
     good = raw.hget(key, "body")
     # one link's namespace changed, tag not: refused
     raw.hset(key, "body", good.replace(b'[2,"child"]', b'[2,"chilD"]', 1))
-    assert a.get_manifest("child") is None and a.stats()["refused"] == 1
+    assert a.get_manifest("child") is None and a.stats()["refused"] == 1 and a.stats()["refused_mac"] == 1
     # tagged, but not a valid manifest: a branch naming an unlisted block, a bad link, a newest
     # branch whose tokens are not the manifest's
     bad = [
@@ -415,6 +416,7 @@ def test_damaged_branches_are_refused(server, fp, tiers):
     for i, x in enumerate(bad):
         plant(raw, a, "child", x)
         assert a.get_manifest("child") is None and a.stats()["refused"] == 2 + i
+    assert a.stats()["refused_mac"] == 1
     plant(raw, a, "child", m)
     assert a.get_manifest("child").branches == branches
 
@@ -628,6 +630,13 @@ def test_a_block_of_a_format_this_build_cannot_read_is_left_in_redis(server, fp,
     raw.set(a.block_key(hist[2].block_id), bytes(flipped))
     assert a.get_block(hist[2].block_id) is None and raw.get(a.block_key(hist[2].block_id)) is None
     assert a.stats()["refused"] == 1
+    # with a secret: a value whose MAC holds (a holder of the secret wrote it) in a later format too
+    c = tiers(server.url, fp, secret=SECRET)
+    key = c.block_key(hist[0].block_id)
+    value = c._wrap_block(key, newer[hist[0].block_id])
+    raw.set(key, value)
+    assert c.get_block(hist[0].block_id) is None and raw.get(key) == value
+    assert (c.stats()["foreign"], c.stats()["refused"]) == (1, 0)
 
 
 def test_two_remote_format_versions_coexist(server, fp, tiers, monkeypatch):
@@ -659,6 +668,155 @@ def test_the_remote_version_pins_what_its_keyspace_holds():
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
     assert (store.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
     assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
+
+
+# ---- authentication: a shared secret ------------------------------------------------------------------
+
+SECRET = b"correct horse battery staple 42!"
+OTHER_SECRET = b"another secret, just as long ..."
+
+
+def test_servers_with_one_secret_share_and_others_see_nothing_of_it(server, fp, tiers):
+    hist = chain(fp, "sec", 3)
+    by_id = {x.block_id: x for x in hist}
+    ids = list(by_id)
+    a, b = tiers(server.url, fp, secret=SECRET), tiers(server.url, fp, secret=SECRET)
+    c, d = tiers(server.url, fp, secret=OTHER_SECRET), tiers(server.url, fp)
+    assert a.put(manifest("sec", hist), by_id) and a.flush(10)
+    m = b.get_manifest("sec")
+    assert m is not None and m.block_ids == ids
+    assert all(same_block(x, by_id[x.block_id]) for x in b.get_blocks(ids)) and len(b.get_blocks(ids)) == 3
+    # in Redis: the block file then its MAC; the manifest's tag is an HMAC
+    raw = server.client()
+    value = raw.get(a.block_key(ids[0]))
+    assert value[:-40] == encode_block(hist[0]) and value[-40:-32] == b"vmp-hmac"
+    assert raw.hget(a.manifest_key("sec"), "m").startswith(b"hmac-sha256:")
+    # another secret, or none: another keyspace. They see nothing, and their puts touch nothing of it.
+    assert a.key_id == b.key_id != c.key_id and d.key_id is None and SECRET.hex() not in repr(a.stats())
+    assert len({t.stats()["keyspace"] for t in (a, c, d)}) == 3
+    for t in (c, d):
+        assert t.get_manifest("sec") is None and t.get_blocks(ids) == []
+        assert t.put(manifest("sec", hist[:1]), by_id) and t.flush(10)
+        assert t.get_manifest("sec").n_tokens == 16
+    m = a.get_manifest("sec")
+    assert (m.n_tokens, m.version) == (48, 1) and [x.block_id for x in b.get_blocks(ids)] == ids
+    assert all(t.stats()["refused"] == 0 for t in (a, b, c, d))
+
+
+def test_values_planted_without_the_secret_are_refused(server, fp, tiers):
+    hist, other = chain(fp, "victim", 2), chain(fp, "other", 2, seed=4)
+    a = tiers(server.url, fp, secret=SECRET)
+    for agent, h in (("victim", hist), ("other", other)):
+        assert a.put(manifest(agent, h), {x.block_id: x for x in h})
+    assert a.flush(10)
+    raw = server.client()
+    outsider = tiers(server.url, fp)  # knows every format, not the secret
+    wrong = tiers(server.url, fp, secret=OTHER_SECRET)
+    # a block under its correct id: the right tokens, forged K/V, a valid crc32; no MAC, or a wrong one
+    forged = BlockData(hist[1].block_id, hist[1].tokens, {k: np.zeros_like(v) for k, v in hist[1].arrays.items()},
+                       hist[1].dtypes)
+    key = a.block_key(forged.block_id)
+    for value in (encode_block(forged), wrong._wrap_block(key, encode_block(forged))):
+        raw.set(key, value)
+        assert a.get_block(forged.block_id) is None and raw.get(key) is None  # refused, deleted
+    assert a.stats()["refused_mac"] == 2
+    assert a.put(manifest("victim", hist), {hist[1].block_id: hist[1]}) and a.flush(10)  # a good copy again
+    assert same_block(a.get_block(hist[1].block_id), hist[1])
+    # a manifest linking another agent as the victim's parent (its one branch chains from "other")
+    linked = Manifest("victim", [x.block_id for x in other], 32, time.time(),
+                      branches=[{"block_ids": [x.block_id for x in other], "n_tokens": 32, "links": [[0, "other"]]}])
+    for forger in (outsider, wrong):
+        plant(raw, a, "victim", linked, version=7, tagger=forger)
+        assert a.get_manifest("victim") is None
+    # what the secret protects against: the same plant in an unauthenticated keyspace is served
+    plant(raw, outsider, "victim", linked, version=7)
+    assert outsider.get_manifest("victim").branches[0]["links"] == [[0, "other"]]
+    # a forged tombstone erases nobody: refused when read; a put replaces it rather than meeting it
+    met = []
+    a.on_erased = lambda *x: met.append(x)
+    plant(raw, a, "other", None, version=99, tagger=outsider)
+    assert a.get_manifest("other") is None
+    assert a.put(manifest("other", other)) and a.flush(10)
+    m = a.get_manifest("other")
+    assert m is not None and not m.erased and m.block_ids == [x.block_id for x in other] and met == []
+    s = a.stats()
+    assert s["refused_mac"] == 2 + 2 + 2 and s["puts_erased"] == 0 and s["foreign"] == 0
+
+
+def test_a_value_moved_to_another_key_is_refused(server, fp, tiers):
+    x, y = chain(fp, "x", 2), chain(fp, "y", 2, seed=1)
+    a = tiers(server.url, fp, secret=SECRET)
+    met = []
+    b = tiers(server.url, fp, secret=SECRET, on_erased=lambda *e: met.append(e))
+    for agent, h in (("x", x), ("y", y)):
+        assert a.put(manifest(agent, h), {k.block_id: k for k in h})
+    assert a.erase("x") and a.flush(10)
+    raw = server.client()
+
+    def copy(src: str, dst: str) -> None:
+        fields = raw.hgetall(src)
+        raw.delete(dst)
+        raw.hset(dst, mapping=fields)
+
+    # X's tombstone under Y's key: Y is not erased, neither when read nor when B puts Y
+    copy(a.manifest_key("x"), a.manifest_key("y"))
+    assert b.get_manifest("y") is None and b.stats()["refused_mac"] == 1
+    assert b.put(manifest("y", y)) and b.flush(10) and met == [] and not a.get_manifest("y").erased
+    assert b.stats()["refused_mac"] == 2  # the put replaced it (counted too)
+    # Y's manifest under another agent's key, a block's value under another block's id
+    copy(a.manifest_key("y"), a.manifest_key("z"))
+    assert b.get_manifest("z") is None and b.stats()["refused_mac"] == 3
+    raw.set(a.block_key(y[1].block_id), raw.get(a.block_key(y[0].block_id)))
+    assert b.get_block(y[1].block_id) is None and b.stats()["refused_mac"] == 4
+
+
+def test_a_forged_model_record_is_replaced_and_a_real_clash_still_refused(server, fp, tiers):
+    hist = chain(fp, "m", 1)
+    probe = tiers(server.url, fp, secret=SECRET)
+    server.client().set(probe._model_key, b'{"format": "anything", "fingerprint": "x"}')
+    a = tiers(server.url, fp, secret=SECRET)
+    assert a.put(manifest("m", hist), {hist[0].block_id: hist[0]}) and a.flush(10)
+    s = a.stats()
+    assert s["state"] == "ok" and s["refused_mac"] == 1 and a.get_manifest("m") is not None
+    # another fingerprint with the same 32-character prefix and the same secret: a real other model
+    clash = tiers(server.url, fp[:32] + "0" * 32, secret=SECRET)
+    assert clash.get_block(hist[0].block_id) is None and clash.stats()["state"].startswith("refused")
+
+
+def test_start_up_says_whether_the_tier_is_authenticated(server, fp, tiers, caplog):
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_persist.remote"):
+        tiers(server.url, fp)
+        t = tiers(server.url, fp, secret=SECRET)
+    text = caplog.text
+    assert "UNAUTHENTICATED" in text and f"authenticated (HMAC-SHA256, key id {t.key_id}" in text
+    assert SECRET.decode() not in text and SECRET.hex() not in text
+    with pytest.raises(ValueError):
+        RemoteTier(server.url, fp, secret=b"too short")
+
+
+def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
+    from vllm_mlx_persist.remote import SECRET_ENV, load_secret
+
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET + b"\n")
+    f.chmod(0o600)
+    assert load_secret(str(f), {}) == SECRET
+    assert load_secret(None, {SECRET_ENV: " " + SECRET.decode() + "\n"}) == SECRET
+    assert load_secret(None, {}) is None
+    for args in ((str(f), {SECRET_ENV: "x" * 32}), (None, {SECRET_ENV: "short"}), (None, {SECRET_ENV: ""}),
+                 (str(tmp_path / "absent"), {})):
+        with pytest.raises(ValueError):
+            load_secret(*args)
+    f.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.remote"):
+        assert load_secret(str(f), {}) == SECRET
+    assert "open to other users" in caplog.text and SECRET.decode() not in caplog.text
+    # the backend's options: a file path (a secret inline is refused, naming the ways to give one)
+    from vllm_mlx_persist.backend import parse_options
+
+    assert parse_options({"remote_secret_file": "~/s"})["remote_secret_file"] == os.path.expanduser("~/s")
+    with pytest.raises(ValueError, match="remote_secret_file.*VLLM_MLX_PERSIST_FLEET_SECRET"):
+        parse_options({"remote_secret": SECRET.decode()})
 
 
 # ---- tombstones: an erasure holds fleet-wide -------------------------------------------------------

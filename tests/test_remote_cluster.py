@@ -21,8 +21,9 @@ import pytest
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 import redis.cluster  # noqa: E402
 
-from test_remote import SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
+from test_remote import SECRET, SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
 from vllm_mlx_persist.remote import REMOTE_FORMAT_VERSION, RemoteTier  # noqa: E402
+from vllm_mlx_persist.store import encode_block  # noqa: E402
 
 NODE_TIMEOUT_MS = 2000
 
@@ -232,6 +233,23 @@ def test_damaged_block_is_refused_and_deleted_on_its_node(cluster, fp, tiers):
     assert a.stats()["refused"] == 1 and node.get(key) is None  # deleted by the script on that node
     assert a.put(manifest("dmg", hist)) and a.flush(10)  # healed from the local store
     assert same_block(a.get_block(hist[1].block_id), hist[1])
+
+
+def test_authenticated_tiers_on_a_cluster(cluster, fp, tiers):
+    hist = chain(fp, "auth", 4)
+    by_id = {x.block_id: x for x in hist}
+    a = ctier(tiers, cluster, fp, secret=SECRET, block_source=by_id.get)
+    b = ctier(tiers, cluster, fp, secret=SECRET)
+    assert a.put(manifest("auth", hist), by_id) and a.flush(10)
+    assert [x.block_id for x in b.get_blocks(list(by_id))] == list(by_id) and b.get_manifest("auth") is not None
+    assert ctier(tiers, cluster, fp).get_manifest("auth") is None  # no secret: another keyspace
+    # a block planted under its id without the MAC: refused and deleted on its node, healed by a put
+    key = a.block_key(hist[2].block_id)
+    node = cluster.node(cluster.port_of(key))
+    node.set(key, encode_block(hist[2]))
+    assert len(b.get_blocks(list(by_id))) == 2 and node.get(key) is None and b.stats()["refused_mac"] == 1
+    assert a.put(manifest("auth", hist)) and a.flush(10)
+    assert same_block(b.get_block(hist[2].block_id), hist[2])
 
 
 # ---- faults --------------------------------------------------------------------------------------

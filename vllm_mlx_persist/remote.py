@@ -1,11 +1,12 @@
 """Fleet tier: KV blocks and agent manifests in Redis, shared by every server serving one model.
 
-Runtime module: numpy and bytes only, never MLX. Layout, versions, conflict rule, sizing and faults
-are in docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
+Runtime module: numpy and bytes only, never MLX. Layout, versions, authentication, conflict rule,
+sizing and faults are in docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
 
     tier = RemoteTier(url, fingerprint, block_source=...,   # start-up; connects lazily, never raises
-                      cluster=False)                        # for an unreachable Redis; cluster=True:
-                                                            # a Redis Cluster (any node's URL)
+                      secret=None,                          # for an unreachable Redis; secret: bytes
+                      cluster=False)                        # shared by the fleet, every value carries
+                                                            # an HMAC; cluster=True: a Redis Cluster
     tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s;
                                                             # erased=True: a tombstone (.seen: this
                                                             # server already acted on it)
@@ -44,8 +45,10 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import re
 import secrets
+import stat
 import threading
 import time
 import weakref
@@ -65,14 +68,21 @@ logger = logging.getLogger("vllm_mlx_persist.remote")
 # only its own, so builds of different versions sharing one Redis never see each other's values.
 # Rule (docs/fleet.md, "Versions"): a build may write into keyspace rN only what every build that
 # reads rN accepts; any change an older reader of rN would refuse (a new block checksum kind or
-# store.FORMAT_VERSION, a manifest field it cannot ignore, another tag layout) bumps it.
+# store.FORMAT_VERSION, a manifest field it cannot ignore, another tag or MAC layout) bumps it.
 REMOTE_FORMAT_VERSION = 2
 # The block checksum kinds every r2 reader verifies (store.decode_block): the only ones r2 may hold.
 BLOCK_CHECKSUM_KINDS = ("crc32", "sha256")
 
+# The fleet's shared secret, from this environment variable or a file (backend option
+# remote_secret_file), never from the command line. Shorter secrets are refused.
+SECRET_ENV = "VLLM_MLX_PERSIST_FLEET_SECRET"
+MIN_SECRET_BYTES = 16
+
 _MANIFEST_FORMAT = "vllm-mlx-persist.remote-manifest"
 _MODEL_FORMAT = "vllm-mlx-persist.remote-model"
-_TAG_KINDS = ("sha256",)  # the kinds of manifest tag this build knows
+_TAG_KINDS = ("sha256", "hmac-sha256")  # a manifest's tag: unkeyed without a secret, HMAC with one
+_MAC_MAGIC = b"vmp-hmac"  # an authenticated block value ends with this and its 32-byte HMAC
+_MAC_TRAILER = len(_MAC_MAGIC) + 32
 _FIELDS = ("v", "i", "e", "n", "d", "body", "m")  # a manifest hash's fields (docs/fleet.md)
 _CAS_TRIES = 16  # re-reads of a manifest that changed under one put or erasure before giving up
 _READ_IDS = 4  # versions -> ids of the last manifests read per agent, for adopt()
@@ -101,14 +111,47 @@ return 0
 """
 
 
-class _Tagger:
-    """Tags binding a value to its Redis key: sha256 over the key and the value's fields (catches
-    damage and a value moved to another key; anyone can recompute it)."""
+def load_secret(secret_file: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """The fleet's shared secret: the content of `secret_file`, or the environment variable
+    SECRET_ENV, surrounding whitespace stripped; None when neither is set. ValueError when both are
+    set, the file cannot be read, or the secret is shorter than MIN_SECRET_BYTES."""
+    env = os.environ if environ is None else environ
+    from_env = env.get(SECRET_ENV)
+    if secret_file is not None and from_env is not None:
+        raise ValueError(f"persist_q4: the fleet secret is set twice (remote_secret_file and {SECRET_ENV}); set one")
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                secret = f.read(1 << 16).strip()
+        except OSError as e:
+            raise ValueError(f"persist_q4: cannot read remote_secret_file: {e}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("fleet: remote_secret_file %s is open to other users (mode %o); chmod 600 it",
+                           secret_file, stat.S_IMODE(mode))
+        where = "remote_secret_file"
+    elif from_env is not None:
+        secret, where = from_env.strip().encode(), SECRET_ENV
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"persist_q4: the fleet secret ({where}) has {len(secret)} bytes; at least "
+                         f"{MIN_SECRET_BYTES} are needed (e.g. openssl rand -hex 32)")
+    return secret
 
-    kind = "sha256"
+
+class _Tagger:
+    """Tags binding a value to its Redis key: HMAC-SHA256 under a key derived from the fleet's
+    secret, or without a secret plain sha256 (catches damage, but anyone can recompute it)."""
+
+    def __init__(self, secret: Optional[bytes]):
+        self.kind = "hmac-sha256" if secret else "sha256"
+        self._key = hmac.digest(secret, b"vllm-mlx-persist fleet mac 1", "sha256") if secret else None
+        # Names the keyspace: servers with different secrets never read each other's values.
+        self.key_id = hmac.digest(secret, b"vllm-mlx-persist fleet key id 1", "sha256").hex()[:16] if secret else None
 
     def digest(self, domain: bytes, key: str, parts: Sequence[Union[bytes, memoryview]]) -> bytes:
-        h = hashlib.sha256()
+        h = hmac.new(self._key, digestmod="sha256") if self._key is not None else hashlib.sha256()
         for part in (domain, key.encode(), *parts):  # length-prefixed: no two splits hash alike
             h.update(len(part).to_bytes(8, "big"))
             h.update(part)
@@ -118,8 +161,9 @@ class _Tagger:
         return self.kind.encode() + b":" + self.digest(domain, key, parts).hex().encode()
 
     def check(self, tag: Optional[bytes], domain: bytes, key: str, parts: Sequence[bytes]) -> Optional[str]:
-        """None if `tag` is this tier's tag of the value under `key`; else 'missing', 'wrong' or
-        'unknown' (a kind this build does not know)."""
+        """None if `tag` is this tier's tag of the value under `key`; else 'missing', 'wrong' (of
+        another kind than ours, e.g. unauthenticated, or not matching) or 'unknown' (a kind this
+        build does not know)."""
         if not tag:
             return "missing"
         kind, sep, _ = tag.partition(b":")
@@ -190,7 +234,7 @@ class _AgentState:
 class _Current:
     """A manifest key's value as the writer or a reader found it, judged: `state` is 'absent',
     'ok', 'refused' (its tag is missing or wrong, or it is malformed: not a value of this fleet) or
-    'foreign' (a tag of a kind this build does not know: left alone)."""
+    'foreign' (a tag of a kind this build does not know, without a secret: left alone)."""
 
     state: str
     raw_id: bytes = b""  # its i field as stored: what the compare-and-set expects
@@ -328,8 +372,9 @@ class _Lua:
 class RemoteTier:
     """Blocks (content-addressed, SET NX) and per-agent manifests (versioned, compare-and-set by a
     Lua script) in one Redis, or a Redis Cluster with `cluster=True` (every command touches one key),
-    for one model fingerprint, in the keyspace of this REMOTE_FORMAT_VERSION. See the module
-    docstring for the interface."""
+    for one model fingerprint, in the keyspace of this REMOTE_FORMAT_VERSION (and of the secret's key
+    id when there is one). With `secret`, every value carries an HMAC-SHA256 bound to its key and a
+    value without a valid one is never used. See the module docstring for the interface."""
 
     def __init__(
         self,
@@ -358,6 +403,7 @@ class RemoteTier:
         max_erasures: int = 10_000,
         on_erased: Optional[Callable[[str, str], None]] = None,
         cluster: bool = False,
+        secret: Union[bytes, str, None] = None,
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
@@ -367,6 +413,10 @@ class RemoteTier:
             tombstone_ttl_s = manifest_ttl_s
         if manifest_ttl_s > 0 and 0 < tombstone_ttl_s < manifest_ttl_s or manifest_ttl_s <= 0 < tombstone_ttl_s:
             raise ValueError("tombstone_ttl_s must be at least manifest_ttl_s (0: no TTL for either)")
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the fleet secret must have at least {MIN_SECRET_BYTES} bytes")
         if queue_max < 1 or read_threads < 1 or max_attempts < 1 or fetch_blocks < 1 or fetch_bytes < 1:
             raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks and fetch_bytes must be at least 1")
         redis, Retry, NoBackoff = _import_redis()
@@ -397,11 +447,16 @@ class RemoteTier:
         self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
         self.max_agents, self.max_erasures = max_agents, max_erasures
         self.on_erased = on_erased
-        self._tagger = _Tagger()
-        self._prefix = f"{key_prefix}:{fingerprint[:32]}:r{REMOTE_FORMAT_VERSION}:"
+        self._tagger = _Tagger(secret or None)
+        self.authenticated = secret is not None
+        self.key_id = self._tagger.key_id
+        self._prefix = (f"{key_prefix}:{fingerprint[:32]}:r{REMOTE_FORMAT_VERSION}:"
+                        + (f"k{self.key_id}:" if self.key_id else ""))
         self._model_key = self._prefix + "model"
-        self._model_value = _canonical({"format": _MODEL_FORMAT, "remote_version": REMOTE_FORMAT_VERSION,
-                                        "format_version": FORMAT_VERSION, "fingerprint": fingerprint})
+        model = {"format": _MODEL_FORMAT, "remote_version": REMOTE_FORMAT_VERSION, "format_version": FORMAT_VERSION,
+                 "fingerprint": fingerprint, "auth": self._tagger.kind}
+        model["tag"] = self._tagger.tag(b"model", self._model_key, [_canonical(model)]).decode()
+        self._model_value = _canonical(model)
         self._model_ok = False
         self._disabled: Optional[str] = None  # why the tier refuses to run (another model's keys)
         self._warned: set[str] = set()  # kinds of refusal already logged at WARNING
@@ -418,8 +473,8 @@ class RemoteTier:
         self._c = dict.fromkeys(
             ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
              "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "fetch_round_trips", "hits",
-             "misses", "refused", "foreign", "puts_foreign", "bytes_down", "manifest_gets", "manifest_hits",
-             "erases", "erases_done", "errors", "timeouts", "skipped"], 0)
+             "misses", "refused", "refused_mac", "foreign", "puts_foreign", "bytes_down", "manifest_gets",
+             "manifest_hits", "erases", "erases_done", "errors", "timeouts", "skipped"], 0)
 
         self._q: deque = deque()
         self._q_puts = 0
@@ -436,6 +491,13 @@ class RemoteTier:
         ref = weakref.ref(self)
         self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
         atexit.register(self._atexit)
+        if self.authenticated:
+            logger.info("fleet: values in Redis are authenticated (HMAC-SHA256, key id %s; keyspace %s*)",
+                        self.key_id, self._prefix)
+        else:
+            logger.warning("fleet: the fleet tier is UNAUTHENTICATED: anyone who can write to this Redis can plant "
+                           "KV that this server serves, or erase agents; set %s or remote_secret_file on every "
+                           "server (docs/fleet.md, Authentication)", SECRET_ENV)
 
     def _make_client(self, url: str, redis: Any, Retry: Any, NoBackoff: Any, timeout: float,
                      connect_timeout: float, max_connections: int) -> Any:
@@ -528,9 +590,9 @@ class RemoteTier:
                               ident=cur.ident, seen=seen)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
-        """The block, verified exactly as a disk block (store.decode_block); None when absent,
-        refused (damaged or another block's: deleted from Redis if unchanged), of a format this
-        build cannot read (left alone) or unreachable in time."""
+        """The block, verified exactly as a disk block (store.decode_block), and its MAC with a
+        secret; None when absent, refused (damaged, another block's, or without a valid MAC: deleted
+        from Redis if unchanged), of a format this build cannot read (left alone) or unreachable in time."""
         got = self.get_blocks([block_id])
         return got[0] if got else None
 
@@ -573,32 +635,60 @@ class RemoteTier:
         return pipe.execute()
 
     def _verify(self, block_id: str, key: str, raw: Optional[bytes]) -> Optional[BlockData]:
-        """A value read from Redis as a block, or None: absent; refused (damaged: deleted if
-        unchanged, so a put can store a good copy); or not ours to judge (a newer format of ours:
-        left in place)."""
+        """A value read from Redis as a block, or None: absent; refused (its MAC missing or wrong, or
+        damaged: deleted if unchanged, so a put can store a good copy); or not ours to judge (a
+        newer format of ours: left in place)."""
         if raw is None:
             self._count("misses")
             return None
+        data, problem = self._unwrap_block(key, raw)
+        if problem is not None:
+            self._count("refused_mac")
+            self._warn_once("block-mac", "fleet: refused a block from Redis whose MAC is %s (written without "
+                            "this fleet's secret, or damaged); deleting it (further ones: debug log)", problem)
+            self._refuse_block(block_id, key, raw, f"MAC {problem}", quiet=True)
+            return None
         try:
-            block = decode_block(raw, block_id)
+            block = decode_block(data, block_id)
         except BadBlockError as e:
-            newer = _newer_block(raw)
+            newer = _newer_block(data)
             if newer is not None:
                 self._count("foreign")
                 self._warn_once("block-foreign", "fleet: block %s in Redis is %s, which this build cannot read; "
                                 "left in place (a build of another format wrote it into this keyspace; "
                                 "further ones: debug log)", block_id, newer)
                 return None
-            self._count("refused")
-            logger.warning("fleet: refused block %s from Redis (%s); deleting it", block_id, e)
-            digest = hashlib.sha1(raw).hexdigest()
-            self._bounded_read(lambda: self._del_if_script(self._client, [key], [digest]))
+            self._refuse_block(block_id, key, raw, str(e))
             return None
         with self._lock:
             self._c["hits"] += 1
             self._c["bytes_down"] += len(raw)
             self._block_size_seen = max(self._block_size_seen, len(raw))
         return block
+
+    def _refuse_block(self, block_id: str, key: str, raw: bytes, why: str, quiet: bool = False) -> None:
+        self._count("refused")
+        (logger.debug if quiet else logger.warning)("fleet: refused block %s from Redis (%s); deleting it",
+                                                    block_id, why)
+        digest = hashlib.sha1(raw).hexdigest()
+        self._bounded_read(lambda: self._del_if_script(self._client, [key], [digest]))
+
+    def _unwrap_block(self, key: str, raw: bytes) -> tuple[Any, Optional[str]]:
+        """(the block file inside a value, None), or (None, why its MAC is refused)."""
+        if not self.authenticated:
+            return raw, None
+        if len(raw) < _MAC_TRAILER or raw[-_MAC_TRAILER:-32] != _MAC_MAGIC:
+            return None, "missing"
+        data = memoryview(raw)[:-_MAC_TRAILER]  # no copy: the block's arrays are views of it
+        if not hmac.compare_digest(raw[-32:], self._tagger.digest(b"block", key, [data])):
+            return None, "wrong"
+        return data, None
+
+    def _wrap_block(self, key: str, raw: bytes) -> bytes:
+        """The value stored for a block file: the file, and with a secret its MAC bound to the key."""
+        if not self.authenticated:
+            return raw
+        return b"".join((raw, _MAC_MAGIC, self._tagger.digest(b"block", key, [raw])))
 
     def _bounded_read(self, fn: Callable[[], Any]) -> Any:
         """Run a Redis read on a reader thread; _FAILED on any failure or after read_timeout_s."""
@@ -768,6 +858,8 @@ class RemoteTier:
         out["state"] = self._disabled or ("ok" if out["connected"] else
                                           "not contacted yet" if self._connected is None else "unreachable")
         out["url"] = self.url_redacted
+        out["authenticated"] = self.authenticated
+        out["key_id"] = self.key_id
         out["keyspace"] = self._prefix
         return out
 
@@ -822,7 +914,8 @@ class RemoteTier:
             return False
 
     def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
-        """Log at WARNING the first time, then at DEBUG: values that keep coming must not flood the log."""
+        """Log at WARNING the first time, then at DEBUG: a planted or foreign value must not be able
+        to flood the log."""
         with self._lock:
             first = kind not in self._warned
             self._warned.add(kind)
@@ -830,21 +923,41 @@ class RemoteTier:
 
     def _ensure_model(self, client: Any) -> None:
         """Check once per connection life that these keys belong to this exact model (as model.json
-        does on disk); a mismatch disables the tier rather than serve another model's KV."""
+        does on disk); a mismatch disables the tier rather than serve another model's KV. A value
+        whose tag is missing or wrong is no server's of this version (and secret): it is replaced."""
         if self._model_ok:
             return
         if self._disabled:
             raise RemoteUnavailable(self._disabled)
-        pipe = client.pipeline(transaction=False)
-        pipe.set(self._model_key, self._model_value, nx=True)
-        pipe.get(self._model_key)
-        _, theirs = pipe.execute()
-        if theirs != self._model_value:
-            self._disabled = (f"refused: Redis keys {self._prefix}* belong to another model or format "
-                              f"({(theirs or b'')[:200]!r}); the fleet tier is off")
-            logger.error("fleet: %s", self._disabled)
-            raise RemoteUnavailable(self._disabled)
-        self._model_ok = True
+        for attempt in range(2):
+            pipe = client.pipeline(transaction=False)
+            pipe.set(self._model_key, self._model_value, nx=True)
+            pipe.get(self._model_key)
+            _, theirs = pipe.execute()
+            if theirs == self._model_value:
+                self._model_ok = True
+                return
+            problem = self._model_tag_problem(theirs)
+            if problem is None or (problem == "unknown" and not self.authenticated) or attempt:
+                break
+            self._count("refused")
+            self._count("refused_mac")
+            self._warn_once("model-mac", "fleet: %s holds a value whose tag is %s; replacing it",
+                            self._model_key, problem)
+            self._del_if_script(client, [self._model_key], [hashlib.sha1(theirs or b"").hexdigest()])
+        self._disabled = (f"refused: Redis keys {self._prefix}* belong to another model or format "
+                          f"({(theirs or b'')[:300]!r}); the fleet tier is off")
+        logger.error("fleet: %s", self._disabled)
+        raise RemoteUnavailable(self._disabled)
+
+    def _model_tag_problem(self, value: Optional[bytes]) -> Optional[str]:
+        """None if `value` is a model record tagged as this tier tags (so a real other model's)."""
+        try:
+            d = json.loads(value)
+            tag = d.pop("tag").encode()
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return "missing"
+        return self._tagger.check(tag, b"model", self._model_key, [_canonical(d)])
 
     def _judge_manifest(self, key: str, values: Sequence[Optional[bytes]]) -> _Current:
         """A manifest key's fields (_FIELDS, as HMGET returns them), judged."""
@@ -853,7 +966,7 @@ class RemoteTier:
             return _Current("absent")
         raw_id = i or b""
         problem = self._tagger.check(tag, b"manifest", key, [x or b"" for x in values[:-1]])
-        if problem == "unknown":
+        if problem == "unknown" and not self.authenticated:
             return _Current("foreign", raw_id, why="a tag of an unknown kind")
         if problem is not None:
             return _Current("refused", raw_id, why=f"its tag is {problem}")
@@ -873,9 +986,12 @@ class RemoteTier:
             self._warn_once("manifest-foreign", "fleet: a manifest in Redis has %s; left alone (%s; further "
                             "ones: debug log)", cur.why, where)
             return
-        self._count("refused")
-        self._warn_once("manifest-refused", "fleet: refused a manifest from Redis: %s (%s; damaged or moved; "
-                        "further ones: debug log)", cur.why, where)
+        with self._lock:
+            self._c["refused"] += 1
+            if cur.why.startswith("its tag"):
+                self._c["refused_mac"] += 1
+        self._warn_once("manifest-refused", "fleet: refused a manifest from Redis: %s (%s; written without this "
+                        "fleet's secret, or damaged; further ones: debug log)", cur.why, where)
 
     def _manifest_fields(self, key: str, version: int, ident: str, erased: bool, n_tokens: int = 0,
                          digest: str = "", body: bytes = b"") -> list[bytes]:
@@ -1043,6 +1159,7 @@ class RemoteTier:
                 logger.warning("fleet: block %s of an agent is in neither the put nor the local store; "
                                "manifest not published", bid)
                 return
+            value = self._wrap_block(bkey, value)
             self._write_client.set(bkey, value, nx=True, ex=self.block_ttl_s if self.block_ttl_s > 0 else None)
             with self._lock:
                 self._c["blocks_uploaded"] += 1
