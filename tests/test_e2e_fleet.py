@@ -2,7 +2,9 @@
 own cache roots and one real redis-server. An agent moves between servers with zero re-prefill and
 the same answers as on one server; concurrent turns on both servers lose nothing; Redis killed and
 restarted fails no request; an erasure on one server is seen by the other; a damaged value in Redis
-is never served; a fork and an agent's branches move with it.
+is never served; a fork and an agent's branches move with it. The servers share a secret (A reads it
+from a file, remote_secret_file; B from the environment): every value carries its HMAC. Servers
+without one are tested end to end by test_remote_cluster.py.
 
 Tolerance: greedy decoding; a cache fetched from Redis holds the same bits as the one the other
 server computed, so outputs must be identical to a one-server conversation (which itself matches
@@ -21,6 +23,7 @@ import pytest
 from test_e2e_lifecycle import call
 from test_e2e_server import Chat, user_text
 from test_e2e_sharing import Worker, doc_messages
+from vllm_mlx_persist.remote import SECRET_ENV
 from vllm_mlx_persist.store import decode_block
 from vllm_mlx_persist.tools.models import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
@@ -30,6 +33,7 @@ from test_remote import RedisServer  # noqa: E402
 
 BLOCK = 32
 KEY = "test"
+SECRET = "e2e fleet secret, 32 bytes long!"
 
 
 def options(root, url: str) -> dict:
@@ -46,8 +50,13 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fleet")
     model = build_model_dir(tmp / "model", arch="llama", size="tiny", seed=0)
     rds = RedisServer(tmp)
-    a = Server(model, tmp / "a", options=options(tmp / "a-cache", rds.url), extra_args=("--api-key", KEY))
-    b = Server(model, tmp / "b", options=options(tmp / "b-cache", rds.url), extra_args=("--api-key", KEY))
+    secret_file = tmp / "fleet.secret"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    a = Server(model, tmp / "a", options={**options(tmp / "a-cache", rds.url), "remote_secret_file": str(secret_file)},
+               extra_args=("--api-key", KEY))
+    b = Server(model, tmp / "b", options=options(tmp / "b-cache", rds.url), extra_args=("--api-key", KEY),
+               env={SECRET_ENV: SECRET})
     try:
         a.start()
         b.start()
@@ -126,7 +135,10 @@ def test_agent_moves_to_another_server_with_zero_reprefill(fleet):
     assert moved.cached[2] >= moved.prompts[1], moved.cached
     stats = remote(b)
     assert stats["agents_fetched"] >= 1 and stats["blocks_fetched"] >= moved.prompts[1] // BLOCK, stats
-    assert stats["refused"] == 0
+    assert stats["refused"] == 0 and stats["authenticated"] and stats["key_id"] == remote(a)["key_id"]
+    assert stats["keyspace"].endswith(f":r2:k{stats['key_id']}:") and SECRET not in json.dumps(stats)
+    value = rds.client().get(stats["keyspace"] + "b:" + manifest(rds, "moved")["body"]["block_ids"][0])
+    assert value[-40:-32] == b"vmp-hmac"  # the block file, then its MAC
     # B's turn 3 reached Redis too; back on A, turn 4 reuses it (A fetches only B's new blocks)
     wait_for(lambda: published(rds, "moved", moved.prompts[2]), "B's turn 3 in Redis")
     ref.turn(a)
@@ -252,20 +264,20 @@ def test_damaged_value_in_redis_is_refused(fleet):
     client = rds.client()
     key = next(iter(client.scan_iter(match="vmp:*:b:" + ids[1])))
     value = bytearray(client.get(key))
-    value[-5] ^= 0x40  # one bit in the K/V data: the checksum catches it
+    value[-45] ^= 0x40  # one bit in the K/V data (before the 40-byte MAC trailer): the MAC catches it
     client.set(key, bytes(value))
     refused = remote(b)["refused"]
     ref.turn(a)
     conv.turn(b)
     assert conv.outputs == ref.outputs  # correct output: the damaged block was never served
     assert conv.cached[2] == BLOCK  # the block before the damaged one is still reused
-    assert remote(b)["refused"] == refused + 1
+    assert remote(b)["refused"] == refused + 1 and remote(b)["refused_mac"] >= 1
     # deleted, so B's put (or the next one) stores a sound copy (B's own KV for those tokens: equal to A's
     # up to float rounding, since B prefilled them in other chunks)
     now = client.get(key)
     assert now != bytes(value)
     if now is not None:
-        decode_block(now, ids[1])
+        decode_block(now[:-40], ids[1])
 
 
 def test_redis_killed_and_restarted_fails_no_request(fleet):
@@ -300,3 +312,16 @@ def test_redis_killed_and_restarted_fails_no_request(fleet):
     assert conv.cached[4] >= conv.prompts[3], conv.cached
     stats = remote(a)
     assert stats["connected"] and stats["errors"] + stats["timeouts"] + stats["skipped"] > 0, stats
+
+
+def test_a_bad_secret_refuses_start_up_in_one_line(fleet, tmp_path):
+    rds, a, _ = fleet
+    short = "not 16 bytes"
+    srv = Server(a.model, tmp_path / "home", options=options(tmp_path / "cache", rds.url),
+                 env={SECRET_ENV: short})
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        srv.start(timeout=120)
+    log = srv.log_tail(400)
+    assert "Traceback" not in log, log
+    (line,) = [l for l in log.splitlines() if "persist_q4: " in l and "ERROR" in l]
+    assert SECRET_ENV in line and "at least 16" in line and short not in log, line

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -148,6 +151,21 @@ def slow_source(blocks: dict[str, BlockData], delay_s: float):
 
 def manifest(agent: str, blocks: list[BlockData]) -> Manifest:
     return Manifest(agent, [b.block_id for b in blocks], sum(len(b.tokens) for b in blocks), time.time())
+
+
+def plant(client, tier: RemoteTier, agent: str, m: Manifest | None = None, *, key: str | None = None,
+          version: int = 1, ident: str = "ab" * 8, body: bytes | None = None, tagger: RemoteTier | None = None) -> None:
+    """Write an agent's manifest (None: a tombstone) straight into Redis, tagged as `tagger` (default
+    `tier`) tags values: what any holder of its secret (or anyone, for an unauthenticated tier) can write."""
+    key = key or tier.manifest_key(agent)
+    tagger = tagger or tier
+    if m is None:
+        fields = tagger._manifest_fields(key, version, ident, True)
+    else:
+        body = tier._manifest_body(m) if body is None else body
+        fields = tagger._manifest_fields(key, version, ident, False, m.n_tokens, tier._digest(m), body)
+    client.delete(key)
+    client.hset(key, mapping=dict(zip(fields[::2], fields[1::2])))
 
 
 def same_block(a: BlockData, b: BlockData) -> bool:
@@ -383,10 +401,10 @@ def test_damaged_branches_are_refused(server, fp, tiers):
     raw = server.client()
     key = a.manifest_key("child")
     good = raw.hget(key, "body")
-    # one link's namespace changed, checksum not: refused
+    # one link's namespace changed, tag not: refused
     raw.hset(key, "body", good.replace(b'[2,"child"]', b'[2,"chilD"]', 1))
-    assert a.get_manifest("child") is None and a.stats()["refused"] == 1
-    # checksummed, but not a valid manifest: a branch naming an unlisted block, a bad link, a newest
+    assert a.get_manifest("child") is None and a.stats()["refused"] == 1 and a.stats()["refused_mac"] == 1
+    # tagged, but not a valid manifest: a branch naming an unlisted block, a bad link, a newest
     # branch whose tokens are not the manifest's
     bad = [
         Manifest("child", m.block_ids[:-1], m.n_tokens, time.time(), branches=branches),
@@ -396,9 +414,10 @@ def test_damaged_branches_are_refused(server, fp, tiers):
         Manifest("child", m.block_ids, m.n_tokens, time.time(), branches=[]),
     ]
     for i, x in enumerate(bad):
-        raw.hset(key, "body", a._manifest_body(x))
+        plant(raw, a, "child", x)
         assert a.get_manifest("child") is None and a.stats()["refused"] == 2 + i
-    raw.hset(key, "body", good)
+    assert a.stats()["refused_mac"] == 1
+    plant(raw, a, "child", m)
     assert a.get_manifest("child").branches == branches
 
 
@@ -479,18 +498,20 @@ def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
     blocks = {x.block_id: x for x in hist}
     erased_seen = []
     a = tiers(server.url, fp)
-    b = tiers(server.url, fp, on_erased=erased_seen.append)
+    b = tiers(server.url, fp, on_erased=lambda agent, ident: erased_seen.append((agent, ident)))
     c = tiers(server.url, fp)
     b.put(manifest("gone", hist[:2]), blocks); b.flush(10)
     c.put(manifest("gone", hist[:2]), blocks); c.flush(10)
     assert a.get_manifest("gone").version == 1
     assert a.erase("gone") and a.flush(10)
     m = b.get_manifest("gone")
-    assert m.erased and m.block_ids == [] and m.version == 2
+    assert m.erased and m.block_ids == [] and m.version == 2 and not m.seen
+    assert a.get_manifest("gone").seen  # A erased it itself
     # C published before the erasure and never looked since: its next turn must not revive it
     c.put(manifest("gone", hist[:3]), blocks); c.flush(10)
     assert c.stats()["puts_erased"] == 1 and a.get_manifest("gone").erased
-    # B saw the erasure; a new conversation under the same id starts afresh
+    # B saw the erasure and dropped its copy; a new conversation under the same id starts afresh
+    assert b.erased_locally("gone", m.ident) and b.get_manifest("gone").seen
     new = chain(fp, "gone", 1, seed=7)
     b.put(manifest("gone", new), {x.block_id: x for x in new}); b.flush(10)
     m = a.get_manifest("gone")
@@ -500,9 +521,400 @@ def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
     a.put(manifest("gone", hist), blocks)
     a.erase("gone")
     assert a.flush(10) and a.get_manifest("gone").erased
-    # B learns of the erasure through its own refused put: the callback fires
+    # B learns of the erasure through its own refused put: the callback fires, naming the tombstone
     b.put(manifest("gone", new + hist[:1]), {**blocks, **{x.block_id: x for x in new}}); b.flush(10)
-    assert erased_seen == ["gone"] and a.get_manifest("gone").erased
+    m = a.get_manifest("gone")
+    assert m.erased and erased_seen == [("gone", m.ident)]
+
+
+# ---- versions: builds of different formats sharing one Redis -------------------------------------
+
+# The last build before blocks carried crc32 (8b66dfa): it knows only sha256 checksums and deleted
+# crc32 blocks from Redis as damaged when both shared one keyspace.
+OLD_BUILD = "cb2a569"
+# Run by that build in a subprocess. It imports this module for chain() and manifest(), so this
+# module imports nothing from vllm_mlx_persist.remote at its top but RemoteTier.
+OLD_BUILD_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from test_remote import chain, manifest
+from vllm_mlx_persist.remote import RemoteTier
+url, fp, agent, *ids = sys.argv[2:]
+t = RemoteTier(url, fp)
+out = {"manifest": t.get_manifest(agent) is not None, "blocks": [t.get_block(b) is not None for b in ids]}
+own = chain(fp, "old-agent", 2, seed=3)
+t.put(manifest("old-agent", own), {b.block_id: b for b in own})
+t.flush(10)
+out["own_ids"] = [b.block_id for b in own]
+out["own"] = [t.get_block(b) is not None for b in out["own_ids"]]
+out["refused"] = t.stats()["refused"]
+t.close(2)
+print(json.dumps(out))
+"""
+
+
+def old_build(tmp_path: Path) -> Path:
+    """The package as it was at OLD_BUILD, extracted under tmp_path (skips without git history)."""
+    root = Path(__file__).resolve().parent.parent
+    git = shutil.which("git")
+    if git is None or subprocess.run([git, "cat-file", "-e", OLD_BUILD], cwd=root,
+                                     capture_output=True).returncode != 0:
+        pytest.skip(f"needs git and commit {OLD_BUILD} (the build before crc32 blocks)")
+    archive = subprocess.run([git, "archive", OLD_BUILD, "vllm_mlx_persist"], cwd=root, capture_output=True,
+                             check=True).stdout
+    dest = tmp_path / "old-build"
+    dest.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def test_an_older_build_sharing_the_redis_neither_sees_nor_deletes_this_builds_values(server, fp, tiers,
+                                                                                        tmp_path):
+    """The issue: a server not yet upgraded read crc32 blocks as damaged and deleted them. Now each
+    remote format version has its own keyspace: the older build runs beside this one, on its own keys."""
+    hist = chain(fp, "new-agent", 3)
+    ids = [x.block_id for x in hist]
+    a = tiers(server.url, fp)
+    assert a.put(manifest("new-agent", hist), {x.block_id: x for x in hist}) and a.flush(10)
+    old = old_build(tmp_path)
+    done = subprocess.run([sys.executable, "-c", OLD_BUILD_SCRIPT, str(Path(__file__).parent), server.url, fp,
+                           "new-agent", *ids], capture_output=True, text=True, timeout=120,
+                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})  # cwd: not this checkout
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["manifest"] is False and seen["blocks"] == [False] * 3 and seen["refused"] == 0
+    assert seen["own"] == [True, True]  # the older build works on its own keys
+    # this build's values are intact, and it leaves the older build's keys alone
+    b = tiers(server.url, fp)
+    assert [x.block_id for x in b.get_blocks(ids)] == ids and b.get_manifest("new-agent").n_tokens == 48
+    raw = server.client()
+    old_keys = [f"vmp:{fp[:32]}:b:{i}" for i in seen["own_ids"]] + [
+        f"vmp:{fp[:32]}:a:{hashlib.sha256(b'old-agent').hexdigest()}"]
+    assert b.get_blocks(seen["own_ids"]) == [] and b.get_manifest("old-agent") is None
+    assert all(raw.exists(k) for k in old_keys)
+    assert b.stats()["refused"] == b.stats()["foreign"] == 0
+
+
+def with_metadata(raw: bytes, **meta: str) -> bytes:
+    """A block file's bytes with these __metadata__ entries changed (data section untouched)."""
+    hlen = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + hlen])
+    header["__metadata__"].update(meta)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-(8 + len(head)) % 8)
+    return len(head).to_bytes(8, "little") + head + raw[8 + hlen :]
+
+
+def test_a_block_of_a_format_this_build_cannot_read_is_left_in_redis(server, fp, tiers):
+    """Our own refusal path deletes only what it can judge: a value that says it is our block in a
+    later format version or with a checksum kind unknown here is 'not mine', not 'damaged'."""
+    hist = chain(fp, "newer", 3)
+    by_id = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp)
+    assert a.put(manifest("newer", hist), by_id) and a.flush(10)
+    raw = server.client()
+    good = [raw.get(a.block_key(x.block_id)) for x in hist]
+    newer = {hist[0].block_id: with_metadata(good[0], checksum="xxh3:0123456789abcdef"),
+             hist[1].block_id: with_metadata(good[1], format_version="2")}
+    for bid, value in newer.items():
+        raw.set(a.block_key(bid), value)
+    for bid, value in newer.items():
+        assert a.get_block(bid) is None
+        assert raw.get(a.block_key(bid)) == value  # not deleted
+    s = a.stats()
+    assert (s["foreign"], s["refused"]) == (2, 0)
+    # a damaged block of this format is still refused and deleted, so a put can store a good copy
+    flipped = bytearray(good[2])
+    flipped[-3] ^= 0x10
+    raw.set(a.block_key(hist[2].block_id), bytes(flipped))
+    assert a.get_block(hist[2].block_id) is None and raw.get(a.block_key(hist[2].block_id)) is None
+    assert a.stats()["refused"] == 1
+    # with a secret: a value whose MAC holds (a holder of the secret wrote it) in a later format too
+    c = tiers(server.url, fp, secret=SECRET)
+    key = c.block_key(hist[0].block_id)
+    value = c._wrap_block(key, newer[hist[0].block_id])
+    raw.set(key, value)
+    assert c.get_block(hist[0].block_id) is None and raw.get(key) == value
+    assert (c.stats()["foreign"], c.stats()["refused"]) == (1, 0)
+
+
+def test_two_remote_format_versions_coexist(server, fp, tiers, monkeypatch):
+    import vllm_mlx_persist.remote as remote
+
+    hist = chain(fp, "both", 3)
+    by_id = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp)
+    monkeypatch.setattr(remote, "REMOTE_FORMAT_VERSION", remote.REMOTE_FORMAT_VERSION + 1)
+    b = tiers(server.url, fp)
+    assert a.stats()["keyspace"] != b.stats()["keyspace"]
+    assert a.put(manifest("both", hist[:2]), by_id) and b.put(manifest("both", hist), by_id)
+    assert a.flush(10) and b.flush(10)
+    assert (a.get_manifest("both").n_tokens, b.get_manifest("both").n_tokens) == (32, 48)
+    assert a.get_manifest("both").version == b.get_manifest("both").version == 1  # no interplay
+    raw = server.client()
+    assert len(list(raw.scan_iter(match=f"vmp:{fp[:32]}:*"))) == 2 * (1 + 1) + 2 + 3  # model, manifest, blocks
+    assert all(t.stats()["refused"] == t.stats()["foreign"] == 0 for t in (a, b))
+
+
+def test_the_remote_version_pins_what_its_keyspace_holds():
+    """A tripwire: keyspace r2 holds store FORMAT_VERSION 1 blocks checked by crc32 or sha256, and
+    every r2 reader accepts exactly those. A build that writes anything else must bump
+    REMOTE_FORMAT_VERSION (docs/fleet.md, Versions), or it deletes, or is deleted by, its peers."""
+    import vllm_mlx_persist.remote as remote
+    from vllm_mlx_persist import store
+
+    raw = encode_block(chain("f" * 64, "t", 1)[0])
+    meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
+    assert (store.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
+    assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
+
+
+# ---- authentication: a shared secret ------------------------------------------------------------------
+
+SECRET = b"correct horse battery staple 42!"
+OTHER_SECRET = b"another secret, just as long ..."
+
+
+def test_servers_with_one_secret_share_and_others_see_nothing_of_it(server, fp, tiers):
+    hist = chain(fp, "sec", 3)
+    by_id = {x.block_id: x for x in hist}
+    ids = list(by_id)
+    a, b = tiers(server.url, fp, secret=SECRET), tiers(server.url, fp, secret=SECRET)
+    c, d = tiers(server.url, fp, secret=OTHER_SECRET), tiers(server.url, fp)
+    assert a.put(manifest("sec", hist), by_id) and a.flush(10)
+    m = b.get_manifest("sec")
+    assert m is not None and m.block_ids == ids
+    assert all(same_block(x, by_id[x.block_id]) for x in b.get_blocks(ids)) and len(b.get_blocks(ids)) == 3
+    # in Redis: the block file then its MAC; the manifest's tag is an HMAC
+    raw = server.client()
+    value = raw.get(a.block_key(ids[0]))
+    assert value[:-40] == encode_block(hist[0]) and value[-40:-32] == b"vmp-hmac"
+    assert raw.hget(a.manifest_key("sec"), "m").startswith(b"hmac-sha256:")
+    # another secret, or none: another keyspace. They see nothing, and their puts touch nothing of it.
+    assert a.key_id == b.key_id != c.key_id and d.key_id is None and SECRET.hex() not in repr(a.stats())
+    assert len({t.stats()["keyspace"] for t in (a, c, d)}) == 3
+    for t in (c, d):
+        assert t.get_manifest("sec") is None and t.get_blocks(ids) == []
+        assert t.put(manifest("sec", hist[:1]), by_id) and t.flush(10)
+        assert t.get_manifest("sec").n_tokens == 16
+    m = a.get_manifest("sec")
+    assert (m.n_tokens, m.version) == (48, 1) and [x.block_id for x in b.get_blocks(ids)] == ids
+    assert all(t.stats()["refused"] == 0 for t in (a, b, c, d))
+
+
+def test_values_planted_without_the_secret_are_refused(server, fp, tiers):
+    hist, other = chain(fp, "victim", 2), chain(fp, "other", 2, seed=4)
+    a = tiers(server.url, fp, secret=SECRET)
+    for agent, h in (("victim", hist), ("other", other)):
+        assert a.put(manifest(agent, h), {x.block_id: x for x in h})
+    assert a.flush(10)
+    raw = server.client()
+    outsider = tiers(server.url, fp)  # knows every format, not the secret
+    wrong = tiers(server.url, fp, secret=OTHER_SECRET)
+    # a block under its correct id: the right tokens, forged K/V, a valid crc32; no MAC, or a wrong one
+    forged = BlockData(hist[1].block_id, hist[1].tokens, {k: np.zeros_like(v) for k, v in hist[1].arrays.items()},
+                       hist[1].dtypes)
+    key = a.block_key(forged.block_id)
+    for value in (encode_block(forged), wrong._wrap_block(key, encode_block(forged))):
+        raw.set(key, value)
+        assert a.get_block(forged.block_id) is None and raw.get(key) is None  # refused, deleted
+    assert a.stats()["refused_mac"] == 2
+    assert a.put(manifest("victim", hist), {hist[1].block_id: hist[1]}) and a.flush(10)  # a good copy again
+    assert same_block(a.get_block(hist[1].block_id), hist[1])
+    # a manifest linking another agent as the victim's parent (its one branch chains from "other")
+    linked = Manifest("victim", [x.block_id for x in other], 32, time.time(),
+                      branches=[{"block_ids": [x.block_id for x in other], "n_tokens": 32, "links": [[0, "other"]]}])
+    for forger in (outsider, wrong):
+        plant(raw, a, "victim", linked, version=7, tagger=forger)
+        assert a.get_manifest("victim") is None
+    # what the secret protects against: the same plant in an unauthenticated keyspace is served
+    plant(raw, outsider, "victim", linked, version=7)
+    assert outsider.get_manifest("victim").branches[0]["links"] == [[0, "other"]]
+    # a forged tombstone erases nobody: refused when read; a put replaces it rather than meeting it
+    met = []
+    a.on_erased = lambda *x: met.append(x)
+    plant(raw, a, "other", None, version=99, tagger=outsider)
+    assert a.get_manifest("other") is None
+    assert a.put(manifest("other", other)) and a.flush(10)
+    m = a.get_manifest("other")
+    assert m is not None and not m.erased and m.block_ids == [x.block_id for x in other] and met == []
+    s = a.stats()
+    assert s["refused_mac"] == 2 + 2 + 2 and s["puts_erased"] == 0 and s["foreign"] == 0
+
+
+def test_a_value_moved_to_another_key_is_refused(server, fp, tiers):
+    x, y = chain(fp, "x", 2), chain(fp, "y", 2, seed=1)
+    a = tiers(server.url, fp, secret=SECRET)
+    met = []
+    b = tiers(server.url, fp, secret=SECRET, on_erased=lambda *e: met.append(e))
+    for agent, h in (("x", x), ("y", y)):
+        assert a.put(manifest(agent, h), {k.block_id: k for k in h})
+    assert a.erase("x") and a.flush(10)
+    raw = server.client()
+
+    def copy(src: str, dst: str) -> None:
+        fields = raw.hgetall(src)
+        raw.delete(dst)
+        raw.hset(dst, mapping=fields)
+
+    # X's tombstone under Y's key: Y is not erased, neither when read nor when B puts Y
+    copy(a.manifest_key("x"), a.manifest_key("y"))
+    assert b.get_manifest("y") is None and b.stats()["refused_mac"] == 1
+    assert b.put(manifest("y", y)) and b.flush(10) and met == [] and not a.get_manifest("y").erased
+    assert b.stats()["refused_mac"] == 2  # the put replaced it (counted too)
+    # Y's manifest under another agent's key, a block's value under another block's id
+    copy(a.manifest_key("y"), a.manifest_key("z"))
+    assert b.get_manifest("z") is None and b.stats()["refused_mac"] == 3
+    raw.set(a.block_key(y[1].block_id), raw.get(a.block_key(y[0].block_id)))
+    assert b.get_block(y[1].block_id) is None and b.stats()["refused_mac"] == 4
+
+
+def test_a_forged_model_record_is_replaced_and_a_real_clash_still_refused(server, fp, tiers):
+    hist = chain(fp, "m", 1)
+    probe = tiers(server.url, fp, secret=SECRET)
+    server.client().set(probe._model_key, b'{"format": "anything", "fingerprint": "x"}')
+    a = tiers(server.url, fp, secret=SECRET)
+    assert a.put(manifest("m", hist), {hist[0].block_id: hist[0]}) and a.flush(10)
+    s = a.stats()
+    assert s["state"] == "ok" and s["refused_mac"] == 1 and a.get_manifest("m") is not None
+    # another fingerprint with the same 32-character prefix and the same secret: a real other model
+    clash = tiers(server.url, fp[:32] + "0" * 32, secret=SECRET)
+    assert clash.get_block(hist[0].block_id) is None and clash.stats()["state"].startswith("refused")
+
+
+def test_start_up_says_whether_the_tier_is_authenticated(server, fp, tiers, caplog):
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_persist.remote"):
+        tiers(server.url, fp)
+        t = tiers(server.url, fp, secret=SECRET)
+    text = caplog.text
+    assert "UNAUTHENTICATED" in text and f"authenticated (HMAC-SHA256, key id {t.key_id}" in text
+    assert SECRET.decode() not in text and SECRET.hex() not in text
+    with pytest.raises(ValueError):
+        RemoteTier(server.url, fp, secret=b"too short")
+
+
+def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
+    from vllm_mlx_persist.remote import SECRET_ENV, load_secret
+
+    f = tmp_path / "secret"
+    f.write_bytes(SECRET + b"\n")
+    f.chmod(0o600)
+    assert load_secret(str(f), {}) == SECRET
+    assert load_secret(None, {SECRET_ENV: " " + SECRET.decode() + "\n"}) == SECRET
+    assert load_secret(None, {}) is None
+    for args in ((str(f), {SECRET_ENV: "x" * 32}), (None, {SECRET_ENV: "short"}), (None, {SECRET_ENV: ""}),
+                 (str(tmp_path / "absent"), {})):
+        with pytest.raises(ValueError):
+            load_secret(*args)
+    f.chmod(0o644)
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.remote"):
+        assert load_secret(str(f), {}) == SECRET
+    assert "open to other users" in caplog.text and SECRET.decode() not in caplog.text
+    # the backend's options: a file path (a secret inline is refused, naming the ways to give one)
+    from vllm_mlx_persist.backend import parse_options
+
+    assert parse_options({"remote_secret_file": "~/s"})["remote_secret_file"] == os.path.expanduser("~/s")
+    with pytest.raises(ValueError, match="remote_secret_file.*VLLM_MLX_PERSIST_FLEET_SECRET"):
+        parse_options({"remote_secret": SECRET.decode()})
+
+
+# ---- tombstones: an erasure holds fleet-wide -------------------------------------------------------
+
+
+def test_a_server_that_read_the_tombstone_cannot_put_its_old_history_back(server, fp, tiers):
+    """B holds agent X locally and never published it; X is erased on A. B's sync reads the tombstone,
+    and a save job of B's old history ends after that read (the tier has no way to tell it from a
+    turn made after B erased its copy): its put must not bring X back. Nor may C's, which never
+    synced X. Only once B has dropped its copy (erased_locally) does its put start a new history."""
+    hist = chain(fp, "x", 3)
+    blocks = {x.block_id: x for x in hist}
+    met = []
+    a = tiers(server.url, fp)
+    b = tiers(server.url, fp, on_erased=lambda agent, ident: met.append((agent, ident)))
+    c = tiers(server.url, fp)
+    assert a.erase("x") and a.flush(10)
+    tomb = b.get_manifest("x")
+    assert tomb.erased
+    assert b.put(manifest("x", hist), blocks) and b.flush(10)
+    assert a.get_manifest("x").erased and b.stats()["puts_erased"] == 1
+    assert c.put(manifest("x", hist), blocks) and c.flush(10)
+    assert a.get_manifest("x").erased and c.stats()["puts_erased"] == 1
+    assert not tomb.seen and met == [("x", tomb.ident)]
+    assert not b.erased_locally("x", "not-that-one")
+    assert b.erased_locally("x", tomb.ident) and b.get_manifest("x").seen
+    new = chain(fp, "x", 1, seed=5)
+    assert b.put(manifest("x", new), {new[0].block_id: new[0]}) and b.flush(10)
+    m = a.get_manifest("x")
+    assert not m.erased and m.block_ids == [new[0].block_id] and m.version == tomb.version + 1
+
+
+def test_a_tombstone_written_after_the_manifest_expired_is_not_mistaken_for_one_seen(server, fp, tiers):
+    """Versions start again once a key expires: B published X as version 1, the manifest expired (or
+    was evicted), and A's erasure wrote a tombstone that is version 1 too. B has not seen it."""
+    hist = chain(fp, "y", 3)
+    blocks = {x.block_id: x for x in hist}
+    a, b = tiers(server.url, fp), tiers(server.url, fp, on_erased=lambda *e: None)
+    assert b.put(manifest("y", hist[:2]), blocks) and b.flush(10) and b.seen_version("y") == 1
+    server.client().delete(b.manifest_key("y"))
+    assert a.erase("y") and a.flush(10)
+    tomb = b.get_manifest("y")
+    assert tomb.erased and tomb.version == 1
+    assert b.put(manifest("y", hist), blocks) and b.flush(10)
+    assert a.get_manifest("y").erased and b.stats()["puts_erased"] == 1
+    assert not tomb.seen  # the fleet erases B's copy on reading it
+
+
+def test_tombstones_live_as_long_as_manifests(server, fp, tiers):
+    a = tiers(server.url, fp)  # defaults: manifests 30 days
+    assert a.erase("z") and a.flush(10)
+    assert a.manifest_ttl_s - 60 <= server.client().ttl(a.manifest_key("z")) <= a.manifest_ttl_s
+    b = tiers(server.url, fp, manifest_ttl_s=3600)
+    assert b.erase("z2") and b.flush(10) and 3500 <= server.client().ttl(b.manifest_key("z2")) <= 3600
+    for manifest_ttl, tombstone_ttl in ((3600, 60), (0, 60)):
+        with pytest.raises(ValueError):
+            RemoteTier(server.url, fp, manifest_ttl_s=manifest_ttl, tombstone_ttl_s=tombstone_ttl)
+
+
+def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tiers, tmp_path):
+    """Fleet glue: a put refused by a tombstone has the agent erased here, then acknowledged; a sync
+    reading a tombstone does the same, once."""
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.persister import Persister
+    from vllm_mlx_persist.pool import BlockPool
+
+    hist = chain(fp, "moved", 3)
+    blocks = {x.block_id: x for x in hist}
+    a = tiers(server.url, fp)
+    assert a.put(manifest("moved", hist), blocks) and a.flush(10)
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    persister = Persister(DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30)
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, persister=persister)
+    b = tiers(server.url, fp)
+    fleet = Fleet(b, pool)
+    try:
+        fleet._sync_agent("moved")
+        assert pool.branch_state("moved") is not None and b.seen_version("moved") == 1
+        assert a.erase("moved") and a.flush(10)
+        # a save job of B's ending after the erasure: refused; B then drops its copy, and says so
+        assert b.put(manifest("moved", hist)) and b.flush(10)
+        assert a.get_manifest("moved").erased and fleet.counts["erased_from_fleet"] == 1
+        deadline = time.monotonic() + 10
+        while (pool.branch_state("moved") is not None or not b.get_manifest("moved").seen) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.branch_state("moved") is None and b.get_manifest("moved").seen
+        new = chain(fp, "moved", 1, seed=9)
+        assert b.put(manifest("moved", new), {new[0].block_id: new[0]}) and b.flush(10)
+        assert a.get_manifest("moved").block_ids == [new[0].block_id]
+        # erased again: B's sync reads the tombstone, erases here and acknowledges it, once
+        assert a.erase("moved") and a.flush(10)
+        fleet._sync_agent("moved")
+        assert fleet.counts["erased_from_fleet"] == 2 and b.get_manifest("moved").seen
+        fleet._sync_agent("moved")
+        assert fleet.counts["erased_from_fleet"] == 2
+    finally:
+        fleet.close()
+        pool.close()
 
 
 # ---- faults ------------------------------------------------------------------------------------------

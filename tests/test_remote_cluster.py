@@ -21,8 +21,9 @@ import pytest
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 import redis.cluster  # noqa: E402
 
-from test_remote import SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
-from vllm_mlx_persist.remote import RemoteTier  # noqa: E402
+from test_remote import SECRET, SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
+from vllm_mlx_persist.remote import REMOTE_FORMAT_VERSION, RemoteTier  # noqa: E402
+from vllm_mlx_persist.store import encode_block  # noqa: E402
 
 NODE_TIMEOUT_MS = 2000
 
@@ -201,7 +202,7 @@ def test_erasure_on_a_cluster(cluster, fp, tiers):
     blocks = {x.block_id: x for x in hist}
     erased_seen = []
     a = ctier(tiers, cluster, fp)
-    b = ctier(tiers, cluster, fp, on_erased=erased_seen.append)
+    b = ctier(tiers, cluster, fp, on_erased=lambda agent, ident: erased_seen.append((agent, ident)))
     assert b.put(manifest("gone", hist[:2]), blocks) and b.flush(10)
     assert a.get_manifest("gone").version == 1
     assert a.erase("gone") and a.flush(10)
@@ -210,8 +211,9 @@ def test_erasure_on_a_cluster(cluster, fp, tiers):
     assert 0 < cluster.client().ttl(a.manifest_key("gone")) <= a.tombstone_ttl_s
     # B published before the erasure: its next put is refused and tells it so
     assert b.put(manifest("gone", hist), blocks) and b.flush(10)
-    assert b.stats()["puts_erased"] == 1 and erased_seen == ["gone"] and a.get_manifest("gone").erased
-    # having seen it, B starts a new history under the same id
+    assert b.stats()["puts_erased"] == 1 and erased_seen == [("gone", m.ident)] and a.get_manifest("gone").erased
+    # having erased its copy because of it, B starts a new history under the same id
+    assert b.erased_locally("gone", m.ident)
     new = chain(fp, "gone", 1, seed=7)
     assert b.put(manifest("gone", new), {x.block_id: x for x in new}) and b.flush(10)
     m = a.get_manifest("gone")
@@ -231,6 +233,23 @@ def test_damaged_block_is_refused_and_deleted_on_its_node(cluster, fp, tiers):
     assert a.stats()["refused"] == 1 and node.get(key) is None  # deleted by the script on that node
     assert a.put(manifest("dmg", hist)) and a.flush(10)  # healed from the local store
     assert same_block(a.get_block(hist[1].block_id), hist[1])
+
+
+def test_authenticated_tiers_on_a_cluster(cluster, fp, tiers):
+    hist = chain(fp, "auth", 4)
+    by_id = {x.block_id: x for x in hist}
+    a = ctier(tiers, cluster, fp, secret=SECRET, block_source=by_id.get)
+    b = ctier(tiers, cluster, fp, secret=SECRET)
+    assert a.put(manifest("auth", hist), by_id) and a.flush(10)
+    assert [x.block_id for x in b.get_blocks(list(by_id))] == list(by_id) and b.get_manifest("auth") is not None
+    assert ctier(tiers, cluster, fp).get_manifest("auth") is None  # no secret: another keyspace
+    # a block planted under its id without the MAC: refused and deleted on its node, healed by a put
+    key = a.block_key(hist[2].block_id)
+    node = cluster.node(cluster.port_of(key))
+    node.set(key, encode_block(hist[2]))
+    assert len(b.get_blocks(list(by_id))) == 2 and node.get(key) is None and b.stats()["refused_mac"] == 1
+    assert a.put(manifest("auth", hist)) and a.flush(10)
+    assert same_block(b.get_block(hist[2].block_id), hist[2])
 
 
 # ---- faults --------------------------------------------------------------------------------------
@@ -267,7 +286,7 @@ def _one_node_killed(c: RedisClusterServers, fp: str, tiers) -> None:
     # master); not the one holding the model key (a server's first command checks it, docs/fleet.md).
     victim = c.port_of_slot(0)
     fp = next(f for f in (hashlib.sha256(f"{fp}{i}".encode()).hexdigest() for i in range(100))
-              if c.port_of(f"vmp:{f[:32]}:model") != victim)
+              if c.port_of(f"vmp:{f[:32]}:r{REMOTE_FORMAT_VERSION}:model") != victim)
     a = tiers(f"redis://127.0.0.1:{victim}/0", fp, cluster=True, **kw)
     model_port = c.port_of(a._model_key)
     assert model_port != victim

@@ -57,7 +57,10 @@ DEFAULTS: dict[str, Any] = {
     "remote_queue_mb": 1024.0,  # block data waiting for upload, at most (then uploads are dropped)
     "remote_fetch_mb": 16.0,  # block data asked for in one pipelined Redis round trip, about
     "remote_block_ttl_hours": 168.0,  # blocks expire in Redis unless used (refreshed on every use)
-    "remote_manifest_ttl_hours": 720.0,
+    "remote_manifest_ttl_hours": 720.0,  # also how long an erasure's tombstone holds (docs/fleet.md)
+    # A file holding the fleet's shared secret (or env VLLM_MLX_PERSIST_FLEET_SECRET; never inline,
+    # where it would show in the command line): every value in Redis then carries an HMAC.
+    "remote_secret_file": None,
 }
 
 FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
@@ -86,6 +89,10 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     """Merge user options over DEFAULTS; unknown keys and bad values raise ValueError."""
     options = dict(options or {})
     unknown = sorted(set(options) - set(DEFAULTS))
+    if "remote_secret" in unknown:
+        raise ValueError("persist_q4 remote_secret is not taken inline (the command line is visible to every "
+                         "user of the machine): put it in a file named by remote_secret_file, or in the "
+                         "environment variable VLLM_MLX_PERSIST_FLEET_SECRET")
     if unknown:
         raise ValueError(f"unknown persist_q4 option(s) {unknown}; known: {sorted(DEFAULTS)}")
     opts = {**DEFAULTS, **options}
@@ -136,6 +143,11 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"], opts["remote_fetch_mb"],
            opts["remote_block_ttl_hours"], opts["remote_manifest_ttl_hours"]) <= 0:
         raise ValueError("persist_q4 remote_* time-outs, sizes and TTLs must be > 0")
+    secret_file = opts["remote_secret_file"]
+    if secret_file is not None:
+        if not isinstance(secret_file, str) or not secret_file:
+            raise ValueError("persist_q4 remote_secret_file must be the path of a file holding the fleet secret")
+        opts["remote_secret_file"] = os.path.expanduser(secret_file)
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
     return opts
 
@@ -175,8 +187,11 @@ class PersistQ4Backend:
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
             opts = parse_options(options)
+            self._remote_secret: Optional[bytes] = None  # kept out of opts, which may be shown
             if opts["remote_url"] is not None:
                 _check_redis_client()
+                from .remote import load_secret
+                self._remote_secret = load_secret(opts["remote_secret_file"])
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
         except ValueError as e:
@@ -275,9 +290,10 @@ class PersistQ4Backend:
                 fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
                 block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
                 manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
-                cluster=opts["remote_cluster"])
-            log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs)", tier.url_redacted,
-                     " (Redis Cluster)" if tier.cluster else "", opts["remote_wait_s"])
+                cluster=opts["remote_cluster"], secret=self._remote_secret)
+            log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", tier.url_redacted,
+                     " (Redis Cluster)" if tier.cluster else "", opts["remote_wait_s"],
+                     f"authenticated, key id {tier.key_id}" if tier.authenticated else "UNAUTHENTICATED")
             return Fleet(tier, pool, wait_s=opts["remote_wait_s"], write_timeout_s=opts["write_timeout_s"])
 
         return build

@@ -6,8 +6,8 @@
     erasure:  DELETE /v1/agents/ID (pool.erase) -> tier.erase, a tombstone fleet-wide. The disk
               budget and the TTL are this server's space decisions: they erase locally only.
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
-              module's own threads: read the agent's manifest in Redis; a tombstone newer than what
-              this server published or fetched erases the agent locally; a longer history than the
+              module's own threads: read the agent's manifest in Redis; a tombstone this server has
+              not acted on erases the agent locally (then tier.erased_locally); a longer history than the
               local one has the missing blocks of each of its branches fetched (pipelined, verified
               as disk blocks, and each branch's id chain checked with its links: forks included),
               merged with the local branches, saved to local disk through the persister (index and
@@ -155,19 +155,19 @@ class Fleet:
             log.exception("fleet: syncing agent %r failed", namespace)
 
     def _sync_agent(self, namespace: str) -> None:
-        seen = self.tier.seen_version(namespace)  # before the read: get_manifest records tombstones
-        # Before the read too: an erasure from here on (an API erasure racing this sync) makes the
-        # pool refuse what this sync fetched, even for an agent it does not know.
+        # Before the read: an erasure from here on (an API erasure racing this sync) makes the pool
+        # refuse what this sync fetched, even for an agent it does not know.
         expect = self.pool.agent_version(namespace)
         rm = self.tier.get_manifest(namespace)
         if rm is None:
             return
         pool = self.pool
         if rm.erased:
-            if rm.version > seen:  # erased after this server last published or fetched the agent
+            if not rm.seen:  # an erasure this server has not acted on yet
                 self._count("erased_from_fleet")
                 log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
                 pool.erase(namespace, fleet_wide=False)
+                self.tier.erased_locally(namespace, rm.ident)  # only now may its puts start afresh
             return
         local = expect[1]
         local_n = local[-1][1] if local else 0
@@ -252,11 +252,20 @@ class Fleet:
         # read the blocks back while the request waits for the worker (page cache: cheap)
         self.pool.prefetch(manifest.namespace)
 
-    def _erased_elsewhere(self, namespace: str) -> None:
-        """Tier writer thread: a put of ours found the agent erased by another server."""
+    def _erased_elsewhere(self, namespace: str, ident: str) -> None:
+        """Tier writer thread: a put of ours found the agent erased by another server (tombstone `ident`)."""
         self._count("erased_from_fleet")
+
+        def erase_here() -> None:
+            try:
+                self.pool.erase(namespace, 60.0, False)
+            except Exception:  # not erased here: its puts stay refused, and the next one retries this
+                log.exception("fleet: erasing agent %r here failed", namespace)
+                return
+            self.tier.erased_locally(namespace, ident)  # only now may its puts start afresh
+
         try:
-            self._exec.submit(self.pool.erase, namespace, 60.0, False)
+            self._exec.submit(erase_here)
         except RuntimeError:
             pass
 

@@ -1,12 +1,15 @@
 """Fleet tier: KV blocks and agent manifests in Redis, shared by every server serving one model.
 
-Runtime module: numpy and bytes only, never MLX. Layout, conflict rule, sizing and faults are in
-docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
+Runtime module: numpy and bytes only, never MLX. Layout, versions, authentication, conflict rule,
+sizing and faults are in docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
 
     tier = RemoteTier(url, fingerprint, block_source=...,   # start-up; connects lazily, never raises
-                      cluster=False)                        # for an unreachable Redis; cluster=True:
-                                                            # a Redis Cluster (any node's URL)
-    tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s
+                      secret=None,                          # for an unreachable Redis; secret: bytes
+                      cluster=False)                        # shared by the fleet, every value carries
+                                                            # an HMAC; cluster=True: a Redis Cluster
+    tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s;
+                                                            # erased=True: a tombstone (.seen: this
+                                                            # server already acted on it)
     tier.get_block(block_id) -> BlockData | None            # any thread; at most read_timeout_s;
                                                             # verified exactly as a disk block
     tier.get_blocks(block_ids) -> list[BlockData]           # any thread; pipelined round trips of
@@ -16,12 +19,16 @@ docs/fleet.md. The interface the pool (or persister) calls, and on which thread:
                                                             # upload, False when dropped (queue full)
     tier.erase(agent) -> bool                               # any thread; never blocks: queued ahead
                                                             # of the bound, retried until done or close()
+    tier.erased_locally(agent, ident) -> bool               # any thread: this server dropped its copy
+                                                            # because of tombstone `ident` (from
+                                                            # get_manifest or on_erased(agent, ident));
+                                                            # its puts may now start a new history
     tier.flush(timeout) -> bool                             # wait for queued writes (tests, shutdown)
     tier.stats() -> dict                                    # O(1) counters
     tier.close(timeout)                                     # flush within the bound, stop the threads
 
-`get_*` return None for every failure (absent, refused, Redis down or slow, breaker open): the
-caller treats it as a miss and carries on from memory and local disk. `put` is meant to be called
+`get_*` return None for every failure (absent, refused, not ours, Redis down or slow, breaker open):
+the caller treats it as a miss and carries on from memory and local disk. `put` is meant to be called
 once the turn is durable locally (e.g. at the end of the local write job), with the new blocks'
 data if at hand; blocks the manifest names that Redis lacks and `blocks` does not hold are read
 through `block_source(block_id)` (the local disk), so a dropped put heals at the agent's next one.
@@ -35,9 +42,13 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import hmac
 import json
 import logging
+import os
 import re
+import secrets
+import stat
 import threading
 import time
 import weakref
@@ -47,50 +58,49 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from .store import (FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id, _check_branches,
-                    decode_block, encode_block)
+from .store import (_BLOCK_FORMAT, FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id,
+                    _check_branches, decode_block, encode_block)
 
 logger = logging.getLogger("vllm_mlx_persist.remote")
 
+# The version of everything this tier writes to Redis: key layout, block values, manifest fields and
+# body, tags. It names the keyspace (vmp:<fingerprint[:32]>:r2:...), and a build reads and writes
+# only its own, so builds of different versions sharing one Redis never see each other's values.
+# Rule (docs/fleet.md, "Versions"): a build may write into keyspace rN only what every build that
+# reads rN accepts; any change an older reader of rN would refuse (a new block checksum kind or
+# store.FORMAT_VERSION, a manifest field it cannot ignore, another tag or MAC layout) bumps it.
+REMOTE_FORMAT_VERSION = 2
+# The block checksum kinds every r2 reader verifies (store.decode_block): the only ones r2 may hold.
+BLOCK_CHECKSUM_KINDS = ("crc32", "sha256")
+
+# The fleet's shared secret, from this environment variable or a file (backend option
+# remote_secret_file), never from the command line. Shorter secrets are refused.
+SECRET_ENV = "VLLM_MLX_PERSIST_FLEET_SECRET"
+MIN_SECRET_BYTES = 16
+
 _MANIFEST_FORMAT = "vllm-mlx-persist.remote-manifest"
 _MODEL_FORMAT = "vllm-mlx-persist.remote-model"
+_TAG_KINDS = ("sha256", "hmac-sha256")  # a manifest's tag: unkeyed without a secret, HMAC with one
+_MAC_MAGIC = b"vmp-hmac"  # an authenticated block value ends with this and its 32-byte HMAC
+_MAC_TRAILER = len(_MAC_MAGIC) + 32
+_FIELDS = ("v", "i", "e", "n", "d", "body", "m")  # a manifest hash's fields (docs/fleet.md)
+_CAS_TRIES = 16  # re-reads of a manifest that changed under one put or erasure before giving up
+_READ_IDS = 4  # versions -> ids of the last manifests read per agent, for adopt()
 
 BlockSource = Callable[[str], Union[BlockData, bytes, None]]
 
-# Manifests live in a hash: v (version), n (n_tokens), d (digest of the block ids), e ("1": erased,
-# a tombstone), body (the checked JSON manifest). One key per agent, so the script works unchanged
-# on Redis Cluster.
-#   ARGV: base version the writer last published (-1: none), n_tokens, ids digest, body, ttl (0: none)
-#   returns {status, version}: 1 published, 2 the same blocks were already there, 0 kept the other
-#   (longer or as long) history, 3 refused: erased since this writer last published
-_PUT_LUA = """
-local cur = redis.call('HMGET', KEYS[1], 'v', 'n', 'd', 'e')
-local base = tonumber(ARGV[1])
-local v = tonumber(cur[1])
-if v then
-  if base ~= v then
-    if cur[4] == '1' then return {3, v} end
-    if cur[3] == ARGV[3] then return {2, v} end
-    if tonumber(ARGV[2]) <= (tonumber(cur[2]) or -1) then return {0, v} end
-  end
-  v = v + 1
-else
-  v = math.max(base, 0) + 1
-end
+# Write a manifest key only if it is still the value the writer read and judged: its id (field i,
+# fresh random for every value written; '' when absent or missing). One key, so it works unchanged
+# on Redis Cluster. The rules (which put wins, tombstones) are applied by the writer in Python,
+# where the value's tag can be checked; this script only makes the decision atomic.
+#   ARGV: the id read, ttl (0: none), then the new value's field/value pairs. 1: written, 0: changed.
+_CAS_LUA = """
+local cur = redis.call('HGET', KEYS[1], 'i') or ''
+if cur ~= ARGV[1] then return 0 end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'v', v, 'n', ARGV[2], 'd', ARGV[3], 'body', ARGV[4])
-if tonumber(ARGV[5]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[5]) end
-return {1, v}
-"""
-
-# Replace the manifest by a tombstone one version up.  ARGV: writer's base version, ttl (0: none)
-_ERASE_LUA = """
-local v = tonumber(redis.call('HGET', KEYS[1], 'v')) or 0
-v = math.max(v, tonumber(ARGV[1])) + 1
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'v', v, 'e', '1')
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
-return v
+return 1
 """
 
 # Delete a refused value only if it is still the one we read (not a good copy written meanwhile).
@@ -99,6 +109,67 @@ local cur = redis.call('GET', KEYS[1])
 if cur and redis.sha1hex(cur) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+def load_secret(secret_file: Optional[str] = None, environ: Optional[Mapping[str, str]] = None) -> Optional[bytes]:
+    """The fleet's shared secret: the content of `secret_file`, or the environment variable
+    SECRET_ENV, surrounding whitespace stripped; None when neither is set. ValueError when both are
+    set, the file cannot be read, or the secret is shorter than MIN_SECRET_BYTES."""
+    env = os.environ if environ is None else environ
+    from_env = env.get(SECRET_ENV)
+    if secret_file is not None and from_env is not None:
+        raise ValueError(f"persist_q4: the fleet secret is set twice (remote_secret_file and {SECRET_ENV}); set one")
+    if secret_file is not None:
+        try:
+            with open(secret_file, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                secret = f.read(1 << 16).strip()
+        except OSError as e:
+            raise ValueError(f"persist_q4: cannot read remote_secret_file: {e}") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("fleet: remote_secret_file %s is open to other users (mode %o); chmod 600 it",
+                           secret_file, stat.S_IMODE(mode))
+        where = "remote_secret_file"
+    elif from_env is not None:
+        secret, where = from_env.strip().encode(), SECRET_ENV
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"persist_q4: the fleet secret ({where}) has {len(secret)} bytes; at least "
+                         f"{MIN_SECRET_BYTES} are needed (e.g. openssl rand -hex 32)")
+    return secret
+
+
+class _Tagger:
+    """Tags binding a value to its Redis key: HMAC-SHA256 under a key derived from the fleet's
+    secret, or without a secret plain sha256 (catches damage, but anyone can recompute it)."""
+
+    def __init__(self, secret: Optional[bytes]):
+        self.kind = "hmac-sha256" if secret else "sha256"
+        self._key = hmac.digest(secret, b"vllm-mlx-persist fleet mac 1", "sha256") if secret else None
+        # Names the keyspace: servers with different secrets never read each other's values.
+        self.key_id = hmac.digest(secret, b"vllm-mlx-persist fleet key id 1", "sha256").hex()[:16] if secret else None
+
+    def digest(self, domain: bytes, key: str, parts: Sequence[Union[bytes, memoryview]]) -> bytes:
+        h = hmac.new(self._key, digestmod="sha256") if self._key is not None else hashlib.sha256()
+        for part in (domain, key.encode(), *parts):  # length-prefixed: no two splits hash alike
+            h.update(len(part).to_bytes(8, "big"))
+            h.update(part)
+        return h.digest()
+
+    def tag(self, domain: bytes, key: str, parts: Sequence[bytes]) -> bytes:
+        return self.kind.encode() + b":" + self.digest(domain, key, parts).hex().encode()
+
+    def check(self, tag: Optional[bytes], domain: bytes, key: str, parts: Sequence[bytes]) -> Optional[str]:
+        """None if `tag` is this tier's tag of the value under `key`; else 'missing', 'wrong' (of
+        another kind than ours, e.g. unauthenticated, or not matching) or 'unknown' (a kind this
+        build does not know)."""
+        if not tag:
+            return "missing"
+        kind, sep, _ = tag.partition(b":")
+        if not sep or kind.decode("ascii", "replace") not in _TAG_KINDS:
+            return "unknown"
+        return None if hmac.compare_digest(tag, self.tag(domain, key, parts)) else "wrong"
 
 
 _FAILED = object()  # a read that did not reach Redis (as opposed to a key that is absent)
@@ -116,7 +187,8 @@ class RemoteManifest:
     newest branch's, and `branches` is the agent's branches, least recently used first, in the
     disk manifest's schema ({"block_ids", "n_tokens", "links"}, docs/disk-format.md): one plain
     chain seeded with the agent for a manifest without branches (an agent that never branched or
-    forked, or one published by an older server)."""
+    forked). `ident` names this very value (fresh for every value written); `seen`: this server
+    already holds it (published or adopted it, or, for a tombstone, erased its copy because of it)."""
 
     namespace: str
     block_ids: list[str]
@@ -125,6 +197,8 @@ class RemoteManifest:
     version: int
     erased: bool = False
     branches: list = field(default_factory=list)
+    ident: str = ""
+    seen: bool = False
 
 
 @dataclass
@@ -143,8 +217,38 @@ class _Erase:
 
 @dataclass
 class _AgentState:
-    seen: int = -1  # the manifest version this server last published (or saw erased); -1: none
+    # The value this server last published, adopted, or erased its copy for: a put whose base it is
+    # succeeds it (a sequential successor). Compared by id, never by version alone: versions start
+    # again from the writer's memory once a key expires, so equal versions can be different values.
+    seen_v: int = -1
+    seen_id: str = ""
+    # The newest tombstone met (read, or refusing a put) that this server has not yet erased its copy
+    # for (erased_locally): until then every put of the agent is refused by it.
+    tomb_v: int = -1
+    tomb_id: str = ""
+    read: dict = field(default_factory=dict)  # version -> id of the last live manifests read (adopt)
     gen: int = 0  # changes on every erasure seen here: queued puts from before it are stale
+
+
+@dataclass
+class _Current:
+    """A manifest key's value as the writer or a reader found it, judged: `state` is 'absent',
+    'ok', 'refused' (its tag is missing or wrong, or it is malformed: not a value of this fleet) or
+    'foreign' (a tag of a kind this build does not know, without a secret: left alone)."""
+
+    state: str
+    raw_id: bytes = b""  # its i field as stored: what the compare-and-set expects
+    version: int = -1
+    ident: str = ""
+    erased: bool = False
+    n_tokens: int = -1
+    digest: str = ""
+    body: Optional[bytes] = None
+    why: str = ""
+
+
+class _Conflict(Exception):
+    """A manifest changed under one put or erasure _CAS_TRIES times in a row (retried with back-off)."""
 
 
 class _Breaker:
@@ -181,6 +285,28 @@ def _block_nbytes(b: Union[BlockData, bytes]) -> int:
 
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _newer_block(data: Any) -> Optional[str]:
+    """What a block value that failed decode_block says it is, when that is our block format in
+    a version or with a checksum kind this build does not know (a value not ours to judge, so not
+    to delete); None for anything else (damaged: its header does not parse or its checks fail)."""
+    try:
+        hlen = int.from_bytes(data[:8], "little")
+        if not 0 < hlen <= min(len(data) - 8, 16 << 20):
+            return None
+        meta = json.loads(bytes(data[8 : 8 + hlen]))["__metadata__"]
+        fmt, version, checksum = meta["format"], meta["format_version"], meta["checksum"]
+    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+        return None
+    if fmt != _BLOCK_FORMAT or not isinstance(version, str) or not isinstance(checksum, str):
+        return None
+    if version != str(FORMAT_VERSION) and version.isdigit():
+        return f"block format version {version}"
+    kind, sep, _ = checksum.partition(":")
+    if sep and re.fullmatch(r"[a-z0-9][a-z0-9-]{0,31}", kind) and kind not in BLOCK_CHECKSUM_KINDS:
+        return f"a block with a {kind} checksum"
+    return None
 
 
 def _agent_key(namespace: str) -> str:
@@ -246,7 +372,9 @@ class _Lua:
 class RemoteTier:
     """Blocks (content-addressed, SET NX) and per-agent manifests (versioned, compare-and-set by a
     Lua script) in one Redis, or a Redis Cluster with `cluster=True` (every command touches one key),
-    for one model fingerprint. See the module docstring for the interface."""
+    for one model fingerprint, in the keyspace of this REMOTE_FORMAT_VERSION (and of the secret's key
+    id when there is one). With `secret`, every value carries an HMAC-SHA256 bound to its key and a
+    value without a valid one is never used. See the module docstring for the interface."""
 
     def __init__(
         self,
@@ -269,15 +397,26 @@ class RemoteTier:
         fetch_bytes: int = 16 << 20,
         block_ttl_s: int = 7 * 86400,
         manifest_ttl_s: int = 30 * 86400,
-        tombstone_ttl_s: int = 86400,
+        tombstone_ttl_s: Optional[int] = None,
         key_prefix: str = "vmp",
         max_agents: int = 100_000,
         max_erasures: int = 10_000,
-        on_erased: Optional[Callable[[str], None]] = None,
+        on_erased: Optional[Callable[[str, str], None]] = None,
         cluster: bool = False,
+        secret: Union[bytes, str, None] = None,
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
+        # A tombstone must outlive every manifest it may have replaced, or a server still holding
+        # that history could publish it again once the tombstone is gone (docs/fleet.md, Erasure).
+        if tombstone_ttl_s is None:
+            tombstone_ttl_s = manifest_ttl_s
+        if manifest_ttl_s > 0 and 0 < tombstone_ttl_s < manifest_ttl_s or manifest_ttl_s <= 0 < tombstone_ttl_s:
+            raise ValueError("tombstone_ttl_s must be at least manifest_ttl_s (0: no TTL for either)")
+        if isinstance(secret, str):
+            secret = secret.encode()
+        if secret is not None and len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"the fleet secret must have at least {MIN_SECRET_BYTES} bytes")
         if queue_max < 1 or read_threads < 1 or max_attempts < 1 or fetch_blocks < 1 or fetch_bytes < 1:
             raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks and fetch_bytes must be at least 1")
         redis, Retry, NoBackoff = _import_redis()
@@ -308,15 +447,21 @@ class RemoteTier:
         self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
         self.max_agents, self.max_erasures = max_agents, max_erasures
         self.on_erased = on_erased
-        self._prefix = f"{key_prefix}:{fingerprint[:32]}:"
+        self._tagger = _Tagger(secret or None)
+        self.authenticated = secret is not None
+        self.key_id = self._tagger.key_id
+        self._prefix = (f"{key_prefix}:{fingerprint[:32]}:r{REMOTE_FORMAT_VERSION}:"
+                        + (f"k{self.key_id}:" if self.key_id else ""))
         self._model_key = self._prefix + "model"
-        self._model_value = _canonical({"format": _MODEL_FORMAT, "format_version": FORMAT_VERSION,
-                                        "fingerprint": fingerprint})
+        model = {"format": _MODEL_FORMAT, "remote_version": REMOTE_FORMAT_VERSION, "format_version": FORMAT_VERSION,
+                 "fingerprint": fingerprint, "auth": self._tagger.kind}
+        model["tag"] = self._tagger.tag(b"model", self._model_key, [_canonical(model)]).decode()
+        self._model_value = _canonical(model)
         self._model_ok = False
         self._disabled: Optional[str] = None  # why the tier refuses to run (another model's keys)
+        self._warned: set[str] = set()  # kinds of refusal already logged at WARNING
         no_script = redis.exceptions.NoScriptError
-        self._put_script = _Lua(_PUT_LUA, no_script)
-        self._erase_script = _Lua(_ERASE_LUA, no_script)
+        self._cas_script = _Lua(_CAS_LUA, no_script)
         self._del_if_script = _Lua(_DEL_IF_LUA, no_script)
         self._breaker = _Breaker(breaker_failures, breaker_open_s)
         self._connected: Optional[bool] = None  # None: no command answered or failed yet
@@ -328,8 +473,8 @@ class RemoteTier:
         self._c = dict.fromkeys(
             ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
              "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "fetch_round_trips", "hits",
-             "misses", "refused", "bytes_down", "manifest_gets", "manifest_hits", "erases", "erases_done",
-             "errors", "timeouts", "skipped"], 0)
+             "misses", "refused", "refused_mac", "foreign", "puts_foreign", "bytes_down", "manifest_gets",
+             "manifest_hits", "erases", "erases_done", "errors", "timeouts", "skipped"], 0)
 
         self._q: deque = deque()
         self._q_puts = 0
@@ -346,6 +491,13 @@ class RemoteTier:
         ref = weakref.ref(self)
         self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
         atexit.register(self._atexit)
+        if self.authenticated:
+            logger.info("fleet: values in Redis are authenticated (HMAC-SHA256, key id %s; keyspace %s*)",
+                        self.key_id, self._prefix)
+        else:
+            logger.warning("fleet: the fleet tier is UNAUTHENTICATED: anyone who can write to this Redis can plant "
+                           "KV that this server serves, or erase agents; set %s or remote_secret_file on every "
+                           "server (docs/fleet.md, Authentication)", SECRET_ENV)
 
     def _make_client(self, url: str, redis: Any, Retry: Any, NoBackoff: Any, timeout: float,
                      connect_timeout: float, max_connections: int) -> Any:
@@ -403,39 +555,44 @@ class RemoteTier:
     # ---- reads (any thread, bounded) ------------------------------------------------------------
 
     def get_manifest(self, namespace: str) -> Optional[RemoteManifest]:
-        """The agent's manifest in Redis (erased=True for a tombstone); None when absent, refused
-        or unreachable within read_timeout_s."""
+        """The agent's manifest in Redis (erased=True for a tombstone); None when absent, refused,
+        not ours or unreachable within read_timeout_s."""
         key = self.manifest_key(namespace)
         with self._lock:
             self._c["manifest_gets"] += 1
             if namespace in self._pending_erase:
                 return None  # erased here, not yet in Redis: never serve it back
-        raw = self._bounded_read(lambda: self._client.hmget(key, "v", "e", "body"))
+        raw = self._bounded_read(lambda: self._client.hmget(key, *_FIELDS))
         if raw is _FAILED:
             return None
-        v, e, body = raw
-        if v is None:
+        cur = self._judge_manifest(key, raw)
+        if cur.state == "absent":
             return None
-        try:
-            version = int(v)
-        except ValueError:
-            self._count("refused")
-            logger.warning("fleet: manifest of an agent has a bad version %r; ignored", v[:32])
+        if cur.state != "ok":
+            self._refused_manifest(cur, "read")
             return None
-        if e == b"1":
-            self._saw_erased(namespace, version)
-            return RemoteManifest(namespace, [], 0, 0.0, version, erased=True)
-        m = self._parse_manifest(body, namespace)
+        if cur.erased:
+            seen = self._met_tombstone(namespace, cur.version, cur.ident)
+            return RemoteManifest(namespace, [], 0, 0.0, cur.version, erased=True, ident=cur.ident, seen=seen)
+        m = self._parse_manifest(cur.body, namespace)
         if m is None:
             self._count("refused")
             return None
-        self._count("manifest_hits")
+        with self._lock:
+            self._c["manifest_hits"] += 1
+            st = self._agent(namespace)
+            st.read[cur.version] = cur.ident
+            while len(st.read) > _READ_IDS:
+                del st.read[next(iter(st.read))]
+            seen = st.seen_id == cur.ident
         branches = m.branches or [{"block_ids": list(m.block_ids), "n_tokens": m.n_tokens, "links": [[0, namespace]]}]
-        return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, version, branches=branches)
+        return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, cur.version, branches=branches,
+                              ident=cur.ident, seen=seen)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
-        """The block, verified exactly as a disk block (store.decode_block); None when absent,
-        refused (damaged or foreign: deleted from Redis if unchanged) or unreachable in time."""
+        """The block, verified exactly as a disk block (store.decode_block), and its MAC with a
+        secret; None when absent, refused (damaged, another block's, or without a valid MAC: deleted
+        from Redis if unchanged), of a format this build cannot read (left alone) or unreachable in time."""
         got = self.get_blocks([block_id])
         return got[0] if got else None
 
@@ -478,23 +635,60 @@ class RemoteTier:
         return pipe.execute()
 
     def _verify(self, block_id: str, key: str, raw: Optional[bytes]) -> Optional[BlockData]:
-        """A value read from Redis as a block, or None (absent, or refused and deleted if unchanged)."""
+        """A value read from Redis as a block, or None: absent; refused (its MAC missing or wrong, or
+        damaged: deleted if unchanged, so a put can store a good copy); or not ours to judge (a
+        newer format of ours: left in place)."""
         if raw is None:
             self._count("misses")
             return None
+        data, problem = self._unwrap_block(key, raw)
+        if problem is not None:
+            self._count("refused_mac")
+            self._warn_once("block-mac", "fleet: refused a block from Redis whose MAC is %s (written without "
+                            "this fleet's secret, or damaged); deleting it (further ones: debug log)", problem)
+            self._refuse_block(block_id, key, raw, f"MAC {problem}", quiet=True)
+            return None
         try:
-            block = decode_block(raw, block_id)
+            block = decode_block(data, block_id)
         except BadBlockError as e:
-            self._count("refused")
-            logger.warning("fleet: refused block %s from Redis (%s); deleting it", block_id, e)
-            digest = hashlib.sha1(raw).hexdigest()
-            self._bounded_read(lambda: self._del_if_script(self._client, [key], [digest]))
+            newer = _newer_block(data)
+            if newer is not None:
+                self._count("foreign")
+                self._warn_once("block-foreign", "fleet: block %s in Redis is %s, which this build cannot read; "
+                                "left in place (a build of another format wrote it into this keyspace; "
+                                "further ones: debug log)", block_id, newer)
+                return None
+            self._refuse_block(block_id, key, raw, str(e))
             return None
         with self._lock:
             self._c["hits"] += 1
             self._c["bytes_down"] += len(raw)
             self._block_size_seen = max(self._block_size_seen, len(raw))
         return block
+
+    def _refuse_block(self, block_id: str, key: str, raw: bytes, why: str, quiet: bool = False) -> None:
+        self._count("refused")
+        (logger.debug if quiet else logger.warning)("fleet: refused block %s from Redis (%s); deleting it",
+                                                    block_id, why)
+        digest = hashlib.sha1(raw).hexdigest()
+        self._bounded_read(lambda: self._del_if_script(self._client, [key], [digest]))
+
+    def _unwrap_block(self, key: str, raw: bytes) -> tuple[Any, Optional[str]]:
+        """(the block file inside a value, None), or (None, why its MAC is refused)."""
+        if not self.authenticated:
+            return raw, None
+        if len(raw) < _MAC_TRAILER or raw[-_MAC_TRAILER:-32] != _MAC_MAGIC:
+            return None, "missing"
+        data = memoryview(raw)[:-_MAC_TRAILER]  # no copy: the block's arrays are views of it
+        if not hmac.compare_digest(raw[-32:], self._tagger.digest(b"block", key, [data])):
+            return None, "wrong"
+        return data, None
+
+    def _wrap_block(self, key: str, raw: bytes) -> bytes:
+        """The value stored for a block file: the file, and with a secret its MAC bound to the key."""
+        if not self.authenticated:
+            return raw
+        return b"".join((raw, _MAC_MAGIC, self._tagger.digest(b"block", key, [raw])))
 
     def _bounded_read(self, fn: Callable[[], Any]) -> Any:
         """Run a Redis read on a reader thread; _FAILED on any failure or after read_timeout_s."""
@@ -618,17 +812,36 @@ class RemoteTier:
     # ---- this server's view of an agent (O(1), no Redis) -------------------------------------------
 
     def seen_version(self, namespace: str) -> int:
-        """The manifest version this server last published, adopted or saw erased; -1: none."""
+        """The version of the manifest this server last published, adopted or erased its copy
+        for; -1: none."""
         with self._lock:
             st = self._agents.get(namespace)
-            return -1 if st is None else st.seen
+            return -1 if st is None else st.seen_v
 
     def adopt(self, namespace: str, version: int) -> None:
-        """This server now holds the agent's manifest `version` (fetched from Redis) as its own
-        history: its next put for the agent is a sequential successor of that version."""
+        """This server now holds the agent's manifest `version`, as get_manifest returned it, as its
+        own history: its next put for the agent is a sequential successor of that value. (A version
+        this tier did not read lately, or older than what it holds, is ignored.)"""
         with self._lock:
             st = self._agent(namespace)
-            st.seen = max(st.seen, int(version))
+            ident = st.read.get(int(version))
+            if ident is not None and int(version) >= st.seen_v:
+                st.seen_v, st.seen_id = int(version), ident
+
+    def erased_locally(self, namespace: str, ident: str) -> bool:
+        """This server has erased its copy of the agent (memory and disk, durable) because of the
+        tombstone `ident` (RemoteManifest.ident of an erased manifest, or on_erased's second
+        argument). Until this is called every put of the agent meets that tombstone and is refused;
+        from now on a put starts a new history on top of it. Puts queued before are discarded.
+        False (nothing changes) if a newer tombstone has been met since: its own erasure follows."""
+        with self._lock:
+            st = self._agent(namespace)
+            if not ident or ident != st.tomb_id:
+                return False
+            st.seen_v, st.seen_id = st.tomb_v, st.tomb_id
+            st.tomb_v, st.tomb_id = -1, ""
+            self._bump_gen(namespace)
+            return True
 
     # ---- stats ---------------------------------------------------------------------------------------
 
@@ -645,6 +858,9 @@ class RemoteTier:
         out["state"] = self._disabled or ("ok" if out["connected"] else
                                           "not contacted yet" if self._connected is None else "unreachable")
         out["url"] = self.url_redacted
+        out["authenticated"] = self.authenticated
+        out["key_id"] = self.key_id
+        out["keyspace"] = self._prefix
         return out
 
     # ---- internals: bookkeeping ---------------------------------------------------------------------
@@ -685,30 +901,108 @@ class RemoteTier:
         self._gen_counter += 1
         self._agent(namespace).gen = self._gen_counter
 
-    def _saw_erased(self, namespace: str, version: int) -> None:
+    def _met_tombstone(self, namespace: str, version: int, ident: str) -> bool:
+        """A tombstone was read or refused a put: whether this server already acted on it. A new one
+        is remembered until erased_locally; puts queued before it are stale (it would refuse them)."""
         with self._lock:
             st = self._agent(namespace)
-            if version > st.seen:  # a new erasure: queued puts from before it must not revive it
-                st.seen = version
+            if ident == st.seen_id:
+                return True
+            if ident != st.tomb_id:
+                st.tomb_v, st.tomb_id = version, ident
                 self._bump_gen(namespace)
+            return False
+
+    def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
+        """Log at WARNING the first time, then at DEBUG: a planted or foreign value must not be able
+        to flood the log."""
+        with self._lock:
+            first = kind not in self._warned
+            self._warned.add(kind)
+        (logger.warning if first else logger.debug)(msg, *args)
 
     def _ensure_model(self, client: Any) -> None:
         """Check once per connection life that these keys belong to this exact model (as model.json
-        does on disk); a mismatch disables the tier rather than serve another model's KV."""
+        does on disk); a mismatch disables the tier rather than serve another model's KV. A value
+        whose tag is missing or wrong is no server's of this version (and secret): it is replaced."""
         if self._model_ok:
             return
         if self._disabled:
             raise RemoteUnavailable(self._disabled)
-        pipe = client.pipeline(transaction=False)
-        pipe.set(self._model_key, self._model_value, nx=True)
-        pipe.get(self._model_key)
-        _, theirs = pipe.execute()
-        if theirs != self._model_value:
-            self._disabled = (f"refused: Redis keys {self._prefix}* belong to another model or format "
-                              f"({(theirs or b'')[:200]!r}); the fleet tier is off")
-            logger.error("fleet: %s", self._disabled)
-            raise RemoteUnavailable(self._disabled)
-        self._model_ok = True
+        for attempt in range(2):
+            pipe = client.pipeline(transaction=False)
+            pipe.set(self._model_key, self._model_value, nx=True)
+            pipe.get(self._model_key)
+            _, theirs = pipe.execute()
+            if theirs == self._model_value:
+                self._model_ok = True
+                return
+            problem = self._model_tag_problem(theirs)
+            if problem is None or (problem == "unknown" and not self.authenticated) or attempt:
+                break
+            self._count("refused")
+            self._count("refused_mac")
+            self._warn_once("model-mac", "fleet: %s holds a value whose tag is %s; replacing it",
+                            self._model_key, problem)
+            self._del_if_script(client, [self._model_key], [hashlib.sha1(theirs or b"").hexdigest()])
+        self._disabled = (f"refused: Redis keys {self._prefix}* belong to another model or format "
+                          f"({(theirs or b'')[:300]!r}); the fleet tier is off")
+        logger.error("fleet: %s", self._disabled)
+        raise RemoteUnavailable(self._disabled)
+
+    def _model_tag_problem(self, value: Optional[bytes]) -> Optional[str]:
+        """None if `value` is a model record tagged as this tier tags (so a real other model's)."""
+        try:
+            d = json.loads(value)
+            tag = d.pop("tag").encode()
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+            return "missing"
+        return self._tagger.check(tag, b"model", self._model_key, [_canonical(d)])
+
+    def _judge_manifest(self, key: str, values: Sequence[Optional[bytes]]) -> _Current:
+        """A manifest key's fields (_FIELDS, as HMGET returns them), judged."""
+        v, i, e, n, d, body, tag = values
+        if all(x is None for x in values):
+            return _Current("absent")
+        raw_id = i or b""
+        problem = self._tagger.check(tag, b"manifest", key, [x or b"" for x in values[:-1]])
+        if problem == "unknown" and not self.authenticated:
+            return _Current("foreign", raw_id, why="a tag of an unknown kind")
+        if problem is not None:
+            return _Current("refused", raw_id, why=f"its tag is {problem}")
+        try:
+            erased = e == b"1"
+            cur = _Current("ok", raw_id, int(v), raw_id.decode("ascii"), erased, 0 if erased else int(n),
+                           (d or b"").decode("ascii"), body)
+            if not cur.ident or e not in (b"0", b"1") or (not erased and body is None):
+                raise ValueError("missing fields")
+        except (TypeError, ValueError) as err:
+            return _Current("refused", raw_id, why=f"malformed ({err})")
+        return cur
+
+    def _refused_manifest(self, cur: _Current, where: str) -> None:
+        if cur.state == "foreign":
+            self._count("foreign")
+            self._warn_once("manifest-foreign", "fleet: a manifest in Redis has %s; left alone (%s; further "
+                            "ones: debug log)", cur.why, where)
+            return
+        with self._lock:
+            self._c["refused"] += 1
+            if cur.why.startswith("its tag"):
+                self._c["refused_mac"] += 1
+        self._warn_once("manifest-refused", "fleet: refused a manifest from Redis: %s (%s; written without this "
+                        "fleet's secret, or damaged; further ones: debug log)", cur.why, where)
+
+    def _manifest_fields(self, key: str, version: int, ident: str, erased: bool, n_tokens: int = 0,
+                         digest: str = "", body: bytes = b"") -> list[bytes]:
+        """The field/value pairs of a manifest (or, `erased`, a tombstone: no n, d, body) with its tag."""
+        vals = [str(version).encode(), ident.encode(), b"1" if erased else b"0"]
+        vals += [b"", b"", b""] if erased else [str(n_tokens).encode(), digest.encode(), body]
+        out: list[bytes] = []
+        for name, val in zip(_FIELDS, vals):
+            if val or name in ("v", "i", "e"):
+                out += [name.encode(), val]
+        return out + [b"m", self._tagger.tag(b"manifest", key, vals)]
 
     def _parse_manifest(self, body: Optional[bytes], namespace: str) -> Optional[Manifest]:
         try:
@@ -791,7 +1085,7 @@ class RemoteTier:
                 return False
             except RemoteUnavailable:
                 break
-            except self._redis_errors as e:
+            except (*self._redis_errors, _Conflict) as e:
                 self._failed("errors", e, transport=isinstance(e, self._transport_errors))
                 if self._closing:
                     break
@@ -811,13 +1105,26 @@ class RemoteTier:
                 self._cond.wait_for(lambda: self._closing, timeout=s)
 
     def _erase_now(self, namespace: str) -> None:
-        with self._lock:
-            base = self._agent(namespace).seen
-        v = int(self._erase_script(self._write_client, [self.manifest_key(namespace)],
-                                   [base, self.tombstone_ttl_s]))
+        key = self.manifest_key(namespace)
+        for _ in range(_CAS_TRIES):
+            cur = self._judge_manifest(key, self._write_client.hmget(key, *_FIELDS))
+            if cur.state in ("refused", "foreign"):
+                self._refused_manifest(cur, "replaced by an erasure")
+            with self._lock:
+                base = self._agent(namespace).seen_v
+            # One version above anything this server or Redis knew of the agent. An erasure replaces
+            # whatever is there, a value it cannot judge included: the agent's owner asked for it.
+            version = max(cur.version if cur.state == "ok" else -1, base, 0) + 1
+            ident = secrets.token_hex(8)
+            fields = self._manifest_fields(key, version, ident, True)
+            if int(self._cas_script(self._write_client, [key], [cur.raw_id, self.tombstone_ttl_s, *fields])):
+                break
+        else:
+            raise _Conflict(f"an agent's manifest changed under its erasure {_CAS_TRIES} times")
         with self._lock:
             st = self._agent(namespace)
-            st.seen = max(st.seen, v)  # puts queued after the erasure may recreate the agent
+            st.seen_v, st.seen_id = version, ident  # puts queued after the erasure may recreate the agent
+            st.tomb_v, st.tomb_id = -1, ""
             left = self._pending_erase.get(namespace, 1) - 1
             if left > 0:
                 self._pending_erase[namespace] = left
@@ -829,8 +1136,10 @@ class RemoteTier:
         m = p.manifest
         if self._stale(p):
             return
+        key = self.manifest_key(m.namespace)
         # Blocks first: which does Redis lack? (EXPIRE doubles as EXISTS and keeps a live agent's
-        # blocks from expiring.) Single-key commands only, so this works on Redis Cluster too.
+        # blocks from expiring.) The manifest's current value comes in the same round trip. Single-key
+        # commands only, so this works on Redis Cluster too.
         keys = [self.block_key(b) for b in m.block_ids]
         pipe = self._write_client.pipeline(transaction=False)
         for k in keys:
@@ -838,9 +1147,10 @@ class RemoteTier:
                 pipe.expire(k, self.block_ttl_s)
             else:
                 pipe.exists(k)
-        present = pipe.execute()
+        pipe.hmget(key, *_FIELDS)
+        *present, values = pipe.execute()
         self._count("blocks_present", sum(1 for there in present if there))
-        for bid, key, there in zip(m.block_ids, keys, present):
+        for bid, bkey, there in zip(m.block_ids, keys, present):
             if there:
                 continue
             value = self._block_bytes(bid, p.blocks.get(bid))
@@ -849,35 +1159,72 @@ class RemoteTier:
                 logger.warning("fleet: block %s of an agent is in neither the put nor the local store; "
                                "manifest not published", bid)
                 return
-            self._write_client.set(key, value, nx=True, ex=self.block_ttl_s if self.block_ttl_s > 0 else None)
+            value = self._wrap_block(bkey, value)
+            self._write_client.set(bkey, value, nx=True, ex=self.block_ttl_s if self.block_ttl_s > 0 else None)
             with self._lock:
                 self._c["blocks_uploaded"] += 1
                 self._c["bytes_up"] += len(value)
                 self._block_size_seen = max(self._block_size_seen, len(value))
-        # The erasure check and the base version are read together: an erasure seen after this point
-        # has a version above `base`, so the script refuses this put.
+        digest, body = self._digest(m), self._manifest_body(m)
+        for attempt in range(_CAS_TRIES):
+            if attempt:  # changed since it was read: judge the new value
+                values = self._write_client.hmget(key, *_FIELDS)
+            cur = self._judge_manifest(key, values)
+            # The erasure check and the base are read together: an erasure this server makes or sees
+            # after this point changes the value (or the base), so the compare-and-set refuses.
+            with self._lock:
+                if self._stale(p, locked=True):
+                    return
+                st = self._agent(m.namespace)
+                seen_v, seen_id = st.seen_v, st.seen_id
+            outcome, version = self._decide(cur, seen_v, seen_id, int(m.n_tokens), digest)
+            if outcome != "publish":
+                break
+            ident = secrets.token_hex(8)
+            fields = self._manifest_fields(key, version, ident, False, int(m.n_tokens), digest, body)
+            if int(self._cas_script(self._write_client, [key], [cur.raw_id, self.manifest_ttl_s, *fields])):
+                if cur.state == "refused":
+                    self._refused_manifest(cur, "replaced by a put")
+                break
+        else:
+            raise _Conflict(f"an agent's manifest changed under its put {_CAS_TRIES} times")
         with self._lock:
-            if self._stale(p, locked=True):
-                return
-            st = self._agent(m.namespace)
-            base = st.seen
-        digest = self._digest(m)
-        status, version = self._put_script(
-            self._write_client, [self.manifest_key(m.namespace)],
-            [base, int(m.n_tokens), digest, self._manifest_body(m), self.manifest_ttl_s])
-        status, version = int(status), int(version)
-        with self._lock:
-            if status in (1, 2):
-                st.seen = version
-            self._c[{1: "puts_published", 2: "puts_same", 0: "puts_kept_other", 3: "puts_erased"}[status]] += 1
-        if status == 3 and self.on_erased is not None:
-            # Another server erased the agent. The owner drops it locally; from then on its puts for
-            # this agent id start a new history (without a callback they stay refused: no revival).
-            self._saw_erased(m.namespace, version)
-            try:
-                self.on_erased(m.namespace)
-            except Exception:
-                logger.exception("fleet: on_erased callback failed")
+            if outcome == "publish":
+                st.seen_v, st.seen_id = version, ident
+            elif outcome == "same":  # the same history already there: this server holds it too
+                st.seen_v, st.seen_id = cur.version, cur.ident
+            self._c[{"publish": "puts_published", "same": "puts_same", "kept": "puts_kept_other",
+                     "erased": "puts_erased", "foreign": "puts_foreign"}[outcome]] += 1
+        if outcome == "foreign":
+            self._refused_manifest(cur, "a put left it alone")
+        elif outcome == "erased":
+            # Another server erased the agent after this one last looked. The owner drops its copy and
+            # then calls erased_locally(agent, ident); until then every put of the agent is refused here.
+            self._met_tombstone(m.namespace, cur.version, cur.ident)
+            if self.on_erased is not None:
+                try:
+                    self.on_erased(m.namespace, cur.ident)
+                except Exception:
+                    logger.exception("fleet: on_erased callback failed")
+
+    @staticmethod
+    def _decide(cur: _Current, seen_v: int, seen_id: str, n_tokens: int, digest: str) -> tuple[str, int]:
+        """Which update wins (docs/fleet.md): (outcome, version), outcome one of publish (as that
+        version), same, kept (the other history stays), erased (a tombstone this server has not
+        acted on), foreign (a value this build cannot judge: left alone)."""
+        if cur.state == "foreign":
+            return "foreign", -1
+        if cur.state != "ok":  # absent, or no value of this fleet's (refused): as if absent
+            return "publish", max(seen_v, 0) + 1
+        if cur.ident == seen_id:  # a sequential successor (onto a tombstone: a new history)
+            return "publish", cur.version + 1
+        if cur.erased:
+            return "erased", cur.version
+        if cur.digest == digest:
+            return "same", cur.version
+        if n_tokens <= cur.n_tokens:
+            return "kept", cur.version
+        return "publish", cur.version + 1
 
     @staticmethod
     def _digest(m: Manifest) -> str:
