@@ -476,7 +476,7 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
     fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
     pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
                      hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30,
-                     fleet=lambda p: Fleet(tiers(server.url, fp), p, max_fetch_bytes=3 * hist[0].nbytes))
+                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, **cb), max_fetch_bytes=3 * hist[0].nbytes))
     fleet, persister = pool.fleet, pool.persister
     try:
         fleet._sync_agent("big")
@@ -879,7 +879,6 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
     """Fleet glue: a put refused by a tombstone has the agent erased here, then acknowledged; a sync
     reading a tombstone does the same, once."""
     from vllm_mlx_persist.fleet import Fleet
-    from vllm_mlx_persist.persister import Persister
     from vllm_mlx_persist.pool import BlockPool
 
     hist = chain(fp, "moved", 3)
@@ -887,11 +886,11 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
     a = tiers(server.url, fp)
     assert a.put(manifest("moved", hist), blocks) and a.flush(10)
     fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
-    persister = Persister(DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30)
     pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
-                     hot_bytes=1 << 30, persister=persister)
-    b = tiers(server.url, fp)
-    fleet = Fleet(b, pool)
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30,
+                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, **cb)))
+    fleet = pool.fleet
+    b = fleet.tier
     try:
         fleet._sync_agent("moved")
         assert pool.branch_state("moved") is not None and b.seen_version("moved") == 1

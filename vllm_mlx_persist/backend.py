@@ -282,19 +282,23 @@ class PersistQ4Backend:
 
         opts = self.opts
 
-        def build(pool: BlockPool) -> Fleet:
-            tier = RemoteTier(
+        def tier(**callbacks: Any) -> RemoteTier:
+            return RemoteTier(
                 opts["remote_url"], self.fingerprint,
                 read_timeout_s=opts["remote_timeout_s"],
                 queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
                 fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
                 block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
                 manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
-                cluster=opts["remote_cluster"], secret=self._remote_secret)
-            log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", tier.url_redacted,
-                     " (Redis Cluster)" if tier.cluster else "", opts["remote_wait_s"],
-                     f"authenticated, key id {tier.key_id}" if tier.authenticated else "UNAUTHENTICATED")
-            return Fleet(tier, pool, wait_s=opts["remote_wait_s"], write_timeout_s=opts["write_timeout_s"])
+                cluster=opts["remote_cluster"], secret=self._remote_secret, **callbacks)
+
+        def build(pool: BlockPool) -> Fleet:
+            fleet = Fleet(pool, tier, wait_s=opts["remote_wait_s"], write_timeout_s=opts["write_timeout_s"])
+            t = fleet.tier
+            log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", t.url_redacted,
+                     " (Redis Cluster)" if t.cluster else "", opts["remote_wait_s"],
+                     f"authenticated, key id {t.key_id}" if t.authenticated else "UNAUTHENTICATED")
+            return fleet
 
         return build
 

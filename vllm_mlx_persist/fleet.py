@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from .chain import Branch, cut_branch
 from .remote import RemoteManifest, RemoteTier
@@ -45,12 +45,15 @@ MAX_SYNCS = 1024  # agents whose sync job is tracked at once (running, or done a
 class Fleet:
     """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
 
-    def __init__(self, tier: RemoteTier, pool: "BlockPool", *, wait_s: float = 3.0,
+    def __init__(self, pool: "BlockPool", make_tier: Callable[..., RemoteTier], *, wait_s: float = 3.0,
                  write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
                  max_fetch_bytes: Optional[int] = None):
+        """`make_tier(block_source=, on_erased=)`: the RemoteTier, built here with this fleet's
+        callbacks (blocks a put lacks come from the local disk, verified; a put refused by another
+        server's erasure erases the agent here)."""
         if pool.persister is None:
             raise ValueError("the fleet tier needs the local disk tier")
-        self.tier, self.pool, self.wait_s = tier, pool, wait_s
+        self.pool, self.wait_s = pool, wait_s
         self.write_timeout_s = write_timeout_s
         self.max_syncs = max_syncs
         # Block data one sync holds between Redis and the local save, at most (default: the local
@@ -65,8 +68,7 @@ class Fleet:
             ["syncs", "syncs_skipped", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
              "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
              "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
-        tier.block_source = pool.store.read_block  # blocks a put lacks come from the local disk, verified
-        tier.on_erased = self._erased_elsewhere
+        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere)
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
