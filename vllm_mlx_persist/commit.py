@@ -59,11 +59,11 @@ class Commit:
 
     def __init__(self, chains: Chains, table: BlockTable, agents: Agents, codec: ModelCodec,
                  persister: Optional[Persister], stats: dict, max_branches: int,
-                 on_saved: Callable[[Agent, list[Block], dict, list[str]], Future]):
+                 on_saved: Callable[[Agent, list[Block], dict, list[str], list[Branch]], Future]):
         self.chains, self.table, self.agents, self.codec = chains, table, agents, codec
         self.persister, self.stats, self.max_branches = persister, stats, max_branches
         self.block_size = chains.block_size
-        self.on_saved = on_saved  # (agent, unsaved blocks, their numpy data, dead ids) -> save future
+        self.on_saved = on_saved  # (agent, unsaved blocks, their numpy data, dead ids, branches before) -> future
 
     # ---- plan (lock held) -----------------------------------------------------------------------
 
@@ -197,6 +197,7 @@ class Commit:
         it, and beyond `max_branches` the least recently used goes), make the new ones hot and queue
         the save. Returns (dead block ids, the save's future or None)."""
         agent, tokens = plan.agent, plan.tokens
+        before = list(agent.branches)
         if agent.persistent and self.agents.get(agent.namespace) is not agent:
             self.agents.add(agent)  # registered first, so the blocks it counts count it as hot
         elif not agent.persistent and agent.namespace not in self.agents.anonymous:
@@ -231,7 +232,7 @@ class Commit:
             unsaved = [b for b in (self.table.blocks.get(x) for x in agent.ids)
                        if b is not None and b.state == BlockState.PENDING and b.layers is not None
                        and b.block_id in built.datas]
-            future = self.on_saved(agent, unsaved, built.datas, dead)
+            future = self.on_saved(agent, unsaved, built.datas, dead, before)
         return dead, future
 
 

@@ -72,11 +72,12 @@ class Fleet:
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
-    def saved(self, manifest: Manifest, blocks: list[BlockData]) -> None:
-        """A turn is durable locally (persister thread): publish it. Never blocks, never raises (the
-        persister must finish its job whatever happens here)."""
+    def saved(self, manifest: Manifest, blocks: list[BlockData], base: Optional[Manifest] = None) -> None:
+        """A turn is durable locally (persister thread): publish it (`base`: the agent's manifest
+        before the turn). Never blocks, never raises (the persister must finish its job whatever
+        happens here)."""
         try:
-            self.tier.put(manifest, {b.block_id: b for b in blocks})
+            self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
 

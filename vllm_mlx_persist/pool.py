@@ -347,9 +347,12 @@ class BlockPool:
         log.warning("agent %r: turn not cached, its history kept changing under the commit", namespace)
         return 0, None
 
-    def _save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str]) -> Future:
-        """(lock held) Queue the agent's manifest after the blocks it names that are not durable yet."""
+    def _save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str],
+              before: list[Branch]) -> Future:
+        """(lock held) Queue the agent's manifest after the blocks it names that are not durable yet
+        (`before`: its branches before the turn, what the fleet tier's put continues)."""
         manifest = manifest_of(agent.namespace, agent.branches, agent.pinned, self.clock())
+        base = manifest_of(agent.namespace, before, agent.pinned) if before else None
         data = [datas[b.block_id] for b in blocks]
         stats = self.stats
 
@@ -359,7 +362,7 @@ class BlockPool:
                     if b.state == BlockState.PENDING and self.table.blocks.get(b.block_id) is b:
                         b.state = BlockState.DURABLE
             if self.fleet is not None:
-                self.fleet.saved(manifest, data)
+                self.fleet.saved(manifest, data, base)
 
         def count_failure(f: Future) -> None:
             if f.cancelled() or f.exception() is not None or not f.result():

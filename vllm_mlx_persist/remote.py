@@ -207,6 +207,7 @@ class _Put:
     blocks: dict[str, Union[BlockData, bytes]]
     gen: int
     nbytes: int
+    base_digest: Optional[str] = None  # the history this turn continued (see put's `base`)
 
 
 @dataclass
@@ -728,9 +729,13 @@ class RemoteTier:
 
     # ---- writes (queued) --------------------------------------------------------------------------
 
-    def put(self, manifest: Manifest, blocks: Optional[Mapping[str, Union[BlockData, bytes]]] = None) -> bool:
+    def put(self, manifest: Manifest, blocks: Optional[Mapping[str, Union[BlockData, bytes]]] = None,
+            base: Optional[Manifest] = None) -> bool:
         """Queue publishing `manifest` after the blocks it names (from `blocks`, else block_source);
-        False when dropped (queue full by count or bytes, tier closed or disabled)."""
+        False when dropped (queue full by count or bytes, tier closed or disabled). `base`: the
+        agent's history this turn continued (its manifest before the turn): a put whose base is the
+        value in Redis is its sequential successor even when this server forgot having published
+        it (a restart)."""
         _agent_key(manifest.namespace)
         for b in manifest.block_ids:
             _check_block_id(b)
@@ -745,7 +750,7 @@ class RemoteTier:
                 self._c["dropped"] += 1
                 return False
             st = self._agent(manifest.namespace)
-            self._q.append(_Put(manifest, blocks, st.gen, nbytes))
+            self._q.append(_Put(manifest, blocks, st.gen, nbytes, self._digest(base) if base is not None else None))
             self._q_puts += 1
             self._q_bytes += nbytes
             self._cond.notify()
@@ -1177,7 +1182,7 @@ class RemoteTier:
                     return
                 st = self._agent(m.namespace)
                 seen_v, seen_id = st.seen_v, st.seen_id
-            outcome, version = self._decide(cur, seen_v, seen_id, int(m.n_tokens), digest)
+            outcome, version = self._decide(cur, seen_v, seen_id, int(m.n_tokens), digest, p.base_digest)
             if outcome != "publish":
                 break
             ident = secrets.token_hex(8)
@@ -1208,7 +1213,8 @@ class RemoteTier:
                     logger.exception("fleet: on_erased callback failed")
 
     @staticmethod
-    def _decide(cur: _Current, seen_v: int, seen_id: str, n_tokens: int, digest: str) -> tuple[str, int]:
+    def _decide(cur: _Current, seen_v: int, seen_id: str, n_tokens: int, digest: str,
+                base_digest: Optional[str] = None) -> tuple[str, int]:
         """Which update wins (docs/fleet.md): (outcome, version), outcome one of publish (as that
         version), same, kept (the other history stays), erased (a tombstone this server has not
         acted on), foreign (a value this build cannot judge: left alone)."""
@@ -1222,6 +1228,8 @@ class RemoteTier:
             return "erased", cur.version
         if cur.digest == digest:
             return "same", cur.version
+        if base_digest is not None and cur.digest == base_digest:  # it continued what Redis holds
+            return "publish", cur.version + 1
         if n_tokens <= cur.n_tokens:
             return "kept", cur.version
         return "publish", cur.version + 1
