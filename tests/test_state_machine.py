@@ -23,3 +23,24 @@ TestFleet = FleetMachine.TestCase
 TestFleet.settings = settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
 if not Redis.available():
     TestFleet = pytest.mark.skip(reason="no redis-server: the fleet rules need one")(TestFleet)
+
+
+# ---- sequences the machine found, shrunk by Hypothesis, kept as explicit examples ----------------------
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_shorter_turn_after_a_restart_survives_the_next_fleet_sync():
+    """After a restart the fleet tier no longer knew which value it had published, so a turn that
+    diverged to a shorter history lost to the longer one in Redis ('kept other'), and the sync after
+    the next restart fetched the older history back over the acknowledged turn."""
+    state = FleetMachine()
+    try:
+        state.parallel(agent="b", pick=3, a=[38, 39], b=[23, 29])
+        state.restart()
+        state.parallel(agent="b", pick=26, a=[20, 8], b=[31, 8, 22, 33, 23, 26, 20, 35, 22, 24, 29, 33, 24, 32, 7, 21])
+        state.restart()
+        state.turn(agent="b", pick=68, cut=0.0, new=[24, 8, 37])
+        state.consistent()
+        state.restart()  # checks that every acknowledged turn is reused whole
+    finally:
+        state.teardown()
