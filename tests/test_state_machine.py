@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, settings
 
 from vllm_mlx_persist.tools.pool_machine import FleetMachine, PoolMachine, Redis
 
-EXAMPLES = int(os.environ.get("POOL_MACHINE_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("POOL_MACHINE_EXAMPLES", "100"))
 SETTINGS = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -20,7 +20,7 @@ TestPool = PoolMachine.TestCase
 TestPool.settings = SETTINGS
 
 TestFleet = FleetMachine.TestCase
-TestFleet.settings = settings(SETTINGS, max_examples=max(1, EXAMPLES // 3))
+TestFleet.settings = settings(SETTINGS, max_examples=max(1, EXAMPLES // 4))
 if not Redis.available():
     TestFleet = pytest.mark.skip(reason="no redis-server: the fleet rules need one")(TestFleet)
 
