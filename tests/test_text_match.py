@@ -150,6 +150,30 @@ def test_a_retokenized_stretch_is_still_matched_and_fed_exactly(backend, model, 
     assert backend.pool.stats["text_matches"] == 1 and reused == len(stored) - 1  # its trailing " " differs
 
 
+def test_matching_goes_on_when_decoding_starts_inside_a_character(backend, model, tok):
+    """The matcher decodes from a few tokens before the difference; when that cuts a character
+    (multi-byte text in byte tokens), the cut bytes compare by token id and the match goes on."""
+    from vllm_mlx_persist.pool import TEXT_MATCH_CONTEXT
+
+    reply, tail = "so the agent keeps its memory", " and " + FILL
+    cut = next(i for i in range(1, len(reply)) if encode(tok, reply[:i]) + encode(tok, reply[i:]) != encode(tok, reply))
+    split = encode(tok, reply[:cut]) + encode(tok, reply[cut:])
+    d = next(i for i, (a, b) in enumerate(zip(split, encode(tok, reply))) if a != b)
+    for n in range(2, 8):  # CJK characters (three byte tokens each) before the reply
+        head = FILL + "中" * n + " "
+        k = len(encode(tok, head)) + d
+        stored = encode(tok, head) + split + encode(tok, tail)
+        if tok.decode(stored[k - TEXT_MATCH_CONTEXT : k]).startswith("\ufffd"):
+            break
+    else:
+        pytest.fail("no cut inside a character")
+    serve(backend, model, "a", stored)
+    client = head + reply + tail + "next question"
+    served, reused = serve(backend, model, "a", encode(tok, client))
+    assert fed(tok, served) == [client.encode()]
+    assert backend.pool.stats["text_matches"] == 1 and reused == len(stored) - 1
+
+
 def _metaspace_tokenizer(vocab_size: int):
     """A SentencePiece-style tokenizer (BPE + Metaspace): its decoder drops the leading space of
     the sequence's first token, as Llama 2's and Gemma's do."""

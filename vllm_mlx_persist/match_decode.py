@@ -18,8 +18,9 @@ different inputs look alike:
 it reads as mid-sequence); renders each added token as a marker that no text can produce (NUL is
 escaped in text); and makes a U+FFFD that is not at the very end unequal to anything (the text of
 those bytes is unknown). A trailing U+FFFD stays: the next token may complete the character, and the
-matcher never accepts a text that ends in one. Texts stay prefix-consistent as tokens are appended,
-which the matcher's token-by-token search relies on.
+matcher never accepts a text that ends in one. Leading ones (the rest of a character cut where
+decoding starts) are rendered by their token ids. Texts stay prefix-consistent as tokens are
+appended, which the matcher's token-by-token search relies on.
 """
 
 from __future__ import annotations
@@ -117,6 +118,19 @@ class MatchDecoder:
 
     def __call__(self, ids: Sequence[int]) -> str:
         ids = [int(t) for t in ids]
+        text = self._text(ids)
+        if text.startswith(_FFFD) and len(text.rstrip(_FFFD)):
+            # Bytes that continue a character begun before `ids` (the matcher decodes from a few
+            # tokens before a difference, which may cut a character): rendered by their ids, so
+            # they compare equal exactly when the tokens are the same.
+            m = 1
+            while m < len(ids) and self._text(ids[m:]).startswith(_FFFD):
+                m += 1
+            return f"{_ESC}#{','.join(map(str, ids[:m]))}{_ESC}" + self._seal(self._text(ids[m:]))
+        return self._seal(text)
+
+    def _text(self, ids: list[int]) -> str:
+        """Ordinary runs and added-token markers, U+FFFD left as they are."""
         if not self._added.intersection(ids):
             text = self._run(ids)
         else:
@@ -132,7 +146,7 @@ class MatchDecoder:
             if run:
                 parts.append(self._run(run))
             text = "".join(parts)
-        return self._seal(text)
+        return text
 
     def _run(self, ids: list[int]) -> str:
         """Text of ordinary tokens as read mid-sequence, NULs escaped."""
