@@ -5,7 +5,7 @@ The pool serves a prompt as an agent's stored tokens when both decode to the sam
 different inputs look alike:
 
 * `clean_up_tokenization_spaces` (set by every Llama 3.x config): `" ,"`, `" !"`, `" 's"` lose their
-  space. transformers applies it in Python (to BPE models in 5.0-5.6, or when forced), and a
+  space. transformers applies it in Python (to BPE models before 5.7, or when forced), and a
   WordPiece (or CTC) decoder has a `cleanup` of its own;
 * bytes that are not UTF-8 decode to U+FFFD, the same as a real U+FFFD the client sent back;
 * added and special tokens decode to their content, the same text as that content spelled in

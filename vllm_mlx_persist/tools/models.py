@@ -291,7 +291,7 @@ def tokenizer_config(clean_up_spaces: bool = False) -> dict[str, Any]:
 
     `clean_up_spaces`: decode as a tokenizer whose config sets `clean_up_tokenization_spaces` does
     (every Llama 3.x config on the Hub): `" ,"` / `" !"` / `" 's"` lose their space. transformers
-    >= 5.7 ignores that setting for BPE models unless forced, 5.0-5.6 applies it; both keys are
+    >= 5.7 ignores that setting for BPE models unless forced, earlier versions apply it; both keys are
     written so every version decodes alike (the server's replies included).
     """
     extra = ({"clean_up_tokenization_spaces": True,
