@@ -22,8 +22,7 @@ import logging
 import mlx.core as mx
 import pytest
 
-from test_families import SIZE
-from test_pool import make_pool
+from test_families import SIZE, _pool
 from vllm_mlx_persist.caches import ModelCodec, StateCache
 from vllm_mlx_persist.caches.recurrent import LOST
 from vllm_mlx_persist.q4cache import STATE, install_attention_fix
@@ -159,8 +158,7 @@ def test_a_pool_lookup_after_mtp_gives_cold_logits(hybrid, tmp_path):
     drafts = lambda step, row, seq: (next_token(model, codec, seq) + 1) % SIZE.vocab  # rejected
     cache, tokens, counts = mtp_decode(model, codec, rows, 1, drafts, plain=6)
     assert counts["rejected"] == 1
-    pool = make_pool(model, tmp_path)
-    pool.codec = codec
+    pool = _pool(codec, tmp_path)
     row = [c.extract(0) for c in cache]
     assert pool.commit("a", tokens[0], row) == len(tokens[0])
     follow = tokens[0] + prompts(1, 12)[0]
