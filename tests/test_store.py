@@ -1007,3 +1007,98 @@ def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatc
     assert reopened.read_manifest("alice").block_ids == [b0.block_id, b1.block_id]
     assert_same(b0, reopened.read_block(b0.block_id))  # written by the superseded retry
     assert p.counts["saves_superseded"] == 1
+
+
+def _record_dir_syncs(monkeypatch) -> list[Path]:
+    """Spy on the store's directory fsyncs (the real ones still run); returns the paths synced."""
+    synced: list[Path] = []
+    real = store_mod._fsync_dir
+
+    def spy(path: Path) -> None:
+        real(path)
+        synced.append(Path(path))
+    monkeypatch.setattr(store_mod, "_fsync_dir", spy)
+    return synced
+
+
+def test_a_block_skipped_after_a_failed_directory_fsync_is_made_durable(tmp_path, monkeypatch):
+    """Regression: a block whose write failed at the directory fsync is already renamed into place
+    and valid, so its retry took the write-skip path, which never synced the directory: the retry
+    succeeded and a durable manifest could name a block whose directory entry was not. Now the skip
+    syncs the directory, and fails while that fails."""
+    from vllm_mlx_persist import faults
+
+    s = open_store(tmp_path)
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:dirsync@{switch}"))
+    b = make_block(20)
+    s.block_path(b.block_id).parent.mkdir(parents=True)  # so the failing dirsync is the block's own
+    with pytest.raises(StoreWriteError):
+        s.write_block(b)
+    assert s.has_block(b.block_id)  # renamed into place: the next write finds a valid copy
+    with pytest.raises(StoreWriteError):  # ...but its entry is still not durable
+        s.write_block(b)
+    switch.unlink()
+    synced = _record_dir_syncs(monkeypatch)
+    assert s.write_block(b) == 0  # skipped, not rewritten
+    assert s.block_path(b.block_id).parent in synced
+    assert s.stats()["block_write_skips"] == 1 and s.stats()["write_errors"] == 2
+    assert_same(b, s.read_block(b.block_id))
+
+
+def test_a_new_shard_directory_is_made_durable_by_the_retry(tmp_path, monkeypatch):
+    """The same hole one level up: a block's shard directory (blocks/ab/) created by an attempt whose
+    fsync of blocks/ failed was never synced again (the retry saw the directory and went on)."""
+    s = open_store(tmp_path)
+    b = make_block(21)
+    shard = s.block_path(b.block_id).parent
+    assert not shard.exists()
+    calls = [0]
+
+    def first_dirsync_fails(step: str) -> None:
+        if step == "dirsync":
+            calls[0] += 1
+            if calls[0] == 1:
+                raise OSError(5, "EIO (injected at the first dirsync)")
+    monkeypatch.setattr(store_mod, "_FAULT", first_dirsync_fails)
+    synced = _record_dir_syncs(monkeypatch)
+    with pytest.raises(StoreWriteError):
+        s.write_block(b)
+    assert shard.is_dir()
+    synced.clear()
+    s.write_block(b)
+    assert synced.index(s.blocks_dir) < synced.index(shard)  # the shard's entry, then the block's
+    assert_same(b, s.read_block(b.block_id))
+
+
+def test_a_retried_save_syncs_the_blocks_directory_before_its_manifest(tmp_path, monkeypatch):
+    """The issue's path through the persister: the first attempt's block directory fsync fails, the
+    retry finds the block valid; its manifest may be written only after the block's directory
+    entry is durable."""
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    b = make_block(22)
+    shard = s.block_path(b.block_id).parent
+    shard.mkdir(parents=True)  # the shard exists: the first dirsync is the block's own
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.2,))
+    p.load()
+    failed = threading.Event()
+
+    def first_dirsync_fails(step: str) -> None:
+        if step == "dirsync" and not failed.is_set():
+            failed.set()
+            raise OSError(5, "EIO (injected)")
+    monkeypatch.setattr(store_mod, "_FAULT", first_dirsync_fails)
+    synced = _record_dir_syncs(monkeypatch)
+    first = p.save(Manifest("alice", [b.block_id], 16, 1.0), [b], [], lambda: None)
+    assert first.result(10) is False and failed.is_set()
+    deadline = time.time() + 10
+    while s.read_manifest("alice") is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert p.flush(10)
+    p.close()
+    assert s.read_manifest("alice").block_ids == [b.block_id]
+    assert shard in synced and s.agents_dir in synced
+    assert synced.index(shard) < synced.index(s.agents_dir)

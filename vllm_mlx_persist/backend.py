@@ -18,6 +18,7 @@ from urllib.parse import urlsplit
 
 from .caches import ModelCodec
 from .identity import model_fingerprint
+from .match_decode import MatchDecoder
 from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import (
     DEQUANT_MIN_QUERIES,
@@ -200,6 +201,7 @@ class PersistQ4Backend:
         set_prefill_attention(opts["prefill_attention"])
         set_decode_float_budget(opts["decode_float_mb"])
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
+        self._match_decoder: Optional[MatchDecoder] = None  # built on first use, on the worker
         self.bits, self.group_size = opts["bits"], opts["group_size"]
         self.cache_dir: Path = opts["cache_dir"]
         try:  # here, not with the pool: a second server on the same directory fails at start-up
@@ -273,7 +275,11 @@ class PersistQ4Backend:
         return self._pool
 
     def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+        """Text for matching by text: equal only when the model reads the same (match_decode.py);
+        the tokenizer's own decode cleans up spaces, hides bad bytes and spells control tokens."""
+        if self._match_decoder is None:
+            self._match_decoder = MatchDecoder(self.tokenizer)
+        return self._match_decoder(tokens)
 
     def _fleet_factory(self) -> Callable[[BlockPool], Any]:
         """What builds the fleet tier's glue for the pool (BlockPool(fleet=...))."""

@@ -356,6 +356,9 @@ class DiskStore:
         self.tmp_dir = self.dir / "tmp"
         self.max_block_bytes = MAX_BLOCK_BYTES
         self._lock = threading.Lock()
+        # Directories this process created whose own entry (in their parent) is not known durable yet:
+        # the fsync of the parent failed, or has not run. Every write into one syncs the parent first.
+        self._unsynced_dirs: set[Path] = set()
         self._counts = {"block_writes": 0, "block_write_skips": 0, "block_reads": 0, "block_misses": 0,
                         "manifest_writes": 0, "manifest_reads": 0, "quarantined": 0,
                         "write_errors": 0, "read_errors": 0, "bytes_written": 0, "bytes_read": 0}
@@ -461,9 +464,7 @@ class DiskStore:
         fd = -1
         size = sum(len(c) for c in chunks)
         try:
-            if not dest.parent.is_dir():
-                dest.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-                _fsync_dir(dest.parent.parent)
+            self._sync_parents(dest)
             _FAULT and _FAULT("open")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
             for c in chunks:
@@ -491,6 +492,20 @@ class DiskStore:
                 self._counts["write_errors"] += 1
             raise StoreWriteError(e.errno or errno.EIO, f"writing {dest.name}: {e.strerror or e}", str(dest)) from e
         return size
+
+    def _sync_parents(self, dest: Path) -> None:
+        """Make `dest`'s directory exist with a durable entry in its parent (creating it if needed).
+
+        Marked before mkdir and cleared only after the parent's fsync succeeds, so a failed fsync is
+        retried by the next write into that directory, by any thread."""
+        d = dest.parent
+        if d not in self._unsynced_dirs and d.is_dir():
+            return
+        self._unsynced_dirs.add(d)
+        d.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        _FAULT and _FAULT("dirsync")
+        _fsync_dir(d.parent)
+        self._unsynced_dirs.discard(d)
 
     def _quarantine(self, path: Path, reason: str, fd: Optional[int] = None) -> None:
         """Move a bad file aside (never deleted, never served) and log why."""
@@ -574,6 +589,19 @@ class DiskStore:
             raise StoreWriteError(errno.EFBIG, f"writing {path.name}: {total} bytes, over the "
                                   f"{self.max_block_bytes}-byte block cap", str(path))
         if self._existing_block_matches(path, checksum, total):
+            # A valid copy is not yet a durable one: an attempt whose directory fsync failed (or a
+            # process that died before it) leaves the file renamed into place. The caller writes a
+            # manifest naming the block once this returns, so its entry is synced first (~0.15 ms
+            # on a clean directory here, against ~1.7 ms for a write's; skips happen on retries).
+            try:
+                self._sync_parents(path)
+                _FAULT and _FAULT("dirsync")
+                _fsync_dir(path.parent)
+            except OSError as e:
+                with self._lock:
+                    self._counts["write_errors"] += 1
+                raise StoreWriteError(e.errno or errno.EIO, f"syncing the directory of {path.name}: "
+                                      f"{e.strerror or e}", str(path)) from e
             with self._lock:
                 self._counts["block_write_skips"] += 1
             return 0

@@ -286,8 +286,17 @@ def train_tokenizer(vocab_size: int) -> str:
     return tok.to_str()
 
 
-def tokenizer_config() -> dict[str, Any]:
-    """tokenizer_config.json for the trained tokenizer."""
+def tokenizer_config(clean_up_spaces: bool = False) -> dict[str, Any]:
+    """tokenizer_config.json for the trained tokenizer.
+
+    `clean_up_spaces`: decode as a tokenizer whose config sets `clean_up_tokenization_spaces` does
+    (every Llama 3.x config on the Hub): `" ,"` / `" !"` / `" 's"` lose their space. transformers
+    >= 5.7 ignores that setting for BPE models unless forced, earlier versions apply it; both keys are
+    written so every version decodes alike (the server's replies included).
+    """
+    extra = ({"clean_up_tokenization_spaces": True,
+              "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output": True}
+             if clean_up_spaces else {})
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS_TOKEN,
@@ -298,11 +307,15 @@ def tokenizer_config() -> dict[str, Any]:
         "clean_up_tokenization_spaces": False,
         "model_max_length": 32768,
         "chat_template": CHAT_TEMPLATE,
+        **extra,
     }
 
 
-def _stamp(arch: str, size: str, seed: int) -> dict[str, Any]:
-    return {"arch": arch, "size": size, "seed": seed, "format": BUILD_FORMAT}
+def _stamp(arch: str, size: str, seed: int, clean_up_spaces: bool = False) -> dict[str, Any]:
+    stamp = {"arch": arch, "size": size, "seed": seed, "format": BUILD_FORMAT}
+    if clean_up_spaces:  # only when set: directories built before the option stay valid
+        stamp["clean_up_spaces"] = True
+    return stamp
 
 
 def read_stamp(path: str | os.PathLike) -> dict[str, Any] | None:
@@ -313,9 +326,11 @@ def read_stamp(path: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
-def _is_built(path: Path, arch: str, size: str, seed: int) -> bool:
+def _is_built(path: Path, arch: str, size: str, seed: int, clean_up_spaces: bool = False) -> bool:
     stamp = read_stamp(path)
-    if stamp is None or any(stamp.get(k) != v for k, v in _stamp(arch, size, seed).items()):
+    want = _stamp(arch, size, seed, clean_up_spaces)
+    if stamp is None or any(stamp.get(k) != v for k, v in want.items()) \
+            or stamp.get("clean_up_spaces", False) != clean_up_spaces:
         return False
     return all((path / f).is_file() for f in MODEL_FILES)
 
@@ -325,7 +340,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def write_model_files(dest: Path, model: Any, config: dict[str, Any], tokenizer_json: str,
-                      stamp: dict[str, Any]) -> None:
+                      stamp: dict[str, Any], clean_up_spaces: bool = False) -> None:
     """Write a servable model's files into the existing directory `dest`; the stamp goes last,
     marking the directory complete."""
     import mlx.core as mx
@@ -335,7 +350,7 @@ def write_model_files(dest: Path, model: Any, config: dict[str, Any], tokenizer_
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_text(tokenizer_json)
-    _write_json(dest / "tokenizer_config.json", tokenizer_config())
+    _write_json(dest / "tokenizer_config.json", tokenizer_config(clean_up_spaces))
     _write_json(dest / "generation_config.json",
                 {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "pad_token_id": PAD_ID})
     _write_json(dest / STAMP_FILE, stamp)
@@ -348,8 +363,11 @@ def build_model_dir(
     size: str = "small",
     seed: int = 0,
     force: bool = False,
+    clean_up_spaces: bool = False,
 ) -> Path:
     """Write a servable model directory at `out_dir`; return its absolute path.
+
+    `clean_up_spaces`: a tokenizer config that cleans up tokenization spaces (see tokenizer_config).
 
     Does nothing when `out_dir` already holds a model built with the same (arch, size, seed) unless
     `force`. Builds into a sibling temp dir and renames it into place, so a half-built directory is
@@ -358,7 +376,7 @@ def build_model_dir(
     out = Path(out_dir).expanduser().resolve()
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    if not force and _is_built(out, arch, size, seed):
+    if not force and _is_built(out, arch, size, seed, clean_up_spaces):
         return out
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and read_stamp(out) is None)):
         raise FileExistsError(f"{out} exists and is not a model built by vllm-mlx-persist; not replacing it")
@@ -369,9 +387,9 @@ def build_model_dir(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        stamp = _stamp(arch, size, seed)
+        stamp = _stamp(arch, size, seed, clean_up_spaces)
         stamp["tokenizer_sha256"] = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-        write_model_files(tmp, model, config, tokenizer_json, stamp)
+        write_model_files(tmp, model, config, tokenizer_json, stamp, clean_up_spaces)
 
         old = None
         if out.exists():
@@ -381,7 +399,7 @@ def build_model_dir(
             os.rename(tmp, out)
         except OSError:
             # Another process put a model there meanwhile; keep it if it is the one asked for.
-            if not _is_built(out, arch, size, seed):
+            if not _is_built(out, arch, size, seed, clean_up_spaces):
                 raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
