@@ -153,10 +153,7 @@ def test_a_retokenized_stretch_is_still_matched_and_fed_exactly(backend, model, 
 def test_matching_goes_on_when_decoding_starts_inside_a_character(backend, model, tok):
     """The matcher decodes from a few tokens before the difference; when that cuts a character
     (multi-byte text in byte tokens), the cut bytes compare by token id and the match goes on."""
-    try:  # pool.py is being split; the matcher moves to text_match.py
-        from vllm_mlx_persist.text_match import TEXT_MATCH_CONTEXT
-    except ImportError:
-        from vllm_mlx_persist.pool import TEXT_MATCH_CONTEXT
+    from vllm_mlx_persist.text_match import TEXT_MATCH_CONTEXT
 
     reply, tail = "so the agent keeps its memory", " and " + FILL
     cut = next(i for i in range(1, len(reply)) if encode(tok, reply[:i]) + encode(tok, reply[i:]) != encode(tok, reply))
