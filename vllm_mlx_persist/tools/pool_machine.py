@@ -196,6 +196,7 @@ class PoolMachine(RuleBasedStateMachine):
     """The pool against a reference model (see the module docstring)."""
 
     fleet = False  # a subclass turns the second pool and its rules on (needs a redis-server)
+    steps_run = 0  # steps taken by every machine in this process (the campaign's count)
 
     def __init__(self) -> None:
         super().__init__()
@@ -462,6 +463,7 @@ class PoolMachine(RuleBasedStateMachine):
     def consistent(self) -> None:
         if not hasattr(self, "pool"):
             return
+        PoolMachine.steps_run += 1
         self._sync_erased()
         assert self.pool.check() == []
         agents = {a: self.pool.agent(a) for a in AGENTS}
@@ -489,3 +491,47 @@ class FleetMachine(PoolMachine):
     """PoolMachine with a second pool sharing a real redis-server (the fleet rules on)."""
 
     fleet = True
+
+
+STEPS = 50  # steps per example in the campaign (the suite's runs take 30)
+EXAMPLES_PER_SEED = 10
+
+
+def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
+    """`vllm-mlx-persist reliability --campaigns state_machine`: `trials` examples of up to `steps`
+    steps, EXAMPLES_PER_SEED per seed from `seed` on, every fourth seed with the fleet rules (when a
+    redis-server is at hand). A failure is shrunk by Hypothesis and recorded with its steps."""
+    import io
+    import logging
+
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as use_seed
+    from hypothesis.reporting import with_reporter
+    from hypothesis.stateful import run_state_machine_as_test
+
+    logging.getLogger("vllm_mlx_persist").setLevel(logging.ERROR)  # the crash rule's failing writes, by the hundred
+    out: dict[str, Any] = {"trials": 0, "failures": 0, "failure_cases": [], "steps": 0, "fleet_steps": 0,
+                           "steps_per_example": steps, "seeds": []}
+    left, s = trials, seed
+    while left > 0:
+        n = min(EXAMPLES_PER_SEED, left)
+        fleet = (s - seed) % 4 == 1 and Redis.available()
+        machine = use_seed(s)(type(f"Seeded{s}", (FleetMachine if fleet else PoolMachine,), {}))
+        before = PoolMachine.steps_run
+        report = io.StringIO()
+        try:
+            with with_reporter(lambda text: report.write(f"{text}\n")):
+                run_state_machine_as_test(machine, settings=settings(
+                    max_examples=n, stateful_step_count=steps, deadline=None, database=None,
+                    phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)))
+        except BaseException as e:  # a failed invariant, after shrinking: the steps are in the report
+            out["failures"] += 1
+            out["failure_cases"].append({"seed": s, "fleet": fleet, "problem": f"{type(e).__name__}: {e}"[:600],
+                                         "steps": report.getvalue()[-4000:]})
+        ran = PoolMachine.steps_run - before
+        out["fleet_steps" if fleet else "steps"] += ran
+        out["seeds"].append({"seed": s, "examples": n, "fleet": fleet, "steps": ran})
+        out["trials"] += n
+        left -= n
+        s += 1
+    return out

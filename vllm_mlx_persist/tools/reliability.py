@@ -509,8 +509,16 @@ def _server(name: str) -> Callable:
     return run
 
 
-# name: (function, full trials, quick trials); soak and storm count seconds
+def _state_machine(trials: int, seed: int, work: Path) -> dict:
+    """Every pool operation at random against a reference model (pool_machine.py), imported only when run."""
+    from .pool_machine import campaign
+
+    return campaign(trials, seed, work)
+
+
+# name: (function, full trials, quick trials); soak and storm count seconds; state_machine counts examples
 CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
+             "state_machine": (_state_machine, 400, 20),
              "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
              "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40)}
 
@@ -600,6 +608,18 @@ _WHAT = {
              "aborted with a TCP reset, requests hung up early, invalid bodies and agent ids. Failures: the "
              "server down, a request past its time-out (120 s), a 5xx for a bad body, a bad id not answered 400, "
              "and any agent whose next turn afterwards differs from a fresh server given the same history cold.",
+    "state_machine": "A Hypothesis state machine (vllm_mlx_persist/tools/pool_machine.py) drives the real pool, "
+                     "persister and store, and with a redis-server a second pool sharing the fleet tier, through "
+                     "random sequences of turns, forks, concurrent branches of one agent, re-tokenized turns "
+                     "(matching by text), anonymous requests, erasures, pins, hot and disk budget changes, the TTL "
+                     "(a clock moved on), restarts and crashes (writes failing with turns queued), against a "
+                     "reference model of what every agent should hold. Failures: a served prefix not from the "
+                     "agent's (or its explicit fork parent's) histories or with other K/V bytes, text read that the "
+                     "client did not send, an operation past 60 s, a broken block-table invariant, hot or disk "
+                     "bytes past their budget plus one turn and the pinned agents, a block file no manifest names "
+                     "or a named block without its file, an acknowledged turn not reused after a restart or crash "
+                     "unless an erasure the stats record removed the agent, a pinned agent erased by the budget or "
+                     "the TTL, an erased agent served again. Trials are examples (sequences of steps).",
     "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
             "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
             "post-warm-up RSS + hot_mb + 1 GB (transient buffers of concurrent prefills), growth of the resident "
@@ -610,8 +630,19 @@ _WHAT = {
 }
 
 
+def _report_state_machine(r: dict) -> list[str]:
+    if "seeds" not in r:
+        return []
+    return [f"Steps: {r['steps']} on one pool, {r['fleet_steps']} with the fleet rules (a second pool sharing a "
+            f"redis-server), over {len(r['seeds'])} seeds of up to {r['steps_per_example']} steps per example "
+            f"(seeds {r['seeds'][0]['seed']}-{r['seeds'][-1]['seed']}; the second of every four with the fleet).", "",
+            "Shrunk failures found while the campaign was built, each fixed and kept as a test: a shorter turn after a "
+            "restart lost to the fleet sync (tests/test_state_machine.py), the fork + hot budget + restart hang and "
+            "the others of tests/test_compose.py."]
+
+
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
-                  "storm": _report_storm}
+                  "storm": _report_storm, "state_machine": _report_state_machine}
 
 
 def _merged(results: dict, path: Path) -> dict:
