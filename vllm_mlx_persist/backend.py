@@ -465,12 +465,8 @@ class PersistQ4Backend:
 
     def close(self) -> None:
         self.closed = True
-        if self.fleet is not None:
-            self.fleet.stop()  # no new fetches; queued uploads go out after the last local writes
         if self._pool is not None:
-            self._pool.close()
-        if self.fleet is not None:
-            self.fleet.close()
+            self._pool.close()  # with its fleet tier
         self._dir_lock.release()
 
 

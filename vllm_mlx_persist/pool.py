@@ -583,10 +583,15 @@ class BlockPool:
             self.persister.flush(timeout)
 
     def close(self) -> None:
+        """Stop reading, write what is queued, then send the fleet tier's queued uploads (bounded)."""
+        if self.fleet is not None:
+            self.fleet.stop()  # no new syncs, no erasures from refused puts: the persister is closing
         if self.reads is not None:
             self.reads.close()
         if self.persister is not None:
             self.persister.close()
+        if self.fleet is not None:
+            self.fleet.close()
 
     def snapshot(self) -> dict:
         """Counters for /v1/status, /health and /metrics: O(1), no disk access, any thread."""

@@ -229,8 +229,6 @@ class PoolMachine(RuleBasedStateMachine):
             if pool is not None:
                 try:
                     pool.close()
-                    if pool.fleet is not None:
-                        pool.fleet.close(2)
                 except Exception:
                     pass
         store_mod._FAULT = None
@@ -395,8 +393,6 @@ class PoolMachine(RuleBasedStateMachine):
     def restart(self) -> None:
         self._base_erasures = self._erasures_now()
         watchdog(self.pool.close)
-        if self.pool.fleet is not None:
-            self.pool.fleet.close(5)
         self.pool = self._open(self.work / "a")
         self._check_survivors()
 
@@ -411,8 +407,6 @@ class PoolMachine(RuleBasedStateMachine):
             watchdog(self.pool.close)
         finally:
             store_mod._FAULT = None
-        if self.pool.fleet is not None:
-            self.pool.fleet.close(5)
         self.pool = self._open(self.work / "a")
         self._check_survivors()
 
