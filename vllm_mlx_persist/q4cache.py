@@ -14,6 +14,9 @@ the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_a
 On the CPU, a `BatchQ4KVCache` also keeps a bounded float *decode mirror*: the dequantized values of
 its 4-bit K/V, built on its first decode step or short prefill chunk, on which attention runs with the fast
 float SDPA (`set_decode_float_budget`).
+
+Attention on a `BatchQ4KVCache` runs row by row on each row's own keys (`batch_attention`), so a
+sequence's logits are bit-identical alone and batched, whatever its companions.
 """
 
 from __future__ import annotations
@@ -259,6 +262,10 @@ class BatchQ4KVCache(_BaseCache):
     step = 256
     _mirror: Optional[tuple] = None  # class default: from_state builds objects without __init__
     _mirror_refused = False  # the budget refused this cache's mirror (counted once, retried each step)
+    # Per-row token counts of the right-padded prompt call in progress (prepare .. finalize) and
+    # the write index it started at: which queries of a chunk are real tokens (`real_queries`).
+    _lengths: Optional[List[int]] = None
+    _lengths_at = 0
 
     def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64):
         _check_format(bits, group_size)
@@ -376,6 +383,8 @@ class BatchQ4KVCache(_BaseCache):
             self.offset -= left_padding
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
+            if lengths is not None:
+                self._lengths, self._lengths_at = [int(n) for n in lengths], self._idx
 
     def finalize(self) -> None:
         if self._right_padding is not None:
@@ -387,6 +396,7 @@ class BatchQ4KVCache(_BaseCache):
             self.offset -= pad
             self.left_padding += pad
             self._right_padding = None
+        self._lengths = None
 
     @property
     def state(self):
@@ -410,6 +420,7 @@ class BatchQ4KVCache(_BaseCache):
     def meta_state(self, v) -> None:
         self.bits, self.group_size = map(int, v)
         self._right_padding = None
+        self._lengths = None
 
     def is_trimmable(self) -> bool:
         return True
@@ -423,6 +434,15 @@ class BatchQ4KVCache(_BaseCache):
     def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array:
         return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
 
+    def real_queries(self, n: int, start: int) -> List[int]:
+        """Per row, how many of the `n` tokens written at [start, start + n) are real: all of them,
+        except in a right-padded prompt call, where row b has only its own length's worth."""
+        B = self.offset.shape[0]
+        if self._lengths is None:
+            return [n] * B
+        done = start - self._lengths_at
+        return [max(0, min(n, length - done)) for length in self._lengths]
+
     def filter(self, batch_indices) -> None:
         """In-place: keep only the given batch rows, then drop the common left padding."""
         if not isinstance(batch_indices, mx.array):
@@ -435,6 +455,8 @@ class BatchQ4KVCache(_BaseCache):
             self._set_mirror(tuple(x[batch_indices] for x in self._mirror) if rows else None)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
+        if self._lengths is not None:
+            self._lengths = [self._lengths[i] for i in batch_indices.tolist()]
         min_left_pad = self.left_padding.min().item() if self.left_padding.size else 0
         if min_left_pad > 0:
             if self.keys is not None:
@@ -666,17 +688,82 @@ def _make_fixed(original):
     return quantized_scaled_dot_product_attention
 
 
+def _row_mask(mask: Any, b: int, B: int, n: int, start: int, end: int) -> Any:
+    """Row b's part of a batch mask: its `n` real queries against its keys [start, end)."""
+    if not isinstance(mask, mx.array):
+        return mask  # None or "causal": the same meaning on the row's own keys
+    if mask.ndim == 4 and mask.shape[0] == B and B > 1:
+        mask = mask[b : b + 1]
+    if mask.shape[-1] > 1:
+        mask = mask[..., start:end]
+    return mask[..., :n, :] if mask.ndim >= 2 and mask.shape[-2] > 1 else mask
+
+
+def _attend_row(queries, keys: QTuple, values: QTuple, mirror, cache: "BatchQ4KVCache", n_batch: int,
+                scale: float, mask: Any, sinks: Any, row=lambda x: x) -> mx.array:
+    """Attention of one row's real queries on its own keys (`row` slices them out of the batch's
+    K/V, packed or mirrored): the same ops whatever the batch.
+
+    The kernel is chosen from the row's query count, not the batch chunk's (a row's short tail
+    batched with a long chunk gets the kernel it gets alone): the float SDPA on the dequantized K/V
+    (the mirror, or a transient copy: the same values) for chunks the CPU dequantizes and for
+    decode-sized rows when there is a mirror, or would be one (`n_batch` too long to build it);
+    else mlx's quantized matmuls."""
+    n = queries.shape[2]
+    use_float = _dequantize_for(n) or (n < DEQUANT_MIN_QUERIES and (
+        mirror is not None or (n_batch >= DEQUANT_MIN_QUERIES and decode_float_budget_bytes() > 0)))
+    if not use_float:
+        kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
+        return _mlx_base.quantized_scaled_dot_product_attention(
+            queries, tuple(map(row, keys)), tuple(map(row, values)), scale=scale, mask=mask,
+            group_size=cache.group_size, bits=cache.bits, **kw
+        )
+    if mirror is None:
+        fk, fv = cache._dequantize(tuple(map(row, keys))), cache._dequantize(tuple(map(row, values)))
+    else:
+        fk, fv = row(mirror[0]), row(mirror[1])
+    return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
+
+
+def batch_attention(queries: mx.array, keys: QTuple, values: QTuple, cache: "BatchQ4KVCache",
+                    scale: float, mask: Any, sinks: Any = None) -> mx.array:
+    """Attention on a `BatchQ4KVCache`, batch-invariant: each row attends with its real queries on
+    its own keys only (no left padding, no right-padded queries), so its result is bit for bit what
+    it is with no companions. Attending on the padded batch at once changes the float rounding on
+    BLAS kernels whose sums depend on the reduction's length and alignment (OpenBLAS: the value
+    matmul's sum over the keys, the score matmul's row count): logits ~1e-6 apart, a different
+    greedy token wherever the top two are that close (docs/design.md, "Batch invariance")."""
+    B, _, L, _ = queries.shape
+    end = cache.size()
+    mirror = cache.float_kv()
+    starts = cache.left_padding.tolist()
+    reals = cache.real_queries(L, end - L)
+    if B == 1 and starts[0] == 0 and reals[0] == L:
+        return _attend_row(queries, keys, values, mirror, cache, L, scale, mask, sinks)
+    outs = []
+    for b, (start, n) in enumerate(zip(starts, reals)):
+        if n == 0:  # a row whose prompt ended in an earlier chunk of this call: padding only
+            outs.append(None)
+            continue
+        stop = end - (L - n)
+        out = _attend_row(
+            queries[b : b + 1, :, :n], keys, values, mirror, cache, L, scale,
+            _row_mask(mask, b, B, n, start, stop), sinks, row=lambda x: x[b : b + 1, :, start:stop, :],
+        )
+        outs.append(out if n == L else mx.pad(out, [(0, 0), (0, 0), (0, L - n), (0, 0)]))
+    like = next(o for o in outs if o is not None)
+    zeros = mx.zeros_like(like)
+    return mx.concatenate([zeros if o is None else o for o in outs], axis=0)
+
+
 def _make_dispatcher(original):
     """base.scaled_dot_product_attention, with quantized caches going to our quantized SDPA, which
-    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches that
-    hold a float decode mirror going to the fast float SDPA on it."""
+    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches to
+    `batch_attention` (per row, on the float decode mirror when there is one)."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        mirror = cache.float_kv() if isinstance(cache, BatchQ4KVCache) else None
-        if mirror is not None:  # the float decode mirror of the 4-bit K/V: the float kernel
-            return mx.fast.scaled_dot_product_attention(
-                queries, *mirror, scale=scale, mask=mask, sinks=sinks
-            )
+        if isinstance(cache, BatchQ4KVCache):
+            return batch_attention(queries, keys, values, cache, scale, mask, sinks)
         if hasattr(cache, "bits"):
             kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
             return _mlx_base.quantized_scaled_dot_product_attention(
