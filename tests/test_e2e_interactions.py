@@ -351,6 +351,33 @@ def test_disk_budget_never_deletes_blocks_a_queued_manifest_names(llama, tmp_pat
         assert not lost, lost
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "pool.py: another agent's lookup evicts an agent whose turn is still being saved: _evict cuts the "
+    "turn's PENDING blocks from the agent's branches ('unsaved block(s) left memory uncached') although "
+    "the save goes on and, with durable_writes, the response acknowledges the turn once it is on disk; "
+    "the agent's next turn does not reuse it (a restart, which reads the manifest, does)"))
+def test_turn_acknowledged_while_another_agent_evicts_it_is_reused(llama, tmp_path):
+    slow = tmp_path / "slow-fsync"  # the turn's save takes a second or two: still queued when beta comes
+    srv = new_server(llama, tmp_path, env={"VLLM_MLX_PERSIST_FAULT": f"sleep=0.2:fsync@{slow}"}, hot_mb=TINY_HOT_MB)
+    with serving(srv):
+        msgs = [{"role": "user", "content": user_text("alpha", 0, 60)}]
+        first = ask(srv, msgs, "alpha")
+        msgs = then(msgs, first, user_text("alpha", 1, 60))
+        slow.touch()
+        out: dict[str, Reply] = {}
+        t = threading.Thread(target=lambda: out.setdefault("alpha", ask(srv, msgs, "alpha")))
+        t.start()
+        deadline = time.time() + REQUEST_TIMEOUT_S
+        while cache_stats(srv).get("write_queue_bytes", 0) == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        ask(srv, [{"role": "user", "content": user_text("beta", 0, 60)}], "beta")  # the hot budget evicts alpha
+        t.join(REQUEST_TIMEOUT_S)
+        slow.unlink()
+        second = out["alpha"]  # acknowledged: with durable_writes, on disk before this answer
+        nxt = ask(srv, then(msgs, second, "go on"), "alpha")
+        assert nxt.cached >= second.prompt, (nxt, second, cache_stats(srv).get("unsaved_blocks_dropped"))
+
+
 # ---------------------------------------------------------------------------------------------
 # erasure
 
@@ -370,8 +397,8 @@ def test_erasure_holds_across_a_sigkill_even_with_a_turn_being_written(llama, tm
         assert kid.cached > 0
         slow.touch()
         out: dict[str, Reply] = {}
-        t = threading.Thread(target=lambda: out.setdefault("r", ask(srv, then(msgs, first, user_text("eraseme", 1, 200)),
-                                                                    "eraseme")))
+        second = then(msgs, first, user_text("eraseme", 1, 200))
+        t = threading.Thread(target=lambda: out.setdefault("r", ask(srv, second, "eraseme")))
         t.start()
         deadline = time.time() + REQUEST_TIMEOUT_S
         while cache_stats(srv).get("write_queue_bytes", 0) == 0 and time.time() < deadline:
@@ -384,7 +411,7 @@ def test_erasure_holds_across_a_sigkill_even_with_a_turn_being_written(llama, tm
         restart(srv)
         assert "eraseme" not in listed(srv) and admin(srv, "GET", "/v1/agents/eraseme")[0] == 404
         assert not manifests_of(root, "eraseme")
-        again = ask(srv, then(msgs, first, user_text("eraseme", 1, 200)), "eraseme")
+        again = ask(srv, second, "eraseme")
         assert again.cached == 0
         nxt = ask(srv, then(child_msgs, kid, "go on"), "kid")
         assert nxt.cached >= kid.prompt
