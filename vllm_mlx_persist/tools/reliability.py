@@ -600,8 +600,8 @@ def _report_interactions(r: dict) -> list[str]:
            f"/health: {r['health_polls']} polls, slowest {r['health_worst_s']} s, {r['health_late']} past 1 s or "
            f"failed. Pool hot_bytes peak {r['hot_bytes_peak']} (bound there {r['hot_bound_at_peak']}: hot_mb + the "
            f"largest agent's last 4 sequences + pinned agents), {r['hot_over']} samples over. Disk peak "
-           f"{r['disk_peak_bytes']} bytes (bound there {r['disk_bound_at_peak']}: disk_mb + agents in flight + pinned "
-           f"agents), {r['disk_over']} samples over. RSS after warm-up {r['rss_after_warmup_mb']} MB, peak "
+           f"{r['disk_peak_bytes']} bytes (bound there {r['disk_bound_at_peak']}: disk_mb + one turn per request in "
+           f"flight + pinned agents), {r['disk_over']} samples over. RSS after warm-up {r['rss_after_warmup_mb']} MB, peak "
            f"{r['rss_peak_mb']} MB, bound {r['rss_bound_mb']} MB.", ""]
     if r.get("failure_kinds"):
         out += ["| failure kind | count | first step |", "|---|---|---|"]
@@ -651,8 +651,8 @@ _WHAT = {
             "or more, disk past disk_mb + one turn. The full run is one hour "
             "(`./dev reliability --campaigns soak`: about 62 minutes on 2 cores, a few hundred MB of memory "
             "and under 10 MB of disk; it replaces only this row).",
-    "interactions": "One server under tight budgets (hot_mb 0.25, disk_mb 1.5: a few agents' histories; ttl_hours "
-                    "0.02) runs a random mix of steps: turns of growing histories, several agents at once, forks "
+    "interactions": "One server under tight budgets (hot_mb 0.25: two or three agents' histories; disk_mb 4: a "
+                    "dozen or so; ttl_hours 0.02) runs a random mix of steps: turns of growing histories, several agents at once, forks "
                     "(fork_from), concurrent branches of one agent, DELETE /v1/agents/ID, reuse of an erased id, pins "
                     "and unpins, another agent's history under a new id (isolation probe), anonymous requests, "
                     "SIGKILLs between steps, mid-request and at a chosen write step; one more restart at the end, "

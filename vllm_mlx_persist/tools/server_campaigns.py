@@ -748,7 +748,8 @@ def storm_campaign(seconds: int, seed: int, work: Path, clients: int = 32, n_age
 
 
 I_HOT_MB = 0.25  # ~900 tokens of the tiny llama in memory: two or three agents' histories
-I_DISK_MB = 1.5  # ~4.6k tokens on disk: a handful of agents, so the disk budget erases the oldest
+I_DISK_MB = 4.0  # ~12k tokens on disk: the last dozen or so agents; the budget erases older ones (tighter,
+# it erased nearly every agent before its next turn, and no fork found its parent)
 I_TTL_HOURS = 0.02  # 72 s: agents left alone that long go at the next sweep (every start, every minute)
 I_OPTIONS = {**OPTIONS, "hot_mb": I_HOT_MB, "disk_mb": I_DISK_MB, "ttl_hours": I_TTL_HOURS, "durable_writes": True}
 I_TIMEOUT_S = 15.0  # a tiny-model turn answers in well under a second: past this the request hung
@@ -927,8 +928,9 @@ class _Interactions:
         self.next_id = 0
         self.fault_kill = False  # this lifetime was started with kill@N (it may die by itself)
         self.killing = False  # the campaign is killing the server now
-        self.inflight_tokens = 0  # footprints of the agents the current step has in flight
+        self.inflight_tokens = 0  # tokens of the turns the current step has in flight
         self.max_footprint = 0
+        self.max_seq = 1024  # tokens of the longest sequence (prompt + reply) seen, at least a full turn
         self.seen_events = 0
         self.rss = RssSampler(interval=0.5)
         self.rss_baseline = 0
@@ -1071,6 +1073,8 @@ class _Interactions:
             except Exception as e:
                 problem = repr(e)[:100]
             dt = time.monotonic() - t
+            if problem is not None and not self._pause.is_set():
+                time.sleep(0.5)  # a reset while a write-point kill takes it down: not a health failure
             if self._pause.is_set() or not self.alive():
                 continue
             with self._lock:
@@ -1101,8 +1105,9 @@ class _Interactions:
                 if hot > bound:
                     self.st["hot_over"] += 1
                     self._over.append((step, f"hot_bytes {hot} over hot_mb + one agent + pinned = {bound}"))
-            # agents with a request in flight are never erased; a save's budget check runs before its
-            # turn is acknowledged; model.json, the lock and manifests' estimate: 64 kB
+            # a save's budget check runs before its turn is acknowledged, so the disk passes disk_mb by
+            # the turns being written; pinned agents are never erased; model.json, the lock, manifests'
+            # estimate: 64 kB
             disk = _tree_bytes(self.root)
             bound = int(I_DISK_MB * 2**20) + (self.inflight_tokens + pinned) * DISK_BYTES_PER_TOKEN + (64 << 10)
             if disk > self.st["disk_peak_bytes"]:
@@ -1154,8 +1159,8 @@ class _Interactions:
             except Exception as e:
                 self.fail("reference", f"the reference server failed: {e}"[:400])
                 return
-        with self._lock:
-            self.inflight_tokens = sum(sp.conv.footprint() for sp in specs if sp.conv is not None)
+        with self._lock:  # one turn per request in flight (at most the longest sequence seen)
+            self.inflight_tokens = self.max_seq * len(specs)
         seq = self.refresh_log()
         log_pos = self.elog.pos
         for sp in specs:
@@ -1293,6 +1298,7 @@ class _Interactions:
                 self.restarted.discard(sp.conv.agent)
                 with self._lock:
                     self.max_footprint = max(self.max_footprint, sp.conv.footprint())
+                    self.max_seq = max(self.max_seq, sp.conv.seqs[-1])
 
     def do_step(self, op: str) -> str:
         """Run one step; returns its description for the step list."""
