@@ -67,13 +67,13 @@ def interactions(tmp_path_factory) -> dict:
 
 def test_quick_interactions_campaign_mixes_the_operations_and_checks_them(interactions):
     """The campaign itself works: every kind of step ran, answers and acknowledged turns were checked
-    (across restarts too), the budgets acted, and each failure carries its reproduction."""
+    (across restarts too), the watchers sampled, and each failure carries its reproduction."""
     c = interactions
     assert c["trials"] == 100 and not any("campaign raised" in f["problem"] for f in c["failure_cases"]), c["log"]
     assert {"turn", "concurrent", "fork", "branch", "erase", "pin", "kill"} <= set(c["ops"]), c["ops"]
     assert {"kill-mid", "write-point"} & set(c["ops"]), c["ops"]
     assert c["replies_compared"] >= 80 and c["turns_checked"] > 0 and c["turns_checked_across_a_restart"] > 0
-    assert c["fork_first_checked"] > 0 and c["erasures_requested"] > 0 and c["budget_erasures_logged"] > 0
+    assert c["fork_first_checked"] > 0 and c["erasures_requested"] > 0 and c["erased_revisited"] > 0
     assert c["health_polls"] > 0 and c["hot_bytes_peak"] > 0 and c["disk_peak_bytes"] > 0
     for f in c["failure_cases"]:
         assert f["seed"] == 12 and f["kind"] and f["steps"] and f["problem"], f

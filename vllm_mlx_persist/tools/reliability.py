@@ -652,7 +652,7 @@ _WHAT = {
             "(`./dev reliability --campaigns soak`: about 62 minutes on 2 cores, a few hundred MB of memory "
             "and under 10 MB of disk; it replaces only this row).",
     "interactions": "One server under tight budgets (hot_mb 0.25: two or three agents' histories; disk_mb 4: a "
-                    "dozen or so; ttl_hours 0.02) runs a random mix of steps: turns of growing histories, several agents at once, forks "
+                    "dozen or so; ttl_hours 0.01) runs a random mix of steps: turns of growing histories, several agents at once, forks "
                     "(fork_from), concurrent branches of one agent, DELETE /v1/agents/ID, reuse of an erased id, pins "
                     "and unpins, another agent's history under a new id (isolation probe), anonymous requests, "
                     "SIGKILLs between steps, mid-request and at a chosen write step; one more restart at the end, "
