@@ -114,7 +114,7 @@ class BlockPool:
                       if store is not None else None)
         self.agents = Agents(self.table, block_size, max_anonymous, self.stats,
                              on_drop=self.reads.cancel if self.reads is not None else (lambda ids: None),
-                             clock=clock)
+                             clock=clock, saving=self.persister.saving if self.persister is not None else (lambda b: False))
         self.lookup_ = Lookup(self._lock, self.chains, self.table, self.agents, self.reads, self.codec,
                               self.stats, READ_TIMEOUT_S, decode, self._quarantine)
         self.committer = Commit(self.chains, self.table, self.agents, self.codec, self.persister, self.stats,
