@@ -483,10 +483,14 @@ class Persister:
             if not j.future.done():
                 j.future.set_result(False)
         on_disk = agent is not None or self.store.manifest_path(namespace).exists()
+        if on_disk:  # said before the files go: a process killed meanwhile leaves the reason in the log
+            log.info("erased agent %r (%s)", namespace, why)
         self.store.delete_agent(namespace, gone)
         if why == "request":  # the user's erasure: the agent's files under other models' directories too
             removed, freed = self.store.erase_elsewhere(namespace)
             if removed:
+                if not on_disk:
+                    log.info("erased agent %r (%s, under other models' directories)", namespace, why)
                 on_disk = True
                 self.counts["erased_elsewhere"] += removed
                 with self._cv:
@@ -494,7 +498,6 @@ class Persister:
         if on_disk:
             self.counts["agents_erased"] += 1
             self.on_erased(namespace)
-            log.info("erased agent %r (%s)", namespace, why)
         return on_disk
 
     def _pin_job(self, job: _Job) -> None:
