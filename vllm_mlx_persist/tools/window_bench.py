@@ -73,8 +73,9 @@ def _arrays(c) -> list:
     return [c.keys, c.values]
 
 
-def _nbytes(batch: list) -> int:
-    return sum(c.nbytes for c in batch)
+def _nbytes(batch: list) -> tuple[int, int]:
+    """Bytes of the batch caches, and of those the float decode mirrors."""
+    return sum(c.nbytes for c in batch), sum(getattr(c, "mirror_nbytes", 0) for c in batch)
 
 
 def _decode(model, batch: list, steps: int, warm: int = 2) -> tuple[float, float]:
@@ -112,12 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     windows = {l: c.max_size for l, c in enumerate(make_prompt_cache(model)) if isinstance(c, RotatingKVCache)}
     print(f"model {a.arch}/{a.size}: {len(model.layers)} layers, sliding {sorted(windows)} "
           f"(window {set(windows.values())}), mirror budget {mirror}")
-    print("| context | system | ms/step (wall) | CPU ms/step | tok/s (CPU) | vs mlx-lm (CPU) | range | KV MB after |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| context | system | ms/step (wall) | CPU ms/step | tok/s (CPU) | vs mlx-lm (CPU) | range | KV MB after | of which mirror |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for T in [int(x) for x in a.context.split(",")]:
         rows = _fill(model, T, systems, a.bits, a.group_size)
         got: dict[str, list] = {s: [] for s in systems}
-        size: dict[str, int] = {}
+        size: dict[str, tuple] = {}
         for rep in range(a.reps):
             for s in systems[rep % len(systems):] + systems[: rep % len(systems)]:  # rotate who goes first
                 q4cache.set_decode_float_budget(mirror if s != "mlx-lm" else 0)
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                 line += f"{statistics.median(ratios):.2f} | {min(ratios):.2f}-{max(ratios):.2f} | "
             else:
                 line += "| | "
-            print(line + f"{size[s] / 2**20:.0f} |", flush=True)
+            print(line + f"{size[s][0] / 2**20:.0f} | {size[s][1] / 2**20:.0f} |", flush=True)
         del rows
     return 0
 
