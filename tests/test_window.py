@@ -9,9 +9,9 @@ apply the window through the mask.
 * the storage of a sliding layer never exceeds window + max(slack, the chunk just written), at
   every step of a chunked prefill (chunks shorter and longer than the window) and a long decode,
   per sequence and batched in mlx-lm's BatchGenerator (the decode mirror's storage too);
-* logits of the bounded cache equal the linear cache's (same keys, the others masked out; measured
-  bit-identical on these models, asserted within 1e-5 of the logit std: the shorter reductions may
-  round differently on other BLAS kernels), and greedy tokens are the same;
+* logits of the bounded cache equal the linear cache's within LOGIT_TOL of the logit std (the same
+  keys, the others masked out there, so only the shorter reductions' rounding differs: measured
+  bit-identical per sequence and 1.9e-6 batched on these models), and greedy tokens are the same;
 * batched == per-sequence bit for bit is tests/test_batch_invariance.py (bounded variants);
 * merge / extract / filter / extend / trim / prepare-finalize / state with rows of different
   lengths, left padding and dropped columns, against what each row was fed;
@@ -422,3 +422,12 @@ def test_codec_slice_follows_spans(family):
         assert mx.array_equal(a, ref).item()
     with pytest.raises(ValueError, match="holds"):
         bounded.slice(bnd, start - 1, 70)
+
+
+def test_window_bench_runs(capsys):
+    """The benchmark tool (docs/performance.md) runs end to end on the tiny model."""
+    from vllm_mlx_persist.tools import window_bench
+
+    assert window_bench.main(["--size", "tiny", "--context", "300", "--steps", "1", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| 300 | {s} |" in out for s in window_bench.SYSTEMS)
