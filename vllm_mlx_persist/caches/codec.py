@@ -207,6 +207,7 @@ class ModelCodec:
             used = _truncate(used, covered)
         if covered == 0:
             return None, 0
+
         def cat(name: str, lo: int = 0) -> mx.array:
             """Positions [lo, covered) of `name`."""
             if whole is not None:
