@@ -9,7 +9,8 @@ are prefilled in the same step as the others' 16-token chunks). With the float d
 and on, and prefill attention on the 4-bit matmuls and on dequantized K/V.
 
 * `test_attention_rows_bit_identical`: the cache and attention alone, no model: each row of a
-  left-padded batch (decode) and of a right-padded prefill chunk attends exactly as it does alone.
+  left-padded batch (decode) and of a right-padded prefill chunk attends exactly as it does alone,
+  also on caches that hold only their window (`Q4KVCache(window=16)`).
 * `test_logits_bit_identical`: every step's logprobs alone == batched, bit for bit, on every
   family whose layers persist_q4 runs (4-bit attention, sliding windows, sinks, recurrent state).
   The model's own projections (Linear, MoE experts) are evaluated one token row at a time here:
@@ -17,7 +18,9 @@ and on, and prefill attention on the 4-bit matmuls and on dequantized K/V.
   number of rows in it, which changes logits by ~1e-6 with any cache, mlx-lm's own included
   (docs/design.md, "Batch invariance"); row by row takes that out, so what is compared is everything
   else, the cache and attention first. Fails on the code before per-row attention (the float SDPA
-  over a padded batch: mirror decode, dequantized prefill).
+  over a padded batch: mirror decode, dequantized prefill). The sliding-window families also run
+  with bounded sliding layers (`ModelCodec.for_model(model, bounded=True)`), whose rows drop their
+  oldest columns at times that depend on the batch.
 * `test_greedy_invariant`: the model as served, every family: greedy tokens alone == batched and
   logprobs within REL_TOL of the step's largest |logprob| (what is left is the projections' BLAS
   rounding, measured up to 7e-7 of it; MLA layers keep mlx-lm's own cache and attention arithmetic,
@@ -49,6 +52,7 @@ MAX_TOKENS = [9, 5, 12, 7]
 RETURNING = 3  # this row's cache holds all but the last 3 tokens of its prompt
 REL_TOL = 1e-5  # of a step's largest |logprob| (lfm2's tied embeddings: ~170; others ~10)
 BIT_ARCHS = ["llama", "gemma3_text", "gpt_oss", "qwen3_next", "lfm2"]
+WINDOW_ARCHS = ["gemma3_text", "gpt_oss"]  # also run with sliding layers that hold only their window
 ALL_ARCHS = BIT_ARCHS + ["deepseek_v3", "deepseek_v32"]
 
 
@@ -86,12 +90,18 @@ def row_by_row(monkeypatch):
 _MODELS: dict = {}
 
 
-def _family(arch: str):
+def _family(arch: str, bounded: bool = False):
     if arch not in _MODELS:
         model, _ = build_model(arch, SIZE, seed=0)
-        _MODELS[arch] = (model, ModelCodec.for_model(model))
+        _MODELS[arch] = (model, ModelCodec.for_model(model), ModelCodec.for_model(model, bounded=True))
     install_attention_fix()
-    return _MODELS[arch]
+    model, linear, window = _MODELS[arch]
+    return model, window if bounded else linear
+
+
+def _arch_params(archs: list) -> list:
+    return [pytest.param(a, False, id=a) for a in archs] + [
+        pytest.param(a, True, id=f"{a}-bounded") for a in archs if a in WINDOW_ARCHS]
 
 
 def _prompts() -> list[list[int]]:
@@ -143,9 +153,9 @@ def _max_rel_diff(a: list, b: list) -> float:
     return max((mx.abs(x - y).max() / mx.abs(x).max()).item() for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("arch", BIT_ARCHS)
-def test_logits_bit_identical(arch, decode_mirror, prefill_mode, row_by_row):
-    model, codec = _family(arch)
+@pytest.mark.parametrize("arch,bounded", _arch_params(BIT_ARCHS))
+def test_logits_bit_identical(arch, bounded, decode_mirror, prefill_mode, row_by_row):
+    model, codec = _family(arch, bounded)
     alone, batched = _alone_and_batched(model, codec)
     for name, run in zip(("together", "staggered"), batched):
         for r, (toks, lps) in alone.items():
@@ -155,9 +165,9 @@ def test_logits_bit_identical(arch, decode_mirror, prefill_mode, row_by_row):
     assert len({tuple(t) for t, _ in alone.values()}) > 1  # not degenerate
 
 
-@pytest.mark.parametrize("arch", ALL_ARCHS)
-def test_greedy_invariant(arch, decode_mirror):
-    model, codec = _family(arch)
+@pytest.mark.parametrize("arch,bounded", _arch_params(ALL_ARCHS))
+def test_greedy_invariant(arch, bounded, decode_mirror):
+    model, codec = _family(arch, bounded)
     alone, batched = _alone_and_batched(model, codec)
     worst = max(_max_rel_diff(lps, run[r][1]) for run in batched for r, (_, lps) in alone.items())
     print(arch, f"max |Δlogprob| / max |logprob|, alone vs batched: {worst:.1e}")
@@ -167,17 +177,20 @@ def test_greedy_invariant(arch, decode_mirror):
             assert _max_rel_diff(lps, run[r][1]) < REL_TOL, (arch, name, r)
 
 
-@pytest.mark.parametrize("window,sinks", [(None, False), (16, False), (16, True)])
-def test_attention_rows_bit_identical(decode_mirror, prefill_mode, window, sinks):
+@pytest.mark.parametrize("window,sinks,bounded", [
+    (None, False, False), (16, False, False), (16, True, False), (16, False, True), (16, True, True)])
+def test_attention_rows_bit_identical(decode_mirror, prefill_mode, window, sinks, bounded):
     """Through the installed dispatcher, rows of 40, 23 and 57 cached tokens batched (left padding)
     attend bit for bit as each alone: a decode step, then a 16-token prefill chunk in which the rows
-    have 5, 2 and 16 real tokens (right padding), with a sliding-window mask and attention sinks."""
+    have 5, 2 and 16 real tokens (right padding), with a sliding-window mask and attention sinks,
+    and on caches that hold only the window (the batch drops 42 columns in the chunk, each row alone
+    a different number)."""
     install_attention_fix()
     mx.random.seed(0)
     n_q, n_kv, D, lengths = 4, 2, 64, [40, 23, 57]
     rows = []
     for n in lengths:
-        c = Q4KVCache()
+        c = Q4KVCache(window=window if bounded else None)
         c.update_and_fetch(mx.random.normal((1, n_kv, n, D)), mx.random.normal((1, n_kv, n, D)))
         rows.append(c)
     sink = mx.random.normal((n_q,)) if sinks else None
@@ -203,3 +216,5 @@ def test_attention_rows_bit_identical(decode_mirror, prefill_mode, window, sinks
             assert mx.array_equal(mine, want).item(), (L, b, mx.abs(mine - want).max().item())
         if real is not None:
             batch.finalize()
+    if bounded:
+        assert min(batch.starts()) > 0 and batch.keys[0].shape[2] <= 16 + 16

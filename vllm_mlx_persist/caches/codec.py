@@ -4,8 +4,10 @@ rebuilt from them. The pool calls only this module for per-layer work.
 A block's arrays are one flat name -> array map (the disk format stores it as is):
 
 * Q4 layer l (plain or sliding-window attention, `Q4KVCache`): `l.k.q l.k.s l.k.b l.v.q l.v.s l.v.b`,
-  each (1, n_kv_heads, n_tokens, .). Sliding-window layers keep every token: the window is applied
-  by the mask, so a prefix can be reused at any point.
+  each (1, n_kv_heads, n_tokens, .). By default sliding-window layers keep every token: the window
+  is applied by the mask, so a prefix can be reused at any point. With `bounded=True` their live
+  caches hold only their window (`windows[l]`): a cache's layer l then holds positions
+  `spans(cache)[l]` = [start, offset) only, and `token_arrays` / `slice` give those.
 * FULL layer l (MLA latent, mlx-lm's `KVCache` in the model's dtype): `l.k l.v`, (1, H, n_tokens, .).
 * LIST layer l (`CacheList` of FULL caches): `l.j.k l.j.v` for sub-cache j.
 * STATE layer l (`StateCache`): no per-token arrays. A block may carry up to MAX_CHECKPOINTS
@@ -23,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache
 
-from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds
+from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds, layer_windows
 from .recurrent import StateCache
 
 Arrays = dict  # name -> mx.array
@@ -38,19 +40,28 @@ class ModelCodec:
     """Layer kinds of one model and the block <-> cache conversions for them."""
 
     def __init__(self, kinds: Sequence[Any], bits: int = 4, group_size: int = 64,
-                 state_sizes: Optional[dict[int, int]] = None):
+                 state_sizes: Optional[dict[int, int]] = None, windows: Optional[dict[int, int]] = None,
+                 bounded: bool = False):
         self.kinds = list(kinds)
         self.bits, self.group_size = bits, group_size
         self.state_sizes = dict(state_sizes or {})
         self.has_state = STATE in self.kinds
+        # Q4 layers with a sliding window -> the window; their live caches hold only it if bounded.
+        self.windows = dict(windows or {})
+        self.bounded = bounded
 
     @classmethod
-    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64) -> "ModelCodec":
+    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64, bounded: bool = False) -> "ModelCodec":
         """Raises `UnsupportedModelError` (naming the model type and why) for what cannot work."""
         kinds = layer_kinds(model, group_size)
         sizes = {l: len(c.cache) for l, c in enumerate(model.make_cache() if hasattr(model, "make_cache") else [])
                  if kinds[l] == STATE}
-        return cls(kinds, bits, group_size, sizes)
+        windows = {l: w for l, w in layer_windows(model).items() if kinds[l] == Q4}
+        return cls(kinds, bits, group_size, sizes, windows, bounded)
+
+    def window(self, l: int) -> Optional[int]:
+        """The window layer l's live caches keep, or None when they keep every token."""
+        return self.windows.get(l) if self.bounded else None
 
     @property
     def n_layers(self) -> int:
@@ -65,7 +76,7 @@ class ModelCodec:
 
     def _fresh(self, kind, l: int):
         if kind == Q4:
-            return Q4KVCache(group_size=self.group_size, bits=self.bits)
+            return Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window(l))
         if kind == FULL:
             return KVCache()
         if kind == STATE:
@@ -77,7 +88,8 @@ class ModelCodec:
             return False
         want = {Q4: Q4KVCache, FULL: KVCache, STATE: StateCache}
         return all(type(c) is want.get(k if isinstance(k, str) else LIST, CacheList)
-                   for c, k in zip(cache, self.kinds))
+                   and (k != Q4 or c.window == self.window(l))
+                   for l, (c, k) in enumerate(zip(cache, self.kinds)))
 
     def length(self, cache: list) -> int:
         """Tokens the cache covers (all layers agree)."""
@@ -88,6 +100,21 @@ class ModelCodec:
                 return int(c.offset)
             return int(c.caches[0].offset)
         return int(cache[0].pos[0])
+
+    def spans(self, cache: list) -> list[Optional[tuple[int, int]]]:
+        """Per layer, the positions [start, end) whose per-token arrays the cache holds (None for
+        STATE layers). Every layer ends at `length(cache)`; only bounded sliding-window layers
+        start after 0."""
+        out: list = []
+        for c, k in zip(cache, self.kinds):
+            if k == STATE:
+                out.append(None)
+            elif k == Q4:
+                out.append((int(c.start), int(c.offset)))
+            else:
+                sub = c if k == FULL else c.caches[0]
+                out.append((0, int(sub.offset)))
+        return out
 
     # ---- cache -> blocks ------------------------------------------------------------------------
 
@@ -116,7 +143,8 @@ class ModelCodec:
         return out
 
     def token_arrays(self, cache: list) -> Arrays:
-        """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views."""
+        """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views:
+        layer l's cover `spans(cache)[l]`."""
         out: Arrays = {}
         for l, (c, k) in enumerate(zip(cache, self.kinds)):
             if k == Q4:
@@ -133,11 +161,20 @@ class ModelCodec:
               whole: Optional[Arrays] = None) -> Arrays:
         """The arrays of the block holding tokens [start, end) of a per-sequence cache, with the
         newest MAX_CHECKPOINTS of `checkpoints` (absolute positions) that fall in (start, end].
-        The token arrays are copies, or views of `whole` (the cache's token arrays, contiguous)."""
+        The token arrays are copies, or views of `whole` (the cache's token arrays, contiguous).
+        Raises ValueError when a bounded sliding-window layer no longer holds [start, end)."""
+        firsts = {}
+        for l, span in enumerate(self.spans(cache)):
+            if span is not None and span[0] > 0:
+                if start < span[0]:
+                    raise ValueError(f"layer {l} holds positions {span}, not [{start}, {end})")
+                firsts[l] = span[0]
+        shift = lambda name: firsts.get(int(name.split(".")[0]), 0)
         if whole is None:
-            out = {n: mx.contiguous(a[..., start:end, :]) for n, a in self.token_arrays(cache).items()}
+            out = {n: mx.contiguous(a[..., start - shift(n) : end - shift(n), :])
+                   for n, a in self.token_arrays(cache).items()}
         else:
-            out = {n: a[..., start:end, :] for n, a in whole.items()}
+            out = {n: a[..., start - shift(n) : end - shift(n), :] for n, a in whole.items()}
         mine = sorted({p: s for p, s in checkpoints if start < p <= end}.items())[-MAX_CHECKPOINTS:]
         state_layers = [l for l, k in enumerate(self.kinds) if k == STATE]
         for c, (p, states) in enumerate(mine):
@@ -170,15 +207,26 @@ class ModelCodec:
             used = _truncate(used, covered)
         if covered == 0:
             return None, 0
-        if whole is not None:
-            cat = lambda name: whole[name][..., :covered, :]
-        else:
-            cat = lambda name: _concat([arrays[name][..., :n, :] for arrays, n in used])
+
+        def cat(name: str, lo: int = 0) -> mx.array:
+            """Positions [lo, covered) of `name`."""
+            if whole is not None:
+                return whole[name][..., lo:covered, :]
+            pieces, at = [], 0
+            for arrays, n in used:
+                if at + n > lo:
+                    pieces.append(arrays[name][..., max(0, lo - at) : n, :])
+                at += n
+            return _concat(pieces)
+
         cache, si = [], 0
         for l, k in enumerate(self.kinds):
             if k == Q4:
-                parts = [cat(f"{l}.{p}") for p in _Q4_PARTS]
-                cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size))
+                w = self.window(l)
+                lo = 0 if w is None else max(0, covered - w)  # a bounded layer: only its window
+                parts = [cat(f"{l}.{p}", lo) for p in _Q4_PARTS]
+                cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size,
+                                                   window=w, offset=covered))
             elif k == FULL:
                 cache.append(_kv(cat(f"{l}.k"), cat(f"{l}.v")))
             elif k == STATE:
