@@ -31,6 +31,7 @@ from mlx_lm.generate import BatchGenerator
 
 from vllm_mlx_persist import q4cache
 from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.caches.codec import WIN_FROM
 from vllm_mlx_persist.q4cache import BatchQ4KVCache, Q4KVCache, install_attention_fix
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 
@@ -404,8 +405,9 @@ def test_build_for_reuse_at_p(family):
 
 
 def test_codec_slice_follows_spans(family):
-    """`slice` of a bounded cache gives the positions asked for (shifted by each layer's start)
-    and refuses positions a sliding layer no longer holds."""
+    """`slice` of a bounded cache gives the positions asked for (shifted by each layer's start);
+    for a block reaching before what a sliding layer still holds, its arrays from that point on,
+    and `win.from` says where they begin."""
     arch, model, linear, bounded = family
     toks = _tokens(70, 5)
     lin, bnd = linear.make_cache(), bounded.make_cache()
@@ -420,8 +422,11 @@ def test_codec_slice_follows_spans(family):
     for n, a in got.items():  # layer 0's K/V are the embeddings': the same bytes in both caches
         ref = want[n] if n.startswith("0.") else own[n][..., 64:70, :]
         assert mx.array_equal(a, ref).item()
-    with pytest.raises(ValueError, match="holds"):
-        bounded.slice(bnd, start - 1, 70)
+    part = bounded.slice(bnd, start - 1, 70)
+    assert int(part[WIN_FROM][0].item()) == 1
+    for n in bounded.window_names():
+        assert part[n].shape[2] == 70 - start and mx.array_equal(part[n], own[n][..., :70 - start, :]).item()
+    assert all(part[n].shape[2] == 71 - start for n in set(part) - bounded.window_names() - {WIN_FROM})
 
 
 def test_window_bench_runs(capsys):

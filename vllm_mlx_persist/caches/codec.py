@@ -7,7 +7,12 @@ A block's arrays are one flat name -> array map (the disk format stores it as is
   each (1, n_kv_heads, n_tokens, .). By default sliding-window layers keep every token: the window
   is applied by the mask, so a prefix can be reused at any point. With `bounded=True` their live
   caches hold only their window (`windows[l]`): a cache's layer l then holds positions
-  `spans(cache)[l]` = [start, offset) only, and `token_arrays` / `slice` give those.
+  `spans(cache)[l]` = [start, offset) only, and `token_arrays` / `slice` give those. A block then
+  holds the sliding layers' arrays for its last n_tokens - f tokens only, f = `win.from` (int32
+  (1,); absent: 0; n_tokens: none, and their arrays are absent): what the turn's live cache still
+  held when it was committed, i.e. the window before the turn's end. A prefix is reused up to the
+  last point whose window the blocks hold (`window_reach`): a turn's end, or any point at least a
+  window past the start of what a turn held.
 * FULL layer l (MLA latent, mlx-lm's `KVCache` in the model's dtype): `l.k l.v`, (1, H, n_tokens, .).
 * LIST layer l (`CacheList` of FULL caches): `l.j.k l.j.v` for sub-cache j.
 * STATE layer l (`StateCache`): no per-token arrays. A block may carry up to MAX_CHECKPOINTS
@@ -34,6 +39,7 @@ _RAW16 = {mx.bfloat16: "bfloat16"}
 # Per block: a turn's prefill end and its final state, or two turns' ends. A checkpoint costs a
 # whole recurrent state (for a 30B-class hybrid, tens of MB): bounded per block, newest kept.
 MAX_CHECKPOINTS = 2
+WIN_FROM = "win.from"  # where a block's sliding-layer arrays begin (bounded windows; see the docstring)
 
 
 class ModelCodec:
@@ -66,6 +72,35 @@ class ModelCodec:
     @property
     def n_layers(self) -> int:
         return len(self.kinds)
+
+    def window_names(self) -> set[str]:
+        """Names of the per-token arrays of bounded sliding-window layers (a block may hold them
+        for its last tokens only)."""
+        return {f"{l}.{p}" for l in self.windows for p in _Q4_PARTS} if self.bounded else set()
+
+    @staticmethod
+    def window_from(arrays: dict) -> int:
+        """Where a block's (or its in-memory copy's) sliding-layer arrays begin (0: all its tokens)."""
+        f = arrays.get(WIN_FROM)
+        return 0 if f is None else int(f[0].item() if isinstance(f, mx.array) else f[0])
+
+    def window_reach(self, used: Sequence[tuple[Arrays, int]]) -> int:
+        """The furthest point p <= sum(n) of the used blocks ((arrays, tokens used of each),
+        consecutive from position 0) such that the sliding layers' window before p,
+        [max(0, p - w), p), is held by them; the sum itself for models without bounded windows."""
+        covered = sum(n for _, n in used)
+        if not self.window_names():
+            return covered
+        w = max(self.windows.values())
+        best = at = stretch = 0  # stretch: where the run of held positions ending at `at` began
+        for arrays, n in used:
+            f = min(self.window_from(arrays), n)  # the used part holds [at + f, at + n)
+            if f > 0:
+                stretch = at + f
+            if f < n and (stretch == 0 or at + n - stretch >= w):
+                best = at + n
+            at += n
+        return best
 
     # ---- live caches --------------------------------------------------------------------------
 
@@ -161,20 +196,31 @@ class ModelCodec:
               whole: Optional[Arrays] = None) -> Arrays:
         """The arrays of the block holding tokens [start, end) of a per-sequence cache, with the
         newest MAX_CHECKPOINTS of `checkpoints` (absolute positions) that fall in (start, end].
-        The token arrays are copies, or views of `whole` (the cache's token arrays, contiguous).
-        Raises ValueError when a bounded sliding-window layer no longer holds [start, end)."""
-        firsts = {}
-        for l, span in enumerate(self.spans(cache)):
-            if span is not None and span[0] > 0:
-                if start < span[0]:
-                    raise ValueError(f"layer {l} holds positions {span}, not [{start}, {end})")
-                firsts[l] = span[0]
-        shift = lambda name: firsts.get(int(name.split(".")[0]), 0)
-        if whole is None:
-            out = {n: mx.contiguous(a[..., start - shift(n) : end - shift(n), :])
-                   for n, a in self.token_arrays(cache).items()}
-        else:
-            out = {n: a[..., start - shift(n) : end - shift(n), :] for n, a in whole.items()}
+        The token arrays are views of `whole` (the cache's token arrays, contiguous, for the names it
+        has) or copies. A bounded sliding-window layer gives the part of [start, end) it still holds
+        (`win.from` says where it begins)."""
+        out: Arrays = {}
+        win_from = 0
+        spans = self.spans(cache)
+        for name, a in self.token_arrays(cache).items():
+            if whole is not None and name in whole:
+                out[name] = whole[name][..., start:end, :]
+                continue
+            first = spans[int(name.split(".")[0])][0]
+            lo = max(start, first)
+            if first > 0:  # a bounded window layer that dropped its oldest positions
+                win_from = max(win_from, lo - start)
+            if lo < end:
+                out[name] = mx.contiguous(a[..., lo - first : end - first, :])
+        if win_from:
+            for name in self.window_names() & set(out):  # every window layer from the same point
+                held = out[name].shape[2]
+                if held > end - start - win_from:
+                    out[name] = out[name][..., held - (end - start - win_from):, :]
+            if win_from >= end - start:
+                for name in self.window_names():
+                    out.pop(name, None)
+            out[WIN_FROM] = mx.array([min(win_from, end - start)], dtype=mx.int32)
         mine = sorted({p: s for p, s in checkpoints if start < p <= end}.items())[-MAX_CHECKPOINTS:]
         state_layers = [l for l, k in enumerate(self.kinds) if k == STATE]
         for c, (p, states) in enumerate(mine):
@@ -192,7 +238,9 @@ class ModelCodec:
         (cache, tokens covered), or (None, 0) when nothing can be reused. `whole`: the token arrays
         of `from_numpy_run` when the used blocks are, in order, the start of that run; the cache
         is then views of them, not a concatenation."""
-        covered = sum(n for _, n in used)
+        covered = self.window_reach(used)  # bounded sliding layers: up to the last window held
+        if covered < sum(n for _, n in used):
+            used = _truncate(used, covered)
         state = None
         if self.has_state:
             start, best = 0, None
@@ -208,14 +256,17 @@ class ModelCodec:
         if covered == 0:
             return None, 0
 
+        windowed = self.window_names()
+
         def cat(name: str, lo: int = 0) -> mx.array:
-            """Positions [lo, covered) of `name`."""
-            if whole is not None:
+            """Positions [lo, covered) of `name` (held: window_reach saw to it)."""
+            if whole is not None and name in whole:
                 return whole[name][..., lo:covered, :]
             pieces, at = [], 0
             for arrays, n in used:
                 if at + n > lo:
-                    pieces.append(arrays[name][..., max(0, lo - at) : n, :])
+                    f = self.window_from(arrays) if name in windowed else 0  # the array starts at f
+                    pieces.append(arrays[name][..., max(0, lo - at) - f : n - f, :])
                 at += n
             return _concat(pieces)
 
@@ -262,7 +313,7 @@ class ModelCodec:
         """Consecutive blocks read from disk, with one copy into MLX per token array: each is
         concatenated in numpy and imported once. Returns each block's arrays (views of the
         imports, plus its own checkpoints) and the imports themselves (for `build`)."""
-        names = sorted(self.token_names())
+        names = sorted(self.token_names() - self.window_names())  # window arrays vary per block
         whole: Arrays = {}
         for name in names:
             pieces = [arrays[name] for arrays, _ in blocks]
@@ -292,9 +343,20 @@ class ModelCodec:
     def valid(self, arrays: dict[str, np.ndarray], n: int) -> bool:
         """Whether a block read from disk has exactly the arrays this model's layers need for n tokens."""
         want = self.token_names()
-        for name in want:
+        windowed = self.window_names()
+        f = 0
+        if WIN_FROM in arrays:
+            p = arrays[WIN_FROM]
+            if not windowed or p.shape != (1,) or not 0 < int(p[0]) <= n:
+                return False
+            f = int(p[0])
+            want.add(WIN_FROM)
+            if f == n:
+                want -= windowed
+        for name in want - {WIN_FROM}:
             a = arrays.get(name)
-            if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
+            held = n - f if name in windowed else n
+            if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != held:
                 return False
         for c in range(MAX_CHECKPOINTS):
             p = arrays.get(f"ckpt{c}.pos")
