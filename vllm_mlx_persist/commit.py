@@ -45,6 +45,9 @@ class Plan:
     epoch: int  # the pool's epoch when planned (see BlockPool.epoch)
     old_hot: list[tuple[int, int, dict]] = field(default_factory=list)  # (start, tokens on the turn, arrays)
     unsaved: list[tuple[Block, dict]] = field(default_factory=list)  # an earlier failed turn's PENDING blocks
+    # Hot blocks left alone in a run the "same" steps leave (another branch's): copied out, so the
+    # old run's arrays (a whole earlier history) are freed instead of pinned by a few blocks.
+    compact: list[tuple[Block, dict]] = field(default_factory=list)
 
 
 @dataclass
@@ -52,6 +55,7 @@ class Built:
     layers: dict[str, dict] = field(default_factory=dict)  # block id -> arrays ("new" and "same")
     run: Optional[Run] = None
     datas: dict[str, BlockData] = field(default_factory=dict)  # block id -> numpy copy for the disk
+    compacted: dict[str, dict] = field(default_factory=dict)  # block id -> its arrays, out of its run
 
 
 class Commit:
@@ -90,6 +94,9 @@ class Commit:
         plan = Plan(agent, tokens, links, ids, steps, epoch)
         if self.codec.has_state:
             plan.old_hot = self._hot_prefixes(agent, tokens)
+        moving = {s.block_id for s in steps if s.what == "same"}
+        runs = {id(s.block.run[0]): s.block.run[0] for s in steps if s.what == "same" and s.block.run is not None}
+        plan.compact = [(b, b.layers) for r in runs.values() for b in r.members if b.block_id not in moving]
         planned = {s.block_id for s in steps if s.what == "new"}
         plan.unsaved = [(b, b.layers) for b in (self.table.blocks.get(x) for x in agent.ids)
                         if b is not None and b.state == BlockState.PENDING and b.layers is not None
@@ -160,7 +167,10 @@ class Commit:
             elif s.what == "same" and whole is not None:
                 built.layers[s.block_id] = {**{n: a for n, a in s.layers.items() if n not in whole},
                                             **{n: a[..., s.start : end, :] for n, a in whole.items()}}
-        new = [built.layers[s.block_id] for s in plan.steps if s.what == "new"]
+        if whole is not None:  # the "same" steps leave their runs: what stays behind is copied out
+            for block, layers in plan.compact:
+                built.compacted[block.block_id] = {n: mx.contiguous(a) for n, a in layers.items()}
+        new = [built.layers[s.block_id] for s in plan.steps if s.what == "new"] + list(built.compacted.values())
         if new:
             mx.eval([a for layers in new for a in layers.values()])
         if self.persister is not None and plan.agent.persistent:
@@ -229,6 +239,10 @@ class Commit:
             self.table.set_layers(block, layers, agent, (run, s.start) if run is not None else None)
             if run is not None:
                 run.members.append(block)
+        for block, layers in plan.compact:
+            copy = built.compacted.get(block.block_id)
+            if copy is not None and self.table.blocks.get(block.block_id) is block and block.layers is layers:
+                self.table.set_layers(block, copy, block.owner, None)
         self.agents.touch(agent)
         self.stats["tokens_stored"] += len(tokens)
         future = None
