@@ -482,7 +482,7 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
         fleet._sync_agent("big")
         assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1
         assert fleet.counts["blocks_fetched"] == 3
-        ((ids, n_tokens, _),) = pool.branch_state("big")
+        ((ids, n_tokens, _, _),) = pool.branch_state("big")
         assert list(ids) == [x.block_id for x in hist[:3]] and n_tokens == 3 * TOKENS_PER_BLOCK
         assert all(persister.store.has_block(x.block_id) for x in hist[:3])
     finally:

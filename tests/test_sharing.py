@@ -276,3 +276,40 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
     assert b.save_fetched("c", fetched, [], (), done.append) is None
     a.close()
     b.close()
+
+
+class Clock:
+    """The pools' clock, set by the test."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_branch_records_its_last_use(model, tmp_path):
+    """A commit stamps its branch, a lookup the branch it served from (with the pool's clock, never
+    before the agent's newest stamp: a clock stepped back cannot reorder its branches), and the
+    manifest keeps the stamps across a restart."""
+    clock = Clock(100.0)
+    pool = make_pool(model, tmp_path, clock=clock)
+    history = tokens(20)
+    b = [history + tokens(20, seed=30 + i) for i in range(2)]
+    for t, seq in zip((100.0, 200.0), b):
+        clock.t = t
+        assert pool.commit("a", seq, prefill(model, seq)[0]) == 40
+    clock.t = 300.0
+    assert pool.lookup("a", b[0] + [1])[1] == 40
+    assert [(x.n_tokens, x.last_used) for x in pool.agent("a").branches] == [(40, 200.0), (40, 300.0)]
+    assert pool.agent("a").branches[-1].block_ids == pool.chains.ids(((0, "a"),), b[0])
+    clock.t = 50.0  # stepped back
+    assert pool.lookup("a", b[1] + [1])[1] == 40
+    assert [x.last_used for x in pool.agent("a").branches] == [300.0, 300.0]
+    assert pool.agent("a").branches[-1].block_ids == pool.chains.ids(((0, "a"),), b[1])
+    seq = b[1] + tokens(5, seed=40)
+    assert pool.commit("a", seq, prefill(model, seq)[0]) == 45  # the save writes the stamps
+    pool.close()
+    pool = make_pool(model, tmp_path, clock=clock)
+    assert [(x.n_tokens, x.last_used) for x in pool.agent("a").branches] == [(40, 300.0), (45, 300.0)]
+    pool.close()

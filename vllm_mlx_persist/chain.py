@@ -4,7 +4,8 @@ A block's id is `sha256(previous id || its token ids)`, the chain seeded with th
 and the agent's namespace, so blocks never match across models or agents. A `Branch` is one
 continuation of an agent's history: its block ids, how many tokens they hold, and its `links`, where
 the chain is (re-)seeded with a namespace (a fork starts on its parent's chain and continues on its
-own). Manifests (store.Manifest) carry branches in the schema of docs/disk-format.md.
+own), and when it was last used. Manifests (store.Manifest) carry branches in the schema of
+docs/disk-format.md.
 """
 
 from __future__ import annotations
@@ -29,12 +30,14 @@ class Branch:
     namespace. A fork is ((0, parent), (k, child)): blocks 0..k-1 are the parent's (the same ids,
     shared by reference) and block k's link is re-seeded with the child's namespace, so what the
     child adds can never collide with what the parent or a sibling adds after the same prefix.
-    A branch's `block_ids` list is never changed in place: a changed branch is a new Branch.
+    `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds).
+    A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
     block_ids: list[str]
     n_tokens: int
     links: Links
+    last_used: float = 0.0
 
 
 def chain_seed(fingerprint: str, namespace: str) -> str:
@@ -65,7 +68,7 @@ def chain_prev(prev: Optional[str], i: int, at: dict, fingerprint: str) -> Optio
 def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
     """`branch` without block i and the blocks after it."""
     return Branch(branch.block_ids[:i], min(branch.n_tokens, i * block_size),
-                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1])
+                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1], branch.last_used)
 
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -142,20 +145,25 @@ class Chains:
 
 
 def branches_of(m: Manifest) -> list[Branch]:
-    """A manifest's branches, least recently used first (one plain chain when it lists none)."""
+    """A manifest's branches, least recently used first (one plain chain when it lists none). A
+    branch without `last_used` (a plain manifest's, or one written before it existed) counts as
+    used when the manifest was written."""
     listed = m.branches or [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}]
     return [Branch(list(b["block_ids"]), b["n_tokens"],
-                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]))
+                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]),
+                   float(b.get("last_used", m.updated_at)))
             for b in listed]
 
 
 def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None) -> Manifest:
     """An agent's manifest: every block it names (newest branch first), and its branches when they
-    are more than one plain chain (so manifests of agents that never fork or branch read as before)."""
+    are more than one plain chain (so manifests of agents that never fork or branch read as before;
+    such a branch's last use is then read back as `now`)."""
     ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
     plain = len(branches) == 1 and branches[0].links == ((0, namespace),)
     listed = None if plain else [
-        {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links]}
+        {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links],
+         "last_used": float(br.last_used)}
         for br in branches]
     return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
                     time.time() if now is None else now, pinned, branches=listed)

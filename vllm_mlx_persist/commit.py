@@ -204,7 +204,7 @@ class Commit:
             self.agents.add(agent)
         limit = self.max_branches if agent.persistent else 1
         kept = [br for br in agent.branches if not self.chains.continues(br, tokens)]
-        kept.append(Branch(plan.ids, len(tokens), plan.links))
+        kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent)))
         if len(kept) > limit:
             self.stats["branches_evicted"] += len(kept) - limit
             kept = kept[-limit:]

@@ -205,7 +205,7 @@ class Fleet:
         complete = True  # branches beyond the pool's bound are left out as on one server: not a cut
         for entry in reversed(rm.branches[-pool.max_branches:]):
             br = Branch(list(entry["block_ids"]), entry["n_tokens"],
-                        tuple((int(i), ns) for i, ns in entry["links"]))
+                        tuple((int(i), ns) for i, ns in entry["links"]), float(entry.get("last_used", rm.updated_at)))
             want: list[str] = []
             for bid in br.block_ids:
                 if bid in failed:

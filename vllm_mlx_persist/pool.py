@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from .agents import ANON_PREFIX, Agents
@@ -255,10 +256,12 @@ class BlockPool:
                 candidates += [(parent, br) for br in reversed(parent.branches)]
         found = self.lookup_.best(candidates, prompt)  # the lock is taken and released inside
         with self._lock:
-            if found is not None and found.n:
-                if found.src is agent and any(b is found.branch for b in agent.branches):  # now the most recent
-                    agent.branches.remove(found.branch)
-                    agent.branches.append(found.branch)
+            if found is not None and found.n and found.src is agent:
+                at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
+                if at is not None:  # now the most recently used
+                    used = replace(found.branch, last_used=self.agents.stamp(agent))
+                    del agent.branches[at]
+                    agent.branches.append(used)
             if self.reads is not None:  # read-ahead this lookup did not need
                 self.reads.cancel(list(agent.ids) + (list(parent.ids) if parent is not None else []), restored=False)
             if agent.listed:
@@ -350,8 +353,10 @@ class BlockPool:
     def _save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str],
               before: list[Branch]) -> Future:
         """(lock held) Queue the agent's manifest after the blocks it names that are not durable yet
-        (`before`: its branches before the turn, what the fleet tier's put continues)."""
-        manifest = manifest_of(agent.namespace, agent.branches, agent.pinned, self.clock())
+        (`before`: its branches before the turn, what the fleet tier's put continues). The manifest
+        is dated by the turn's branch's last use, which is what a plain manifest's branch reads back."""
+        manifest = manifest_of(agent.namespace, agent.branches, agent.pinned,
+                               agent.branches[-1].last_used if agent.branches else self.clock())
         base = manifest_of(agent.namespace, before, agent.pinned) if before else None
         data = [datas[b.block_id] for b in blocks]
         stats = self.stats
@@ -474,15 +479,16 @@ class BlockPool:
     # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
 
     def branch_state(self, namespace: str) -> Optional[tuple]:
-        """The agent's branches as ((block ids), tokens, links), least recently used first (the last
-        is the most recent; () when every branch was cut), or None if unknown; any thread."""
+        """The agent's branches as ((block ids), tokens, links, last used), least recently used first
+        (the last is the most recent; () when every branch was cut), or None if unknown; any thread."""
         with self._lock:
             agent = self.agents.get(namespace)
-            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links)
+            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links, br.last_used)
                                                     for br in agent.branches)
 
     def agent_version(self, namespace: str) -> tuple:
-        """What `save_fetched` compares: when the agent was last erased, and its branches."""
+        """What `save_fetched` compares: when the agent was last erased, and its branches (their
+        last uses included: a lookup since changes it)."""
         with self._lock:
             return self._erased.get(namespace, 0), self.branch_state(namespace)
 
