@@ -490,6 +490,44 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
         pool.close()
 
 
+def test_a_sync_fetches_any_branch_it_lacks_and_nothing_it_holds(server, fp, tiers, tmp_path):
+    """A sync fetches whenever Redis holds something this server lacks: here a branch shorter than
+    the local newest one (before: skipped, the local history being 'at least as long'). A history
+    already held costs the manifest read only: no block read, and the server adopts its version."""
+    from vllm_mlx_persist.chain import Branch, manifest_of
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.pool import BlockPool
+
+    hist = chain(fp, "s", 3)
+    side = chain(fp, "s", 1, seed=5, after=hist[0])  # a branch diverging after block 0
+    blocks = {x.block_id: x for x in hist + side}
+    long_ = Branch([x.block_id for x in hist], 3 * TOKENS_PER_BLOCK, ((0, "s"),), 10.0)
+    short = Branch([hist[0].block_id, side[0].block_id], 2 * TOKENS_PER_BLOCK, ((0, "s"), (1, "s")), 20.0)
+    a = tiers(server.url, fp)
+    assert a.put(manifest_of("s", [long_], False, 10.0), blocks) and a.flush(10)
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt),
+                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, **cb)))
+    fleet = pool.fleet
+    try:
+        fleet._sync_agent("s")
+        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens)]
+        gets = fleet.tier.stats()["gets"]
+        fleet._sync_agent("s")  # nothing new: no block read, the version adopted
+        assert fleet.counts["syncs_unchanged"] == 1 and fleet.tier.stats()["gets"] == gets
+        assert fleet.tier.seen_version("s") == 1
+        assert a.put(manifest_of("s", [long_, short], False, 20.0), blocks) and a.flush(10)  # A's successor: v2
+        fleet._sync_agent("s")  # its newest branch is shorter than the local one, and new here
+        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens),
+                                                           (tuple(short.block_ids), short.n_tokens)]
+        assert fleet.tier.stats()["gets"] == gets + 1 and fleet.tier.seen_version("s") == 2  # the one block it lacked
+        fleet._sync_agent("s")
+        assert fleet.counts["syncs_unchanged"] == 2 and fleet.tier.stats()["gets"] == gets + 1
+    finally:
+        pool.close()
+
+
 # ---- erasure ----------------------------------------------------------------------------------------
 
 

@@ -5,14 +5,14 @@ and the agent's namespace, so blocks never match across models or agents. A `Bra
 continuation of an agent's history: its block ids, how many tokens they hold, and its `links`, where
 the chain is (re-)seeded with a namespace (a fork starts on its parent's chain and continues on its
 own), and when it was last used. Manifests (store.Manifest) carry branches in the schema of
-docs/disk-format.md.
+docs/disk-format.md. Two servers' branches of one agent are merged by recency (`merge_branches`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -30,7 +30,8 @@ class Branch:
     namespace. A fork is ((0, parent), (k, child)): blocks 0..k-1 are the parent's (the same ids,
     shared by reference) and block k's link is re-seeded with the child's namespace, so what the
     child adds can never collide with what the parent or a sibling adds after the same prefix.
-    `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds).
+    `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds);
+    it orders two servers' branches when their histories are merged (`merge_branches`).
     A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
@@ -142,6 +143,57 @@ class Chains:
             elif not held(bid):
                 return i, False
         return len(branch.block_ids), False
+
+    def grew(self, c: Branch, b: Branch, tokens_of: Callable[[str], Optional[Sequence[int]]]) -> bool:
+        """Whether `c` names `b`'s whole blocks and then a block beginning with `b`'s partial tail
+        (another server grew that tail), as far as `tokens_of` (block id -> its tokens, None when
+        not at hand: no read) shows; False when it cannot tell."""
+        w = len(b.block_ids) - 1
+        tail = b.n_tokens - w * self.block_size
+        if w < 0 or not 0 < tail < self.block_size or len(c.block_ids) <= w or c.block_ids[:w] != b.block_ids[:w]:
+            return False
+        tokens = tokens_of(c.block_ids[w])
+        if tokens is None or len(tokens) < tail:
+            return False
+        prev = chain_prev(b.block_ids[w - 1] if w else None, w, dict(b.links), self.fingerprint)
+        return block_id(prev, tokens[:tail]) == b.block_ids[w]
+
+
+def holds(c: Branch, b: Branch, grew: Optional[Callable[[Branch, Branch], bool]] = None) -> bool:
+    """Whether branch `c` serves everything `b` does (so `b` adds nothing beside it): `c` has at
+    least `b`'s tokens and names all of `b`'s blocks, or all but a partial tail that `grew(c, b)`
+    shows `c` extends. Whole blocks alone are not enough: a branch shorter than one block would be
+    'continued' by any longer branch."""
+    if c.n_tokens < b.n_tokens:
+        return False
+    return c.block_ids[: len(b.block_ids)] == b.block_ids or (grew is not None and grew(c, b))
+
+
+def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
+                   grew: Optional[Callable[[Branch, Branch], bool]] = None) -> list[Branch]:
+    """Two lists of one agent's branches (e.g. this server's and another's, each least recently
+    used first) as one, least recently used first: a branch that another holds (`holds`) goes, and
+    the most recently used of those holding it counts as used when either was (as a lookup served
+    from it would have been); of the rest the `limit` most recently used are kept, whichever list
+    they came from. On equal `last_used` a branch of `theirs` counts as the more recent. Pure."""
+    every = sorted([*mine, *theirs], key=lambda br: br.last_used)  # stable: ties keep mine first
+    gone = [False] * len(every)
+    for i, b in enumerate(every):  # least recent first: of two that hold each other, the older goes
+        holders = [j for j, c in enumerate(every) if j != i and not gone[j] and holds(c, b, grew)]
+        if not holders:
+            continue
+        gone[i] = True
+        j = max(holders, key=lambda j: (every[j].last_used, j))
+        if every[j].last_used < b.last_used:
+            every[j] = replace(every[j], last_used=b.last_used)
+    kept = sorted((br for br, g in zip(every, gone) if not g), key=lambda br: br.last_used)
+    return kept[-limit:] if limit > 0 else []
+
+
+def same_branches(a: Sequence[Branch], b: Sequence[Branch]) -> bool:
+    """Whether two branch lists are equal, in order, last uses included."""
+    return [(br.block_ids, br.n_tokens, br.links, br.last_used) for br in a] == [
+        (br.block_ids, br.n_tokens, br.links, br.last_used) for br in b]
 
 
 def branches_of(m: Manifest) -> list[Branch]:

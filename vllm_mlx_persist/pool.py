@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 from .agents import ANON_PREFIX, Agents
 from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
-from .chain import Branch, Chains, branches_of, manifest_of
+from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
@@ -492,6 +492,19 @@ class BlockPool:
         with self._lock:
             return self._erased.get(namespace, 0), self.branch_state(namespace)
 
+    def holds(self, namespace: str, expect: tuple, remote: list[Branch], then: Callable[[], None]) -> bool:
+        """Whether the agent is still as `expect` and already holds every branch of `remote` (a
+        history in the fleet tier) as recently used: merging them would change nothing. If so,
+        `then()` runs under the lock (so no erasure comes between; it must not wait). No I/O."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            if agent is None or self.agent_version(namespace) != expect:
+                return False
+            if not same_branches(self._merge_fetched(agent.branches, remote, {}), agent.branches):
+                return False
+            then()
+            return True
+
     def save_fetched(self, namespace: str, fetched: list[Branch], blocks: list[BlockData], expect: tuple,
                      on_done: Callable) -> Optional[Future]:
         """Save a history fetched from the fleet (`fetched`: its branches, least recently used
@@ -504,8 +517,11 @@ class BlockPool:
             if self.persister is None or self.agent_version(namespace) != expect:
                 return None
             agent = self.agents.get(namespace)
-            branches = self._merge_fetched(agent.branches if agent is not None else [], fetched)
+            data = {d.block_id: d for d in blocks}
+            branches = self._merge_fetched(agent.branches if agent is not None else [], fetched, data)
             manifest = manifest_of(namespace, branches, agent is not None and agent.pinned, self.clock())
+            named = set(manifest.block_ids)
+            blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
             def on_durable() -> None:  # persister thread; on_done must not raise
                 try:
@@ -517,17 +533,20 @@ class BlockPool:
 
             return self.persister.save(manifest, blocks, [], on_durable)
 
-    def _merge_fetched(self, local: list[Branch], fetched: list[Branch]) -> list[Branch]:
-        """The agent's branches once a longer history is fetched: the fetched branches become the
-        most recent (the conversation went on there), after the local branches none of them
-        continues; the `branches` most recent are kept. A fetched branch continues a local one when
-        it names all of its blocks but a partial tail (a tail the other server grew)."""
-        def continued(br: Branch) -> bool:
-            whole = br.n_tokens == len(br.block_ids) * self.block_size
-            head = br.block_ids if whole else br.block_ids[:-1]
-            return any(f.n_tokens >= br.n_tokens and f.block_ids[: len(head)] == head for f in fetched)
+    def _merge_fetched(self, local: list[Branch], fetched: list[Branch], data: dict[str, BlockData]) -> list[Branch]:
+        """(lock held) The agent's branches merged with a fetched history's, by recency
+        (chain.merge_branches): a branch another holds goes, the `branches` most recently used stay,
+        from either side. A partial tail another branch grew is recognised by the tokens at hand
+        (`data`: fetched blocks; blocks in memory), never by a read."""
+        def tokens_of(bid: str) -> Optional[Sequence[int]]:
+            got = data.get(bid)
+            if got is not None:
+                return got.tokens
+            block = self.table.blocks.get(bid)
+            return block.tokens if block is not None and block.tokens else None
 
-        return ([br for br in local if not continued(br)] + list(fetched))[-self.max_branches:]
+        return merge_branches(local, fetched, self.max_branches,
+                              lambda c, b: self.chains.grew(c, b, tokens_of))
 
     def _adopt_fetched(self, namespace: str, branches: list[Branch], expect: tuple) -> bool:
         """Give the agent its merged branches with COLD blocks (blocks still hot stay hot)."""
