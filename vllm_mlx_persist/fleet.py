@@ -16,6 +16,8 @@
               as COLD blocks on the persister thread, in order with every other write. A history
               the local one already holds costs the manifest read only. pool.lookup waits for that
               job at most `wait_s`, then goes on with what is local.
+    local erasure (disk budget, TTL, before erased_locally) -> tier.release: this server's next
+              put merges with what Redis holds instead of succeeding it.
 
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
 jobs tracked at once (more are skipped and counted), `threads` threads, the persister's and the
@@ -50,9 +52,10 @@ class Fleet:
     def __init__(self, pool: "BlockPool", make_tier: Callable[..., RemoteTier], *, wait_s: float = 3.0,
                  write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
                  max_fetch_bytes: Optional[int] = None):
-        """`make_tier(block_source=, on_erased=)`: the RemoteTier, built here with this fleet's
-        callbacks (blocks a put lacks come from the local disk, verified; a put refused by another
-        server's erasure erases the agent here)."""
+        """`make_tier(block_source=, on_erased=, branches=)`: the RemoteTier, built here with this
+        fleet's callbacks (blocks a put lacks come from the local disk, verified; a put refused by
+        another server's erasure erases the agent here) and the pool's `branches` (what a merge in
+        Redis keeps)."""
         if pool.persister is None:
             raise ValueError("the fleet tier needs the local disk tier")
         self.pool, self.wait_s = pool, wait_s
@@ -70,7 +73,8 @@ class Fleet:
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
              "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
              "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
-        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere)
+        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
+                              branches=pool.max_branches)
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
@@ -82,6 +86,10 @@ class Fleet:
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
+
+    def released(self, namespace: str) -> None:
+        """The agent was erased here (any reason; the pool's lock held): it holds no copy any more."""
+        self.tier.release(namespace)
 
     def erase(self, namespace: str) -> bool:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a

@@ -105,6 +105,7 @@ class BlockPool:
         # The epoch at each agent's last erasure (the most recent MAX_ERASED): a fleet sync that read
         # the agent before it is refused, even when the agent was unknown here (agent_version).
         self._erased: "OrderedDict[str, int]" = OrderedDict()
+        self.fleet: Any = None  # built last (below); the persister may erase before that
         self.persister = (Persister(store, disk_budget=disk_budget, on_erased=self._forgotten, clock=clock,
                                     **(persister_options or {})) if store is not None else None)
         self.store = store
@@ -461,6 +462,8 @@ class BlockPool:
         self._erased.move_to_end(namespace)
         if len(self._erased) > MAX_ERASED:
             self._erased.popitem(last=False)
+        if self.fleet is not None:
+            self.fleet.released(namespace)  # this server holds no history of it in Redis any more
         agent = self.agents.get(namespace)
         if agent is None:
             return False
