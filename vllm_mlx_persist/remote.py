@@ -747,7 +747,8 @@ class RemoteTier:
         False when dropped (queue full by count or bytes, tier closed or disabled). `base`: the
         agent's history this turn continued (its manifest before the turn): a put whose base is the
         value in Redis is its sequential successor even when this server forgot having published
-        it (a restart)."""
+        it (a restart). A put that is no successor is merged with the value in Redis by recency
+        (docs/fleet.md, "Which update wins")."""
         _agent_key(manifest.namespace)
         for b in manifest.block_ids:
             _check_block_id(b)
