@@ -84,3 +84,25 @@ def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_tur
             state.disk_within_budget_and_clean()
     finally:
         state.teardown()
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.xfail(strict=True, reason="known, also on main: a tombstone replaced by a new history of the "
+                                       "same agent before another server read it leaves that server's copy")
+def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_tombstone():
+    """B held agent a when A erased it (a tombstone); A then served a new turn of a, a new history on top
+    of the tombstone, before B synced. B never sees the tombstone: its next sync merges its erased copy
+    with the new history and serves from it. Closing it needs the history to say which erasure it
+    follows (docs/fleet.md, Erasure: the bound that remains)."""
+    state = FleetMachine()
+    try:
+        for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
+                           ("fleet_turn", dict(agent="a", new=[39])),
+                           ("erase", dict(agent="a")),
+                           ("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
+                           ("fleet_turn", dict(agent="a", new=[39, 20]))]:
+            getattr(state, rule)(**args)
+            state.consistent()
+            state.disk_within_budget_and_clean()
+    finally:
+        state.teardown()
