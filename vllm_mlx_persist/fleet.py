@@ -70,9 +70,9 @@ class Fleet:
         self._exec = ThreadPoolExecutor(threads, thread_name_prefix="vllm-mlx-persist-fleet")
         self._closed = False
         self.counts = dict.fromkeys(
-            ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
-             "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
-             "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+            ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
+             "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
+             "erased_from_fleet", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
         self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
                               branches=pool.max_branches)
 
