@@ -296,3 +296,22 @@ def test_commit_plans_again_when_an_erasure_lands_between_plan_and_install(model
     assert n == len(child)
     assert_same_cache(got, cache)
     restarted.close()
+
+
+def test_a_turn_whose_save_is_queued_survives_its_agents_eviction(model, tmp_path, slow_disk):
+    """Another agent's request evicts an agent whose turn is still being written: its unsaved blocks
+    stay in memory until the save is durable (before: cut from its branches, so the acknowledged turn
+    was not reused until a restart read its manifest). Found by the interactions campaign."""
+    seq = tokens(70)
+    one = sum(a.nbytes for c in prefill(model, seq)[0] for part in c.to_arrays() for a in part)
+    pool = make(model, tmp_path, hot_bytes=one // 2)
+    switch = slow_disk(0.5, "fsync")
+    _, saved = pool.commit_async("a", seq, prefill(model, seq)[0])
+    other = tokens(40, seed=1)
+    pool.commit_async("b", other, prefill(model, other)[0])  # over budget: "a" is evicted, its save queued
+    assert not saved.done()
+    switch.unlink()
+    assert saved.result(30)
+    assert pool.lookup("a", seq + [1])[1] == len(seq)  # no restart needed
+    assert pool.check() == []
+    pool.close()

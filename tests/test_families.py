@@ -38,11 +38,18 @@ SIZE = Size(**{**SIZES["tiny"].__dict__, "sliding_window": WINDOW, "vocab": 512}
 ARCHS = ["gemma3_text", "gpt_oss", "qwen3_next", "lfm2", "deepseek_v3", "deepseek_v32"]
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+# The sliding families also with their sliding layers bounded to the window (the server's codec): the
+# live caches hold only the window, blocks the window before each turn's end.
+BOUNDED = ["gemma3_text", "gpt_oss"]
+
+
+@pytest.fixture(scope="module", params=[(a, False) for a in ARCHS] + [(a, True) for a in BOUNDED],
+                ids=lambda p: p[0] + ("-bounded" if p[1] else ""))
 def family(request):
-    model, _ = build_model(request.param, SIZE, seed=0)
+    arch, bounded = request.param
+    model, _ = build_model(arch, SIZE, seed=0)
     install_attention_fix()
-    return request.param, model, ModelCodec.for_model(model)
+    return arch, model, ModelCodec.for_model(model, bounded=bounded)
 
 
 def _prompt(n, seed):
@@ -156,10 +163,11 @@ def test_hot_reloaded_and_full_precision(family, tmp_path):
     errs = {k: mx.abs(v - full).max().item() for k, v in (("cold", q_cold), ("hot", q_hot))}
 
     # DIVERGE: a prompt that leaves turn1 at token 30 reuses what lies before (attention: 30
-    # tokens trimmed from the blocks; recurrent: only up to a checkpoint at or before 30)
+    # tokens trimmed from the blocks; recurrent: only up to a checkpoint at or before 30; bounded
+    # sliding layers: only up to a point whose window the blocks hold, here 44 and 45)
     other = turn1[:30] + _prompt(10, 9)
     div, nd, _ = pool2.lookup("a", other)
-    if codec.has_state:
+    if codec.has_state or codec.window_names():
         assert div is None and nd == 0  # the only checkpoints are at 44 and 45
     else:
         assert nd == 30

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BIN = Path(sys.executable).parent
 
 
@@ -50,3 +52,33 @@ def test_quick_server_campaigns_pass(tmp_path):
     assert soak["trials"] > 0 and soak["latency"], soak
     md = (tmp_path / "reliability.md").read_text()
     assert all(f"## {n}" in md for n in ("server_crash", "disk", "storm", "soak"))
+
+
+@pytest.fixture(scope="module")
+def interactions(tmp_path_factory) -> dict:
+    """One quick interactions campaign (about two minutes), shared by the tests below."""
+    out = tmp_path_factory.mktemp("interactions")
+    r = subprocess.run([str(BIN / "vllm-mlx-persist"), "reliability", "--quick", "--campaigns", "interactions",
+                        "--out", str(out)], capture_output=True, text=True, timeout=900)
+    results = json.loads((out / "reliability.json").read_text())
+    return {"rc": r.returncode, "log": r.stdout + r.stderr[-3000:], "md": (out / "reliability.md").read_text(),
+            **results["campaigns"]["interactions"]}
+
+
+def test_quick_interactions_campaign_mixes_the_operations_and_checks_them(interactions):
+    """The campaign itself works: every kind of step ran, answers and acknowledged turns were checked
+    (across restarts too), the watchers sampled, and each failure carries its reproduction."""
+    c = interactions
+    assert c["trials"] == 100 and not any("campaign raised" in f["problem"] for f in c["failure_cases"]), c["log"]
+    assert {"turn", "concurrent", "fork", "branch", "erase", "pin", "kill"} <= set(c["ops"]), c["ops"]
+    assert {"kill-mid", "write-point"} & set(c["ops"]), c["ops"]
+    assert c["replies_compared"] >= 80 and c["turns_checked"] > 0 and c["turns_checked_across_a_restart"] > 0
+    assert c["fork_first_checked"] > 0 and c["erasures_requested"] > 0 and c["erased_revisited"] > 0
+    assert c["health_polls"] > 0 and c["hot_bytes_peak"] > 0 and c["disk_peak_bytes"] > 0
+    for f in c["failure_cases"]:
+        assert f["seed"] == 12 and f["kind"] and f["steps"] and f["problem"], f
+    assert "## interactions" in c["md"] and "| interactions | 100 |" in c["md"]
+
+
+def test_quick_interactions_campaign_finds_nothing(interactions):
+    assert interactions["rc"] == 0 and interactions["failures"] == 0, interactions["failure_kinds"]

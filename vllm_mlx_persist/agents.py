@@ -29,9 +29,11 @@ class Agents:
     """The agent registry, the anonymous LRU, eviction and the hot budget."""
 
     def __init__(self, table: BlockTable, block_size: int, max_anonymous: int, stats: dict,
-                 on_drop: Callable[[list[str]], None], clock: Callable[[], float] = time.time):
+                 on_drop: Callable[[list[str]], None], clock: Callable[[], float] = time.time,
+                 saving: Callable[[str], bool] = lambda bid: False):
         self.table = table
         self.clock = clock
+        self.saving = saving  # whether a queued save that has not failed carries a block's data
         self.block_size = block_size
         self.max_anonymous = max_anonymous
         self.stats = stats
@@ -131,14 +133,15 @@ class Agents:
 
     def evict(self, agent: Agent, durable: bool) -> None:
         """Take an agent out of memory: the hot blocks it owns go COLD (`durable`: there is a disk
-        tier to come back from; else the agent is forgotten), PENDING ones (a write that has not
-        succeeded) are dropped with the rest of their branches, so memory stays bounded on a
+        tier to come back from; else the agent is forgotten). PENDING ones whose save is still
+        queued stay until it is durable (the write queue's byte budget bounds them); those whose
+        save failed are dropped with the rest of their branches, so memory stays bounded on a
         failing disk. Blocks it names but others own stay (counted by them)."""
         self.stats["evicted_agents"] += 1
         if not agent.persistent or not durable:
             self.drop(agent)
             return
-        for bid in [b for b in agent.ids if self._owned_pending(agent, b)]:
+        for bid in [b for b in agent.ids if self._owned_pending(agent, b) and not self.saving(b)]:
             if bid in agent.ids:
                 before = len(agent.ids)
                 self.cut(agent, bid)
@@ -147,7 +150,7 @@ class Agents:
                 log.warning("agent %r: %d unsaved block(s) left memory uncached", agent.namespace, dropped)
         for bid in agent.ids:
             block = self.table.blocks.get(bid)
-            if block is not None and block.owner is agent:
+            if block is not None and block.owner is agent and block.state != BlockState.PENDING:
                 self.table.drop(block)
 
     def _owned_pending(self, agent: Agent, bid: str) -> bool:
@@ -155,13 +158,17 @@ class Agents:
         return block is not None and block.owner is agent and block.state == BlockState.PENDING
 
     def drop_orphans(self, budget: int) -> None:
-        """Drop hot blocks no agent counts (least recently orphaned first) while over `budget`."""
+        """Drop hot blocks no agent counts (least recently orphaned first) while over `budget`;
+        PENDING ones whose save is queued stay until it is durable."""
         table = self.table
-        while table.orphans and table.hot_bytes > budget:
-            bid = next(iter(table.orphans))
+        for bid in list(table.orphans):
+            if table.hot_bytes <= budget:
+                return
             block = table.blocks.get(bid)
             if block is None or block.layers is None:
                 table.orphans.pop(bid, None)
+                continue
+            if block.state == BlockState.PENDING and self.saving(bid):
                 continue
             if block.state == BlockState.PENDING:
                 self.stats["unsaved_blocks_dropped"] += 1
@@ -192,7 +199,4 @@ class Agents:
                 self.drop_orphans(budget)
                 return
             tried.add(id(victim))
-            self.evict(victim, durable)
-            if victim.hot_bytes:  # the invariant says it cannot be; never loop on it
-                log.error("agent %r still counts %d hot bytes after its eviction", victim.namespace,
-                          victim.hot_bytes)
+            self.evict(victim, durable)  # what a queued save still holds stays: each victim once

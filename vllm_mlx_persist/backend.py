@@ -194,7 +194,7 @@ class PersistQ4Backend:
                 from .remote import load_secret
                 self._remote_secret = load_secret(opts["remote_secret_file"])
             # Refuses, naming the model type and the reason, the few models that cannot work.
-            self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"])
+            self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True)
         except ValueError as e:
             raise _refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher

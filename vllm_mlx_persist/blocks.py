@@ -125,6 +125,9 @@ class BlockTable:
         if owner is not None and block.block_id not in owner.ids:
             owner = None  # only an agent naming the block may count it (check() reports the caller)
         before, left = block.nbytes, block.run
+        # what stays allocated when it leaves its run: its views of the run's arrays and what it
+        # inherited (its own arrays, such as checkpoints or a sliding window's, are freed with it)
+        viewed = before - sum(a.nbytes for n, a in block.layers.items() if n not in left[0].arrays) if left else 0
         if block.owner is not None:
             self._charge(block.owner, -before)
         elif block.layers is not None:
@@ -140,12 +143,24 @@ class BlockTable:
             self.orphans[block.block_id] = None
         if left is not None:  # its views no longer hold the run's arrays, the other members' still do
             left[0].members = [b for b in left[0].members if b is not block]
-            if left[0].members and before:
+            if left[0].members and viewed:
                 heir = left[0].members[0]
-                heir.nbytes += before
-                self.hot_bytes += before
+                heir.nbytes += viewed
+                self.hot_bytes += viewed
                 if heir.owner is not None:
-                    self._charge(heir.owner, before)
+                    self._charge(heir.owner, viewed)
+
+    def shed(self, block: Block, names: set[str], extra: Optional[dict] = None) -> None:
+        """Drop some of a hot block's arrays from memory (`names`, never part of its Run) and add
+        `extra` small ones: its bytes, its owner's and the table's shrink by what left."""
+        gone = sum(a.nbytes for n, a in block.layers.items() if n in names)
+        layers = {n: a for n, a in block.layers.items() if n not in names}
+        layers.update(extra or {})
+        delta = sum(a.nbytes for a in (extra or {}).values()) - gone
+        block.layers, block.nbytes = layers, block.nbytes + delta
+        self.hot_bytes += delta
+        if block.owner is not None:
+            self._charge(block.owner, delta)
 
     def drop(self, block: Block) -> None:
         """Out of memory: a DURABLE block goes COLD (callers handle PENDING ones first)."""

@@ -150,7 +150,8 @@ class Commit:
         built = Built()
         if all(s.what != "keep" for s in plan.steps):
             arrays = self.codec.token_arrays(cache)
-            built.run = Run({n: mx.contiguous(a[..., :n_valid, :]) for n, a in arrays.items()}, [])
+            windowed = self.codec.window_names()  # held from a later start, sliced per block instead
+            built.run = Run({n: mx.contiguous(a[..., :n_valid, :]) for n, a in arrays.items() if n not in windowed}, [])
         whole = built.run.arrays if built.run is not None else None
         for s in plan.steps:
             end = s.start + len(s.tokens)
@@ -203,7 +204,12 @@ class Commit:
         elif not agent.persistent and agent.namespace not in self.agents.anonymous:
             self.agents.add(agent)
         limit = self.max_branches if agent.persistent else 1
-        kept = [br for br in agent.branches if not self.chains.continues(br, tokens)]
+        # A branch this turn continues is replaced by it; on a model with bounded sliding windows it
+        # stays while `max_branches` allows, as a place to resume (its tail block holds the window
+        # before its end, which the grown tail no longer holds).
+        windowed = bool(self.codec.window_names())
+        kept = [br for br in agent.branches if not self.chains.continues(br, tokens)
+                or (windowed and br.n_tokens < len(tokens))]
         kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent)))
         if len(kept) > limit:
             self.stats["branches_evicted"] += len(kept) - limit

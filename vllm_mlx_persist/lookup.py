@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence
 from .agents import Agents
 from .blocks import Agent, Block, BlockState, BlockTable, Run
 from .caches import ModelCodec
+from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, common, lcp
 from .reads import Reads, read_result
 from .store import BlockData
@@ -97,13 +98,56 @@ class Lookup:
                 used, from_disk = self.walk(src, br, prompt, len(prompt) - 1)
                 walked.append(Found(src, br, used, from_disk))
         most = max(f.n for f in walked)
-        best = None
+        best, reach = None, -1
         for found in (f for f in walked if f.n == most):
             if self.decode is not None:
                 found = self.match_text(found, prompt)
-            if best is None or found.n > best.n:
-                best = found
+            if best is not None and found.n < best.n:
+                continue
+            # Bounded sliding windows: tied branches differ in where their windows are held (a
+            # turn end kept as a branch still holds the window its grown continuation lost).
+            self.fill_windows(found)
+            r = self.codec.window_reach([(got.layers, n) for got, n in found.used])
+            if best is None or found.n > best.n or r > reach:
+                best, reach = found, r
+            if reach == best.n:
+                break
+        if reach < best.n:  # a shorter branch may end where its window is held (an earlier turn's end)
+            for k, src, br in ranked:
+                if k < top:
+                    used, from_disk = self.walk(src, br, prompt, len(prompt) - 1)
+                    other = Found(src, br, used, from_disk)
+                    self.fill_windows(other)
+                    r = self.codec.window_reach([(got.layers, n) for got, n in other.used])
+                    if r > reach:
+                        best, reach = other, r
         return best
+
+    def fill_windows(self, found: Found) -> None:
+        """Bounded sliding-window layers: the blocks of the window before the match whose sliding
+        arrays memory no longer holds (only branch ends' windows stay hot: BlockPool._trim_windows)
+        are read back from disk for this request, so a turn rewound to an older turn's end reuses
+        as much hot as after a reload. The table is not changed."""
+        names = self.codec.window_names()
+        if not names or self.reads is None or not found.used:
+            return
+        w, p = max(self.codec.windows.values()), found.n
+        need, at = [], 0
+        for i, (got, n) in enumerate(found.used):
+            if at + n > p - w and self.codec.window_from(got.layers) > max(0, p - w - at) and not got.read:
+                need.append(i)
+            at += n
+        reads = [(i, self.reads.take(found.used[i][0].block.block_id)[0]) for i in need]
+        for i, future in reads:
+            got, n = found.used[i]
+            data, _ = read_result(future, self.read_timeout_s)
+            if data is None or not self._valid(data) or tuple(int(t) for t in data.tokens) != got.tokens:
+                continue  # this request resumes earlier (codec.window_reach)
+            disk = self.codec.from_numpy({k: a for k, a in data.arrays.items() if k in names or k == WIN_FROM},
+                                         data.dtypes)
+            layers = {k: a for k, a in got.layers.items() if k not in names and k != WIN_FROM}
+            found.used[i] = (Got(got.block, {**layers, **disk}, got.tokens, got.run, True), n)
+            found.from_disk = True
 
     def walk(self, src: Agent, branch: Branch, prompt: Sequence[int], limit: int,
              ) -> tuple[list[tuple[Got, int]], bool]:

@@ -94,6 +94,7 @@ class Persister:
         # What queued (or retrying) saves will name once written: never erased meanwhile.
         self._queued_agents: dict[str, int] = {}
         self._queued_refs: dict[str, int] = {}
+        self._fresh: dict[str, int] = {}  # blocks whose data a save not yet failed carries (see `saving`)
         self.counts = dict.fromkeys(
             ["saves", "save_failures", "saves_dropped", "retries", "blocks_written", "bytes_written",
              "agents_erased", "budget_erasures", "ttl_erasures", "other_dirs_removed", "saves_superseded",
@@ -155,6 +156,7 @@ class Persister:
                 f.set_result(False)
                 return f
             self._hold(manifest, +1)
+            self._freshen(blocks, +1)
             return self._submit(self._save_job, nbytes, (manifest, blocks, dead, on_durable))
 
     def _hold(self, manifest: Manifest, delta: int) -> None:
@@ -165,6 +167,15 @@ class Persister:
                 d[key] = n
             else:
                 d.pop(key, None)
+
+    def _freshen(self, blocks: list[BlockData], delta: int) -> None:
+        """(lock held) Count (or release) the blocks a save carries while it has not failed."""
+        for b in blocks:
+            n = self._fresh.get(b.block_id, 0) + delta
+            if n > 0:
+                self._fresh[b.block_id] = n
+            else:
+                self._fresh.pop(b.block_id, None)
 
     def _named(self, bid: str) -> bool:
         """(lock held) Whether a manifest on disk or a queued save names the block."""
@@ -211,6 +222,12 @@ class Persister:
         with self._cv:
             a = self.agents.get(namespace)
             return None if a is None else DiskAgent(list(a.block_ids), a.last_used, a.pinned, a.n_tokens)
+
+    def saving(self, bid: str) -> bool:
+        """Whether a queued save that has not failed carries the block's data: it is on its way to
+        the disk (the pool keeps such a block in memory until it is durable). Any thread."""
+        with self._cv:
+            return bid in self._fresh
 
     def block_size_of(self, bid: str) -> int:
         """A block file's size from the index; for one not indexed (yet), the mean indexed size
@@ -330,6 +347,8 @@ class Persister:
             job.finished = True
             if job.run == self._save_job:
                 self._hold(job.args[0], -1)
+                if not job.attempts:
+                    self._freshen(job.args[1], -1)
             if not job.future.done():
                 job.future.set_result(False)
         self.counts["saves_dropped"] += len(self._ready)
@@ -356,6 +375,8 @@ class Persister:
             self._retrying -= 1
         if job.run == self._save_job:
             self._hold(job.args[0], -1)
+            if not job.attempts:
+                self._freshen(job.args[1], -1)
         self._cv.notify_all()
         return True
 
@@ -424,6 +445,7 @@ class Persister:
             else:
                 if not job.attempts:
                     self._retrying += 1
+                    self._freshen(job.args[1], -1)  # failed once: the pool may drop its copy
                 job.due = time.monotonic() + self.retry_delays[job.attempts]
                 job.attempts += 1
                 job.seq = next(self._seq)
@@ -461,10 +483,14 @@ class Persister:
             if not j.future.done():
                 j.future.set_result(False)
         on_disk = agent is not None or self.store.manifest_path(namespace).exists()
+        if on_disk:  # said before the files go: a process killed meanwhile leaves the reason in the log
+            log.info("erased agent %r (%s)", namespace, why)
         self.store.delete_agent(namespace, gone)
         if why == "request":  # the user's erasure: the agent's files under other models' directories too
             removed, freed = self.store.erase_elsewhere(namespace)
             if removed:
+                if not on_disk:
+                    log.info("erased agent %r (%s, under other models' directories)", namespace, why)
                 on_disk = True
                 self.counts["erased_elsewhere"] += removed
                 with self._cv:
@@ -472,7 +498,6 @@ class Persister:
         if on_disk:
             self.counts["agents_erased"] += 1
             self.on_erased(namespace)
-            log.info("erased agent %r (%s)", namespace, why)
         return on_disk
 
     def _pin_job(self, job: _Job) -> None:

@@ -32,9 +32,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
+import mlx.core as mx
+
 from .agents import ANON_PREFIX, Agents
 from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
+from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
 from .lookup import Lookup, Match, whole_run
@@ -116,7 +119,7 @@ class BlockPool:
                       if store is not None else None)
         self.agents = Agents(self.table, block_size, max_anonymous, self.stats,
                              on_drop=self.reads.cancel if self.reads is not None else (lambda ids: None),
-                             clock=clock)
+                             clock=clock, saving=self.persister.saving if self.persister is not None else (lambda b: False))
         self.lookup_ = Lookup(self._lock, self.chains, self.table, self.agents, self.reads, self.codec,
                               self.stats, READ_TIMEOUT_S, decode, self._quarantine)
         self.committer = Commit(self.chains, self.table, self.agents, self.codec, self.persister, self.stats,
@@ -267,8 +270,9 @@ class BlockPool:
                 self.reads.cancel(list(agent.ids) + (list(parent.ids) if parent is not None else []), restored=False)
             if agent.listed:
                 self._touch(agent)
-            # The blocks this lookup uses are held by it (Got.layers): evicting them only moves
-            # their bytes out of the budget's count until the request's cache is built.
+            # The blocks this lookup uses are held by it (Got.layers): evicting them or shedding their
+            # sliding arrays only moves their bytes out of the budget's count until the cache is built.
+            self._trim_windows([agent] + ([found.src] if found is not None and found.src is not agent else []))
             self._enforce_budget(keep=(agent.namespace, found.src.namespace if found is not None else agent.namespace))
         if found is None or not found.used:
             self.stats["misses"] += 1
@@ -346,6 +350,7 @@ class BlockPool:
                     self.stats["commit_replans"] += 1
                     continue
                 _, future = self.committer.install(plan, built)
+                self._trim_windows([agent])
                 self._enforce_budget(keep=(agent.namespace,))
             return n_valid, future
         log.warning("agent %r: turn not cached, its history kept changing under the commit", namespace)
@@ -586,6 +591,28 @@ class BlockPool:
             if over > 0:
                 self.reads.shrink_restored(over)
         self.agents.enforce(self.hot_budget, keep, durable=self.persister is not None)
+
+    def _trim_windows(self, owners: Sequence[Agent]) -> None:
+        """(lock held) Bounded sliding-window layers: the hot blocks these agents count keep their
+        sliding arrays only where the window before an agent's most recent branch end needs them
+        (every agent's: forks share blocks), so memory holds about one window per agent; the disk
+        keeps every turn's window, and a request resuming elsewhere reads it back (Lookup.fill_windows)."""
+        names = self.codec.window_names()
+        if not names:
+            return
+        w, bs = max(self.codec.windows.values()), self.block_size
+        keep = set()
+        for a in self.agents.all():
+            if a.branches:
+                br = a.branches[-1]
+                keep.update(br.block_ids[max(0, br.n_tokens - w) // bs:])
+        for agent in owners:
+            for bid in agent.ids:
+                block = self.table.blocks[bid]
+                if (block.owner is agent and block.layers is not None and bid not in keep
+                        and names & block.layers.keys()):
+                    self.table.shed(block, names | {WIN_FROM},
+                                    {WIN_FROM: mx.array([len(block.tokens)], dtype=mx.int32)})
 
     def _block_bytes(self, bid: str) -> int:
         """A block file's size from the disk index (no I/O: called under locks), else a typical size."""

@@ -14,6 +14,39 @@ the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_a
 On the CPU, a `BatchQ4KVCache` also keeps a bounded float *decode mirror*: the dequantized values of
 its 4-bit K/V, built on its first decode step or short prefill chunk, on which attention runs with the fast
 float SDPA (`set_decode_float_budget`).
+
+Attention on a `BatchQ4KVCache` runs row by row on each row's own keys (`batch_attention`), so a
+sequence's logits are bit-identical alone and batched, whatever its companions.
+
+Sliding-window layers (`window=w` on both classes; `caches.ModelCodec(bounded=True)` sets it from
+the layer's mlx-lm `RotatingKVCache`) hold only their window. The storage stays linear and
+right-aligned: before a write of S tokens that would take it past `w + slack` tokens (slack =
+min(step, w), so a drop, which copies the window, comes at most once per `slack` decode steps),
+every leading column but the last `w` is dropped; `offset` keeps counting. A chunk longer than the
+window keeps the `w` tokens before it until it is done (storage `w + S`), and the next write drops.
+Masks are built in physical column space with `window_size` (`make_mask` knows the drop the next
+update will make), which stays right after a drop because the window is a distance between
+columns. Attention reads only the keys a query can see: the last `w - 1` before the chunk (the per
+sequence update returns just those; `batch_attention` slices each row the same way, so alone and
+batched attend on the same keys). In a batch, rows are aligned at their newest token, so dropping
+leading columns drops every row's oldest tokens and shrinks the left padding; in a right-padded
+prompt call (`prepare` .. `finalize`) a row whose prompt ended in an earlier chunk keeps its window,
+so such a call counts as one chunk for the bound.
+
+What a window cache holds, for building blocks on it (positions are logical token indices):
+
+* `Q4KVCache`: positions [start, offset), `to_arrays()` / `state` give exactly those; always at
+  least [max(0, offset - w), offset), at most w + max(slack, the last chunk's length) tokens.
+  After a prefill of a fresh cache in one call of S tokens: [0, S) (nothing dropped yet); after a
+  chunk of S on a cache holding h tokens: h + S if that fits w + slack, else min(h, w) + S. After
+  a decode step, once past w + slack: between w + 1 and w + slack tokens.
+* `BatchQ4KVCache`: row b holds [starts()[b], offset[b]); `extract(b)` returns a per-sequence
+  cache holding exactly that (every token the row had, nothing re-dropped), with its `start`.
+* Reuse at p: `Q4KVCache.from_arrays(keys, values, bits, group_size, window=w, offset=p)` from
+  arrays covering [max(0, p - w), p) (more is accepted; only the last w are kept, as views).
+  That is all the next token needs (w - 1 of them, in fact), and it continues bit for bit like
+  the live cache would. `trim` keeps at least the window before the new end (it trims less and
+  says how much). `meta_state` carries `window` and `start`.
 """
 
 from __future__ import annotations
@@ -76,29 +109,55 @@ def _alloc(like: QTuple, B: int, T: int) -> QTuple:
     return tuple(mx.zeros((B, x.shape[1], T, x.shape[3]), dtype=x.dtype) for x in like)
 
 
-def _grow(q: QTuple, keep: int, n: int) -> QTuple:
-    """Keep the first `keep` tokens and append `n` zero tokens."""
+def _regrow(q: QTuple, lo: int, hi: int, cap: int) -> QTuple:
+    """Tokens [lo, hi) moved to the front of new storage of `cap` tokens (zeros after them)."""
     return tuple(
-        mx.concatenate([x[..., :keep, :], mx.zeros((*x.shape[:2], n, x.shape[3]), x.dtype)], axis=2)
+        mx.concatenate([x[..., lo:hi, :], mx.zeros((*x.shape[:2], cap - (hi - lo), x.shape[3]), x.dtype)], axis=2)
         for x in q
     )
 
 
-def _append(cache, prev: int, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple, QTuple, QTuple]:
-    """Quantize `keys`/`values` and write them at [prev, prev + S) of `cache`'s storage, growing
-    it in `cache.step` chunks. Returns the (possibly new) storage tuples and the quantized new tokens."""
+def _window_slack(cache) -> int:
+    """Tokens a sliding-window cache may hold beyond its window between two drops: drops copy
+    the window, so they come at most once per `slack` decode steps."""
+    return min(cache.step, cache.window)
+
+
+def _window_drop(cache, held: int, S: int) -> int:
+    """Leading tokens a sliding-window cache holding `held` tokens drops before writing S more:
+    none while the result fits window + slack, else all but the last `window`."""
+    if held + S <= cache.window + _window_slack(cache):
+        return 0
+    return max(0, held - cache.window)
+
+
+def _capacity(cache, held: int, S: int) -> int:
+    """Storage tokens to allocate for `held` kept tokens and S new ones: grown in `step` chunks,
+    and for a sliding window no more than window + slack unless this write needs it."""
+    cap = held + (cache.step + S - 1) // cache.step * cache.step
+    if getattr(cache, "window", None) is not None:
+        cap = min(cap, max(cache.window + _window_slack(cache), held + S))
+    return cap
+
+
+def _append(cache, prev: int, keys: mx.array, values: mx.array, drop: int = 0,
+            ) -> tuple[QTuple, QTuple, QTuple, QTuple]:
+    """Quantize `keys`/`values` and write them after the first `prev` stored tokens of `cache`,
+    less the `drop` leading ones (moved out first), growing the storage in `cache.step` chunks.
+    Returns the (possibly new) storage tuples and the quantized new tokens."""
     S = keys.shape[2]
     qk = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
     qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
     k, v = cache.keys, cache.values
-    if k is None or prev + S > k[0].shape[2]:
-        n = (cache.step + S - 1) // cache.step * cache.step
+    if k is None or drop or prev + S > k[0].shape[2]:
+        n = _capacity(cache, prev - drop, S)
         if k is None:
             k, v = _alloc(qk, keys.shape[0], n), _alloc(qv, keys.shape[0], n)
         else:
-            k, v = _grow(k, prev, n), _grow(v, prev, n)
+            k, v = _regrow(k, drop, prev, n), _regrow(v, drop, prev, n)
+    at = prev - drop
     for dst, src in zip(k + v, qk + qv):
-        dst[..., prev : prev + S, :] = src
+        dst[..., at : at + S, :] = src
     return k, v, qk, qv
 
 
@@ -117,20 +176,66 @@ def _qnbytes(q: Optional[QTuple]) -> int:
 class Q4KVCache(QuantizedKVCache):
     """Per-sequence quantized KV cache that BatchGenerator can merge into a `BatchQ4KVCache`.
 
-    `keys`/`values` are (packed uint32, scales, biases) tuples shaped (1, n_kv_heads, capacity, ·);
-    only `[..., :offset, :]` is valid.
+    `keys`/`values` are (packed uint32, scales, biases) tuples shaped (1, n_kv_heads, capacity, ·)
+    holding logical positions [start, offset) at `[..., :offset - start, :]`.
+
+    `window=None`: a plain cache, `start` is always 0. With a `window` (a sliding-window layer),
+    the storage keeps at least the last `window` tokens, [max(0, offset - window), offset), and at
+    most window + slack (see the module docstring) or, right after a longer chunk, window + that
+    chunk; `offset` keeps counting (RoPE reads it).
     """
 
-    def __init__(self, group_size: int = 64, bits: int = 4):
+    window: Optional[int] = None
+    start = 0
+
+    def __init__(self, group_size: int = 64, bits: int = 4, window: Optional[int] = None):
         _check_format(bits, group_size)
+        if window is not None and window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
         super().__init__(group_size=group_size, bits=bits)
+        self.window = window
+        self.start = 0
+
+    @property
+    def held(self) -> int:
+        """Tokens in storage: logical positions [start, offset)."""
+        return self.offset - self.start
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
         # Not the parent's: it sizes packed storage as `dim // (32 // bits)`, which is wrong for
         # 5 and 6 bits at head_dim 128.
-        self.keys, self.values, _, _ = _append(self, self.offset, keys, values)
-        self.offset += keys.shape[2]
-        return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
+        S = keys.shape[2]
+        if self.window is None:
+            self.keys, self.values, _, _ = _append(self, self.offset, keys, values)
+            self.offset += S
+            return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
+        drop = _window_drop(self, self.held, S)
+        past = min(self.held - drop, self.window - 1)
+        self.keys, self.values, _, _ = _append(self, self.held, keys, values, drop)
+        self.start += drop
+        self.offset += S
+        # Only what this chunk's queries can see: window - 1 keys before its first one.
+        lo, hi = self.held - S - past, self.held
+        return tuple(x[..., lo:hi, :] for x in self.keys), tuple(x[..., lo:hi, :] for x in self.values)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if self.window is None:
+            return super().make_mask(N, return_array=return_array, window_size=window_size)
+        window_size = window_size or self.window
+        if window_size > self.window:
+            raise ValueError(f"a mask window of {window_size} on a cache that keeps {self.window}")
+        past = min(self.held - _window_drop(self, self.held, N), self.window - 1)
+        if N == 1 and window_size == self.window:
+            return None  # the update returns exactly the keys this query sees
+        return create_causal_mask(N, offset=past, window_size=window_size)
+
+    def trim(self, n: int) -> int:
+        """Drop the last n tokens; a window cache keeps at least the window before its new end."""
+        if self.window is not None and self.start > 0:
+            n = min(n, self.held - self.window)
+        n = max(0, min(self.offset, n))
+        self.offset -= n
+        return n
 
     def size(self) -> int:
         return self.offset
@@ -146,11 +251,13 @@ class Q4KVCache(QuantizedKVCache):
     # mlx-lm 0.32 dropped meta_state and takes from_state(state); ours keeps both forms working.
     @property
     def meta_state(self):
-        return tuple(map(str, (self.offset, self.group_size, self.bits)))
+        extra = () if self.window is None else (self.window, self.start)
+        return tuple(map(str, (self.offset, self.group_size, self.bits) + extra))
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        self.offset, self.group_size, self.bits = map(int, v)
+        self.offset, self.group_size, self.bits = map(int, v[:3])
+        self.window, self.start = (int(v[3]), int(v[4])) if len(v) > 3 else (None, 0)
 
     @classmethod
     def from_state(cls, state, meta_state=None) -> "Q4KVCache":
@@ -159,7 +266,7 @@ class Q4KVCache(QuantizedKVCache):
             return cls.from_arrays(keys, values, *state[3:5][::-1]) if len(state) == 5 else cls.from_arrays(keys, values, 4, 64)
         obj = cls(group_size=int(meta_state[1]), bits=int(meta_state[2]))
         obj.keys, obj.values = keys, values
-        obj.offset = int(meta_state[0])
+        obj.meta_state = meta_state
         return obj
 
     @classmethod
@@ -168,9 +275,15 @@ class Q4KVCache(QuantizedKVCache):
 
     @classmethod
     def from_arrays(
-        cls, keys: QTuple, values: QTuple, bits: int, group_size: int
+        cls, keys: QTuple, values: QTuple, bits: int, group_size: int,
+        window: Optional[int] = None, offset: Optional[int] = None,
     ) -> "Q4KVCache":
-        """A cache holding exactly the given (1, n_kv_heads, T, ·) components; offset = T."""
+        """A cache holding the given (1, n_kv_heads, T, ·) components as the tokens just before
+        `offset` (default T): positions [offset - T, offset).
+
+        With a `window`, the arrays must cover [max(0, offset - window), offset), what the next
+        token needs; the cache keeps only the last `window` of them. Without one they must start
+        at position 0."""
         if len(keys) != 3 or len(values) != 3:
             raise ValueError("keys and values must be (packed, scales, biases) tuples")
         T = keys[0].shape[2]
@@ -178,18 +291,24 @@ class Q4KVCache(QuantizedKVCache):
             raise ValueError("all components must be 4-D with the same length on axis 2")
         if keys[0].dtype != mx.uint32 or values[0].dtype != mx.uint32:
             raise ValueError("packed components must be uint32")
-        c = cls(group_size=group_size, bits=bits)
+        offset = T if offset is None else offset
+        start = offset - T
+        if start < 0 or (start > 0 and (window is None or T < window)):
+            need = "[0" if window is None else f"[{max(0, offset - window)}"
+            raise ValueError(f"arrays of {T} tokens ending at {offset} do not cover {need}, {offset})")
+        c = cls(group_size=group_size, bits=bits, window=window)
+        lo = T - window if window is not None and T > window else 0
         # Fresh array objects (views, no copy) so that in-place writes after a trim never reach
         # the caller's arrays.
-        c.keys, c.values = _qslice(keys, T), _qslice(values, T)
-        c.offset = T
+        c.keys, c.values = (tuple(x[..., lo:T, :] for x in q) for q in (keys, values))
+        c.offset, c.start = offset, start + lo
         return c
 
     def to_arrays(self) -> tuple[QTuple, QTuple]:
-        """(keys, values) components sliced to the valid tokens (views)."""
+        """(keys, values) components of the tokens held, positions [start, offset) (views)."""
         if self.keys is None:
             raise ValueError("empty cache")
-        return _qslice(self.keys, self.offset), _qslice(self.values, self.offset)
+        return _qslice(self.keys, self.held), _qslice(self.values, self.held)
 
     @property
     def nbytes(self) -> int:
@@ -249,7 +368,10 @@ class BatchQ4KVCache(_BaseCache):
     """Batched quantized KV cache: `BatchKVCache`'s contract over (packed, scales, biases).
 
     Sequences are left-padded; `_idx` is the physical write index, `offset[b]` the logical
-    position of sequence b (physical index minus its left padding).
+    position of sequence b. Without a window, `offset[b]` is the physical index minus the row's
+    left padding. With a `window` (a sliding-window layer), whole leading columns are dropped
+    (see `Q4KVCache`): rows are aligned at their newest token, so the last columns are every row's
+    most recent tokens; row b then holds positions [offset[b] - (_idx - left_padding[b]), offset[b]).
 
     `_mirror` is the optional float decode mirror (see above): (keys, values) float arrays laid out
     exactly like the packed storage (same rows, same capacity), built on the first decode-sized
@@ -257,10 +379,16 @@ class BatchQ4KVCache(_BaseCache):
     """
 
     step = 256
+    window: Optional[int] = None
     _mirror: Optional[tuple] = None  # class default: from_state builds objects without __init__
     _mirror_refused = False  # the budget refused this cache's mirror (counted once, retried each step)
+    # Per-row token counts of the right-padded prompt call in progress (prepare .. finalize) and
+    # the write index it started at: which queries of a chunk are real tokens (`real_queries`).
+    _lengths: Optional[List[int]] = None
+    _lengths_at = 0
 
-    def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64):
+    def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64,
+                 window: Optional[int] = None):
         _check_format(bits, group_size)
         self.keys: Optional[QTuple] = None
         self.values: Optional[QTuple] = None
@@ -270,15 +398,31 @@ class BatchQ4KVCache(_BaseCache):
         self._right_padding = None
         self.bits = bits
         self.group_size = group_size
+        self.window = window
+
+    def _drop(self, S: int) -> int:
+        """Leading columns the next update of S tokens drops (always 0 without a window). In a
+        right-padded prompt call, a row whose prompt ended earlier keeps its last window too."""
+        if self.window is None or self.keys is None:
+            return 0
+        drop = _window_drop(self, self._idx, S)
+        if drop and self._lengths is not None:
+            end = min(self._idx, self._lengths_at + min(self._lengths))
+            drop = max(0, min(drop, end - self.window))
+        return drop
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[QTuple, QTuple]:
         prev, S = self._idx, keys.shape[2]
         cap = 0 if self.keys is None else self.keys[0].shape[2]
-        self.keys, self.values, qk, qv = _append(self, prev, keys, values)
+        drop = self._drop(S)
+        self.keys, self.values, qk, qv = _append(self, prev, keys, values, drop)
+        if drop:
+            self.left_padding = mx.maximum(self.left_padding - drop, 0)
+            self._lengths_at -= drop
         self.offset += S
-        self._idx += S
+        self._idx += S - drop
         if self._mirror is not None:
-            self._mirror_write(prev, cap, qk, qv)
+            self._mirror_write(prev, cap, qk, qv, drop)
         elif S < DEQUANT_MIN_QUERIES or (S < MIRROR_PREFILL_MAX_QUERIES and _dequantize_for(S)):
             # decode, or a short prefill chunk (a returning agent's new text, a prompt's last chunk)
             # whose attention would dequantize all of the layer's K/V anyway: dequantize once into
@@ -340,20 +484,28 @@ class BatchQ4KVCache(_BaseCache):
             MIRROR_COUNTS["refused"] += 1
             self._mirror_refused = True
 
-    def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple) -> None:
-        """Follow an update of [prev, _idx) with the new tokens quantized as `qk`/`qv`: grow like
-        the packed storage did, then write their dequantized values."""
+    def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple, drop: int = 0) -> None:
+        """Follow an update that wrote [prev - drop, _idx) after dropping `drop` leading columns,
+        the new tokens quantized as `qk`/`qv`: move and grow like the packed storage did, then
+        write their dequantized values."""
         fk, fv = self._mirror
         cap = self.keys[0].shape[2]
-        if cap != old_cap:
+        if cap != old_cap or drop:
             if not self._mirror_fits(self._float_bytes(fk.shape[0], cap), released=self.mirror_nbytes):
                 self._set_mirror(None)
                 MIRROR_COUNTS["refused"] += 1
                 return
-            fk, fv = _grow((fk, fv), prev, cap - prev)
+            fk, fv = _regrow((fk, fv), drop, prev, cap)
             self._set_mirror((fk, fv))
-        fk[..., prev : self._idx, :] = self._dequantize(qk)
-        fv[..., prev : self._idx, :] = self._dequantize(qv)
+        if all(a.shape == b.shape for a, b in zip(qk, qv)):
+            # K and V in one call: mx.dequantize costs ~150 us per call on the CPU whatever its
+            # size (a composite of several ops), and it is elementwise, so the values are the same.
+            both = self._dequantize(tuple(mx.concatenate([a, b]) for a, b in zip(qk, qv)))
+            dk, dv = both[: fk.shape[0]], both[fk.shape[0] :]
+        else:
+            dk, dv = self._dequantize(qk), self._dequantize(qv)
+        fk[..., prev - drop : self._idx, :] = dk
+        fv[..., prev - drop : self._idx, :] = dv
 
     def __deepcopy__(self, memo) -> "BatchQ4KVCache":
         """A copy whose mirror is a copy of this one's when it fits the budget, else none (it builds
@@ -376,6 +528,8 @@ class BatchQ4KVCache(_BaseCache):
             self.offset -= left_padding
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
+            if lengths is not None:
+                self._lengths, self._lengths_at = [int(n) for n in lengths], self._idx
 
     def finalize(self) -> None:
         if self._right_padding is not None:
@@ -387,6 +541,7 @@ class BatchQ4KVCache(_BaseCache):
             self.offset -= pad
             self.left_padding += pad
             self._right_padding = None
+        self._lengths = None
 
     @property
     def state(self):
@@ -404,24 +559,56 @@ class BatchQ4KVCache(_BaseCache):
 
     @property
     def meta_state(self):
-        return tuple(map(str, (self.bits, self.group_size)))
+        extra = () if self.window is None else (self.window,)
+        return tuple(map(str, (self.bits, self.group_size) + extra))
 
     @meta_state.setter
     def meta_state(self, v) -> None:
-        self.bits, self.group_size = map(int, v)
+        self.bits, self.group_size = map(int, v[:2])
+        self.window = int(v[2]) if len(v) > 2 else None
         self._right_padding = None
+        self._lengths = None
 
     def is_trimmable(self) -> bool:
         return True
 
     def trim(self, n: int) -> int:
+        """Drop the last n tokens of every row; with a window, each row that has dropped tokens
+        keeps at least the window before its new end."""
         n = min(self._idx, n)
+        if self.window is not None and self.keys is not None:
+            held = self._idx - self.left_padding
+            dropped = self.offset > held
+            if mx.any(dropped).item():
+                n = max(0, min(n, mx.where(dropped, held, self._idx).min().item() - self.window))
         self._idx -= n
         self.offset -= n
         return n
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs) -> mx.array:
-        return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        if self.window is None:
+            return create_causal_mask(N, offset=self._idx, left_padding=self.left_padding, **kwargs)
+        # In the physical columns the next update leaves (after its drop): the window is a
+        # distance between columns, the same for every row whatever was dropped before.
+        window = kwargs.get("window_size") or self.window
+        if window > self.window:
+            raise ValueError(f"a mask window of {window} on a cache that keeps {self.window}")
+        drop = self._drop(N)
+        return create_causal_mask(N, offset=self._idx - drop, window_size=window,
+                                  left_padding=mx.maximum(self.left_padding - drop, 0))
+
+    def starts(self) -> List[int]:
+        """Per row, the first logical position held: row b covers [starts()[b], offset[b])."""
+        return (self.offset - (self._idx - self.left_padding)).tolist()
+
+    def real_queries(self, n: int, start: int) -> List[int]:
+        """Per row, how many of the `n` tokens written at [start, start + n) are real: all of them,
+        except in a right-padded prompt call, where row b has only its own length's worth."""
+        B = self.offset.shape[0]
+        if self._lengths is None:
+            return [n] * B
+        done = start - self._lengths_at
+        return [max(0, min(n, length - done)) for length in self._lengths]
 
     def filter(self, batch_indices) -> None:
         """In-place: keep only the given batch rows, then drop the common left padding."""
@@ -435,6 +622,8 @@ class BatchQ4KVCache(_BaseCache):
             self._set_mirror(tuple(x[batch_indices] for x in self._mirror) if rows else None)
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
+        if self._lengths is not None:
+            self._lengths = [self._lengths[i] for i in batch_indices.tolist()]
         min_left_pad = self.left_padding.min().item() if self.left_padding.size else 0
         if min_left_pad > 0:
             if self.keys is not None:
@@ -495,8 +684,9 @@ class BatchQ4KVCache(_BaseCache):
         self._set_mirror(_qmap(cat, f1, f2) if mirrored else None)
 
     def extract(self, idx: int) -> Q4KVCache:
-        """A contiguous per-sequence copy of row `idx`'s valid tokens."""
-        cache = Q4KVCache(group_size=self.group_size, bits=self.bits)
+        """A contiguous per-sequence copy of row `idx`'s valid tokens (with a window: every token
+        the row holds, positions [starts()[idx], offset[idx]))."""
+        cache = Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window)
         if self.keys is None:
             return cache
         pad = self.left_padding[idx].item()
@@ -504,23 +694,30 @@ class BatchQ4KVCache(_BaseCache):
         cache.keys = tuple(map(take, self.keys))
         cache.values = tuple(map(take, self.values))
         cache.offset = self._idx - pad
+        if self.window is not None:
+            cache.offset = self.offset[idx].item()
+            cache.start = cache.offset - (self._idx - pad)
         return cache
 
     @classmethod
     def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQ4KVCache":
         """Left-pad per-sequence quantized caches into one batch cache."""
         bits, group_size = caches[0].bits, caches[0].group_size
+        window = getattr(caches[0], "window", None)
         for c in caches:
             if (c.bits, c.group_size) != (bits, group_size):
                 raise ValueError(
                     f"cannot batch caches with different formats: {c.bits}-bit/group "
                     f"{c.group_size} vs {bits}-bit/group {group_size}"
                 )
-        # `offset`, not `size()`: a plain QuantizedKVCache reports size() == 0.
-        lengths = [c.offset if c.keys is not None else 0 for c in caches]
+            if getattr(c, "window", None) != window:
+                raise ValueError(f"cannot batch caches with windows {getattr(c, 'window', None)} and {window}")
+        # `offset`, not `size()`: a plain QuantizedKVCache reports size() == 0. Tokens held, not
+        # positions: a window cache holds [start, offset).
+        lengths = [c.offset - getattr(c, "start", 0) if c.keys is not None else 0 for c in caches]
         max_length = max(lengths)
         if max_length == 0:
-            return cls([0] * len(caches), bits, group_size)
+            return cls([0] * len(caches), bits, group_size, window)
 
         padding = [max_length - l for l in lengths]
         src = next(c for c in caches if c.keys is not None)
@@ -528,21 +725,22 @@ class BatchQ4KVCache(_BaseCache):
         if B == 1:
             # One sequence (a returning agent's prompt, usually): its arrays as they are, no copy;
             # the first write grows them into new storage (_append), so they are never written.
-            cache = cls([0], bits, group_size)
+            cache = cls([0], bits, group_size, window)
             cache.keys, cache.values = _qslice(src.keys, max_length), _qslice(src.values, max_length)
-            cache.offset += max_length
+            cache.offset = mx.array([src.offset])
             cache._idx = max_length
             return cache
         keys, values = _alloc(src.keys, B, max_length), _alloc(src.values, B, max_length)
         for i, (p, c) in enumerate(zip(padding, caches)):
-            if c.keys is None or c.offset == 0:
+            if lengths[i] == 0:
                 continue
+            n = lengths[i]
             for dst, s in zip(keys + values, c.keys + c.values):
-                dst[i : i + 1, :, p : p + c.offset] = s[..., : c.offset, :]
+                dst[i : i + 1, :, p : p + n] = s[..., :n, :]
 
-        cache = cls(padding, bits, group_size)
+        cache = cls(padding, bits, group_size, window)
         cache.keys, cache.values = keys, values
-        cache.offset += max_length
+        cache.offset = mx.array([c.offset if c.keys is not None else 0 for c in caches])
         cache._idx = max_length
         return cache
 
@@ -551,6 +749,8 @@ class BatchQ4KVCache(_BaseCache):
             raise TypeError(f"cannot extend BatchQ4KVCache with {type(other).__name__}")
         if (other.bits, other.group_size) != (self.bits, self.group_size):
             raise ValueError("cannot extend a batch cache with one of a different format")
+        if other.window != self.window:
+            raise ValueError(f"cannot extend a batch cache of window {self.window} with one of {other.window}")
 
     def size(self) -> int:
         return self._idx
@@ -666,17 +866,89 @@ def _make_fixed(original):
     return quantized_scaled_dot_product_attention
 
 
+def _row_mask(mask: Any, b: int, B: int, n: int, start: int, end: int) -> Any:
+    """Row b's part of a batch mask: its `n` real queries against its keys [start, end)."""
+    if not isinstance(mask, mx.array):
+        return mask  # None or "causal": the same meaning on the row's own keys
+    if mask.ndim == 4 and mask.shape[0] == B and B > 1:
+        mask = mask[b : b + 1]
+    if mask.shape[-1] > 1:
+        mask = mask[..., start:end]
+    return mask[..., :n, :] if mask.ndim >= 2 and mask.shape[-2] > 1 else mask
+
+
+def _attend_row(queries, keys: QTuple, values: QTuple, mirror, cache: "BatchQ4KVCache", n_batch: int,
+                scale: float, mask: Any, sinks: Any, row=lambda x: x) -> mx.array:
+    """Attention of one row's real queries on its own keys (`row` slices them out of the batch's
+    K/V, packed or mirrored): the same ops whatever the batch.
+
+    The kernel is chosen from the row's query count, not the batch chunk's (a row's short tail
+    batched with a long chunk gets the kernel it gets alone): the float SDPA on the dequantized K/V
+    (the mirror, or a transient copy: the same values) for chunks the CPU dequantizes and for
+    decode-sized rows when there is a mirror, or would be one (`n_batch` too long to build it);
+    else mlx's quantized matmuls."""
+    n = queries.shape[2]
+    use_float = _dequantize_for(n) or (n < DEQUANT_MIN_QUERIES and (
+        mirror is not None or (n_batch >= DEQUANT_MIN_QUERIES and decode_float_budget_bytes() > 0)))
+    if not use_float:
+        kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
+        return _mlx_base.quantized_scaled_dot_product_attention(
+            queries, tuple(map(row, keys)), tuple(map(row, values)), scale=scale, mask=mask,
+            group_size=cache.group_size, bits=cache.bits, **kw
+        )
+    if mirror is None:
+        fk, fv = cache._dequantize(tuple(map(row, keys))), cache._dequantize(tuple(map(row, values)))
+    else:
+        fk, fv = row(mirror[0]), row(mirror[1])
+    return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
+
+
+def batch_attention(queries: mx.array, keys: QTuple, values: QTuple, cache: "BatchQ4KVCache",
+                    scale: float, mask: Any, sinks: Any = None) -> mx.array:
+    """Attention on a `BatchQ4KVCache`, batch-invariant: each row attends with its real queries on
+    its own keys only (no left padding, no right-padded queries), so its result is bit for bit what
+    it is with no companions. Attending on the padded batch at once changes the float rounding on
+    BLAS kernels whose sums depend on the reduction's length and alignment (OpenBLAS: the value
+    matmul's sum over the keys, the score matmul's row count): logits ~1e-6 apart, a different
+    greedy token wherever the top two are that close (docs/design.md, "Batch invariance")."""
+    B, _, L, _ = queries.shape
+    end = cache.size()
+    mirror = cache.float_kv()
+    starts = cache.left_padding.tolist()
+    reals = cache.real_queries(L, end - L)
+    window = cache.window
+    if B == 1 and starts[0] == 0 and reals[0] == L and (window is None or end - L < window):
+        return _attend_row(queries, keys, values, mirror, cache, L, scale, mask, sinks)
+    outs = []
+    for b, (start, n) in enumerate(zip(starts, reals)):
+        if n == 0:  # a row whose prompt ended in an earlier chunk of this call: padding only
+            outs.append(None)
+            continue
+        stop = end - (L - n)
+        if window is not None:
+            # Only the keys the row's first query can see: the same keys alone and batched,
+            # whatever each cache has dropped so far.
+            start = max(start, stop - n - (window - 1))
+        out = _attend_row(
+            queries[b : b + 1, :, :n], keys, values, mirror, cache, L, scale,
+            _row_mask(mask, b, B, n, start, stop), sinks, row=lambda x: x[b : b + 1, :, start:stop, :],
+        )
+        outs.append(out if n == L else mx.pad(out, [(0, 0), (0, 0), (0, L - n), (0, 0)]))
+    if B == 1 and outs[0] is not None:  # one row whose first keys were dropped or sliced off
+        return outs[0]
+    like = next(o for o in outs if o is not None)
+    zeros = mx.zeros_like(like)
+    return mx.concatenate([zeros if o is None else o for o in outs], axis=0)
+
+
 def _make_dispatcher(original):
     """base.scaled_dot_product_attention, with quantized caches going to our quantized SDPA, which
-    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches that
-    hold a float decode mirror going to the fast float SDPA on it."""
+    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches to
+    `batch_attention` (per row, on the float decode mirror when there is one)."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        mirror = cache.float_kv() if isinstance(cache, BatchQ4KVCache) else None
-        if mirror is not None:  # the float decode mirror of the 4-bit K/V: the float kernel
-            return mx.fast.scaled_dot_product_attention(
-                queries, *mirror, scale=scale, mask=mask, sinks=sinks
-            )
+        if isinstance(cache, BatchQ4KVCache):
+            return batch_attention(queries, keys, values, cache, scale, mask, sinks)
         if hasattr(cache, "bits"):
             kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
             return _mlx_base.quantized_scaled_dot_product_attention(
@@ -796,9 +1068,9 @@ def layer_kinds(model: nn.Module, group_size: int) -> list:
     """Per layer, the cache kind persist_q4 gives it; raise `UnsupportedModelError` for a model
     that cannot run on it, with the model type and the reason.
 
-    Q4: plain attention (`KVCache`) and sliding-window attention (`RotatingKVCache`, keep 0; the
-    window is applied by the mask every such model asks for with `window_size`). FULL: MLA layers'
-    `KVCache`. STATE: `ArraysCache` (SSM / linear attention). (LIST, [kinds]): a `CacheList`.
+    Q4: plain attention (`KVCache`) and sliding-window attention (`RotatingKVCache`, keep 0; every
+    such model asks for its mask with `window_size`, `layer_windows` gives the window). FULL: MLA
+    layers' `KVCache`. STATE: `ArraysCache` (SSM / linear attention). (LIST, [kinds]): a `CacheList`.
     """
     model_type = _model_type(model)
 
@@ -839,18 +1111,26 @@ def layer_kinds(model: nn.Module, group_size: int) -> list:
     return kinds
 
 
+def layer_windows(model: nn.Module) -> dict[int, int]:
+    """Layer -> window of each sliding-window layer (its mlx-lm cache is a `RotatingKVCache`)."""
+    return {l: c.max_size for l, c in enumerate(make_prompt_cache(model)) if type(c) is RotatingKVCache}
+
+
 def check_model_supported(model: nn.Module, group_size: int) -> None:
     """Raise `UnsupportedModelError` unless persist_q4 can serve the model (see `layer_kinds`)."""
     layer_kinds(model, group_size)
 
 
-def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64) -> list[Q4KVCache]:
+def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64,
+                         bounded: bool = False) -> list[Q4KVCache]:
     """One fresh `Q4KVCache` per layer, for models whose layers are all of the Q4 kind (plain and
-    sliding-window attention); `caches.ModelCodec` builds the caches of every other model."""
+    sliding-window attention); `caches.ModelCodec` builds the caches of every other model.
+    `bounded`: sliding-window layers hold only their window (else every token, masked)."""
     _check_format(bits, group_size)
     kinds = layer_kinds(model, group_size)
     if any(k != Q4 for k in kinds):
         raise UnsupportedModelError(
             f"model type {_model_type(model)!r} has non-attention or latent layers; use caches.ModelCodec"
         )
-    return [Q4KVCache(group_size=group_size, bits=bits) for _ in kinds]
+    windows = layer_windows(model) if bounded else {}
+    return [Q4KVCache(group_size=group_size, bits=bits, window=windows.get(l)) for l in range(len(kinds))]

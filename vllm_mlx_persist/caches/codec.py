@@ -4,8 +4,15 @@ rebuilt from them. The pool calls only this module for per-layer work.
 A block's arrays are one flat name -> array map (the disk format stores it as is):
 
 * Q4 layer l (plain or sliding-window attention, `Q4KVCache`): `l.k.q l.k.s l.k.b l.v.q l.v.s l.v.b`,
-  each (1, n_kv_heads, n_tokens, .). Sliding-window layers keep every token: the window is applied
-  by the mask, so a prefix can be reused at any point.
+  each (1, n_kv_heads, n_tokens, .). By default sliding-window layers keep every token: the window
+  is applied by the mask, so a prefix can be reused at any point. With `bounded=True` their live
+  caches hold only their window (`windows[l]`): a cache's layer l then holds positions
+  `spans(cache)[l]` = [start, offset) only, and `token_arrays` / `slice` give those. A block then
+  holds the sliding layers' arrays for its last n_tokens - f tokens only, f = `win.from` (int32
+  (1,); absent: 0; n_tokens: none, and their arrays are absent): what the turn's live cache still
+  held when it was committed, i.e. the window before the turn's end. A prefix is reused up to the
+  last point whose window the blocks hold (`window_reach`): a turn's end, or any point at least a
+  window past the start of what a turn held.
 * FULL layer l (MLA latent, mlx-lm's `KVCache` in the model's dtype): `l.k l.v`, (1, H, n_tokens, .).
 * LIST layer l (`CacheList` of FULL caches): `l.j.k l.j.v` for sub-cache j.
 * STATE layer l (`StateCache`): no per-token arrays. A block may carry up to MAX_CHECKPOINTS
@@ -23,7 +30,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import CacheList, KVCache
 
-from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds
+from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds, layer_windows
 from .recurrent import StateCache
 
 Arrays = dict  # name -> mx.array
@@ -32,29 +39,68 @@ _RAW16 = {mx.bfloat16: "bfloat16"}
 # Per block: a turn's prefill end and its final state, or two turns' ends. A checkpoint costs a
 # whole recurrent state (for a 30B-class hybrid, tens of MB): bounded per block, newest kept.
 MAX_CHECKPOINTS = 2
+WIN_FROM = "win.from"  # where a block's sliding-layer arrays begin (bounded windows; see the docstring)
 
 
 class ModelCodec:
     """Layer kinds of one model and the block <-> cache conversions for them."""
 
     def __init__(self, kinds: Sequence[Any], bits: int = 4, group_size: int = 64,
-                 state_sizes: Optional[dict[int, int]] = None):
+                 state_sizes: Optional[dict[int, int]] = None, windows: Optional[dict[int, int]] = None,
+                 bounded: bool = False):
         self.kinds = list(kinds)
         self.bits, self.group_size = bits, group_size
         self.state_sizes = dict(state_sizes or {})
         self.has_state = STATE in self.kinds
+        # Q4 layers with a sliding window -> the window; their live caches hold only it if bounded.
+        self.windows = dict(windows or {})
+        self.bounded = bounded
 
     @classmethod
-    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64) -> "ModelCodec":
+    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64, bounded: bool = False) -> "ModelCodec":
         """Raises `UnsupportedModelError` (naming the model type and why) for what cannot work."""
         kinds = layer_kinds(model, group_size)
         sizes = {l: len(c.cache) for l, c in enumerate(model.make_cache() if hasattr(model, "make_cache") else [])
                  if kinds[l] == STATE}
-        return cls(kinds, bits, group_size, sizes)
+        windows = {l: w for l, w in layer_windows(model).items() if kinds[l] == Q4}
+        return cls(kinds, bits, group_size, sizes, windows, bounded)
+
+    def window(self, l: int) -> Optional[int]:
+        """The window layer l's live caches keep, or None when they keep every token."""
+        return self.windows.get(l) if self.bounded else None
 
     @property
     def n_layers(self) -> int:
         return len(self.kinds)
+
+    def window_names(self) -> set[str]:
+        """Names of the per-token arrays of bounded sliding-window layers (a block may hold them
+        for its last tokens only)."""
+        return {f"{l}.{p}" for l in self.windows for p in _Q4_PARTS} if self.bounded else set()
+
+    @staticmethod
+    def window_from(arrays: dict) -> int:
+        """Where a block's (or its in-memory copy's) sliding-layer arrays begin (0: all its tokens)."""
+        f = arrays.get(WIN_FROM)
+        return 0 if f is None else int(f[0].item() if isinstance(f, mx.array) else f[0])
+
+    def window_reach(self, used: Sequence[tuple[Arrays, int]]) -> int:
+        """The furthest point p <= sum(n) of the used blocks ((arrays, tokens used of each),
+        consecutive from position 0) such that the sliding layers' window before p,
+        [max(0, p - w), p), is held by them; the sum itself for models without bounded windows."""
+        covered = sum(n for _, n in used)
+        if not self.window_names():
+            return covered
+        w = max(self.windows.values())
+        best = at = stretch = 0  # stretch: where the run of held positions ending at `at` began
+        for arrays, n in used:
+            f = min(self.window_from(arrays), n)  # the used part holds [at + f, at + n)
+            if f > 0:
+                stretch = at + f
+            if f < n and (stretch == 0 or at + n - stretch >= w):
+                best = at + n
+            at += n
+        return best
 
     # ---- live caches --------------------------------------------------------------------------
 
@@ -65,7 +111,7 @@ class ModelCodec:
 
     def _fresh(self, kind, l: int):
         if kind == Q4:
-            return Q4KVCache(group_size=self.group_size, bits=self.bits)
+            return Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window(l))
         if kind == FULL:
             return KVCache()
         if kind == STATE:
@@ -77,7 +123,8 @@ class ModelCodec:
             return False
         want = {Q4: Q4KVCache, FULL: KVCache, STATE: StateCache}
         return all(type(c) is want.get(k if isinstance(k, str) else LIST, CacheList)
-                   for c, k in zip(cache, self.kinds))
+                   and (k != Q4 or c.window == self.window(l))
+                   for l, (c, k) in enumerate(zip(cache, self.kinds)))
 
     def length(self, cache: list) -> int:
         """Tokens the cache covers (all layers agree)."""
@@ -88,6 +135,21 @@ class ModelCodec:
                 return int(c.offset)
             return int(c.caches[0].offset)
         return int(cache[0].pos[0])
+
+    def spans(self, cache: list) -> list[Optional[tuple[int, int]]]:
+        """Per layer, the positions [start, end) whose per-token arrays the cache holds (None for
+        STATE layers). Every layer ends at `length(cache)`; only bounded sliding-window layers
+        start after 0."""
+        out: list = []
+        for c, k in zip(cache, self.kinds):
+            if k == STATE:
+                out.append(None)
+            elif k == Q4:
+                out.append((int(c.start), int(c.offset)))
+            else:
+                sub = c if k == FULL else c.caches[0]
+                out.append((0, int(sub.offset)))
+        return out
 
     # ---- cache -> blocks ------------------------------------------------------------------------
 
@@ -116,7 +178,8 @@ class ModelCodec:
         return out
 
     def token_arrays(self, cache: list) -> Arrays:
-        """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views."""
+        """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views:
+        layer l's cover `spans(cache)[l]`."""
         out: Arrays = {}
         for l, (c, k) in enumerate(zip(cache, self.kinds)):
             if k == Q4:
@@ -133,11 +196,31 @@ class ModelCodec:
               whole: Optional[Arrays] = None) -> Arrays:
         """The arrays of the block holding tokens [start, end) of a per-sequence cache, with the
         newest MAX_CHECKPOINTS of `checkpoints` (absolute positions) that fall in (start, end].
-        The token arrays are copies, or views of `whole` (the cache's token arrays, contiguous)."""
-        if whole is None:
-            out = {n: mx.contiguous(a[..., start:end, :]) for n, a in self.token_arrays(cache).items()}
-        else:
-            out = {n: a[..., start:end, :] for n, a in whole.items()}
+        The token arrays are views of `whole` (the cache's token arrays, contiguous, for the names it
+        has) or copies. A bounded sliding-window layer gives the part of [start, end) it still holds
+        (`win.from` says where it begins)."""
+        out: Arrays = {}
+        win_from = 0
+        spans = self.spans(cache)
+        for name, a in self.token_arrays(cache).items():
+            if whole is not None and name in whole:
+                out[name] = whole[name][..., start:end, :]
+                continue
+            first = spans[int(name.split(".")[0])][0]
+            lo = max(start, first)
+            if first > 0:  # a bounded window layer that dropped its oldest positions
+                win_from = max(win_from, lo - start)
+            if lo < end:
+                out[name] = mx.contiguous(a[..., lo - first : end - first, :])
+        if win_from:
+            for name in self.window_names() & set(out):  # every window layer from the same point
+                held = out[name].shape[2]
+                if held > end - start - win_from:
+                    out[name] = out[name][..., held - (end - start - win_from):, :]
+            if win_from >= end - start:
+                for name in self.window_names():
+                    out.pop(name, None)
+            out[WIN_FROM] = mx.array([min(win_from, end - start)], dtype=mx.int32)
         mine = sorted({p: s for p, s in checkpoints if start < p <= end}.items())[-MAX_CHECKPOINTS:]
         state_layers = [l for l, k in enumerate(self.kinds) if k == STATE]
         for c, (p, states) in enumerate(mine):
@@ -155,7 +238,9 @@ class ModelCodec:
         (cache, tokens covered), or (None, 0) when nothing can be reused. `whole`: the token arrays
         of `from_numpy_run` when the used blocks are, in order, the start of that run; the cache
         is then views of them, not a concatenation."""
-        covered = sum(n for _, n in used)
+        covered = self.window_reach(used)  # bounded sliding layers: up to the last window held
+        if covered < sum(n for _, n in used):
+            used = _truncate(used, covered)
         state = None
         if self.has_state:
             start, best = 0, None
@@ -170,15 +255,29 @@ class ModelCodec:
             used = _truncate(used, covered)
         if covered == 0:
             return None, 0
-        if whole is not None:
-            cat = lambda name: whole[name][..., :covered, :]
-        else:
-            cat = lambda name: _concat([arrays[name][..., :n, :] for arrays, n in used])
+
+        windowed = self.window_names()
+
+        def cat(name: str, lo: int = 0) -> mx.array:
+            """Positions [lo, covered) of `name` (held: window_reach saw to it)."""
+            if whole is not None and name in whole:
+                return whole[name][..., lo:covered, :]
+            pieces, at = [], 0
+            for arrays, n in used:
+                if at + n > lo:
+                    f = self.window_from(arrays) if name in windowed else 0  # the array starts at f
+                    pieces.append(arrays[name][..., max(0, lo - at) - f : n - f, :])
+                at += n
+            return _concat(pieces)
+
         cache, si = [], 0
         for l, k in enumerate(self.kinds):
             if k == Q4:
-                parts = [cat(f"{l}.{p}") for p in _Q4_PARTS]
-                cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size))
+                w = self.window(l)
+                lo = 0 if w is None else max(0, covered - w)  # a bounded layer: only its window
+                parts = [cat(f"{l}.{p}", lo) for p in _Q4_PARTS]
+                cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size,
+                                                   window=w, offset=covered))
             elif k == FULL:
                 cache.append(_kv(cat(f"{l}.k"), cat(f"{l}.v")))
             elif k == STATE:
@@ -214,7 +313,7 @@ class ModelCodec:
         """Consecutive blocks read from disk, with one copy into MLX per token array: each is
         concatenated in numpy and imported once. Returns each block's arrays (views of the
         imports, plus its own checkpoints) and the imports themselves (for `build`)."""
-        names = sorted(self.token_names())
+        names = sorted(self.token_names() - self.window_names())  # window arrays vary per block
         whole: Arrays = {}
         for name in names:
             pieces = [arrays[name] for arrays, _ in blocks]
@@ -244,9 +343,20 @@ class ModelCodec:
     def valid(self, arrays: dict[str, np.ndarray], n: int) -> bool:
         """Whether a block read from disk has exactly the arrays this model's layers need for n tokens."""
         want = self.token_names()
-        for name in want:
+        windowed = self.window_names()
+        f = 0
+        if WIN_FROM in arrays:
+            p = arrays[WIN_FROM]
+            if not windowed or p.shape != (1,) or not 0 < int(p[0]) <= n:
+                return False
+            f = int(p[0])
+            want.add(WIN_FROM)
+            if f == n:
+                want -= windowed
+        for name in want - {WIN_FROM}:
             a = arrays.get(name)
-            if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != n:
+            held = n - f if name in windowed else n
+            if a is None or a.ndim != 4 or a.shape[0] != 1 or a.shape[2] != held:
                 return False
         for c in range(MAX_CHECKPOINTS):
             p = arrays.get(f"ckpt{c}.pos")

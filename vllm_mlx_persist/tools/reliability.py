@@ -13,6 +13,9 @@ links, FIFOs, directories, huge or negative numbers, invalid or deeply nested JS
 and read as the pool reads it; each outcome is classified quarantined / ignored / refused, and any
 crash, hang or damaged or foreign KV served is a failure.
 
+The campaigns against a real server (server_crash, disk, storm, soak, interactions) are in
+server_campaigns.py.
+
 Figures, the command and the machine go to <out>/reliability.md and <out>/reliability.json.
 """
 
@@ -516,11 +519,13 @@ def _state_machine(trials: int, seed: int, work: Path) -> dict:
     return campaign(trials, seed, work)
 
 
-# name: (function, full trials, quick trials); soak and storm count seconds; state_machine counts examples
+# name: (function, full trials, quick trials); soak and storm count seconds, interactions steps,
+# state_machine examples
 CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
              "state_machine": (_state_machine, 400, 20),
              "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
-             "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40)}
+             "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40),
+             "interactions": (_server("interactions"), 700, 100)}
 
 
 def _machine() -> str:
@@ -583,6 +588,46 @@ def _report_storm(r: dict) -> list[str]:
         f"| {k} | {', '.join(f'{o} {n}' for o, n in sorted(v.items()))} |" for k, v in sorted(r["requests"].items())]
 
 
+def _report_interactions(r: dict) -> list[str]:
+    if "ops" not in r:
+        return []
+    ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
+    ends = ", ".join(f"{k} {v}" for k, v in sorted(r["lifetimes"].items()))
+    out = [f"{r['trials']} steps, {r['agents']} agent ids (hot_mb {r['hot_mb']}, disk_mb {r['disk_mb']}, ttl_hours "
+           f"{r['ttl_hours']}, blocks of {r['block_size']} tokens, durable writes). Steps: {ops}. Server lifetimes, by "
+           f"how they ended: {ends} (write-point: the server killed itself before a chosen write step, "
+           f"{r['write_point_kills']} times; requests in flight at a kill: {r['requests_killed_in_flight']}).", "",
+           f"Answers: {r['answers']}, every one compared with the never-killed reference: {r['replies_compared']}. "
+           f"Acknowledged turns checked for reuse: {r['turns_checked']} ({r['turns_checked_across_a_restart']} as an "
+           f"agent's first turn after a restart; {r['losses_excused_by_erasure']} not reused because a logged erasure "
+           f"removed the agent); forks' first requests checked against the parent's turn: {r['fork_first_checked']}. "
+           f"Erasures requested: {r['erasures_requested']}, erased ids used again: {r['erased_revisited']}; "
+           f"erasures by "
+           f"the disk budget: {r['budget_erasures_logged']}, by the TTL: {r['ttl_erasures_logged']}; pins "
+           f"{r['pins']}, unpins {r['unpins']}; isolation probes (another agent's history under a new id): "
+           f"{r['probes']}.", "",
+           f"/health: {r['health_polls']} polls, slowest {r['health_worst_s']} s, {r['health_late']} past 1 s or "
+           f"failed. Pool hot_bytes peak {r['hot_bytes_peak']} (bound there {r['hot_bound_at_peak']}: hot_mb + the "
+           f"largest agent's last 4 sequences + pinned agents), {r['hot_over']} samples over. Disk peak "
+           f"{r['disk_peak_bytes']} bytes (bound there {r['disk_bound_at_peak']}: disk_mb + one turn per request in "
+           f"flight + pinned agents), {r['disk_over']} samples over. RSS after warm-up {r['rss_after_warmup_mb']} MB, peak "
+           f"{r['rss_peak_mb']} MB, bound {r['rss_bound_mb']} MB.", ""]
+    if r.get("failure_kinds"):
+        out += ["| failure kind | count | first step |", "|---|---|---|"]
+        out += [f"| {k} | {v['count']} | {v['first_step']} |" for k, v in sorted(r["failure_kinds"].items())]
+        out += ["", "The first failure of each kind, with the steps before it (`--campaigns interactions --seed S "
+                "--trials N` replays the same choices; timings may differ):", ""]
+        shown: set[str] = set()
+        for f in r["failure_cases"]:
+            if f["kind"] in shown:
+                continue
+            shown.add(f["kind"])
+            out.append(f"- {f['kind']} at step {f['step']} ({f['op']}, seed {f['seed']}): {f['problem'][:300]}; "
+                       f"steps before: {'; '.join(f['steps'])}")
+        out.append("")
+    return out
+
+
 _WHAT = {
     "crash": "A subprocess writes agents' blocks and manifests through the real store and is SIGKILLed, half the "
              "trials before a chosen system call of a write (open, write, fsync, rename, directory fsync; the "
@@ -627,6 +672,19 @@ _WHAT = {
             "or more, disk past disk_mb + one turn. The full run is one hour "
             "(`./dev reliability --campaigns soak`: about 62 minutes on 2 cores, a few hundred MB of memory "
             "and under 10 MB of disk; it replaces only this row).",
+    "interactions": "One server under tight budgets (hot_mb 0.25: two or three agents' histories; disk_mb 4: a "
+                    "dozen or so; ttl_hours 0.01) runs a random mix of steps: turns of growing histories, several agents at once, forks "
+                    "(fork_from), concurrent branches of one agent, DELETE /v1/agents/ID, reuse of an erased id, pins "
+                    "and unpins, another agent's history under a new id (isolation probe), anonymous requests, "
+                    "SIGKILLs between steps, mid-request and at a chosen write step; one more restart at the end, "
+                    "then every conversation's next turn. Failures: a reply different from a never-killed "
+                    "reference server's (same conversation), an acknowledged turn (or a fork parent's) not covered "
+                    "by the next request's cached_tokens unless the server's log records an erasure of that agent, "
+                    "an erased agent listed or served again, cached tokens for a new id, a pinned agent erased, an "
+                    "agent gone after a restart with no erasure logged, a request failing or past 15 s while the "
+                    "server is up, /health slower than 1 s, hot_bytes, disk or RSS past their bounds. Full run: "
+                    "`./dev reliability --campaigns interactions` (700 steps, about 12 minutes on 2 cores); "
+                    "`--quick`: 100 steps, about 2 minutes.",
 }
 
 
@@ -642,33 +700,61 @@ def _report_state_machine(r: dict) -> list[str]:
 
 
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
-                  "storm": _report_storm, "state_machine": _report_state_machine}
+                  "storm": _report_storm, "interactions": _report_interactions, "state_machine": _report_state_machine}
+
+
+def _notes(md: Path) -> list[str]:
+    """Paragraphs written by hand between a report's Date line and its table's preamble."""
+    try:
+        text = md.read_text()
+    except OSError:
+        return []
+    head, sep, _ = text.partition("Each campaign's own command")
+    if not sep or "\nDate: " not in head:
+        return []
+    body = head.split("\nDate: ", 1)[1].split("\n", 1)[1] if "\n" in head.split("\nDate: ", 1)[1] else ""
+    return [p.strip() for p in body.split("\n\n") if p.strip()]
 
 
 def _merged(results: dict, path: Path) -> dict:
     """`results` over the report already at `path`: campaigns not run this time keep their figures (each
-    campaign carries the command and date of its own run), so the soak can be run on its own."""
+    campaign carries the command, date and machine of its own run), so the soak can be run on its own.
+    While the old report keeps campaigns this run did not replace, its header (command, machine, date
+    and the notes under it) stays: it describes those campaigns' run."""
     try:
         old = json.loads(path.read_text())
     except (OSError, ValueError):
         return results
-    if old.get("machine") != results["machine"] or not isinstance(old.get("campaigns"), dict):
+    if not isinstance(old.get("campaigns"), dict):
         return results
-    campaigns = {n: c for n, c in old["campaigns"].items() if n in CAMPAIGNS and "run" in c}
+    campaigns = {}
+    for n, c in old["campaigns"].items():
+        if n in CAMPAIGNS and "run" in c:
+            c["run"].setdefault("machine", old.get("machine"))
+            campaigns[n] = c
+    kept = set(campaigns) - set(results["campaigns"])
     campaigns.update(results["campaigns"])
-    return {**results, "campaigns": {n: campaigns[n] for n in CAMPAIGNS if n in campaigns}}
+    head = {}
+    if kept:
+        head = {k: old[k] for k in ("machine", "date", "command") if k in old}
+        head["notes"] = old.get("notes") or _notes(path.with_suffix(".md"))
+    return {**results, **head, "campaigns": {n: campaigns[n] for n in CAMPAIGNS if n in campaigns}}
 
 
 def write_report(results: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
-    lines = ["# Reliability campaigns", "", f"Command: `{command}`  ", f"Machine: {results['machine']}  ",
-             f"Date: {results['date']}", "",
-             "Each campaign's own command and date are in its row (a campaign run on its own replaces only its row).",
-             "", "| campaign | trials | failures | seconds | run |", "|---|---|---|---|---|"]
+    lines = ["# Reliability campaigns", "", f"Command: `{results.get('command', command)}`  ",
+             f"Machine: {results['machine']}  ", f"Date: {results['date']}", ""]
+    for note in results.get("notes") or []:
+        lines += [note, ""]
+    lines += ["Each campaign's own command and date are in its row (a campaign run on its own replaces only its row).",
+              "", "| campaign | trials | failures | seconds | run |", "|---|---|---|---|---|"]
     for name, r in results["campaigns"].items():
         run = r.get("run", {})
         how = f"{run.get('date', '')}, `{run.get('command', command)}`" + (" (quick)" if run.get("quick") else "")
+        if run.get("machine", results["machine"]) != results["machine"]:
+            how += f", on {run['machine']}"
         lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} | {how} |")
     for name, r in results["campaigns"].items():
         lines += ["", f"## {name}", "", _WHAT.get(name, ""), ""]
@@ -726,7 +812,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                 r = {"trials": trials, "failures": 1, "failure_cases": [
                     {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
             r["seconds"] = round(time.perf_counter() - t0, 1)
-            r["run"] = {"command": results["command"], "date": results["date"], "quick": bool(args.quick and not args.trials)}
+            r["run"] = {"command": results["command"], "date": results["date"],
+                        "quick": bool(args.quick and not args.trials), "machine": results["machine"]}
             results["campaigns"][name] = r
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
             for case in r.get("failure_cases", []):
@@ -734,7 +821,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             # after every campaign, so a long run stopped later keeps the figures it has
             write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
     finally:
-        if any(n in names for n in ("server_crash", "disk", "storm", "soak")):
+        if any(n in names for n in ("server_crash", "disk", "storm", "soak", "interactions")):
             from .server_campaigns import close_shared
 
             close_shared()

@@ -14,6 +14,12 @@ soak          16 agents round-robin with growing histories: RSS and disk sampled
 storm         32 concurrent clients: agents, the same agent in parallel, aborted and disconnected
               streams, invalid bodies and ids; the server stays up, nothing hangs, and afterwards every
               agent answers exactly as a fresh server given the same history cold.
+interactions  every feature at once on one server under tight hot and disk budgets and a short TTL:
+              turns, concurrent agents, forks, concurrent branches, erasures and reused erased ids, pins,
+              isolation probes, anonymous requests, SIGKILLs (between steps, mid-request, at a write
+              step). Every answer equals a never-killed reference server's; every acknowledged turn (and
+              a fork parent's) is reused unless the server's log records an erasure of the agent; erased
+              agents never come back; /health answers within 1 s; memory and disk within their bounds.
 """
 
 from __future__ import annotations
@@ -102,11 +108,12 @@ def request(url: str, path: str, body: Any, *, headers: Optional[dict] = None, t
 
 
 def chat(url: str, model: str, messages: list[dict], agent: Optional[str], *,
-         max_tokens: int = MAX_TOKENS, timeout: float = TIMEOUT_S) -> tuple[str, int, int]:
+         max_tokens: int = MAX_TOKENS, timeout: float = TIMEOUT_S, fork_from: Optional[str] = None,
+         ) -> tuple[str, int, int]:
     """(reply, cached_tokens, prompt_tokens) of one greedy chat completion; HttpError if not 200."""
     body: dict = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
     if agent is not None:
-        body["metadata"] = {"agent_id": agent}
+        body["metadata"] = {"agent_id": agent, **({"fork_from": fork_from} if fork_from else {})}
     status, raw = request(url, "/v1/chat/completions", body, timeout=timeout)
     if status != 200:
         raise HttpError(status, raw.decode(errors="replace"))
@@ -734,3 +741,791 @@ def storm_campaign(seconds: int, seed: int, work: Path, clients: int = 32, n_age
     return {"trials": sum(sum(v.values()) for v in counts.values()), "failures": len(failures),
             "failure_cases": failures[:20], "clients": clients, "seconds_run": seconds, "requests": counts,
             "slowest_request_s": round(slowest[0], 2), "agents_verified_after": verified}
+
+
+# ---------------------------------------------------------------------------------------------
+# interactions
+
+
+I_HOT_MB = 0.25  # ~900 tokens of the tiny llama in memory: two or three agents' histories
+I_DISK_MB = 4.0  # ~12k tokens on disk: the last dozen or so agents; the budget erases older ones (tighter,
+# it erased nearly every agent before its next turn, and no fork found its parent)
+I_TTL_HOURS = 0.01  # 36 s: agents left alone that long go at the next sweep (every start, every minute);
+# at 72 s the disk budget, erasing the least recently used first, always got to them before
+I_OPTIONS = {**OPTIONS, "hot_mb": I_HOT_MB, "disk_mb": I_DISK_MB, "ttl_hours": I_TTL_HOURS, "durable_writes": True}
+I_TIMEOUT_S = 15.0  # a tiny-model turn answers in well under a second: past this the request hung
+HEALTH_LIMIT_S = 1.0
+I_WORDS = 30  # words of a user turn (~100 tokens)
+I_MAX_TURNS = 7  # an agent stops taking turns after this many (histories stay under ~1k tokens)
+I_ACTIVE = (3, 8)  # conversations taking turns: a new one is started below 3, none above 8
+DISK_BYTES_PER_TOKEN = 340  # measured: 29 blocks of 32 tokens took 308 kB on disk (headers, token ids)
+I_DOCS = ["shared document A: " + user_text("docA", 9, 60), "shared document B: " + user_text("docB", 4, 60)]
+# (op, weight): what a step does
+I_OPS = (("turn", 30), ("concurrent", 14), ("fork", 12), ("branch", 8), ("rewind", 6), ("erase", 5), ("revisit", 4),
+         ("pin", 4), ("unpin", 3), ("probe", 4), ("anonymous", 3), ("kill", 5), ("kill-mid", 3),
+         ("write-point", 2))
+_ERASED_RE = re.compile(r"erased agent '([^']+)' \(([^)]+)\)")
+_UNCACHED_RE = re.compile(r"agent '([^']+)': (\d+) unsaved block\(s\) left memory uncached")
+
+
+class _ErasureLog:
+    """Follows the server log (one file across restarts): every erasure the persister logs, in order,
+    as (agent, why) with why "request" (DELETE), "disk budget" or "ttl"; and, for diagnosis, the turns
+    the hot budget dropped from memory before they were saved (agent, erasure position then)."""
+
+    def __init__(self, path: Path):
+        self.path, self.pos = path, 0
+        self.events: list[tuple[str, str]] = []
+        self.uncached: list[tuple[str, int]] = []
+
+    def refresh(self) -> int:
+        """Read what was logged since; returns how many erasures are known (a position to compare with)."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.pos)
+                data = f.read()
+        except OSError:
+            return len(self.events)
+        cut = data.rfind(b"\n") + 1
+        self.pos += cut
+        for line in data[:cut].decode(errors="replace").splitlines():
+            m = _ERASED_RE.search(line)
+            if m:
+                self.events.append((m.group(1), m.group(2)))
+            m = _UNCACHED_RE.search(line)
+            if m:
+                self.uncached.append((m.group(1), len(self.events)))
+        return len(self.events)
+
+    def since(self, agent: str, seq: int) -> list[str]:
+        """Why `agent` was erased after position `seq` (empty if it was not)."""
+        return [why for a, why in self.events[seq:] if a == agent]
+
+
+class _IConv:
+    """One agent's conversation as the campaign knows it: its messages, and for each of its own turns
+    along the current line what was acknowledged (prompt tokens, erasure-log position when sent)."""
+
+    def __init__(self, agent: str, messages: list[dict], ref_key: str, parent: Optional[str] = None):
+        self.agent, self.messages, self.ref_key, self.parent = agent, messages, ref_key, parent
+        self.base = len(messages)  # messages before its own first turn (a document, or the parent's)
+        self.acks: list[tuple[int, int]] = []  # (prompt tokens, erasure-log position when sent); 0: gone
+        # What its requests' shared start must reuse, from the parent's acknowledged turn at the fork:
+        # (tokens, parent, parent's position). Its own first turn then holds them too.
+        self.from_parent: Optional[tuple[int, str, int]] = None
+        self.seqs: list[int] = []  # tokens of its recent sequences (prompt + reply), for the memory bounds
+
+    @property
+    def turns(self) -> int:
+        return len(self.acks)
+
+    @property
+    def last_prompt(self) -> int:
+        return self.acks[-1][0] if self.acks else 0
+
+    def messages_at(self, k: int, tag: str = "") -> list[dict]:
+        """The conversation after its first `k` own turns, then a new user message."""
+        user = {"role": "user", "content": user_text(self.agent + tag, k, I_WORDS)}
+        return self.messages[: self.base + 2 * k] + [user]
+
+    def need_at(self, k: int) -> tuple[int, Optional[tuple[str, int]]]:
+        """What a request continuing its first `k` turns must reuse, and whose erasure since when
+        excuses a shortfall: its own turn k-1, or (k = 0) the parent's turn it forked from."""
+        if k > 0:
+            prompt, seq = self.acks[k - 1]
+            return prompt, (self.agent, seq)
+        if self.from_parent is None:
+            return 0, None
+        tokens, parent, pseq = self.from_parent
+        if self.acks and self.acks[0][0]:  # its own first turn holds them as well
+            return tokens, (self.agent, self.acks[0][1])
+        return tokens, (parent, pseq)
+
+    def forget(self) -> None:
+        """Erased as a whole (the log says so): nothing acknowledged is owed any more."""
+        self.acks = [(0, seq) for _, seq in self.acks]
+        self.from_parent = None
+
+    def footprint(self) -> int:
+        """Tokens it may hold at once: its last `branches` (4) sequences, shared prefixes counted again."""
+        return sum(self.seqs[-4:])
+
+    def complete(self, k: int, messages: list[dict], reply: str, prompt: int, sent_seq: int) -> None:
+        """Its turn k (after k own turns) was acknowledged: the conversation goes on from there."""
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        self.acks = self.acks[:k] + [(prompt, sent_seq)]
+        self.seqs.append(prompt + MAX_TOKENS)
+
+
+class _ISpec:
+    """One request of a step (several run at once in a concurrent step) and what its answer must show."""
+
+    def __init__(self, what: str, agent: Optional[str], messages: list[dict], ref_key: str,
+                 conv: Optional[_IConv] = None, fork_from: Optional[str] = None, k: int = 0):
+        self.what, self.agent, self.messages, self.ref_key = what, agent, messages, ref_key
+        self.conv, self.fork_from, self.k = conv, fork_from, k
+        self.need, self.excuse = conv.need_at(k) if conv is not None and what not in ("probe", "revisit") else (0, None)
+        self.ref: Optional[str] = None
+        self.result: tuple[str, Any] = ("not-run", None)
+        self.sent_seq = 0
+
+
+_EXC_RE = re.compile(r"^(?:\w+\.)*\w+(?:Error|Exception): .*$", re.M)
+_FRAME_RE = re.compile(r'File "[^"]*/(vllm_mlx_persist/[^"]+)", line (\d+), in (\w+)')
+
+
+def _exception_since(log: Path, pos: int) -> str:
+    """'; server: <the last exception logged after byte `pos`> at <its two deepest frames in this
+    package>', or '' (what a 500 hides from the client)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(pos)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return ""
+    excs = _EXC_RE.findall(text)
+    if not excs:
+        return ""
+    tb = text[: text.rfind(excs[-1])]
+    frames = _FRAME_RE.findall(tb[tb.rfind("Traceback"):])
+    where = " at " + " > ".join(f"{f}:{n} ({fn})" for f, n, fn in frames[-2:]) if frames else ""
+    return f"; server: {excs[-1][:200]}{where}"
+
+
+def _manifests_of(root: Path, agent: str) -> list[str]:
+    """Manifests (any model under `root`) whose agent is `agent`."""
+    out = []
+    for p in root.glob("*/agents/*.json"):
+        try:
+            if json.loads(p.read_bytes()).get("namespace") == agent:
+                out.append(str(p.relative_to(root)))
+        except (OSError, ValueError):
+            pass
+    return out
+
+
+class _Abort(Exception):
+    """The server under test cannot be started again: the campaign stops with what it has."""
+
+
+class _Interactions:
+    """The interactions campaign's state: one server under test SIGKILLed at random moments, the
+    conversations it acknowledged, the agents erased and pinned, and the watchers (health, memory, disk)."""
+
+    def __init__(self, seed: int, work: Path):
+        self.sh = shared(work)
+        self.model = str(self.sh.model)
+        self.seed, self.rng = seed, random.Random(seed)
+        self.root = work / "interactions-root"
+        self.srv = Server(self.sh.model, work / "interactions-home", options={**I_OPTIONS, "cache_dir": str(self.root)},
+                          env=BATCH_INVARIANT_ENV)
+        self.elog = _ErasureLog(self.srv.log_path)
+        self.convs: dict[str, _IConv] = {}
+        self.erased: dict[str, list[dict]] = {}  # agents we erased and have not used since: their history
+        self.pinned: set[str] = set()
+        self.failures: list[dict] = []
+        self.steps: list[str] = []
+        self.step = 0
+        self.next_id = 0
+        self.fault_kill = False  # this lifetime was started with kill@N (it may die by itself)
+        self.killing = False  # the campaign is killing the server now
+        self.inflight_tokens = 0  # tokens of the turns the current step has in flight
+        self.max_footprint = 0
+        self.max_seq = 1024  # tokens of the longest sequence (prompt + reply) seen, at least a full turn
+        self.seen_events = 0
+        self.rss = RssSampler(interval=0.5)
+        self.rss_baseline = 0
+        self.st: dict[str, Any] = {
+            "ops": {}, "lifetimes": {}, "answers": 0, "replies_compared": 0, "turns_checked": 0,
+            "turns_checked_across_a_restart": 0, "losses_excused_by_erasure": 0, "fork_first_checked": 0,
+            "erasures_requested": 0, "erased_revisited": 0, "probes": 0, "pins": 0, "unpins": 0,
+            "requests_killed_in_flight": 0, "write_point_kills": 0, "killed_during_start": 0,
+            "health_polls": 0, "health_worst_s": 0.0, "health_late": 0,
+            "hot_bytes_peak": 0, "hot_bound_at_peak": 0, "hot_over": 0,
+            "disk_peak_bytes": 0, "disk_bound_at_peak": 0, "disk_over": 0}
+        self.restarted: set[str] = set()  # agents whose next turn is the first since a restart
+        self.pending_restart: Optional[str] = None
+        self.op = ""  # the step's op as chosen (the step list gets what it did, once done)
+        self.ended = ""  # how the last lifetime ended
+        self._pause = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+
+    # ---- bookkeeping --------------------------------------------------------------------------
+
+    def fail(self, kind: str, problem: str, **extra: Any) -> None:
+        self.failures.append({"kind": kind, "seed": self.seed, "step": self.step, "op": self.op,
+                              "problem": problem[:600], **extra, "steps": self.steps[-10:]})
+
+    def count(self, key: str, sub: Optional[str] = None) -> None:
+        if sub is None:
+            self.st[key] += 1
+        else:
+            self.st[key][sub] = self.st[key].get(sub, 0) + 1
+
+    def refresh_log(self) -> int:
+        """Read new erasures; a pinned agent erased by the budget or the TTL is a failure."""
+        n = self.elog.refresh()
+        for agent, why in self.elog.events[self.seen_events:]:
+            if why != "request" and agent in self.pinned:
+                self.fail("pinned-erased", f"pinned agent {agent} erased ({why})", agent=agent)
+                self.pinned.discard(agent)
+        self.seen_events = n
+        return n
+
+    def pinned_tokens(self) -> int:
+        """(any thread) Tokens the pinned agents may hold; list() copies under the GIL, so the main
+        thread's changes cannot break the iteration."""
+        return sum(c.footprint() for c in map(self.convs.get, list(self.pinned)) if c is not None)
+
+    # ---- the server ---------------------------------------------------------------------------
+
+    def start(self, kill_at: Optional[int] = None) -> bool:
+        """Start a lifetime (with kill@N: the server SIGKILLs itself before its Nth write step)."""
+        self.srv.extra_env = {**BATCH_INVARIANT_ENV, **({FAULT_ENV: f"kill@{kill_at}"} if kill_at else {})}
+        try:
+            self.srv.start()
+        except RuntimeError as e:
+            if not kill_at:
+                self.fail("start-failed", f"the server did not start: {str(e)[-400:]}")
+                raise _Abort() from None
+            self.count("killed_during_start")  # it reached its kill point while starting: start plain
+            return self.start(None)
+        self.fault_kill = bool(kill_at)
+        self.killing = False
+        if self.rss.pid is None:
+            self.rss.start(self.srv.pid)
+        else:
+            self.rss.watch(self.srv.pid)
+        self._pause.clear()
+        self.after_start()
+        return True
+
+    def restart(self, mode: str, kill_at: Optional[int] = None) -> bool:
+        self._pause.set()
+        self.killing = True
+        if self.srv.proc is not None and self.srv.proc.poll() is None:
+            self.srv.stop(signal.SIGKILL)
+        else:
+            self.srv.stop()
+        self.count("lifetimes", mode)
+        self.restarted = set(self.convs)
+        self.ended = mode
+        return self.start(kill_at)
+
+    def alive(self) -> bool:
+        return self.srv.proc is not None and self.srv.proc.poll() is None
+
+    def listed(self) -> Optional[set[str]]:
+        ids: set[str] = set()
+        after = ""
+        while True:
+            code, raw = request(self.srv.url, "/v1/agents?limit=1000" + (f"&after={after}" if after else ""), b"",
+                                method="GET", timeout=I_TIMEOUT_S)
+            if code != 200:
+                self.fail("admin", f"GET /v1/agents answered {code}")
+                return None
+            page = json.loads(raw)
+            ids |= {a["id"] for a in page["data"]}
+            if not page["has_more"]:
+                return ids
+            after = page["last_id"]
+
+    def after_start(self) -> None:
+        """Right after a start: erased agents are not back; every acknowledged agent is there or an
+        erasure the log records removed it."""
+        try:
+            on_disk = self.listed()
+        except (OSError, ValueError) as e:
+            self.fail("admin", f"GET /v1/agents after a start: {e!r}")
+            return
+        self.refresh_log()
+        if on_disk is None:
+            return
+        for agent in self.erased:
+            if agent in on_disk:
+                self.fail("came-back", f"erased agent {agent} is listed again after a restart", agent=agent)
+        for c in self.convs.values():
+            if c.last_prompt and c.agent not in on_disk:
+                if not self.elog.since(c.agent, c.acks[-1][1]):
+                    # After a hang the persister may have deleted the agent and then waited forever for
+                    # the pool's lock (its erasure callback) before logging it: named apart.
+                    self.fail("vanished" + (":after-a-hang" if self.ended == "after-hung" else ""),
+                              f"{c.agent} (acknowledged turn of {c.last_prompt} tokens) is not listed after the "
+                              f"restart (the last lifetime ended: {self.ended}) and no erasure of it was logged",
+                              agent=c.agent)
+                c.forget()
+
+    # ---- watchers -----------------------------------------------------------------------------
+
+    def watch(self) -> None:
+        """(thread) /health every 0.2 s within HEALTH_LIMIT_S; the pool's hot bytes and the root's
+        disk bytes every second against their bounds. Paused while the campaign restarts the server."""
+        try:
+            self._watch()
+        except Exception as e:  # the watcher must not stop silently: its silence would read as health
+            with self._lock:
+                self._late.append((self.step, f"the health watcher failed: {e!r}"[:200]))
+
+    def _watch(self) -> None:
+        i = 0
+        while not self._stop.wait(0.2):
+            if self._pause.is_set() or not self.alive():
+                continue
+            url, step = self.srv.url, self.step
+            t = time.monotonic()
+            try:
+                code, _ = request(url, "/health", b"", method="GET", timeout=HEALTH_LIMIT_S)
+                problem = None if code == 200 else f"answered {code}"
+            except Exception as e:
+                problem = repr(e)[:100]
+            dt = time.monotonic() - t
+            if problem is not None and not self._pause.is_set():
+                time.sleep(0.5)  # a reset while a write-point kill takes it down: not a health failure
+            if self._pause.is_set() or not self.alive():
+                continue
+            with self._lock:
+                self.st["health_polls"] += 1
+                self.st["health_worst_s"] = round(max(self.st["health_worst_s"], dt), 3)
+                if problem is None and dt > HEALTH_LIMIT_S:
+                    problem = f"answered in {dt:.2f} s"
+                if problem is not None:
+                    self.st["health_late"] += 1
+                    self._late.append((step, problem))
+            i += 1
+            if i % 4 == 0:
+                self.sample_bounds(url, step)
+
+    def sample_bounds(self, url: str, step: int) -> None:
+        try:
+            code, raw = request(url, "/v1/status", b"", method="GET", timeout=2.0)
+            cache = json.loads(raw).get("cache") or {} if code == 200 else {}
+        except Exception:
+            cache = {}
+        with self._lock:
+            pinned = self.pinned_tokens()
+            if cache.get("hot_budget_bytes") is not None:
+                hot = cache.get("hot_bytes", 0)
+                bound = cache["hot_budget_bytes"] + (self.max_footprint + pinned) * TINY_KV_BYTES_PER_TOKEN + (64 << 10)
+                if hot > self.st["hot_bytes_peak"]:
+                    self.st["hot_bytes_peak"], self.st["hot_bound_at_peak"] = hot, bound
+                if hot > bound:
+                    self.st["hot_over"] += 1
+                    self._over.append((step, f"hot_bytes {hot} over hot_mb + one agent + pinned = {bound}"))
+            # a save's budget check runs before its turn is acknowledged, so the disk passes disk_mb by
+            # the turns being written; pinned agents are never erased; model.json, the lock, manifests'
+            # estimate: 64 kB
+            disk = _tree_bytes(self.root)
+            bound = int(I_DISK_MB * 2**20) + (self.inflight_tokens + pinned) * DISK_BYTES_PER_TOKEN + (64 << 10)
+            if disk > self.st["disk_peak_bytes"]:
+                self.st["disk_peak_bytes"], self.st["disk_bound_at_peak"] = disk, bound
+            if disk > bound:
+                self.st["disk_over"] += 1
+                self._over.append((step, f"disk {disk} bytes over disk_mb + agents in flight + pinned = {bound}"))
+
+    def drain_watch(self) -> None:
+        """Turn what the watcher saw during the step into failures (one per kind and step)."""
+        with self._lock:
+            late, over = self._late, self._over
+            self._late, self._over = [], []
+        if late:
+            self.fail("health", f"/health missed {HEALTH_LIMIT_S} s {len(late)} time(s) during step {late[0][0]}: "
+                                f"{[p for _, p in late[:3]]}")
+        for kind in ("hot_bytes", "disk"):
+            mine = [p for _, p in over if p.startswith(kind)]
+            if mine:
+                self.fail("hot-over" if kind == "hot_bytes" else "disk-over", f"{mine[0]} ({len(mine)} sample(s))")
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def ask(self, spec: _ISpec) -> None:
+        """(any thread) Send one request; spec.result = ("ok", (text, cached, prompt)) or
+        ("dead" | "hung" | "error", why)."""
+        url, proc = self.srv.url, self.srv.proc
+        try:
+            spec.result = ("ok", chat(url, self.model, spec.messages, spec.agent, timeout=I_TIMEOUT_S,
+                                      fork_from=spec.fork_from))
+        except HttpError as e:  # it answered: alive
+            spec.result = ("error", str(e))
+        except (socket.timeout, TimeoutError) as e:
+            dead = proc.poll() is not None
+            spec.result = ("dead" if dead else "hung", f"no answer in {I_TIMEOUT_S} s ({e!r})")
+        except OSError as e:  # refused or reset: dead, or dying
+            try:
+                proc.wait(2)
+                spec.result = ("dead", repr(e))
+            except subprocess.TimeoutExpired:
+                spec.result = ("error", repr(e))
+
+    def run_specs(self, specs: list[_ISpec], kill_after: Optional[float] = None) -> None:
+        """Run the step's requests at once (SIGKILL the server `kill_after` s in), then check each; a
+        restart they call for is left in `pending_restart` (after the step's turns are recorded)."""
+        for sp in specs:
+            try:
+                sp.ref = self.sh.reply(sp.ref_key, sp.messages)
+            except Exception as e:
+                self.fail("reference", f"the reference server failed: {e}"[:400])
+                return
+        with self._lock:  # one turn per request in flight (at most the longest sequence seen)
+            self.inflight_tokens = self.max_seq * len(specs)
+        seq = self.refresh_log()
+        log_pos = self.elog.pos
+        for sp in specs:
+            sp.sent_seq = seq
+        threads = [threading.Thread(target=self.ask, args=(sp,), daemon=True) for sp in specs]
+        for t in threads:
+            t.start()
+        killed = False
+        if kill_after is not None:
+            time.sleep(kill_after)
+            self._pause.set()
+            self.killing = killed = True
+            self.srv.proc.send_signal(signal.SIGKILL)
+        for t in threads:
+            t.join(I_TIMEOUT_S + 10)
+        self.refresh_log()
+        recover = None
+        for sp in specs:
+            kind, what = sp.result
+            if kind == "ok":
+                self.check(sp, *what)
+            elif kind == "dead":
+                if killed or self.fault_kill:
+                    self.count("requests_killed_in_flight")
+                    recover = recover or ("write-point" if not killed else None)
+                else:
+                    self.fail("died", f"the server died under {sp.what} of {sp.agent}: {what}; "
+                                      f"{self.srv.log_tail(8)[-600:]}", agent=sp.agent)
+                    recover = "died"
+            elif kind == "hung":
+                self.fail("hung", f"{sp.what} of {sp.agent} (fork_from {sp.fork_from}) hung: {what}", agent=sp.agent)
+                recover = "hung"
+            else:
+                code = re.match(r"HTTP (\d+)", what)
+                server = _exception_since(self.srv.log_path, log_pos)
+                if not server and code:  # the traceback may be logged just after the response
+                    time.sleep(0.3)
+                    server = _exception_since(self.srv.log_path, log_pos)
+                self.fail(f"http-{code.group(1)}" if code else "request-error",
+                          f"{sp.what} of {sp.agent} (fork_from {sp.fork_from}) failed: {what}{server}", agent=sp.agent)
+        with self._lock:
+            self.inflight_tokens = 0
+        if killed:
+            self.pending_restart = "kill-mid"
+        elif recover == "write-point":
+            self.count("write_point_kills")
+            self.pending_restart = "write-point"
+        elif recover is not None:
+            self.pending_restart = f"after-{recover}"
+
+    def check(self, sp: _ISpec, text: str, cached: int, prompt: int) -> None:
+        """One answer: the reference's reply, and the reuse its agent's acknowledged state promises."""
+        self.st["answers"] += 1
+        self.st["replies_compared"] += 1
+        who = f"{sp.what} of {sp.agent}" + (f" (fork_from {sp.fork_from})" if sp.fork_from else "")
+        if text != sp.ref:
+            self.fail("reply-differs", f"{who}: reply {text!r} differs from the reference's {sp.ref!r} "
+                                       f"(cached {cached} of {prompt})", agent=sp.agent)
+        if cached >= prompt > 0:
+            self.fail("cached-all", f"{who}: cached {cached} of a {prompt}-token prompt", agent=sp.agent)
+        if sp.what in ("probe", "revisit"):
+            if cached:
+                kind = "isolation" if sp.what == "probe" else "came-back"
+                self.fail(kind, f"{who}: a new or erased id was served {cached} cached tokens", agent=sp.agent)
+            return
+        if not sp.need:
+            return
+        self.st["turns_checked" if sp.k else "fork_first_checked"] += 1
+        if sp.k and sp.agent in self.restarted:
+            self.st["turns_checked_across_a_restart"] += 1
+        if cached >= sp.need:
+            return
+        owner, seq = sp.excuse
+        if self.elog.since(owner, seq):
+            self.st["losses_excused_by_erasure"] += 1
+            if owner == sp.agent and sp.conv is not None:
+                sp.conv.forget()
+            return
+        stats = {}
+        try:
+            s = status(self.srv)
+            stats = {k: s.get(k) for k in ("budget_erasures", "ttl_erasures", "unsaved_blocks_dropped",
+                                           "evicted_agents", "bad_blocks", "saves_dropped")}
+        except Exception:
+            pass
+        what = (f"its acknowledged turn {sp.k - 1}" if sp.k else f"the turn of {owner} it forked from")
+        # The log says when the hot budget dropped a turn whose save was still queued (the same turn the
+        # response then acknowledged as durable): named apart, it is a failure all the same.
+        dropped = any(a == owner and at >= seq for a, at in self.elog.uncached)
+        self.fail(("lost-turn" if sp.k else "fork-lost") + (":evicted-while-saving" if dropped else ""),
+                  f"{who}: cached {cached} < {sp.need} tokens of {what}"
+                  + (" (its first turn since a restart)" if sp.agent in self.restarted else "")
+                  + f"; no erasure of {owner} logged; stats {stats}", agent=sp.agent)
+
+    # ---- steps --------------------------------------------------------------------------------
+
+    def new_conv(self, parent: Optional[_IConv] = None) -> _IConv:
+        agent = f"i{self.next_id}"
+        self.next_id += 1
+        if parent is None:
+            c = _IConv(agent, [{"role": "system", "content": self.rng.choice(I_DOCS)}], agent)
+        else:
+            c = _IConv(agent, list(parent.messages), parent.ref_key, parent.agent)
+            if parent.last_prompt:
+                c.from_parent = (parent.last_prompt, parent.agent, parent.acks[-1][1])
+        self.convs[agent] = c
+        return c
+
+    def active(self) -> list[_IConv]:
+        return [c for c in self.convs.values() if c.turns < I_MAX_TURNS]
+
+    def pick(self, with_history: bool = False) -> Optional[_IConv]:
+        pool = [c for c in self.convs.values() if c.turns > 0] if with_history else self.active()
+        return self.rng.choice(pool) if pool else None
+
+    def pick_or_new(self) -> _IConv:
+        active = self.active()
+        if len(active) < I_ACTIVE[0] or (len(active) < I_ACTIVE[1] and self.rng.random() < 0.15):
+            return self.new_conv()
+        return self.rng.choice(active)
+
+    def turn_spec(self, c: _IConv, what: str = "turn", k: Optional[int] = None, tag: str = "") -> _ISpec:
+        """A request of `c` after its first `k` turns (default: all of them: its next turn)."""
+        k = c.turns if k is None else k
+        return _ISpec(what, c.agent, c.messages_at(k, tag), c.ref_key, c, c.parent, k)
+
+    def finish_turns(self, specs: list[_ISpec]) -> None:
+        """Acknowledged turns move their conversations on (one per conversation)."""
+        done: set[str] = set()
+        for sp in specs:
+            if sp.result[0] == "ok" and sp.conv is not None and sp.conv.agent not in done \
+                    and self.convs.get(sp.conv.agent) is sp.conv:
+                done.add(sp.conv.agent)
+                sp.conv.complete(sp.k, sp.messages, sp.ref, sp.result[1][2], sp.sent_seq)
+                self.restarted.discard(sp.conv.agent)
+                with self._lock:
+                    self.max_footprint = max(self.max_footprint, sp.conv.footprint())
+                    self.max_seq = max(self.max_seq, sp.conv.seqs[-1])
+
+    def do_step(self, op: str) -> str:
+        """Run one step; returns its description for the step list."""
+        rng = self.rng
+        if op == "turn":
+            c = self.pick_or_new()
+            specs = [self.turn_spec(c)]
+            self.run_specs(specs)
+            self.finish_turns(specs)
+            return f"turn {c.agent}" + (f"<-{c.parent}" if c.parent else "") + f" t{c.turns}"
+        if op in ("concurrent", "kill-mid"):
+            convs = list({id(c): c for c in (self.pick_or_new() for _ in range(rng.randint(2, 3)))}.values())
+            specs = [self.turn_spec(c) for c in convs]
+            kill_after = rng.uniform(0.0, 0.6) if op == "kill-mid" else None
+            self.run_specs(specs, kill_after)
+            self.finish_turns(specs)
+            return f"{op} " + ",".join(sp.agent for sp in specs) + (f" kill@{kill_after:.2f}s" if kill_after else "")
+        if op == "fork":
+            parent = self.pick(with_history=True)
+            if parent is None:
+                return self.do_step("turn")
+            child = self.new_conv(parent)
+            specs = [self.turn_spec(child, "fork")]
+            self.run_specs(specs)
+            self.finish_turns(specs)
+            return f"fork {child.agent}<-{parent.agent}"
+        if op == "branch":
+            c = self.pick(with_history=True)
+            if c is None or c.turns >= I_MAX_TURNS:
+                return self.do_step("turn")
+            specs = [self.turn_spec(c, "branch", tag=f"-b{i}") for i in range(rng.randint(2, 3))]
+            self.run_specs(specs)
+            self.finish_turns(specs)  # the conversation goes on along the first branch answered
+            return f"branch {c.agent} x{len(specs)}"
+        if op == "rewind":  # an earlier message edited: a new branch from an earlier turn (a fork's own
+            c = self.pick(with_history=True)  # first message: a branch that ties with its parent's)
+            if c is None:
+                return self.do_step("turn")
+            k = 0 if c.parent and rng.random() < 0.5 else rng.randrange(c.turns)
+            specs = [self.turn_spec(c, "rewind", k, tag=f"-r{self.step}")]
+            self.run_specs(specs)
+            self.finish_turns(specs)
+            return f"rewind {c.agent} to turn {k}"
+        if op == "erase":
+            c = self.pick(with_history=True)
+            if c is None:
+                return self.do_step("turn")
+            self.erase(c)
+            return f"erase {c.agent}"
+        if op == "revisit":
+            if not self.erased:
+                return self.do_step("fork")
+            agent = rng.choice(sorted(self.erased))
+            old = self.erased.pop(agent)
+            c = _IConv(agent, old, f"revisit-{agent}")  # a new conversation of the same id
+            self.convs[agent] = c
+            specs = [self.turn_spec(c, "revisit")]
+            self.run_specs(specs)
+            self.finish_turns(specs)
+            self.st["erased_revisited"] += 1
+            return f"revisit {agent}"
+        if op in ("pin", "unpin"):
+            c = self.pick(with_history=True) if op == "pin" else \
+                (self.convs.get(rng.choice(sorted(self.pinned))) if self.pinned else None)
+            if c is None:
+                return self.do_step("turn")
+            self.pin(c, op == "pin")
+            return f"{op} {c.agent}"
+        if op == "probe":
+            src = self.pick(with_history=True)
+            if src is None:
+                return self.do_step("turn")
+            probe = self.new_conv()
+            probe.messages, probe.ref_key = list(src.messages), src.ref_key
+            probe.base = len(probe.messages)
+            specs = [self.turn_spec(probe, "probe")]
+            self.run_specs(specs)
+            self.finish_turns(specs)
+            self.st["probes"] += 1
+            return f"probe {probe.agent} on {src.agent}'s history"
+        if op == "anonymous":
+            src = self.pick(with_history=True)
+            if src is None:
+                return self.do_step("turn")
+            self.run_specs([_ISpec("anonymous", None, src.messages_at(src.turns, "-anon"), src.ref_key)])
+            return f"anonymous on {src.agent}'s history"
+        if op == "kill":
+            self.restart("kill")
+            return "kill"
+        if op == "write-point":
+            point = rng.randint(1, 60)
+            self.restart("kill", kill_at=point)
+            return f"write-point kill@{point} (restarted)"
+        raise ValueError(op)
+
+    def erase(self, c: _IConv) -> None:
+        self.refresh_log()
+        try:
+            code, raw = request(self.srv.url, f"/v1/agents/{c.agent}", b"", method="DELETE", timeout=I_TIMEOUT_S)
+        except (socket.timeout, TimeoutError):
+            self.fail("hung", f"DELETE /v1/agents/{c.agent} did not answer in {I_TIMEOUT_S} s", agent=c.agent)
+            self.pending_restart = "after-hung"
+            return
+        except OSError as e:
+            self.fail("admin", f"DELETE /v1/agents/{c.agent}: {e!r}", agent=c.agent)
+            return
+        self.refresh_log()
+        if code == 404 and c.last_prompt and not self.elog.since(c.agent, c.acks[-1][1]):
+            self.fail("admin", f"DELETE /v1/agents/{c.agent} answered 404 for an agent with an acknowledged turn "
+                               "and no erasure logged", agent=c.agent)
+        elif code not in (200, 404):
+            self.fail("admin", f"DELETE /v1/agents/{c.agent} answered {code}: {raw[:200]!r}", agent=c.agent)
+        if code == 200:
+            self.st["erasures_requested"] += 1
+            if request(self.srv.url, f"/v1/agents/{c.agent}", b"", method="GET", timeout=I_TIMEOUT_S)[0] != 404:
+                self.fail("came-back", f"GET /v1/agents/{c.agent} right after its DELETE is not 404", agent=c.agent)
+            left = _manifests_of(self.root, c.agent)
+            if left:
+                self.fail("came-back", f"a manifest of {c.agent} is on disk after its DELETE: {left}", agent=c.agent)
+        del self.convs[c.agent]
+        self.pinned.discard(c.agent)
+        self.erased[c.agent] = c.messages
+
+    def pin(self, c: _IConv, on: bool) -> None:
+        self.refresh_log()
+        try:
+            code, _ = request(self.srv.url, f"/v1/agents/{c.agent}/pin", b"", method="PUT" if on else "DELETE",
+                              timeout=I_TIMEOUT_S)
+        except (socket.timeout, TimeoutError):
+            self.fail("hung", f"pin {c.agent} did not answer in {I_TIMEOUT_S} s", agent=c.agent)
+            self.pending_restart = "after-hung"
+            return
+        except OSError as e:
+            self.fail("admin", f"pin {c.agent}: {e!r}", agent=c.agent)
+            return
+        if code == 200:
+            (self.pinned.add if on else self.pinned.discard)(c.agent)
+            self.count("pins" if on else "unpins")
+        elif not (code == 404 and (not c.last_prompt or self.elog.since(c.agent, c.acks[-1][1]))):
+            self.fail("admin", f"{'PUT' if on else 'DELETE'} /v1/agents/{c.agent}/pin answered {code}", agent=c.agent)
+
+    def run(self, n_steps: int) -> dict:
+        self._late: list[tuple[int, str]] = []
+        self._over: list[tuple[int, str]] = []
+        watcher = threading.Thread(target=self.watch, name="interactions-watch", daemon=True)
+        ops, weights = zip(*I_OPS)
+        try:
+            self.sh.ref  # the reference first: its start-up is not part of any lifetime
+            self.start()
+            watcher.start()
+            for self.step in range(n_steps):
+                if not self.alive():  # it killed itself at a write point between steps, or crashed
+                    if self.fault_kill:
+                        self.count("write_point_kills")
+                        self.restart("write-point")
+                    else:
+                        self.fail("died", f"the server died between steps: {self.srv.log_tail(8)[-600:]}")
+                        self.restart("after-died")
+                self.op = op = self.rng.choices(ops, weights)[0]
+                desc = self.do_step(op)
+                self.count("ops", desc.split()[0])  # what it did (an op with nothing to act on falls back)
+                self.steps.append(f"{self.step} {desc}")
+                if self.pending_restart:
+                    mode, self.pending_restart = self.pending_restart, None
+                    self.restart(mode)
+                self.refresh_log()
+                self.drain_watch()
+                if self.step == 4:
+                    self.rss_baseline = self.rss.rss()
+            # The last lifetime: a restart, then every conversation's next turn is checked.
+            self.op = "final-check"
+            self.restart("final-check")
+            live = [c for c in self.convs.values() if c.last_prompt]
+            for k in range(0, len(live), 3):
+                specs = [self.turn_spec(c) for c in live[k:k + 3]]
+                self.run_specs(specs)
+                self.finish_turns(specs)
+                if self.pending_restart:
+                    mode, self.pending_restart = self.pending_restart, None
+                    self.restart(mode)
+            self.steps.append(f"{n_steps} final-check of {len(live)} agents")
+            self.count("lifetimes", "end")
+            self.refresh_log()
+            self.drain_watch()
+        except _Abort:
+            n_steps = self.step
+        finally:
+            self._stop.set()
+            self.srv.stop(signal.SIGKILL)
+            if self.rss.pid is not None:
+                self.rss.stop()
+        return self.result(n_steps)
+
+    def result(self, n_steps: int) -> dict:
+        bound = (self.rss_baseline or self.rss.peak) + int((I_HOT_MB + OVERHEAD_MB) * 2**20)
+        if self.rss.peak > bound:
+            self.fail("rss-over", f"RSS peak {self.rss.peak >> 20} MB over {bound >> 20} MB (post-warm-up "
+                                  f"{self.rss_baseline >> 20} + hot_mb + {OVERHEAD_MB})")
+        if n_steps and self.st["turns_checked_across_a_restart"] == 0:
+            self.fail("checked-nothing", "no acknowledged turn was checked across a restart")
+        kinds: dict[str, dict] = {}
+        for f in self.failures:
+            k = kinds.setdefault(f["kind"], {"count": 0, "first_step": f["step"], "first": f})
+            k["count"] += 1
+        # the first failure of each kind first, so the report shows every kind
+        firsts = [k["first"] for k in kinds.values()]
+        cases = firsts + [f for f in self.failures if f not in firsts]
+        budget = sum(1 for _, why in self.elog.events if why == "disk budget")
+        ttl = sum(1 for _, why in self.elog.events if why == "ttl")
+        return {"trials": n_steps, "failures": len(self.failures), "failure_cases": cases[:20],
+                "failure_kinds": {k: {"count": v["count"], "first_step": v["first_step"]} for k, v in kinds.items()},
+                **self.st, "budget_erasures_logged": budget, "ttl_erasures_logged": ttl,
+                "agents": self.next_id, "hot_mb": I_HOT_MB, "disk_mb": I_DISK_MB, "ttl_hours": I_TTL_HOURS,
+                "block_size": OPTIONS["block_size"], "rss_after_warmup_mb": round(self.rss_baseline / 2**20, 1),
+                "rss_peak_mb": round(self.rss.peak / 2**20, 1), "rss_bound_mb": round(bound / 2**20, 1),
+                "steps": self.steps[:3000]}
+
+
+def interactions_campaign(trials: int, seed: int, work: Path) -> dict:
+    """`trials` random steps mixing turns, forks, concurrent branches, erasures, pins, probes and SIGKILL
+    restarts on one server under tight hot and disk budgets, every answer compared with a never-killed
+    reference server; then one more restart and every conversation's next turn checked."""
+    return _Interactions(seed, work).run(trials)
