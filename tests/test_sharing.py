@@ -397,3 +397,9 @@ def test_a_fetched_history_merges_with_the_local_one_by_recency(model, tmp_path)
     assert [(x.n_tokens, x.last_used) for x in a.agent("x").branches] == [(28, 400.0), (23, 500.0), (56, 600.0)]
     a.close()
     b.close()
+
+
+def test_merge_branches_keeps_continued_branches_for_sliding_windows():
+    """With bounded sliding windows a continued branch is a place to resume: only an equal one goes."""
+    got = merge_branches([br("a", 16, 1.0), br("ab", 32, 2.0)], [br("ab", 32, 3.0)], 4, continued=False)
+    assert [(b.block_ids, b.last_used) for b in got] == [(["a"], 1.0), (["a", "b"], 3.0)]

@@ -170,16 +170,21 @@ def holds(c: Branch, b: Branch, grew: Optional[Callable[[Branch, Branch], bool]]
 
 
 def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
-                   grew: Optional[Callable[[Branch, Branch], bool]] = None) -> list[Branch]:
+                   grew: Optional[Callable[[Branch, Branch], bool]] = None, continued: bool = True) -> list[Branch]:
     """Two lists of one agent's branches (e.g. this server's and another's, each least recently
     used first) as one, least recently used first: a branch that another holds (`holds`) goes, and
     the most recently used of those holding it counts as used when either was (as a lookup served
     from it would have been); of the rest the `limit` most recently used are kept, whichever list
-    they came from. On equal `last_used` a branch of `theirs` counts as the more recent. Pure."""
+    they came from. On equal `last_used` a branch of `theirs` counts as the more recent.
+    `continued=False`: only a branch another equals goes (a model with bounded sliding windows
+    keeps a continued branch as a place to resume, as its commits do). Pure."""
+    def held(c: Branch, b: Branch) -> bool:
+        return holds(c, b, grew) if continued else (c.block_ids == b.block_ids and c.n_tokens == b.n_tokens)
+
     every = sorted([*mine, *theirs], key=lambda br: br.last_used)  # stable: ties keep mine first
     gone = [False] * len(every)
     for i, b in enumerate(every):  # least recent first: of two that hold each other, the older goes
-        holders = [j for j, c in enumerate(every) if j != i and not gone[j] and holds(c, b, grew)]
+        holders = [j for j, c in enumerate(every) if j != i and not gone[j] and held(c, b)]
         if not holders:
             continue
         gone[i] = True

@@ -52,10 +52,10 @@ class Fleet:
     def __init__(self, pool: "BlockPool", make_tier: Callable[..., RemoteTier], *, wait_s: float = 3.0,
                  write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
                  max_fetch_bytes: Optional[int] = None):
-        """`make_tier(block_source=, on_erased=, branches=)`: the RemoteTier, built here with this
-        fleet's callbacks (blocks a put lacks come from the local disk, verified; a put refused by
-        another server's erasure erases the agent here) and the pool's `branches` (what a merge in
-        Redis keeps)."""
+        """`make_tier(block_source=, on_erased=, branches=, keep_continued=)`: the RemoteTier, built
+        here with this fleet's callbacks (blocks a put lacks come from the local disk, verified; a put
+        refused by another server's erasure erases the agent here) and what a merge in Redis keeps:
+        the pool's `branches`, and continued branches on a model with bounded sliding windows."""
         if pool.persister is None:
             raise ValueError("the fleet tier needs the local disk tier")
         self.pool, self.wait_s = pool, wait_s
@@ -74,7 +74,7 @@ class Fleet:
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
              "erased_from_fleet", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
         self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
-                              branches=pool.max_branches)
+                              branches=pool.max_branches, keep_continued=bool(pool.codec.window_names()))
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 

@@ -553,8 +553,8 @@ class BlockPool:
             block = self.table.blocks.get(bid)
             return block.tokens if block is not None and block.tokens else None
 
-        return merge_branches(local, fetched, self.max_branches,
-                              lambda c, b: self.chains.grew(c, b, tokens_of))
+        return merge_branches(local, fetched, self.max_branches, lambda c, b: self.chains.grew(c, b, tokens_of),
+                              continued=not self.codec.window_names())
 
     def _adopt_fetched(self, namespace: str, branches: list[Branch], expect: tuple) -> bool:
         """Give the agent its merged branches with COLD blocks (blocks still hot stay hot)."""

@@ -416,6 +416,7 @@ class RemoteTier:
         cluster: bool = False,
         secret: Union[bytes, str, None] = None,
         branches: int = 4,
+        keep_continued: bool = False,
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
@@ -460,6 +461,7 @@ class RemoteTier:
         self.max_agents, self.max_erasures = max_agents, max_erasures
         self.on_erased = on_erased
         self.branches = max(1, int(branches))  # a merged manifest keeps this many (the pool's `branches`)
+        self.keep_continued = keep_continued  # a model with bounded sliding windows: see chain.merge_branches
         self._tagger = _Tagger(secret or None)
         self.authenticated = secret is not None
         self.key_id = self._tagger.key_id
@@ -1272,7 +1274,8 @@ class RemoteTier:
         if theirs is None:
             return m
         old = branches_of(theirs)
-        merged = merge_branches(old, branches_of(m), self.branches)  # on equal last use, the put's is newer
+        merged = merge_branches(old, branches_of(m), self.branches,  # on equal last use, the put's is newer
+                                continued=not self.keep_continued)
         if same_branches(merged, old):
             return None
         return manifest_of(m.namespace, merged, m.pinned, max(m.updated_at, theirs.updated_at))
