@@ -243,17 +243,61 @@ def test_conflict_rule(server, fp, tiers):
     a, b = tiers(server.url, fp), tiers(server.url, fp)
     blocks = {x.block_id: x for x in hist}
     a.put(manifest("cas", hist[:4]), blocks); a.flush(10)  # v1, 4 blocks
-    b.put(manifest("cas", hist[:3]), blocks); b.flush(10)  # B never saw v1: concurrent, shorter -> kept
+    late = manifest("cas", hist[:3])
+    late.updated_at -= 100  # B never saw v1: a late put of an older turn, which v1 holds -> kept
+    b.put(late, blocks); b.flush(10)
     assert b.stats()["puts_kept_other"] == 1 and len(b.get_manifest("cas").block_ids) == 4
-    b.put(manifest("cas", hist[:5]), blocks); b.flush(10)  # concurrent but longer -> wins (v2)
-    assert b.get_manifest("cas").version == 2
-    a.put(manifest("cas", hist[:4] + chain(fp, "x", 1)), {**blocks, **{x.block_id: x for x in chain(fp, "x", 1)}})
-    a.flush(10)  # A's base v1 is stale and its history is not longer: B's stays
+    b.put(manifest("cas", hist[:5]), blocks); b.flush(10)  # concurrent, continues v1: merged, v1 held by it
+    m = b.get_manifest("cas")
+    assert (m.version, m.block_ids, b.stats()["puts_merged"]) == (2, [x.block_id for x in hist[:5]], 1)
+    assert b.seen_version("cas") == 2  # the merged value is all B's own: its next put succeeds it
+
+    def turn(n: int, seed: int) -> Manifest:  # hist[:n] and one block of its own
+        own = chain(fp, "cas", 1, seed=seed, after=hist[n - 1])
+        blocks.update({x.block_id: x for x in own})
+        return manifest("cas", hist[:n] + own)
+
+    a.put(turn(4, 7), blocks); a.flush(10)  # A's base v1 is stale: its diverging turn is merged in
     m = a.get_manifest("cas")
-    assert (m.version, m.block_ids) == (2, [x.block_id for x in hist[:5]])
-    b.put(manifest("cas", hist[:2]), blocks); b.flush(10)  # B's base is current: a rewind wins
+    assert m.version == 3 and [br["block_ids"] for br in m.branches] == [
+        [x.block_id for x in hist[:5]], turn(4, 7).block_ids]  # B's branch, then A's (the newest)
+    assert m.n_tokens == 5 * TOKENS_PER_BLOCK and a.seen_version("cas") == 1  # A does not hold B's branch
+    a.put(turn(2, 8), blocks); a.flush(10)  # still no successor: merged again, nothing lost
     m = a.get_manifest("cas")
-    assert (m.version, len(m.block_ids), m.n_tokens) == (3, 2, 32)
+    assert m.version == 4 and [br["block_ids"] for br in m.branches][-1] == turn(2, 8).block_ids
+    assert len(m.branches) == 3
+    b.adopt("cas", b.get_manifest("cas").version)  # B fetched v4 (a sync): a rewind is its successor, wins
+    b.put(manifest("cas", hist[:2]), blocks); b.flush(10)
+    m = a.get_manifest("cas")
+    assert (m.version, len(m.block_ids), m.n_tokens, m.branches[0].get("last_used")) == (5, 2, 32, None)
+    b.release("cas")  # B erased its copy here (its disk budget): its next put merges instead
+    b.put(turn(1, 9), blocks); b.flush(10)
+    m = a.get_manifest("cas")
+    assert m.version == 6 and [br["block_ids"] for br in m.branches] == [
+        [x.block_id for x in hist[:2]], turn(1, 9).block_ids]
+
+
+def test_a_merge_keeps_the_most_recently_used_branches_of_both(server, fp, tiers):
+    """Concurrent puts of branched histories: the union by last use, `branches` at most, whichever
+    server wrote them; a branch another holds goes, its last use passing to the newest holder."""
+    from vllm_mlx_persist.chain import Branch, manifest_of
+
+    base = chain(fp, "m", 1)
+    forks = [chain(fp, "m", 1, seed=i, after=base[0])[0] for i in range(5)]
+    blocks = {x.block_id: x for x in base + forks}
+
+    def br(i: int, t: float) -> Branch:  # the base block, then fork i's own
+        return Branch([base[0].block_id, forks[i].block_id], 2 * TOKENS_PER_BLOCK, ((0, "m"), (1, "m")), t)
+
+    a, b = tiers(server.url, fp, branches=3), tiers(server.url, fp, branches=3)
+    a.put(manifest_of("m", [br(0, 10.0), br(2, 30.0), br(4, 50.0)], False, 50.0), blocks); a.flush(10)
+    only_base = Branch([base[0].block_id], TOKENS_PER_BLOCK, ((0, "m"),), 60.0)
+    b.put(manifest_of("m", [br(1, 20.0), br(3, 40.0), only_base], False, 60.0), blocks); b.flush(10)
+    m = a.get_manifest("m")
+    assert b.stats()["puts_merged"] == 1 and m.version == 2
+    assert [(e["block_ids"][1], e["last_used"]) for e in m.branches] == [
+        (forks[2].block_id, 30.0), (forks[3].block_id, 40.0), (forks[4].block_id, 60.0)]
+    assert m.n_tokens == 2 * TOKENS_PER_BLOCK and b.seen_version("m") == -1  # B holds only one of them
 
 
 def test_alternating_servers_lose_no_turn(server, fp, tiers):
@@ -384,12 +428,10 @@ def test_branched_and_forked_manifest_round_trips(server, fp, tiers):
     assert b.put(m) and b.flush(10) and b.stats()["puts_same"] == 1
     swapped = Manifest("child", m.block_ids, branches[0]["n_tokens"], time.time(), branches=branches[::-1])
     assert a.put(swapped) and a.flush(10) and a.get_manifest("child").branches == branches[::-1]
-    # conflict rule: the newest branch's tokens count; a concurrent put naming fewer is kept out
-    assert b.put(m) and b.flush(10) and b.stats()["puts_kept_other"] == 0  # longer newest branch: wins
-    shorter = Manifest("child", m.block_ids, 10, time.time(),
-                       branches=[branches[1], {**branches[0], "n_tokens": 10}])
-    a.put(shorter); a.flush(10)  # A's base is stale (B published since) and names fewer tokens
-    assert a.stats()["puts_kept_other"] == 1 and b.get_manifest("child").branches == branches
+    # a concurrent put is merged by last use: B's (stale base) names the same branches, used before
+    # A's put (a branch without last_used counts as used when its manifest was written): kept out
+    assert b.put(m) and b.flush(10) and b.stats()["puts_kept_other"] == 1
+    assert b.get_manifest("child").branches == branches[::-1]
     with pytest.raises(ValueError):  # a branch naming a block the manifest does not list: misuse
         a.put(Manifest("child", m.block_ids[:2], 5, time.time(), branches=branches))
 
@@ -482,11 +524,49 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
         fleet._sync_agent("big")
         assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1
         assert fleet.counts["blocks_fetched"] == 3
-        ((ids, n_tokens, _),) = pool.branch_state("big")
+        ((ids, n_tokens, _, _),) = pool.branch_state("big")
         assert list(ids) == [x.block_id for x in hist[:3]] and n_tokens == 3 * TOKENS_PER_BLOCK
         assert all(persister.store.has_block(x.block_id) for x in hist[:3])
     finally:
         fleet.close()
+        pool.close()
+
+
+def test_a_sync_fetches_any_branch_it_lacks_and_nothing_it_holds(server, fp, tiers, tmp_path):
+    """A sync fetches whenever Redis holds something this server lacks: here a branch shorter than
+    the local newest one (before: skipped, the local history being 'at least as long'). A history
+    already held costs the manifest read only: no block read, and the server adopts its version."""
+    from vllm_mlx_persist.chain import Branch, manifest_of
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.pool import BlockPool
+
+    hist = chain(fp, "s", 3)
+    side = chain(fp, "s", 1, seed=5, after=hist[0])  # a branch diverging after block 0
+    blocks = {x.block_id: x for x in hist + side}
+    long_ = Branch([x.block_id for x in hist], 3 * TOKENS_PER_BLOCK, ((0, "s"),), 10.0)
+    short = Branch([hist[0].block_id, side[0].block_id], 2 * TOKENS_PER_BLOCK, ((0, "s"), (1, "s")), 20.0)
+    a = tiers(server.url, fp)
+    assert a.put(manifest_of("s", [long_], False, 10.0), blocks) and a.flush(10)
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt),
+                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, **cb)))
+    fleet = pool.fleet
+    try:
+        fleet._sync_agent("s")
+        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens)]
+        gets = fleet.tier.stats()["gets"]
+        fleet._sync_agent("s")  # nothing new: no block read, the version adopted
+        assert fleet.counts["syncs_unchanged"] == 1 and fleet.tier.stats()["gets"] == gets
+        assert fleet.tier.seen_version("s") == 1
+        assert a.put(manifest_of("s", [long_, short], False, 20.0), blocks) and a.flush(10)  # A's successor: v2
+        fleet._sync_agent("s")  # its newest branch is shorter than the local one, and new here
+        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens),
+                                                           (tuple(short.block_ids), short.n_tokens)]
+        assert fleet.tier.stats()["gets"] == gets + 1 and fleet.tier.seen_version("s") == 2  # the one block it lacked
+        fleet._sync_agent("s")
+        assert fleet.counts["syncs_unchanged"] == 2 and fleet.tier.stats()["gets"] == gets + 1
+    finally:
         pool.close()
 
 

@@ -7,13 +7,17 @@
               budget and the TTL are this server's space decisions: they erase locally only.
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
               module's own threads: read the agent's manifest in Redis; a tombstone this server has
-              not acted on erases the agent locally (then tier.erased_locally); a longer history than the
-              local one has the missing blocks of each of its branches fetched (pipelined, verified
-              as disk blocks, and each branch's id chain checked with its links: forks included),
-              merged with the local branches, saved to local disk through the persister (index and
-              budget see them; they are not uploaded again), then registered in the pool as COLD
-              blocks on the persister thread, in order with every other write. pool.lookup waits for that job at most
-              `wait_s`, then goes on with what is local.
+              not acted on erases the agent locally (then tier.erased_locally); a history holding
+              anything the local one lacks (a branch, or a more recent use of one) has the missing
+              blocks of each of its branches fetched (pipelined, verified as disk blocks, and each
+              branch's id chain checked with its links: forks included), merged with the local
+              branches by recency (chain.merge_branches), saved to local disk through the persister
+              (index and budget see them; they are not uploaded again), then registered in the pool
+              as COLD blocks on the persister thread, in order with every other write. A history
+              the local one already holds costs the manifest read only. pool.lookup waits for that
+              job at most `wait_s`, then goes on with what is local.
+    local erasure (disk budget, TTL, before erased_locally) -> tier.release: this server's next
+              put merges with what Redis holds instead of succeeding it.
 
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
 jobs tracked at once (more are skipped and counted), `threads` threads, the persister's and the
@@ -48,9 +52,10 @@ class Fleet:
     def __init__(self, pool: "BlockPool", make_tier: Callable[..., RemoteTier], *, wait_s: float = 3.0,
                  write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
                  max_fetch_bytes: Optional[int] = None):
-        """`make_tier(block_source=, on_erased=)`: the RemoteTier, built here with this fleet's
-        callbacks (blocks a put lacks come from the local disk, verified; a put refused by another
-        server's erasure erases the agent here)."""
+        """`make_tier(block_source=, on_erased=, branches=, keep_continued=)`: the RemoteTier, built
+        here with this fleet's callbacks (blocks a put lacks come from the local disk, verified; a put
+        refused by another server's erasure erases the agent here) and what a merge in Redis keeps:
+        the pool's `branches`, and continued branches on a model with bounded sliding windows."""
         if pool.persister is None:
             raise ValueError("the fleet tier needs the local disk tier")
         self.pool, self.wait_s = pool, wait_s
@@ -65,10 +70,11 @@ class Fleet:
         self._exec = ThreadPoolExecutor(threads, thread_name_prefix="vllm-mlx-persist-fleet")
         self._closed = False
         self.counts = dict.fromkeys(
-            ["syncs", "syncs_skipped", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
-             "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
-             "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
-        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere)
+            ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
+             "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
+             "erased_from_fleet", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
+                              branches=pool.max_branches, keep_continued=bool(pool.codec.window_names()))
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
@@ -80,6 +86,10 @@ class Fleet:
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
+
+    def released(self, namespace: str) -> None:
+        """The agent was erased here (any reason; the pool's lock held): it holds no copy any more."""
+        self.tier.release(namespace)
 
     def erase(self, namespace: str) -> bool:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
@@ -172,12 +182,14 @@ class Fleet:
                 pool.erase(namespace, fleet_wide=False)
                 self.tier.erased_locally(namespace, rm.ident)  # only now may its puts start afresh
             return
-        local = expect[1]
-        local_n = local[-1][1] if local else 0
-        if local is not None and local_n >= rm.n_tokens:
+        remote = self._branches(rm)
+        # Every branch there already held here, as recently used: no block is read, and this server
+        # now holds that version (its next put succeeds it).
+        if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version)):
+            self._count("syncs_unchanged")
             return
-        branches, blocks, complete = self._fetch(rm)
-        if not branches or (local is not None and local_n >= branches[-1].n_tokens):
+        branches, blocks, complete = self._fetch(rm, remote)
+        if not branches:
             return
         version = rm.version if complete else None
         fut = pool.save_fetched(namespace, branches, blocks, expect, lambda adopted: self._adopted(adopted, version))
@@ -190,9 +202,16 @@ class Fleet:
             log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
                         namespace, self.write_timeout_s)
 
-    def _fetch(self, rm: RemoteManifest) -> tuple[list[Branch], list[BlockData], bool]:
-        """Fetch what the local disk lacks of the manifest's branches (newest first: it matters
-        most, and older ones mostly share its blocks; at most the pool's `branches`). A branch ends
+    def _branches(self, rm: RemoteManifest) -> list[Branch]:
+        """The manifest's branches, least recently used first (at most the pool's `branches`, the
+        most recent); one without a last use counts as used when the manifest was written."""
+        return [Branch(list(e["block_ids"]), e["n_tokens"], tuple((int(i), ns) for i, ns in e["links"]),
+                       float(e.get("last_used", rm.updated_at)))
+                for e in rm.branches[-self.pool.max_branches:]]
+
+    def _fetch(self, rm: RemoteManifest, remote: list[Branch]) -> tuple[list[Branch], list[BlockData], bool]:
+        """Fetch what the local disk lacks of the manifest's branches (`remote`; newest first: it
+        matters most, and older ones mostly share its blocks). A branch ends
         at its first block that is missing, refused by the tier, or off its id chain (checked with
         the branch's links, exactly as the pool checks disk blocks); the prefix before it is still
         used. Returns the usable branches (least recently used first), the fetched blocks they
@@ -203,9 +222,7 @@ class Fleet:
         failed: set[str] = set()
         out: list[Branch] = []
         complete = True  # branches beyond the pool's bound are left out as on one server: not a cut
-        for entry in reversed(rm.branches[-pool.max_branches:]):
-            br = Branch(list(entry["block_ids"]), entry["n_tokens"],
-                        tuple((int(i), ns) for i, ns in entry["links"]))
+        for br in reversed(remote):
             want: list[str] = []
             for bid in br.block_ids:
                 if bid in failed:

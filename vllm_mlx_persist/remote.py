@@ -15,14 +15,18 @@ sizing and faults are in docs/fleet.md. The interface the pool (or persister) ca
     tier.get_blocks(block_ids) -> list[BlockData]           # any thread; pipelined round trips of
                                                             # bounded size, each at most read_timeout_s;
                                                             # the blocks up to the first one not served
-    tier.put(manifest, blocks=None) -> bool                 # any thread; never blocks: queues the
-                                                            # upload, False when dropped (queue full)
+    tier.put(manifest, blocks=None, base=None) -> bool      # any thread; never blocks: queues the
+                                                            # upload, False when dropped (queue full);
+                                                            # a concurrent update is merged with it
     tier.erase(agent) -> bool                               # any thread; never blocks: queued ahead
                                                             # of the bound, retried until done or close()
     tier.erased_locally(agent, ident) -> bool               # any thread: this server dropped its copy
                                                             # because of tombstone `ident` (from
                                                             # get_manifest or on_erased(agent, ident));
                                                             # its puts may now start a new history
+    tier.adopt(agent, version)                              # any thread: this server now holds that
+                                                            # version (read by get_manifest lately)
+    tier.release(agent)                                     # any thread: it holds no copy any more
     tier.flush(timeout) -> bool                             # wait for queued writes (tests, shutdown)
     tier.stats() -> dict                                    # O(1) counters
     tier.close(timeout)                                     # flush within the bound, stop the threads
@@ -58,6 +62,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from .chain import branches_of, manifest_of, merge_branches, same_branches
 from .store import (_BLOCK_FORMAT, FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id,
                     _check_branches, decode_block, encode_block)
 
@@ -288,6 +293,11 @@ def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
+def _content(m: Manifest) -> set:
+    """A manifest's branches as a set of (block ids, tokens), recency and order aside."""
+    return {(tuple(br.block_ids), br.n_tokens) for br in branches_of(m)}
+
+
 def _newer_block(data: Any) -> Optional[str]:
     """What a block value that failed decode_block says it is, when that is our block format in
     a version or with a checksum kind this build does not know (a value not ours to judge, so not
@@ -405,6 +415,8 @@ class RemoteTier:
         on_erased: Optional[Callable[[str, str], None]] = None,
         cluster: bool = False,
         secret: Union[bytes, str, None] = None,
+        branches: int = 4,
+        keep_continued: bool = False,
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
@@ -448,6 +460,8 @@ class RemoteTier:
         self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
         self.max_agents, self.max_erasures = max_agents, max_erasures
         self.on_erased = on_erased
+        self.branches = max(1, int(branches))  # a merged manifest keeps this many (the pool's `branches`)
+        self.keep_continued = keep_continued  # a model with bounded sliding windows: see chain.merge_branches
         self._tagger = _Tagger(secret or None)
         self.authenticated = secret is not None
         self.key_id = self._tagger.key_id
@@ -472,10 +486,10 @@ class RemoteTier:
         self._pending_erase: dict[str, int] = {}  # namespace -> erasures queued
         self._gen_counter = 0
         self._c = dict.fromkeys(
-            ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
-             "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "fetch_round_trips", "hits",
-             "misses", "refused", "refused_mac", "foreign", "puts_foreign", "bytes_down", "manifest_gets",
-             "manifest_hits", "erases", "erases_done", "errors", "timeouts", "skipped"], 0)
+            ["puts", "puts_published", "puts_merged", "puts_same", "puts_kept_other", "puts_erased", "puts_stale",
+             "puts_incomplete", "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets",
+             "fetch_round_trips", "hits", "misses", "refused", "refused_mac", "foreign", "puts_foreign", "bytes_down",
+             "manifest_gets", "manifest_hits", "erases", "erases_done", "errors", "timeouts", "skipped"], 0)
 
         self._q: deque = deque()
         self._q_puts = 0
@@ -735,7 +749,8 @@ class RemoteTier:
         False when dropped (queue full by count or bytes, tier closed or disabled). `base`: the
         agent's history this turn continued (its manifest before the turn): a put whose base is the
         value in Redis is its sequential successor even when this server forgot having published
-        it (a restart)."""
+        it (a restart). A put that is no successor is merged with the value in Redis by recency
+        (docs/fleet.md, "Which update wins")."""
         _agent_key(manifest.namespace)
         for b in manifest.block_ids:
             _check_block_id(b)
@@ -832,6 +847,15 @@ class RemoteTier:
             ident = st.read.get(int(version))
             if ident is not None and int(version) >= st.seen_v:
                 st.seen_v, st.seen_id = int(version), ident
+
+    def release(self, namespace: str) -> None:
+        """This server no longer holds the agent's history (it erased its copy: a local space
+        decision, or before erased_locally): its next put is nobody's sequential successor, so it
+        merges with what Redis holds instead of replacing it."""
+        with self._lock:
+            st = self._agents.get(namespace)
+            if st is not None:
+                st.seen_id = ""
 
     def erased_locally(self, namespace: str, ident: str) -> bool:
         """This server has erased its copy of the agent (memory and disk, durable) because of the
@@ -1182,11 +1206,17 @@ class RemoteTier:
                     return
                 st = self._agent(m.namespace)
                 seen_v, seen_id = st.seen_v, st.seen_id
-            outcome, version = self._decide(cur, seen_v, seen_id, int(m.n_tokens), digest, p.base_digest)
-            if outcome != "publish":
+            outcome, version = self._decide(cur, seen_v, seen_id, digest, p.base_digest)
+            value = m  # what is written: the put, or (a concurrent update) the put merged with the current
+            if outcome == "merge":
+                value = self._merged(m, cur)
+                if value is None:
+                    outcome = "kept"
+            if outcome not in ("publish", "merge"):
                 break
+            d, b = (digest, body) if value is m else (self._digest(value), self._manifest_body(value))
             ident = secrets.token_hex(8)
-            fields = self._manifest_fields(key, version, ident, False, int(m.n_tokens), digest, body)
+            fields = self._manifest_fields(key, version, ident, False, int(value.n_tokens), d, b)
             if int(self._cas_script(self._write_client, [key], [cur.raw_id, self.manifest_ttl_s, *fields])):
                 if cur.state == "refused":
                     self._refused_manifest(cur, "replaced by a put")
@@ -1194,12 +1224,14 @@ class RemoteTier:
         else:
             raise _Conflict(f"an agent's manifest changed under its put {_CAS_TRIES} times")
         with self._lock:
-            if outcome == "publish":
+            # A merged value holding another server's branches is not this server's history: its
+            # next put merges again (until a sync fetches them), so it never drops them unseen.
+            if outcome == "publish" or (outcome == "merge" and _content(value) <= _content(m)):
                 st.seen_v, st.seen_id = version, ident
             elif outcome == "same":  # the same history already there: this server holds it too
                 st.seen_v, st.seen_id = cur.version, cur.ident
-            self._c[{"publish": "puts_published", "same": "puts_same", "kept": "puts_kept_other",
-                     "erased": "puts_erased", "foreign": "puts_foreign"}[outcome]] += 1
+            self._c[{"publish": "puts_published", "merge": "puts_merged", "same": "puts_same",
+                     "kept": "puts_kept_other", "erased": "puts_erased", "foreign": "puts_foreign"}[outcome]] += 1
         if outcome == "foreign":
             self._refused_manifest(cur, "a put left it alone")
         elif outcome == "erased":
@@ -1213,11 +1245,12 @@ class RemoteTier:
                     logger.exception("fleet: on_erased callback failed")
 
     @staticmethod
-    def _decide(cur: _Current, seen_v: int, seen_id: str, n_tokens: int, digest: str,
+    def _decide(cur: _Current, seen_v: int, seen_id: str, digest: str,
                 base_digest: Optional[str] = None) -> tuple[str, int]:
         """Which update wins (docs/fleet.md): (outcome, version), outcome one of publish (as that
-        version), same, kept (the other history stays), erased (a tombstone this server has not
-        acted on), foreign (a value this build cannot judge: left alone)."""
+        version), merge (a concurrent update: the union of both histories by recency, as that
+        version), same, erased (a tombstone this server has not acted on), foreign (a value this
+        build cannot judge: left alone)."""
         if cur.state == "foreign":
             return "foreign", -1
         if cur.state != "ok":  # absent, or no value of this fleet's (refused): as if absent
@@ -1230,17 +1263,32 @@ class RemoteTier:
             return "same", cur.version
         if base_digest is not None and cur.digest == base_digest:  # it continued what Redis holds
             return "publish", cur.version + 1
-        if n_tokens <= cur.n_tokens:
-            return "kept", cur.version
-        return "publish", cur.version + 1
+        return "merge", cur.version + 1
+
+    def _merged(self, m: Manifest, cur: _Current) -> Optional[Manifest]:
+        """The put's branches merged with the current manifest's (chain.merge_branches: a branch
+        another holds goes, the `branches` most recently used stay), as a manifest; None when that
+        is the current manifest itself (a late put of turns it already holds). A current body that
+        does not parse is no history to keep: the put as it is."""
+        theirs = self._parse_manifest(cur.body, m.namespace)
+        if theirs is None:
+            return m
+        old = branches_of(theirs)
+        merged = merge_branches(old, branches_of(m), self.branches,  # on equal last use, the put's is newer
+                                continued=not self.keep_continued)
+        if same_branches(merged, old):
+            return None
+        return manifest_of(m.namespace, merged, m.pinned, max(m.updated_at, theirs.updated_at))
 
     @staticmethod
     def _digest(m: Manifest) -> str:
         """What makes two puts 'the same history' for the script: the block ids, and the branches
-        when there are any (a plain manifest's digest is what older servers compute)."""
+        when there are any, without their last uses (recency is not history; and so a digest is
+        what servers from before last uses compute)."""
         text = "\n".join(m.block_ids)
         if m.branches is not None:
-            text += "\n" + _canonical(m.branches).decode()
+            text += "\n" + _canonical([{k: v for k, v in br.items() if k != "last_used"}
+                                        for br in m.branches]).decode()
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _stale(self, p: _Put, locked: bool = False) -> bool:

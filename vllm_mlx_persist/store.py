@@ -107,7 +107,8 @@ class Manifest:
     updated_at: float
     pinned: bool = False  # exempt from hot-tier eviction, the disk budget and the TTL
     # The agent's branches, least recently used first, when it has more than one plain chain:
-    # [{"block_ids": [...], "n_tokens": n, "links": [[block index, namespace], ...]}]. None: one
+    # [{"block_ids": [...], "n_tokens": n, "links": [[block index, namespace], ...], "last_used": t}]
+    # (last_used optional: absent, the manifest's updated_at; chain.branches_of). None: one
     # branch, `block_ids` itself, seeded with the namespace. `block_ids` always lists every block
     # the manifest names (what the disk budget, GC and erasure count).
     branches: Optional[list] = None
@@ -1216,3 +1217,6 @@ def _check_branches(branches: Any, named: set) -> None:
                            for l in links)
                 or links[0][0] != 0 or [l[0] for l in links] != sorted({l[0] for l in links})):
             raise ValueError("malformed manifest branch")
+        used = br.get("last_used", 0.0)  # optional: absent in manifests written before it existed
+        if isinstance(used, bool) or not isinstance(used, (int, float)) or not math.isfinite(used):
+            raise ValueError("malformed manifest branch: last_used")

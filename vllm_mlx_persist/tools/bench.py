@@ -740,7 +740,8 @@ def section_fleet(ctx: "Ctx") -> dict:
         deadline = time.time() + 300
         while time.time() < deadline:
             r = remote(s)
-            if r["queue_depth"] == 0 and r["puts_published"] + r["puts_same"] + r["puts_kept_other"] >= n:
+            done = r["puts_published"] + r.get("puts_merged", 0) + r["puts_same"] + r["puts_kept_other"]
+            if r["queue_depth"] == 0 and done >= n:
                 return
             time.sleep(0.05)
         raise RuntimeError("uploads to Redis did not finish")
