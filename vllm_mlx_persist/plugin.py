@@ -1,18 +1,14 @@
-"""pluggy hook implementations that vllm-mlx loads from the `vllm_mlx.plugins` entry point.
-
-This module must import without vllm-mlx's patch applied (it only needs pluggy), so the marker is
-created here rather than imported from `vllm_mlx.plugins`.
+"""What vllm-mlx loads from this package's entry points (pyproject.toml; the groups are defined by
+the patch series in patches/vllm-mlx-0.6.0): the `persist_q4` factory (`vllm_mlx.cache_backends`),
+the agent id of a request (`vllm_mlx.cache_namespaces`) and the agent admin API
+(`vllm_mlx.api_routers`). This module imports neither vllm-mlx nor MLX.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Callable, Mapping, Optional
-
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("vllm_mlx")
+from typing import Any, Mapping, Optional
 
 BACKEND_NAME = "persist_q4"
 AGENT_ID_HEADER = "x-agent-id"
@@ -64,10 +60,35 @@ def resolve_fork_from(request: Any, headers: Mapping[str, str]) -> Optional[str]
     return None
 
 
-def create_backend(**kwargs: Any) -> Any:
-    """The `persist_q4` factory vllm-mlx calls: a backend, registered for the hooks below."""
-    from .backend import PersistQ4Backend
+# vllm-mlx options of the built-in prefix caches, which persist_q4 replaces: accepted, they would
+# be silently ignored. (--max-kv-size: its rotating cache bounds a sequence; 4-bit caches do not.)
+_REPLACED_OPTIONS = (
+    ("--use-paged-cache", "use_paged_cache", True),
+    ("--disable-prefix-cache", "enable_prefix_cache", False),
+    ("--no-memory-aware-cache", "use_memory_aware_cache", False),
+    ("--kv-cache-quantization", "kv_cache_quantization", True),
+    ("--ssd-cache-dir", "ssd_cache_dir", True),
+    ("--max-kv-size", "max_kv_size", True),
+)
 
+
+def check_scheduler_config(config: Any) -> None:
+    """Raise ValueError naming the options of vllm-mlx's SchedulerConfig that persist_q4 replaces."""
+    given = [flag for flag, field, when_set in _REPLACED_OPTIONS
+             if hasattr(config, field) and bool(getattr(config, field)) == when_set]
+    if given:
+        raise ValueError(f"--cache-backend {BACKEND_NAME} cannot be combined with {', '.join(given)}: "
+                         "it replaces the built-in prefix cache those options configure")
+
+
+def create_backend(**kwargs: Any) -> Any:
+    """The `persist_q4` factory vllm-mlx calls (entry point `vllm_mlx.cache_backends`)."""
+    from .backend import PersistQ4Backend, _refuse
+
+    try:
+        check_scheduler_config(kwargs.get("config"))
+    except ValueError as e:
+        raise _refuse(e) from None
     backend = PersistQ4Backend(**kwargs)
     _LIVE_BACKENDS.add(backend)
     return backend
@@ -79,20 +100,15 @@ def live_backend() -> Optional[Any]:
     return backends[-1] if backends else None
 
 
-@hookimpl
-def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
-    return {BACKEND_NAME: create_backend}
-
-
-@hookimpl
 def vllm_mlx_api_routers() -> Any:
+    """The agent admin API (entry point `vllm_mlx.api_routers`, mounted behind --api-key)."""
     from .admin import make_router
 
     return make_router(live_backend, validate_agent_id)
 
 
-@hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
+    """A request's agent id, with its fork parent (entry point `vllm_mlx.cache_namespaces`)."""
     agent_id = resolve_agent_id(request, headers)
     parent = resolve_fork_from(request, headers)
     if parent is not None and agent_id is None:
