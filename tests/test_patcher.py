@@ -238,6 +238,16 @@ def test_stat_counts_added_lines_per_patch(series, capsys):
     assert f"+{total} " in out.splitlines()[-1], out
 
 
+def test_upstream_doc_states_each_patchs_counts(series):
+    """docs/upstream.md's table says what `patch --stat` prints."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "upstream.md").read_text()
+    for patch in series:
+        row = next(line for line in doc.splitlines() if line.startswith(f"| [{patch.name.removesuffix('.patch')}]"))
+        cells = [c.strip() for c in row.split("|")]
+        counts = [len(patch.diffs), sum(fd.added for fd in patch.diffs), sum(fd.removed for fd in patch.diffs)]
+        assert cells[2:5] == [str(n) for n in counts], (patch.name, cells, counts)
+
+
 # --- the applier itself, on a toy package -----------------------------------------------------
 
 TOY = patcher.PatchSpec(dist="toypkg", package="toypkg", version="1.0", path="toy-1.0", title="toy seam")
