@@ -1,8 +1,9 @@
 """`recorder`: a small, real prefix-cache backend for testing the vllm-mlx patch series on its own.
 
 tests/test_seam_series.py copies this module into a site-packages folder next to a copy of vllm_mlx
-carrying only some patches of the series, with entry points for every group the series defines, and
-serves a tiny model through it. The backend keeps finished sequences' mlx-lm KVCache in memory and
+carrying only some patches of the series, registers it as a pluggy plugin (entry point group
+`vllm_mlx.plugins`) implementing every hook the series defines (a hook the patches present do not
+define is ignored), and serves a tiny model through it. The backend keeps finished sequences' mlx-lm KVCache in memory and
 hands back their longest shared prefix; every call the seam makes is appended as a JSON line (the
 call, its thread, the request id and namespace, a monotonic time) to the file $SEAM_LOG names.
 
@@ -18,8 +19,11 @@ import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("vllm_mlx")
 _LOCK = threading.Lock()
 
 
@@ -134,10 +138,6 @@ def _prefix(layer: Any, n: int) -> Any:
     return out
 
 
-def create(**kwargs: Any) -> RecorderBackend:
-    return RecorderBackend(**kwargs)
-
-
 class _Incomplete:
     """A backend that forgot part of the protocol (no `ready`, no `durable_timeout_s`)."""
 
@@ -150,11 +150,13 @@ class _Incomplete:
         lambda self, *a, **k: None)
 
 
-def create_incomplete(**kwargs: Any) -> _Incomplete:
-    return _Incomplete(**kwargs)
+@hookimpl
+def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
+    return {"recorder": RecorderBackend, "recorder_incomplete": _Incomplete}
 
 
-def namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
+@hookimpl
+def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
     """The namespace from an X-Test-Namespace header ("bad" is refused); None defers to the seam."""
     value = headers.get("x-test-namespace")
     if value == "bad":
@@ -164,7 +166,8 @@ def namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Option
     return value
 
 
-def router() -> Any:
+@hookimpl
+def vllm_mlx_api_routers() -> Any:
     from fastapi import APIRouter
 
     r = APIRouter()

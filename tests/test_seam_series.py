@@ -2,7 +2,8 @@
 installed vllm_mlx, reverted to pristine, carrying only that patch (and the seam, for the patches
 that build on it), served through a real `vllm-mlx serve` on a tiny model. The backend is
 tests/seam_recorder.py, a small real prefix cache (mlx-lm's KVCache) that logs every call the seam
-makes, registered through the entry-point groups the series defines; the 0002 tests need no backend.
+makes, a pluggy plugin implementing every hook the series defines; the 0002 tests need no backend. The
+server sees no other plugin (persist_q4, installed in this environment, is hidden from it).
 
 persist_q4 through the whole series is tested by tests/test_e2e_*.py.
 """
@@ -29,16 +30,20 @@ from vllm_mlx_persist.tools.serving import Server
 SPEC = patcher.VLLM_MLX
 SERIES = {p.name[:4]: p for p in patcher.read_series(patcher.patches_dir() / SPEC.path)}
 RECORDER = Path(__file__).with_name("seam_recorder.py")
-ENTRY_POINTS = """\
-[vllm_mlx.cache_backends]
-recorder = seam_recorder:create
-recorder_incomplete = seam_recorder:create_incomplete
+# Imported first by the server's Python (it is first on PYTHONPATH): hides the plugins that other
+# installed distributions register (persist_q4), so that the server sees the recorder's hooks only.
+SITECUSTOMIZE = """\
+import importlib.metadata as metadata
 
-[vllm_mlx.cache_namespaces]
-recorder = seam_recorder:namespace
+_distributions = metadata.distributions
 
-[vllm_mlx.api_routers]
-recorder = seam_recorder:router
+
+def _without_other_plugins(**kwargs):
+    return [d for d in _distributions(**kwargs) if d.metadata["Name"] == "seam-recorder"
+            or not any(ep.group == "vllm_mlx.plugins" for ep in d.entry_points)]
+
+
+metadata.distributions = _without_other_plugins
 """
 WORDS = ("a returning agent reads what it read before from the cache and only prefills the new part "
          "of its conversation while the server keeps serving every other agent ").split()
@@ -48,10 +53,11 @@ def text(seed: int, n: int = 40) -> str:
     return " ".join(WORDS[(seed * 5 + i) % len(WORDS)] for i in range(n))
 
 
-def make_site(tmp_path: Path, numbers: tuple[str, ...]) -> Path:
+def make_site(tmp_path: Path, numbers: tuple[str, ...], plugins: Optional[dict[str, str]] = None) -> Path:
     """A folder to put first on PYTHONPATH: vllm_mlx with only the patches `numbers` of the series
     (in series order; each hunk's exact context is matched where it is, since the patches between
-    are absent), and the recorder plugin with its entry points."""
+    are absent), the recorder plugin with its entry point, and `plugins` ({module name: source}),
+    more plugin modules registered next to it."""
     site = tmp_path / "site"
     shutil.copytree(patcher.find_root(SPEC) / SPEC.package, site / SPEC.package,
                     ignore=shutil.ignore_patterns("__pycache__"))
@@ -62,10 +68,16 @@ def make_site(tmp_path: Path, numbers: tuple[str, ...]) -> Path:
             before = path.read_text() if path.exists() else None
             patcher._write_atomic(path, patcher.apply_hunks(before, fd, offsets=True))
     shutil.copy(RECORDER, site / RECORDER.name)
+    modules = {"recorder": RECORDER.stem}
+    for module, source in (plugins or {}).items():
+        (site / f"{module}.py").write_text(source)
+        modules[module] = module
     info = site / "seam_recorder-0.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: seam-recorder\nVersion: 0.0\n")
-    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    (info / "entry_points.txt").write_text(
+        "[vllm_mlx.plugins]\n" + "".join(f"{name} = {module}\n" for name, module in modules.items()))
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     return site
 
 
@@ -99,8 +111,9 @@ class Served:
 
 
 def serve(tmp_path: Path, model: Path, numbers: tuple[str, ...], *, backend: Optional[str] = "recorder",
-          options: Optional[dict] = None, extra_args: tuple[str, ...] = ()) -> Served:
-    site = make_site(tmp_path, numbers)
+          options: Optional[dict] = None, extra_args: tuple[str, ...] = (),
+          plugins: Optional[dict[str, str]] = None) -> Served:
+    site = make_site(tmp_path, numbers, plugins)
     log = tmp_path / "seam.jsonl"
     srv = Server(model, tmp_path / "home", backend=backend, options=options, extra_args=extra_args,
                  env={"PYTHONPATH": str(site), "SEAM_LOG": str(log)})
@@ -271,7 +284,9 @@ def test_seam_timeouts_bound_ready_and_the_durable_hold(tmp_path, model, started
 @pytest.mark.parametrize("backend, options, message", [
     ("recorder", {"refuse": "the recorder refuses this model"}, "the recorder refuses this model"),
     ("recorder_incomplete", None, "Cache backend 'recorder_incomplete' lacks durable_timeout_s, ready"),
-    ("no_such_backend", None, "unknown --cache-backend 'no_such_backend'"),
+    # only the recorder's backends are registered: persist_q4's plugin is hidden (SITECUSTOMIZE)
+    ("no_such_backend", None, "unknown --cache-backend 'no_such_backend'\n"
+                              "Registered cache backends: recorder, recorder_incomplete"),
 ])
 def test_seam_refusals_stop_the_server_at_startup(tmp_path, model, backend, options, message):
     s = serve(tmp_path, model, ("0001",), backend=backend, options=options)
@@ -279,6 +294,25 @@ def test_seam_refusals_stop_the_server_at_startup(tmp_path, model, backend, opti
         s.srv.start(timeout=120)
     assert message in str(e.value), str(e.value)
     assert "Uvicorn running" not in str(e.value)
+
+
+MISSPELLED = """\
+import pluggy
+
+
+@pluggy.HookimplMarker("vllm_mlx")
+def vllm_mlx_cache_backends(name):  # the hookspec takes no argument
+    return {}
+"""
+
+
+def test_seam_refuses_a_plugin_that_does_not_match_its_hookspec(tmp_path, model):
+    """pluggy checks each hook implementation against its spec as the plugin is loaded."""
+    s = serve(tmp_path, model, ("0001",), plugins={"seam_misspelled": MISSPELLED})
+    with pytest.raises(RuntimeError, match="server exited") as e:
+        s.srv.start(timeout=120)
+    assert "PluginValidationError: Plugin 'seam_misspelled' for hook 'vllm_mlx_cache_backends'" in str(e.value)
+    assert "Loading model" not in str(e.value)
 
 
 def test_seam_without_cache_backend_loads_no_plugin(tmp_path, model, started):

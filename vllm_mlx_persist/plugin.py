@@ -1,14 +1,20 @@
-"""What vllm-mlx loads from this package's entry points (pyproject.toml; the groups are defined by
-the patch series in patches/vllm-mlx-0.6.0): the `persist_q4` factory (`vllm_mlx.cache_backends`),
-the agent id of a request (`vllm_mlx.cache_namespaces`) and the agent admin API
-(`vllm_mlx.api_routers`). This module imports neither vllm-mlx nor MLX.
+"""pluggy hook implementations that vllm-mlx loads from the `vllm_mlx.plugins` entry point (hookspecs:
+vllm_mlx/plugins.py, added by the patch series in patches/vllm-mlx-0.6.0): the `persist_q4` factory
+(`vllm_mlx_cache_backends`), the agent id of a request (`vllm_mlx_cache_namespace`) and the agent admin
+API (`vllm_mlx_api_routers`). This module imports neither vllm-mlx nor MLX, and it must import without
+the series applied (it only needs pluggy), so the marker is created here rather than imported from
+`vllm_mlx.plugins`.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
 BACKEND_NAME = "persist_q4"
 AGENT_ID_HEADER = "x-agent-id"
@@ -82,7 +88,7 @@ def check_scheduler_config(config: Any) -> None:
 
 
 def create_backend(**kwargs: Any) -> Any:
-    """The `persist_q4` factory vllm-mlx calls (entry point `vllm_mlx.cache_backends`)."""
+    """The `persist_q4` factory vllm-mlx calls: refuses the built-in cache options it replaces."""
     from .backend import PersistQ4Backend, _refuse
 
     try:
@@ -100,15 +106,22 @@ def live_backend() -> Optional[Any]:
     return backends[-1] if backends else None
 
 
+@hookimpl
+def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
+    return {BACKEND_NAME: create_backend}
+
+
+@hookimpl
 def vllm_mlx_api_routers() -> Any:
-    """The agent admin API (entry point `vllm_mlx.api_routers`, mounted behind --api-key)."""
+    """The agent admin API (mounted behind --api-key)."""
     from .admin import make_router
 
     return make_router(live_backend, validate_agent_id)
 
 
+@hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
-    """A request's agent id, with its fork parent (entry point `vllm_mlx.cache_namespaces`)."""
+    """A request's agent id, with its fork parent; ValueError (HTTP 400) for a malformed one."""
     agent_id = resolve_agent_id(request, headers)
     parent = resolve_fork_from(request, headers)
     if parent is not None and agent_id is None:
