@@ -1,9 +1,7 @@
-"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend; installed on demand if missing)."""
+"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend: the `bench` extra)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +16,17 @@ STATE_STYLE = {
 TIER_COLORS = {"memory": "tab:green", "disk": "tab:blue", "cold": "tab:red"}
 
 
-def _pyplot():
+MISSING = ('the bench plots need matplotlib, which is not installed: pip install "vllm-mlx-persist[bench]" '
+           "(or pass --no-plots)")
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend. Nothing is installed at run time: without matplotlib,
+    an ImportError names the extra that provides it."""
     try:
         import matplotlib
     except ImportError:
-        print("[bench] matplotlib missing: installing it (pip install matplotlib; the 'bench' extra)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib>=3.7"], check=True)
-        import matplotlib
+        raise ImportError(MISSING) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
