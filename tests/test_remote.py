@@ -996,6 +996,110 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
         pool.close()
 
 
+def fleet_pool(fp: str, root: Path, make_tier):
+    """A pool with its disk tier at `root` and a fleet tier from `make_tier`, its agents loaded from disk."""
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.pool import BlockPool
+
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, store=DiskStore(root, fp, {"test": True}, fmt), disk_budget=1 << 30,
+                     fleet=lambda p: Fleet(p, make_tier))
+    pool.load_manifests()
+    return pool
+
+
+def held(pool, agent: str) -> set:
+    """The block ids of every branch the pool holds for the agent."""
+    return {b for br in pool.branch_state(agent) or () for b in br[0]}
+
+
+def test_an_erasure_holds_on_a_server_that_missed_its_tombstone(server, fp, tiers, tmp_path):
+    """Server B holds agents X and Y; A erases both (tombstones) and serves a new turn of each, a new
+    history on top of the tombstone, before B reads the tombstones. Each new history carries its
+    tombstone's id (its era). B's sync of X erases its copy before it takes the new history; B's put
+    of its old copy of Y is refused like a put onto the tombstone, and B erases that copy. The era
+    survives B's restart (its local manifests carry it) and the MAC covers it; a history without one
+    (from before the erasure) is neither taken by B nor kept by its next put."""
+    old, new = chain(fp, "x", 3), chain(fp, "x", 2, seed=5)
+    y_old, y_new = chain(fp, "y", 2, seed=1), chain(fp, "y", 1, seed=6)
+    by_id = {b.block_id: b for b in old + new + y_old + y_new}
+    ids = lambda hist: {b.block_id for b in hist}  # noqa: E731
+    a = tiers(server.url, fp, secret=SECRET)
+
+    def make(**cb):
+        return tiers(server.url, fp, secret=SECRET, **cb)
+
+    pool = fleet_pool(fp, tmp_path / "b", make)
+    try:
+        for agent, hist in (("x", old), ("y", y_old)):
+            assert a.put(manifest(agent, hist), by_id) and a.flush(10)
+            pool.fleet._sync_agent(agent)
+            assert held(pool, agent) == ids(hist)
+        for agent, hist in (("x", new), ("y", y_new)):
+            assert a.erase(agent) and a.flush(10)
+            assert a.get_manifest(agent).erased and a.era(agent) == a.get_manifest(agent).ident
+            assert a.put(manifest(agent, hist), by_id) and a.flush(10)
+            m = a.get_manifest(agent)
+            assert not m.erased and m.era == a.era(agent) and not m.erasure and not m.outdated
+        fleet, b = pool.fleet, pool.fleet.tier
+        assert b.era("x") == "" and b.get_manifest("x").erasure == a.era("x")
+
+        # the sync path: B's copy predates the erasure, so it goes before the new history is taken
+        fleet._sync_agent("x")
+        assert held(pool, "x") == ids(new) and fleet.counts["erased_from_fleet"] == 1
+        assert b.era("x") == a.era("x") and pool.store.read_manifest("x").era == a.era("x")
+        assert b.seen_version("x") == a.get_manifest("x").version  # adopted: its next put succeeds it
+
+        # the put path: a save job of B's old copy of Y ends now; refused, and B erases that copy
+        assert b.put(manifest("y", y_old)) and b.flush(10)
+        assert b.stats()["puts_erased"] == 1 and set(a.get_manifest("y").block_ids) == ids(y_new)
+        deadline = time.monotonic() + 10
+        while (pool.branch_state("y") is not None or b.era("y") != a.era("y")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.branch_state("y") is None and b.era("y") == a.era("y")
+        fleet._sync_agent("y")
+        assert held(pool, "y") == ids(y_new) and fleet.counts["erased_from_fleet"] == 2
+
+        # a restart: the eras come back from the local manifests; nothing to erase, nothing to fetch
+        pool.close()
+        pool = fleet_pool(fp, tmp_path / "b", make)
+        fleet, b = pool.fleet, pool.fleet.tier
+        assert (b.era("x"), b.era("y")) == (a.era("x"), a.era("y"))
+        for agent in ("x", "y"):
+            fleet._sync_agent(agent)
+        assert fleet.counts["erased_from_fleet"] == 0 and fleet.counts["syncs_unchanged"] == 2
+        assert held(pool, "x") == ids(new) and held(pool, "y") == ids(y_new)
+
+        # the MAC covers the era: a body whose era was changed (its checksum recomputed) is refused
+        raw = server.client()
+        key = a.manifest_key("x")
+        body = json.loads(raw.hget(key, "body"))
+        del body["checksum"]
+        body["era"] = "0" * 16
+        body["checksum"] = "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                                                 ensure_ascii=True).encode()).hexdigest()
+        good = raw.hget(key, "body")
+        raw.hset(key, "body", json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        before = b.stats()["refused_mac"]
+        assert b.get_manifest("x") is None and b.stats()["refused_mac"] == before + 1
+        raw.hset(key, "body", good)
+
+        # a history without an era (a build from before eras, or one published again after Redis
+        # lost the key) is from before B's erasure: B takes nothing from it, and its put replaces it
+        plant(raw, a, "x", manifest("x", old), version=9, ident="cd" * 8)
+        rm = b.get_manifest("x")
+        assert rm.outdated and not rm.erasure and rm.era == ""
+        fleet._sync_agent("x")
+        assert fleet.counts["syncs_outdated"] == 1 and held(pool, "x") == ids(new)
+        assert b.put(manifest("x", new)) and b.flush(10)
+        m = a.get_manifest("x")
+        assert set(m.block_ids) == ids(new) and m.era == a.era("x") and m.version == 10
+        assert b.stats()["puts_outdated"] == 1
+    finally:
+        pool.close()
+
+
 # ---- faults ------------------------------------------------------------------------------------------
 
 

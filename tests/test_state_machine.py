@@ -87,13 +87,11 @@ def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_tur
 
 
 @pytest.mark.skipif(not Redis.available(), reason="no redis-server")
-@pytest.mark.xfail(strict=True, reason="known, also on main: a tombstone replaced by a new history of the "
-                                       "same agent before another server read it leaves that server's copy")
 def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_tombstone():
     """B held agent a when A erased it (a tombstone); A then served a new turn of a, a new history on top
-    of the tombstone, before B synced. B never sees the tombstone: its next sync merges its erased copy
-    with the new history and serves from it. Closing it needs the history to say which erasure it
-    follows (docs/fleet.md, Erasure: the bound that remains)."""
+    of the tombstone, before B synced. B never saw the tombstone: its next sync merged its erased copy
+    with the new history and served from it. Now the new history says which erasure it follows (its
+    era), and B, whose copy follows none, erases it before it takes that history (docs/fleet.md, Erasure)."""
     state = FleetMachine()
     try:
         for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
