@@ -633,16 +633,16 @@ print(json.dumps(out))
 """
 
 
-def old_build(tmp_path: Path) -> Path:
-    """The package as it was at OLD_BUILD, extracted under tmp_path (skips without git history)."""
+def old_build(tmp_path: Path, commit: str = OLD_BUILD, what: str = "the build before crc32 blocks") -> Path:
+    """The package as it was at `commit`, extracted under tmp_path (skips without git history)."""
     root = Path(__file__).resolve().parent.parent
     git = shutil.which("git")
-    if git is None or subprocess.run([git, "cat-file", "-e", OLD_BUILD], cwd=root,
+    if git is None or subprocess.run([git, "cat-file", "-e", commit], cwd=root,
                                      capture_output=True).returncode != 0:
-        pytest.skip(f"needs git and commit {OLD_BUILD} (the build before crc32 blocks)")
-    archive = subprocess.run([git, "archive", OLD_BUILD, "vllm_mlx_persist"], cwd=root, capture_output=True,
+        pytest.skip(f"needs git and commit {commit} ({what})")
+    archive = subprocess.run([git, "archive", commit, "vllm_mlx_persist"], cwd=root, capture_output=True,
                              check=True).stdout
-    dest = tmp_path / "old-build"
+    dest = tmp_path / f"build-{commit}"
     dest.mkdir()
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
@@ -994,6 +994,47 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
     finally:
         fleet.close()
         pool.close()
+
+
+# The last build before eras (r2, like this one): manifests, in Redis and on disk, without `era`.
+PRE_ERA_BUILD = "8f65fcc"
+PRE_ERA_SCRIPT = """
+import json, sys
+from vllm_mlx_persist.remote import RemoteTier
+from vllm_mlx_persist.store import DiskStore
+url, fp, root, secret, block_size = sys.argv[1:6]
+t = RemoteTier(url, fp, secret=secret.encode())
+m = t.get_manifest("x")
+local = DiskStore(root, fp, {"test": True}, {"bits": 4, "group_size": 64, "block_size": int(block_size)}
+                  ).read_manifest("x")
+print(json.dumps({"remote": m and [m.block_ids, m.n_tokens, m.erased], "refused": t.stats()["refused"],
+                  "local": local and [local.block_ids, local.n_tokens]}))
+t.close(2)
+"""
+
+
+def test_a_build_from_before_eras_reads_manifests_that_carry_one(server, fp, tiers, tmp_path):
+    """`era` is an optional field (docs/disk-format.md, Versioning; docs/fleet.md, Versions): the r2
+    build before it reads a manifest carrying one, in Redis and on disk, as it reads any other."""
+    hist = chain(fp, "x", 2)
+    a = tiers(server.url, fp, secret=SECRET)
+    assert a.erase("x") and a.put(manifest("x", hist), {b.block_id: b for b in hist}) and a.flush(10)
+    raw = server.client()
+    assert json.loads(raw.hget(a.manifest_key("x"), "body"))["era"] == a.era("x")
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    m = manifest("x", hist)
+    m.era = a.era("x")
+    DiskStore(tmp_path / "cache", fp, {"test": True}, fmt).write_manifest(m)
+    on_disk = next((tmp_path / "cache").glob("*/agents/*.json")).read_text()
+    assert json.loads(on_disk)["era"] == a.era("x")
+    old = old_build(tmp_path, PRE_ERA_BUILD, "the build before eras")
+    done = subprocess.run([sys.executable, "-c", PRE_ERA_SCRIPT, server.url, fp, str(tmp_path / "cache"),
+                           SECRET.decode(), str(TOKENS_PER_BLOCK)], capture_output=True, text=True, timeout=120,
+                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    ids = [b.block_id for b in hist]
+    assert seen == {"remote": [ids, 2 * TOKENS_PER_BLOCK, False], "refused": 0, "local": [ids, 2 * TOKENS_PER_BLOCK]}
 
 
 def fleet_pool(fp: str, root: Path, make_tier):
