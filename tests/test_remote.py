@@ -633,16 +633,16 @@ print(json.dumps(out))
 """
 
 
-def old_build(tmp_path: Path) -> Path:
-    """The package as it was at OLD_BUILD, extracted under tmp_path (skips without git history)."""
+def old_build(tmp_path: Path, commit: str = OLD_BUILD, what: str = "the build before crc32 blocks") -> Path:
+    """The package as it was at `commit`, extracted under tmp_path (skips without git history)."""
     root = Path(__file__).resolve().parent.parent
     git = shutil.which("git")
-    if git is None or subprocess.run([git, "cat-file", "-e", OLD_BUILD], cwd=root,
+    if git is None or subprocess.run([git, "cat-file", "-e", commit], cwd=root,
                                      capture_output=True).returncode != 0:
-        pytest.skip(f"needs git and commit {OLD_BUILD} (the build before crc32 blocks)")
-    archive = subprocess.run([git, "archive", OLD_BUILD, "vllm_mlx_persist"], cwd=root, capture_output=True,
+        pytest.skip(f"needs git and commit {commit} ({what})")
+    archive = subprocess.run([git, "archive", commit, "vllm_mlx_persist"], cwd=root, capture_output=True,
                              check=True).stdout
-    dest = tmp_path / "old-build"
+    dest = tmp_path / f"build-{commit}"
     dest.mkdir()
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
@@ -993,6 +993,151 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
         assert fleet.counts["erased_from_fleet"] == 2
     finally:
         fleet.close()
+        pool.close()
+
+
+# The last build before eras (r2, like this one): manifests, in Redis and on disk, without `era`.
+PRE_ERA_BUILD = "8f65fcc"
+PRE_ERA_SCRIPT = """
+import json, sys
+from vllm_mlx_persist.remote import RemoteTier
+from vllm_mlx_persist.store import DiskStore
+url, fp, root, secret, block_size = sys.argv[1:6]
+t = RemoteTier(url, fp, secret=secret.encode())
+m = t.get_manifest("x")
+local = DiskStore(root, fp, {"test": True}, {"bits": 4, "group_size": 64, "block_size": int(block_size)}
+                  ).read_manifest("x")
+print(json.dumps({"remote": m and [m.block_ids, m.n_tokens, m.erased], "refused": t.stats()["refused"],
+                  "local": local and [local.block_ids, local.n_tokens]}))
+t.close(2)
+"""
+
+
+def test_a_build_from_before_eras_reads_manifests_that_carry_one(server, fp, tiers, tmp_path):
+    """`era` is an optional field (docs/disk-format.md, Versioning; docs/fleet.md, Versions): the r2
+    build before it reads a manifest carrying one, in Redis and on disk, as it reads any other."""
+    hist = chain(fp, "x", 2)
+    a = tiers(server.url, fp, secret=SECRET)
+    assert a.erase("x") and a.put(manifest("x", hist), {b.block_id: b for b in hist}) and a.flush(10)
+    raw = server.client()
+    assert json.loads(raw.hget(a.manifest_key("x"), "body"))["era"] == a.era("x")
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    m = manifest("x", hist)
+    m.era = a.era("x")
+    DiskStore(tmp_path / "cache", fp, {"test": True}, fmt).write_manifest(m)
+    on_disk = next((tmp_path / "cache").glob("*/agents/*.json")).read_text()
+    assert json.loads(on_disk)["era"] == a.era("x")
+    old = old_build(tmp_path, PRE_ERA_BUILD, "the build before eras")
+    done = subprocess.run([sys.executable, "-c", PRE_ERA_SCRIPT, server.url, fp, str(tmp_path / "cache"),
+                           SECRET.decode(), str(TOKENS_PER_BLOCK)], capture_output=True, text=True, timeout=120,
+                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    ids = [b.block_id for b in hist]
+    assert seen == {"remote": [ids, 2 * TOKENS_PER_BLOCK, False], "refused": 0, "local": [ids, 2 * TOKENS_PER_BLOCK]}
+
+
+def fleet_pool(fp: str, root: Path, make_tier):
+    """A pool with its disk tier at `root` and a fleet tier from `make_tier`, its agents loaded from disk."""
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.pool import BlockPool
+
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, store=DiskStore(root, fp, {"test": True}, fmt), disk_budget=1 << 30,
+                     fleet=lambda p: Fleet(p, make_tier))
+    pool.load_manifests()
+    return pool
+
+
+def held(pool, agent: str) -> set:
+    """The block ids of every branch the pool holds for the agent."""
+    return {b for br in pool.branch_state(agent) or () for b in br[0]}
+
+
+def test_an_erasure_holds_on_a_server_that_missed_its_tombstone(server, fp, tiers, tmp_path):
+    """Server B holds agents X and Y; A erases both (tombstones) and serves a new turn of each, a new
+    history on top of the tombstone, before B reads the tombstones. Each new history carries its
+    tombstone's id (its era). B's sync of X erases its copy before it takes the new history; B's put
+    of its old copy of Y is refused like a put onto the tombstone, and B erases that copy. The era
+    survives B's restart (its local manifests carry it) and the MAC covers it; a history without one
+    (from before the erasure) is neither taken by B nor kept by its next put."""
+    old, new = chain(fp, "x", 3), chain(fp, "x", 2, seed=5)
+    y_old, y_new = chain(fp, "y", 2, seed=1), chain(fp, "y", 1, seed=6)
+    by_id = {b.block_id: b for b in old + new + y_old + y_new}
+    ids = lambda hist: {b.block_id for b in hist}  # noqa: E731
+    a = tiers(server.url, fp, secret=SECRET)
+
+    def make(**cb):
+        return tiers(server.url, fp, secret=SECRET, **cb)
+
+    pool = fleet_pool(fp, tmp_path / "b", make)
+    try:
+        for agent, hist in (("x", old), ("y", y_old)):
+            assert a.put(manifest(agent, hist), by_id) and a.flush(10)
+            pool.fleet._sync_agent(agent)
+            assert held(pool, agent) == ids(hist)
+        for agent, hist in (("x", new), ("y", y_new)):
+            assert a.erase(agent) and a.flush(10)
+            assert a.get_manifest(agent).erased and a.era(agent) == a.get_manifest(agent).ident
+            assert a.put(manifest(agent, hist), by_id) and a.flush(10)
+            m = a.get_manifest(agent)
+            assert not m.erased and m.era == a.era(agent) and not m.erasure and not m.outdated
+        fleet, b = pool.fleet, pool.fleet.tier
+        assert b.era("x") == "" and b.get_manifest("x").erasure == a.era("x")
+
+        # the sync path: B's copy predates the erasure, so it goes before the new history is taken
+        fleet._sync_agent("x")
+        assert held(pool, "x") == ids(new) and fleet.counts["erased_from_fleet"] == 1
+        assert b.era("x") == a.era("x") and pool.store.read_manifest("x").era == a.era("x")
+        assert b.seen_version("x") == a.get_manifest("x").version  # adopted: its next put succeeds it
+
+        # the put path: a save job of B's old copy of Y ends now; refused, and B erases that copy
+        assert b.put(manifest("y", y_old)) and b.flush(10)
+        assert b.stats()["puts_erased"] == 1 and set(a.get_manifest("y").block_ids) == ids(y_new)
+        deadline = time.monotonic() + 10
+        while (pool.branch_state("y") is not None or b.era("y") != a.era("y")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.branch_state("y") is None and b.era("y") == a.era("y")
+        fleet._sync_agent("y")
+        assert held(pool, "y") == ids(y_new) and fleet.counts["erased_from_fleet"] == 2
+
+        # a restart: the eras come back from the local manifests; nothing to erase, nothing to fetch
+        pool.close()
+        pool = fleet_pool(fp, tmp_path / "b", make)
+        fleet, b = pool.fleet, pool.fleet.tier
+        assert (b.era("x"), b.era("y")) == (a.era("x"), a.era("y"))
+        for agent in ("x", "y"):
+            fleet._sync_agent(agent)
+        assert fleet.counts["erased_from_fleet"] == 0 and fleet.counts["syncs_unchanged"] == 2
+        assert held(pool, "x") == ids(new) and held(pool, "y") == ids(y_new)
+
+        # the MAC covers the era: a body whose era was changed (its checksum recomputed) is refused
+        raw = server.client()
+        key = a.manifest_key("x")
+        body = json.loads(raw.hget(key, "body"))
+        del body["checksum"]
+        body["era"] = "0" * 16
+        body["checksum"] = "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                                                 ensure_ascii=True).encode()).hexdigest()
+        good = raw.hget(key, "body")
+        raw.hset(key, "body", json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        before = b.stats()["refused_mac"]
+        assert b.get_manifest("x") is None and b.stats()["refused_mac"] == before + 1
+        raw.hset(key, "body", good)
+
+        # a history without an era (a build from before eras, or one published again after Redis
+        # lost the key) is from before B's erasure: B takes nothing from it, and its put replaces it
+        plant(raw, a, "x", manifest("x", old), version=9, ident="cd" * 8)
+        rm = b.get_manifest("x")
+        assert rm.outdated and not rm.erasure and rm.era == ""
+        fleet._sync_agent("x")
+        assert fleet.counts["syncs_outdated"] == 1 and held(pool, "x") == ids(new)
+        assert b.put(manifest("x", new)) and b.flush(10)
+        m = a.get_manifest("x")
+        assert set(m.block_ids) == ids(new) and m.era == a.era("x") and m.version == 10
+        assert b.stats()["puts_outdated"] == 1
+    finally:
         pool.close()
 
 

@@ -87,13 +87,11 @@ def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_tur
 
 
 @pytest.mark.skipif(not Redis.available(), reason="no redis-server")
-@pytest.mark.xfail(strict=True, reason="known, also on main: a tombstone replaced by a new history of the "
-                                       "same agent before another server read it leaves that server's copy")
 def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_tombstone():
     """B held agent a when A erased it (a tombstone); A then served a new turn of a, a new history on top
-    of the tombstone, before B synced. B never sees the tombstone: its next sync merges its erased copy
-    with the new history and serves from it. Closing it needs the history to say which erasure it
-    follows (docs/fleet.md, Erasure: the bound that remains)."""
+    of the tombstone, before B synced. B never saw the tombstone: its next sync merged its erased copy
+    with the new history and served from it. Now the new history says which erasure it follows (its
+    era), and B, whose copy follows none, erases it before it takes that history (docs/fleet.md, Erasure)."""
     state = FleetMachine()
     try:
         for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
@@ -104,5 +102,29 @@ def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_t
             getattr(state, rule)(**args)
             state.consistent()
             state.disk_within_budget_and_clean()
+    finally:
+        state.teardown()
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_turn_after_an_erasure_survives_a_restart_of_the_server_that_erased():
+    """A erased agent a and served a new turn of it, a history of the erasure's era. After a restart A
+    must still know that era (its local manifest carries it): else the history in Redis reads as a
+    newer era than A's copy, and A erases its own copy (and fetches back what Redis holds of it)."""
+    state = FleetMachine()
+    try:
+        for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21])),
+                           ("erase", dict(agent="a")),
+                           ("turn", dict(agent="a", pick=0, cut=0.0, new=[22, 23, 24])),
+                           ("restart", {}),  # checks that every acknowledged turn is reused whole
+                           ("fleet_turn", dict(agent="a", new=[25])),
+                           ("turn", dict(agent="a", pick=0, cut=1.0, new=[26]))]:
+            getattr(state, rule)(**args)
+            state.consistent()
+            state.disk_within_budget_and_clean()
+        assert state.pool.fleet.counts["erased_from_fleet"] == 0  # A's copy was of the era in Redis
+        # B held no copy: it still acts on the erasure once (so a fetch of an older era still running
+        # cannot be saved), then takes the history
+        assert state.other.fleet.counts["erased_from_fleet"] == 1
     finally:
         state.teardown()

@@ -6,8 +6,10 @@
     erasure:  DELETE /v1/agents/ID (pool.erase) -> tier.erase, a tombstone fleet-wide. The disk
               budget and the TTL are this server's space decisions: they erase locally only.
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
-              module's own threads: read the agent's manifest in Redis; a tombstone this server has
-              not acted on erases the agent locally (then tier.erased_locally); a history holding
+              module's own threads: read the agent's manifest in Redis; an erasure this server has
+              not acted on (a tombstone, or a history of a newer era: started on a tombstone this
+              server never read) erases the agent locally (then tier.erased_locally, and a history
+              is read again); a history from before this server's era is left alone; a history holding
               anything the local one lacks (a branch, or a more recent use of one) has the missing
               blocks of each of its branches fetched (pipelined, verified as disk blocks, and each
               branch's id chain checked with its links: forks included), merged with the local
@@ -18,6 +20,8 @@
               job at most `wait_s`, then goes on with what is local.
     local erasure (disk budget, TTL, before erased_locally) -> tier.release: this server's next
               put merges with what Redis holds instead of succeeding it.
+    eras:     every local manifest is stamped with the erasure its history follows (`era`, from the
+              tier), and a restart tells the tier back (`loaded`), so it survives (docs/fleet.md, Erasure).
 
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
 jobs tracked at once (more are skipped and counted), `threads` threads, the persister's and the
@@ -72,7 +76,7 @@ class Fleet:
         self.counts = dict.fromkeys(
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
-             "erased_from_fleet", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+             "erased_from_fleet", "syncs_outdated", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
         self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
                               branches=pool.max_branches, keep_continued=bool(pool.codec.window_names()))
 
@@ -86,6 +90,15 @@ class Fleet:
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
+
+    def era(self, namespace: str) -> Optional[str]:
+        """The erasure this server's histories of the agent follow (a manifest's `era`; None: none).
+        Any thread, the pool's lock held: no I/O."""
+        return self.tier.era(namespace) or None
+
+    def loaded(self, manifest: Manifest) -> None:
+        """Start-up: the agent's manifest found on the local disk (its era survives the restart)."""
+        self.tier.known_era(manifest.namespace, manifest.era)
 
     def released(self, namespace: str) -> None:
         """The agent was erased here (any reason; the pool's lock held): it holds no copy any more."""
@@ -168,29 +181,40 @@ class Fleet:
             log.exception("fleet: syncing agent %r failed", namespace)
 
     def _sync_agent(self, namespace: str) -> None:
-        # Before the read: an erasure from here on (an API erasure racing this sync) makes the pool
-        # refuse what this sync fetched, even for an agent it does not know.
+        for _ in range(3):  # again after acting on an erasure: then the agent's history is of its era
+            if not self._sync_once(namespace):
+                return
+
+    def _sync_once(self, namespace: str) -> bool:
+        """One read of the agent's manifest and what follows; True to read it again (this server
+        has just acted on an erasure, and the value read may hold a history of that era)."""
+        # Before the read: an erasure from here on (an API erasure racing this sync, or the one this
+        # sync acts on) makes the pool refuse what this sync fetched, even for an agent it does not know.
         expect = self.pool.agent_version(namespace)
         rm = self.tier.get_manifest(namespace)
         if rm is None:
-            return
+            return False
         pool = self.pool
+        if rm.erasure:  # a tombstone, or a newer era's history: an erasure this server has not acted on
+            self._count("erased_from_fleet")
+            log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
+            pool.erase(namespace, fleet_wide=False)
+            # only now may its puts start afresh (or join the history of that era)
+            return self.tier.erased_locally(namespace, rm.erasure) and not rm.erased
         if rm.erased:
-            if not rm.seen:  # an erasure this server has not acted on yet
-                self._count("erased_from_fleet")
-                log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
-                pool.erase(namespace, fleet_wide=False)
-                self.tier.erased_locally(namespace, rm.ident)  # only now may its puts start afresh
-            return
+            return False
+        if rm.outdated:  # from before the erasure this server's copies follow: none of it may come back
+            self._count("syncs_outdated")
+            return False
         remote = self._branches(rm)
         # Every branch there already held here, as recently used: no block is read, and this server
         # now holds that version (its next put succeeds it).
         if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version)):
             self._count("syncs_unchanged")
-            return
+            return False
         branches, blocks, complete = self._fetch(rm, remote)
         if not branches:
-            return
+            return False
         version = rm.version if complete else None
         fut = pool.save_fetched(namespace, branches, blocks, expect, lambda adopted: self._adopted(adopted, version))
         with self._lock:
@@ -201,6 +225,7 @@ class Fleet:
         except FutureTimeout:
             log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
                         namespace, self.write_timeout_s)
+        return False
 
     def _branches(self, rm: RemoteManifest) -> list[Branch]:
         """The manifest's branches, least recently used first (at most the pool's `branches`, the
@@ -273,7 +298,8 @@ class Fleet:
         self.pool.prefetch(manifest.namespace)
 
     def _erased_elsewhere(self, namespace: str, ident: str) -> None:
-        """Tier writer thread: a put of ours found the agent erased by another server (tombstone `ident`)."""
+        """Tier writer thread: a put of ours found the agent erased by another server (erasure
+        `ident`: its tombstone, or the era of a history started on it)."""
         self._count("erased_from_fleet")
 
         def erase_here() -> None:

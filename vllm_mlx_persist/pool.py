@@ -44,7 +44,7 @@ from .lookup import Lookup, Match, whole_run
 from .persister import Persister
 from .q4cache import Q4
 from .reads import Reads
-from .store import BlockData, DiskStore
+from .store import BlockData, DiskStore, Manifest
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -178,6 +178,8 @@ class BlockPool:
             for m in manifests:
                 if self.agents.get(m.namespace) is not None:
                     continue
+                if self.fleet is not None:
+                    self.fleet.loaded(m)  # the erasure its history follows survives the restart
                 agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at)
                 self.table.name(agent, branches_of(m))
                 self.agents.add(agent, coldest=True)  # disk agents are the coldest
@@ -361,8 +363,8 @@ class BlockPool:
         """(lock held) Queue the agent's manifest after the blocks it names that are not durable yet
         (`before`: its branches before the turn, what the fleet tier's put continues). The manifest
         is dated by the turn's branch's last use, which is what a plain manifest's branch reads back."""
-        manifest = manifest_of(agent.namespace, agent.branches, agent.pinned,
-                               agent.branches[-1].last_used if agent.branches else self.clock())
+        manifest = self._stamped(manifest_of(agent.namespace, agent.branches, agent.pinned,
+                                             agent.branches[-1].last_used if agent.branches else self.clock()))
         base = manifest_of(agent.namespace, before, agent.pinned) if before else None
         data = [datas[b.block_id] for b in blocks]
         stats = self.stats
@@ -382,6 +384,12 @@ class BlockPool:
         future = self.persister.save(manifest, data, dead, on_durable)
         future.add_done_callback(count_failure)
         return future
+
+    def _stamped(self, manifest: Manifest) -> Manifest:
+        """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md, Erasure)."""
+        if self.fleet is not None:
+            manifest.era = self.fleet.era(manifest.namespace)
+        return manifest
 
     def finish(self, request_id: str) -> None:
         """The request is done (completed or aborted): its agent is no longer in use by it."""
@@ -527,7 +535,7 @@ class BlockPool:
             agent = self.agents.get(namespace)
             data = {d.block_id: d for d in blocks}
             branches = self._merge_fetched(agent.branches if agent is not None else [], fetched, data)
-            manifest = manifest_of(namespace, branches, agent is not None and agent.pinned, self.clock())
+            manifest = self._stamped(manifest_of(namespace, branches, agent is not None and agent.pinned, self.clock()))
             named = set(manifest.block_ids)
             blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
