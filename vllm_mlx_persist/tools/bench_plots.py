@@ -1,9 +1,7 @@
-"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend; installed on demand if missing)."""
+"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend: the `bench` extra)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +19,9 @@ TIER_COLORS = {"memory": "tab:green", "disk": "tab:blue", "cold": "tab:red"}
 def _pyplot():
     try:
         import matplotlib
-    except ImportError:
-        print("[bench] matplotlib missing: installing it (pip install matplotlib; the 'bench' extra)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib>=3.7"], check=True)
-        import matplotlib
+    except ImportError:  # never installed at run time: the numbers are in bench.json and bench.md
+        raise RuntimeError("matplotlib is not installed; install the plots with "
+                           "`pip install 'vllm-mlx-persist[bench]'` (or `pip install 'matplotlib>=3.7'`)") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -219,6 +216,9 @@ def plot_families(plt: Any, f: dict, res: dict):
     size = res["plan"].get("family_size")
     fig.suptitle(f"Model families, {size} random-weight float32 models, about {res['plan'].get('family_tokens')} "
                  f"tokens of history. {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
+    return fig
+
+
 def plot_fanout(plt: Any, f: dict, res: dict):
     systems = {s: v["levels"] for s, v in f.get("systems", {}).items() if v.get("levels")}
     if not systems:
@@ -258,3 +258,4 @@ def plot_stall(plt: Any, st: dict, res: dict):
     axes[-1, 0].set_xlabel("seconds (each tick: one token of a looping agent)")
     fig.suptitle("Other agents' tokens while one agent's long first turn is prefilled and written")
     return fig
+
