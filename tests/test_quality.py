@@ -66,6 +66,8 @@ def test_quick_quality(tmp_path, capsys):
     ds = fams["deepseek_v3"]["perplexity"]
     assert ds["lat8"]["kl_from_full"] < ds["lat4"]["kl_from_full"]
     assert ds["fp32"]["kv_bytes_per_token"] > ds["lat8"]["kv_bytes_per_token"] > ds["lat4"]["kv_bytes_per_token"]
+    # the option packs earlier turns only: it moves the model less than packing every token
+    assert 0 < ds["lat4turn"]["kl_from_full"] < ds["lat4"]["kl_from_full"]
 
     # outliers: the simulation reproduces the served cache; outlier keys hurt 4-bit group 64 and a
     # rotation or 8-bit keys take it back
@@ -81,6 +83,8 @@ def test_quick_quality(tmp_path, capsys):
 
     lat = r["latent"]
     assert {row["context"] for row in lat["speed"]["rows"]} == {128, 256}
+    for row in lat["speed"]["rows"]:
+        assert all(row[k] > 0 for k in ("float", "4-bit, dequantized every step", "8-bit: pack ms", "4-bit: build ms"))
     for row in lat["bytes"].values():
         assert row["float"] > row["8-bit"] > row["4-bit"]
     assert "## MLA latents in 8 or 4 bits" in md and "## Keys with outlier channels" in md
@@ -217,8 +221,8 @@ def test_cache_format_hook_adds_a_row(tiny_llama, monkeypatch):
 
 
 def test_latent_caches_quantize_the_latent_only():
-    """deepseek_v3: the sim factory replaces the latent layers only with `latent=True`, and the
-    packed latent caches of the speed measurement give the simulation's logits."""
+    """deepseek_v3: the sim factory replaces the latent layers only with `latent=True`; the caches of
+    the speed measurement and the per-turn rows attend on the quantizer's values where they should."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
@@ -235,14 +239,24 @@ def test_latent_caches_quantize_the_latent_only():
     assert all(type(c).__name__ == "KVCache" for c in Q.sim_factory(Q.QSpec(4, 64), Q.QSpec(4, 64))(model))
     sim = Q.sim_factory(Q.QSpec(8, 64), Q.QSpec(8, 64), latent=True)(model)
     assert all(type(c).__name__ == "SimQuantCache" for c in sim)
-    Packed = Q._latent_cache_classes()
-    for mirror in (False, True):
-        packed = [Packed(8, mirror) for _ in range(2)]
-        a, b = _logits(model, tokens, packed), _logits(model, tokens, Q.sim_factory(Q.QSpec(8, 64), Q.QSpec(8, 64), latent=True)(model))
-        assert np.abs(a - b).max() < 1e-5
-        # one decode step on each
-        c = _logits(model, [7], packed)
-        assert np.isfinite(c).all()
+    _logits(model, tokens, sim)
+    assert sim[0].stored_nbytes == 64 * (128 + 64 + 2 * 3 * 4)  # 8-bit codes + float32 scale, bias per group
+    PerTurn, EveryStep = Q._latent_cache_classes()
+    every = Q.sim_factory(Q.QSpec(8, method="minmax"), Q.QSpec(8, method="minmax"), latent=True)
+    # one call: the dequantize-every-step cache attends on exactly the simulation's values
+    a = _logits(model, tokens, [EveryStep(8) for _ in range(2)])
+    assert np.abs(a - _logits(model, tokens, every(model))).max() < 1e-5
+    # per turn: the first call is all float (nothing packed yet); the second call sees it packed
+    fmt = Q.per_turn_latent_format("t", "t", 4)
+    turn, sim, full = fmt.make_cache(model), every(model), Q.FULL.make_cache(model)
+    assert np.abs(_logits(model, tokens, turn) - _logits(model, tokens, full)).max() < 1e-5
+    nxt = list(range(70, 90))
+    t2, f2 = _logits(model, nxt, turn), _logits(model, nxt, full)
+    assert turn[0].packed_upto == len(tokens) and np.abs(t2 - f2).max() > 1e-4
+    b4 = Q.sim_factory(Q.QSpec(4, method="minmax"), Q.QSpec(4, method="minmax"), latent=True)(model)
+    _logits(model, tokens, b4)
+    assert np.abs(t2 - _logits(model, nxt, b4)).max() > 0  # the current turn stays float
+    del sim
     b = Q.latent_bytes(512, 64, 61, 2)
-    assert b["float"] == 61 * 576 * 2 and b["4-bit"] == 61 * (576 / 2 + 2 * 9 * 2)
+    assert b["float"] == 61 * 576 * 2 and b["4-bit"] == 61 * (576 / 2 + 2 * 9 * 4)
     del mx
