@@ -25,14 +25,8 @@ def _pyplot() -> Any:
     an ImportError names the extra that provides it."""
     try:
         import matplotlib
-<<<<<<< ours
     except ImportError:
         raise ImportError(MISSING) from None
-=======
-    except ImportError:  # never installed at run time: the numbers are in bench.json and bench.md
-        raise RuntimeError("matplotlib is not installed; install the plots with "
-                           "`pip install 'vllm-mlx-persist[bench]'` (or `pip install 'matplotlib>=3.7'`)") from None
->>>>>>> theirs
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
