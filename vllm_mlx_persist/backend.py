@@ -18,6 +18,9 @@ from urllib.parse import urlsplit
 
 from .caches import ModelCodec
 from .identity import model_fingerprint
+from .kv_edit import AMORTIZE, FORGET, parse_option as parse_kv_edit
+from .kv_edit import report as kv_edit_report
+from .kv_edit import split_mode
 from .match_decode import MatchDecoder
 from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import (
@@ -62,17 +65,25 @@ DEFAULTS: dict[str, Any] = {
     # A file holding the fleet's shared secret (or env VLLM_MLX_PERSIST_FLEET_SECRET; never inline,
     # where it would show in the command line): every value in Redis then carries an HMAC.
     "remote_secret_file": None,
+    "kv_edit": None,  # span directives: {"enabled": true, "max_rotations": 4} (kv_edit.parse_option)
 }
 
 FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
 
 
 def split_namespace(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """(agent, fork parent or None) from a request's cache_namespace (see plugin.py)."""
+    """(agent, fork parent or None) from a request's cache_namespace (see plugin.py); an edit
+    mode riding along (kv_edit.py) is left out: `edit_mode` reads it."""
+    namespace = split_mode(namespace)[0]
     if namespace is None or FORK_SEPARATOR not in namespace:
         return namespace, None
     agent, _, parent = namespace.partition(FORK_SEPARATOR)
     return agent, parent
+
+
+def edit_mode(namespace: Optional[str]) -> Optional[str]:
+    """The span-directive mode a request's cache_namespace carries (None: exact)."""
+    return split_mode(namespace)[1]
 
 
 # Warm-up at start-up (see PersistQ4Backend.warm_up): one prefill chunk on the dequantized path
@@ -150,6 +161,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             raise ValueError("persist_q4 remote_secret_file must be the path of a file holding the fleet secret")
         opts["remote_secret_file"] = os.path.expanduser(secret_file)
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
+    opts["kv_edit"] = parse_kv_edit(opts["kv_edit"])
     return opts
 
 
@@ -318,10 +330,14 @@ class PersistQ4Backend:
         from vllm_mlx.cache_backend import CacheLookup
 
         namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+        mode = edit_mode(getattr(request, "cache_namespace", None))
         t0 = time.perf_counter()
         m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
-                            fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False))
+                            fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False),
+                            edit=mode)
         agent = namespace or "<anonymous>"
+        if mode is not None:
+            self._report_edit(request, mode, m)
         if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
             return None
@@ -334,6 +350,18 @@ class PersistQ4Backend:
             # as the tokens the cache holds (the seam replaces request.prompt_token_ids).
             return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier, prompt_token_ids=m.prompt)
         return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier)
+
+    def _report_edit(self, request: Any, mode: str, m: Any) -> None:
+        """`usage.kv_edit` for a request that declared an edit mode (the seam reports
+        `request.cache_usage`). Amortize is not spliced yet: it is served as exact and says so."""
+        n_prompt = len(request.prompt_token_ids)
+        if mode == FORGET:
+            report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
+        else:
+            why = "splice_not_built" if self.opts["kv_edit"]["enabled"] else "disabled"
+            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback=why)
+        request.cache_usage = {"kv_edit": report}
+        log.info("[persist_q4] kv_edit %s", report)
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""

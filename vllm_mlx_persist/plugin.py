@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import pluggy
 
+from .kv_edit import resolve_mode, with_mode
+
 hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
 BACKEND_NAME = "persist_q4"
@@ -136,5 +138,10 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
             backend.prefetch(agent_id)
             if parent is not None:
                 backend.prefetch(parent)
-    # One string reaches the backend; agent ids cannot contain NUL, so the fork parent rides along.
-    return agent_id if parent is None else f"{agent_id}{FORK_SEPARATOR}{parent}"
+    mode = resolve_mode(request, headers)
+    if mode is not None and agent_id is None:
+        raise ValueError(f"a span directive (X-KV-Edit or metadata.kv_edit: {mode}) needs an agent id "
+                         "(X-Agent-ID, metadata.agent_id or prompt_cache_key): it edits that agent's history")
+    # One string reaches the backend; agent ids cannot contain NUL, so the fork parent and the edit
+    # mode ride along.
+    return with_mode(agent_id if parent is None else f"{agent_id}{FORK_SEPARATOR}{parent}", mode)

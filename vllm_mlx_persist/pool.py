@@ -40,11 +40,13 @@ from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
+from .kv_edit import FORGET
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
 from .q4cache import Q4
 from .reads import Reads
 from .store import BlockData, DiskStore, Manifest
+from .supersede import edit_point, superseded_block, surviving
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -99,9 +101,12 @@ class BlockPool:
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded",
              "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks", "unsaved_blocks_dropped",
              "store_refused", "read_timeouts", "fork_hits", "tokens_from_parent", "branches_evicted",
-             "text_matches", "tokens_matched_by_text", "commit_replans"], 0)
+             "text_matches", "tokens_matched_by_text", "commit_replans", "kv_edit_forgets",
+             "branches_superseded"], 0)
         self._lock = threading.RLock()
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight, tokens reused]
+        # request id -> (namespace, first superseded blocks) of a forget edit, until its turn commits
+        self._superseding: dict[str, tuple[str, set[str]]] = {}
         # Bumped whenever another thread than the worker changes agents (erasure, fleet adoption): a
         # commit planned before it is planned again.
         self.epoch = 0
@@ -231,7 +236,7 @@ class BlockPool:
         return m.cache, m.num_tokens, m.tier
 
     def match(self, namespace: Optional[str], prompt: Sequence[int], request_id: Optional[str] = None,
-              fork_from: Optional[str] = None, wait_fleet: bool = True) -> Match:
+              fork_from: Optional[str] = None, wait_fleet: bool = True, edit: Optional[str] = None) -> Match:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
 
         Every branch of the agent is a candidate, and with `fork_from` every branch of that agent
@@ -240,7 +245,9 @@ class BlockPool:
         the same text goes on past it; `Match.prompt` is then the prompt as the stored tokens.
         At least one prompt token is always left to prefill; recurrent models stop at their last
         state checkpoint. With `request_id`, the request counts as in flight until
-        `finish(request_id)`: the disk budget never erases its agent meanwhile.
+        `finish(request_id)`: the disk budget never erases its agent meanwhile. With `edit="forget"`
+        (and a request id), the agent's branches holding what the prompt no longer has (supersede.py)
+        are dropped when the turn commits, or when the request finishes without committing.
         """
         if self.fleet is not None and namespace is not None:
             self.fleet.wait(namespace, wait_fleet)  # bounded, and before the lock
@@ -261,7 +268,11 @@ class BlockPool:
             if parent is not None:
                 candidates += [(parent, br) for br in reversed(parent.branches)]
         found = self.lookup_.best(candidates, prompt)  # the lock is taken and released inside
+        superseded = 0
         with self._lock:
+            if edit == FORGET and request_id is not None:
+                self.stats["kv_edit_forgets"] += 1
+                superseded = self._supersede(agent, found, prompt, request_id)
             if found is not None and found.n and found.src is agent:
                 at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
                 if at is not None:  # now the most recently used
@@ -278,11 +289,11 @@ class BlockPool:
             self._enforce_budget(keep=(agent.namespace, found.src.namespace if found is not None else agent.namespace))
         if found is None or not found.used:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss")
+            return Match(None, 0, "miss", superseded=superseded)
         cache, covered = self.codec.build([(got.layers, n) for got, n in found.used], whole_run(found.used))
         if covered == 0:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss")
+            return Match(None, 0, "miss", superseded=superseded)
         with self._lock:
             if request_id is not None and request_id in self._inflight:
                 self._inflight[request_id][2] = covered
@@ -292,7 +303,43 @@ class BlockPool:
             if forked:
                 self.stats["fork_hits"] += 1
                 self.stats["tokens_from_parent"] += covered
-        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked)
+        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked, superseded)
+
+    def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
+        """(lock held) A forget edit: note the first block of the agent's own best branch that holds
+        content the prompt no longer has; returns how many of its branches name it."""
+        if found is None or found.src is not agent:
+            return 0
+        served = found.prompt if found.prompt is not None else prompt
+        bids = set()
+        for f in [found] + [t for t in found.ties if t.src is agent]:
+            bid = superseded_block(f.branch, edit_point([got.tokens for got, _ in f.used], served), self.block_size)
+            if bid is not None:
+                bids.add(bid)
+        if not bids:
+            return 0
+        self._superseding[request_id] = (agent.namespace, bids)
+        return len(agent.branches) - len(surviving(agent.branches, bids))
+
+    def _drop_superseded(self, namespace: str, bids: set[str]) -> None:
+        """(lock held) A forget edit whose turn did not commit: drop the superseded branches now."""
+        agent = self.agents.get(namespace)
+        if agent is None:
+            return
+        before = list(agent.branches)
+        kept = surviving(before, bids)
+        if len(kept) == len(before):
+            return
+        self.stats["branches_superseded"] += len(before) - len(kept)
+        self.epoch += 1  # commits planned on those blocks plan again
+        if not kept:  # nothing left: the agent goes, locally (its next turn starts a new history)
+            self._forget(namespace)
+            if self.persister is not None:
+                self.persister.erase(namespace)
+            return
+        dead = self.table.name(agent, kept)
+        if agent.persistent and self.persister is not None:
+            self._save(agent, [], {}, dead, before)
 
     # ---- commit ---------------------------------------------------------------------------------
 
@@ -334,6 +381,8 @@ class BlockPool:
         tokens = [int(t) for t in tokens[:n_valid]]
         if n_valid == 0:
             return 0, None
+        with self._lock:  # a forget edit's superseded branches go with this turn (else at finish())
+            drop = self._superseding.get(request_id, (None, None))[1] if request_id is not None else None
         for _ in range(COMMIT_ATTEMPTS):
             with self._lock:
                 inflight = self._inflight.get(request_id) if request_id is not None else None
@@ -351,7 +400,10 @@ class BlockPool:
                 if self.committer.stale(plan, self.epoch):
                     self.stats["commit_replans"] += 1
                     continue
-                _, future = self.committer.install(plan, built)
+                _, future = self.committer.install(plan, built, drop)
+                if drop is not None:
+                    self._superseding.pop(request_id, None)
+                    self.epoch += 1  # other commits planned on the superseded blocks plan again
                 self._trim_windows([agent])
                 self._enforce_budget(keep=(agent.namespace,))
             return n_valid, future
@@ -397,6 +449,9 @@ class BlockPool:
             entry = self._inflight.pop(request_id, None)
             if entry is not None and self.persister is not None:
                 self.persister.end_use(entry[0])
+            pending = self._superseding.pop(request_id, None)
+            if pending is not None:  # a forget edit whose turn was not stored
+                self._drop_superseded(*pending)
 
     # ---- agents: admin API ----------------------------------------------------------------------
 
