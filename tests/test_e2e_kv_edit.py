@@ -1,0 +1,169 @@
+"""Span directives end to end (issue #21): a real `vllm-mlx serve --cache-backend persist_q4`, the
+official openai and anthropic clients. The mode's 400s; forget (output equal to a cold run of the
+edited conversation, the superseded branch gone from the agent, from memory and from every block
+file, and after a SIGKILL restart the unedited conversation reuses nothing past the edit); amortize
+answering a normal 200 that says it was not applied, and why."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import urllib.request
+from pathlib import Path
+
+import anthropic
+import openai
+import pytest
+
+from vllm_mlx_persist.store import DiskStore
+from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.serving import Server
+
+MAX_TOKENS = 8
+OPTIONS = {"block_size": 32, "hot_mb": 64, "match_text": False}
+WORDS = "the agent reads a file then runs the tests and looks at what failed before it edits".split()
+
+
+def _text(tag: str, n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return f"{tag}: " + " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _tool_output(seed: int) -> str:
+    """A removable span whose tokens appear nowhere else in the conversation."""
+    rng = random.Random(seed)
+    return "tool output: " + " ".join(f"x{rng.randrange(10**6)}" for _ in range(40))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("models") / "llama", arch="llama", size="tiny", seed=0)
+
+
+def _chat(server: Server, messages: list[dict], agent: str | None = None, mode: str | None = None,
+          via: str = "header"):
+    kw: dict = {"extra_headers": {}, "metadata": {}}
+    if agent is not None:
+        kw["metadata"]["agent_id"] = agent
+    if mode is not None and via == "header":
+        kw["extra_headers"]["X-KV-Edit"] = mode
+    elif mode is not None:
+        kw["metadata"]["kv_edit"] = mode
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=MAX_TOKENS,
+                                       temperature=0.0, **{k: v for k, v in kw.items() if v})
+    usage = r.usage.model_dump()
+    return r.choices[0].message.content, usage
+
+
+def _agent(server: Server, agent: str) -> dict:
+    with urllib.request.urlopen(f"{server.url}/v1/agents/{agent}", timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _stored_tokens(home: Path) -> list[list[int]]:
+    root = home / ".cache" / "vllm-mlx-persist"
+    out = []
+    for model_dir in (p for p in root.iterdir() if (p / "blocks").is_dir()):
+        store = DiskStore.open_existing(model_dir)
+        out += [store.read_block(b).tokens.tolist() for b in store.iter_block_ids()]
+    return out
+
+
+def _holds(seq: list[int], run: list[int], k: int = 6) -> bool:
+    """Whether `seq` holds any k consecutive tokens of `run`."""
+    grams = {tuple(run[i:i + k]) for i in range(len(run) - k + 1)}
+    return any(tuple(seq[i:i + k]) in grams for i in range(len(seq) - k + 1))
+
+
+def _tokenize(model: Path, messages: list[dict]) -> list[int]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tok.encode(text, add_special_tokens=False))
+
+
+def test_modes_are_checked(model, tmp_path):
+    with Server(model, tmp_path / "home", options=OPTIONS) as srv:
+        msgs = [{"role": "user", "content": "hello"}]
+        for mode, via in (("splice", "header"), ("FORGET!", "metadata")):
+            with pytest.raises(openai.BadRequestError) as e:
+                _chat(srv, msgs, "a", mode, via)
+            assert "amortize, forget" in str(e.value)
+        with pytest.raises(openai.BadRequestError) as e:
+            _chat(srv, msgs, None, "forget")
+        assert "needs an agent id" in str(e.value)
+        client = anthropic.Anthropic(base_url=srv.url, api_key="test", max_retries=0, timeout=300)
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.create(model=srv.model, messages=msgs, max_tokens=4,
+                                   extra_headers={"X-Agent-ID": "a", "X-KV-Edit": "nope"})
+        # Anthropic via the header: served, and the report is in its usage too
+        r = client.messages.create(model=srv.model, messages=msgs, max_tokens=4,
+                                   extra_headers={"X-Agent-ID": "a", "X-KV-Edit": "forget"},
+                                   extra_body={"temperature": 0.0})
+        assert r.usage.model_dump()["kv_edit"]["mode"] == "forget"
+        # No mode: today's usage, without a kv_edit object.
+        _, usage = _chat(srv, msgs, "a")
+        assert "kv_edit" not in usage
+
+
+def test_forget_equals_cold_and_the_removed_span_is_gone_everywhere(model, tmp_path):
+    home = tmp_path / "home"
+    span = _tool_output(7)
+    history = [{"role": "user", "content": _text("task", 40, 1)}]
+    srv = Server(model, home, options=OPTIONS).start()
+    try:
+        reply, _ = _chat(srv, history, "ed")
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": span}]
+        reply, _ = _chat(srv, history, "ed")
+        history += [{"role": "assistant", "content": reply}]
+        ask = {"role": "user", "content": _text("next", 30, 2)}
+        unedited = history + [ask]
+        _chat(srv, unedited, "ed")  # the history now holds the span, on disk too
+        span_ids = _tokenize(model, [{"role": "user", "content": span}])
+        window = span_ids[8:-8]  # the span's body, without the chat template's tokens
+        assert any(_holds(t, window) for t in _stored_tokens(home)), "the span was never stored"
+
+        # The policy drops the tool call and its result: everything from history[1] on, but the ask.
+        edited = history[:1] + [ask]
+        text, usage = _chat(srv, edited, "ed", "forget")
+        cold, cold_usage = _chat(srv, edited, "cold-reference")
+        assert text == cold, srv.log_tail()
+        assert cold_usage["prompt_tokens_details"]["cached_tokens"] == 0
+        edit_at = next(i for i, (a, b) in enumerate(zip(_tokenize(model, unedited), _tokenize(model, edited)))
+                       if a != b)
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        report = usage["kv_edit"]
+        assert report["mode"] == "forget" and report["applied"] is True and report["superseded_branches"] >= 1
+        assert report["exact_prefix_tokens"] == cached <= edit_at and report["spliced_tokens"] == 0
+        assert report["recomputed_tokens"] == usage["prompt_tokens"] - cached and report["fallback"] is None
+
+        info = _agent(srv, "ed")
+        assert len(info["branches"]) == 1, info  # the superseded branch left the agent
+        for t in _stored_tokens(home):
+            assert not _holds(t, window), "a block file still holds the removed span"
+
+        srv.restart(signal.SIGKILL)  # right after the response completed
+        _, again = _chat(srv, unedited, "ed")
+        assert again["prompt_tokens_details"]["cached_tokens"] <= edit_at, srv.log_tail()
+    finally:
+        srv.stop()
+
+
+def test_amortize_is_served_exactly_and_says_it_was_not_applied(model, tmp_path):
+    with Server(model, tmp_path / "home", options={**OPTIONS, "kv_edit": {"enabled": True}}) as srv:
+        history = [{"role": "user", "content": _text("task", 40, 3)}]
+        reply, _ = _chat(srv, history, "am")
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": _tool_output(9)}]
+        reply, _ = _chat(srv, history, "am")
+        edited = history[:1] + [{"role": "user", "content": _text("next", 20, 4)}]
+        text, usage = _chat(srv, edited, "am", "amortize", via="metadata")
+        exact, _ = _chat(srv, edited, "am-reference")
+        assert text == exact
+        report = usage["kv_edit"]
+        assert report["mode"] == "amortize" and report["applied"] is False
+        assert report["fallback"] == "splice_not_built" and report["spliced_tokens"] == 0
+        assert report["exact_prefix_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
+        assert len(_agent(srv, "am")["branches"]) >= 2  # served as exact: the span's branch stays
