@@ -159,3 +159,43 @@ def test_a_childs_forget_leaves_its_fork_parent_alone(model, tmp_path):
     pool.finish("r2")
     assert pool.match("parent", stored + [3]).num_tokens == len(stored)
     pool.close()
+
+
+def test_forget_deletes_the_superseded_blocks_from_the_fleet_tier(model, tmp_path):
+    """With Redis behind the disk: the put continues the old manifest, so Redis's manifest loses the
+    branch, and the blocks only it named are deleted rather than left for their 7-day TTL."""
+    pytest.importorskip("redis")
+    from test_remote import RedisServer
+
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.remote import RemoteTier
+
+    (tmp_path / "redis").mkdir()
+    redis_srv = RedisServer(tmp_path / "redis")
+    pool = None
+    try:
+        fp = "f" * 64
+        pool = make_pool(model, tmp_path / "disk", fingerprint=fp,
+                         fleet=lambda p: Fleet(p, lambda **cb: RemoteTier(redis_srv.url, fp, **cb)))
+        tier, client = pool.fleet.tier, redis_srv.client()
+        head, span, tail = _history()
+        _turn(pool, model, "a", head + span + tail, "r1")
+        pool.flush()
+        assert tier.flush(10)
+        old = list(pool.agent("a").branches[-1].block_ids)
+        assert all(client.exists(tier.block_key(b)) for b in old)
+
+        _turn(pool, model, "a", head + tail, "r2", edit=FORGET)
+        pool.flush()
+        assert tier.flush(10)
+        kept = set(pool.agent("a").branches[-1].block_ids)
+        gone = [b for b in old if b not in kept]
+        assert gone and not any(client.exists(tier.block_key(b)) for b in gone)
+        assert all(client.exists(tier.block_key(b)) for b in kept)  # the new turn's and the prefix
+        rm = tier.get_manifest("a")
+        assert len(rm.branches) == 1 and not set(rm.block_ids) & set(gone)
+        assert tier.stats()["blocks_deleted"] == len(gone)
+    finally:
+        if pool is not None:
+            pool.close()
+        redis_srv.stop()

@@ -339,7 +339,15 @@ class BlockPool:
             return
         dead = self.table.name(agent, kept)
         if agent.persistent and self.persister is not None:
-            self._save(agent, [], {}, dead, before)
+            self._drop_remote(dead, self._save(agent, [], {}, dead, before))
+
+    def _drop_remote(self, dead: list[str], saved: Optional[Future]) -> None:
+        """With a fleet tier: once the save that stops naming `dead` is durable (its put then queued),
+        delete those blocks from Redis too."""
+        if self.fleet is not None and dead and saved is not None:
+            fleet = self.fleet
+            saved.add_done_callback(
+                lambda f: fleet.superseded(dead) if not f.cancelled() and f.exception() is None and f.result() else None)
 
     # ---- commit ---------------------------------------------------------------------------------
 
@@ -400,10 +408,11 @@ class BlockPool:
                 if self.committer.stale(plan, self.epoch):
                     self.stats["commit_replans"] += 1
                     continue
-                _, future = self.committer.install(plan, built, drop)
+                dead, future = self.committer.install(plan, built, drop)
                 if drop is not None:
                     self._superseding.pop(request_id, None)
                     self.epoch += 1  # other commits planned on the superseded blocks plan again
+                    self._drop_remote(dead, future)
                 self._trim_windows([agent])
                 self._enforce_budget(keep=(agent.namespace,))
             return n_valid, future
