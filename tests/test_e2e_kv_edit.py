@@ -152,18 +152,29 @@ def test_forget_equals_cold_and_the_removed_span_is_gone_everywhere(model, tmp_p
         srv.stop()
 
 
-def test_amortize_is_served_exactly_and_says_it_was_not_applied(model, tmp_path):
+def test_amortize_is_served_exactly_and_says_why_it_was_not_applied(model, tmp_path):
+    """A splice the history allows (a tool output replaced by a stub, the later messages unchanged) is
+    found and described, but served as exact until the splice is built; an edit after which nothing
+    stored reappears says no_realignment. Both answer what a plain exact request answers."""
     with Server(model, tmp_path / "home", options={**OPTIONS, "kv_edit": {"enabled": True}}) as srv:
         history = [{"role": "user", "content": _text("task", 40, 3)}]
         reply, _ = _chat(srv, history, "am")
         history += [{"role": "assistant", "content": reply}, {"role": "user", "content": _tool_output(9)}]
         reply, _ = _chat(srv, history, "am")
-        edited = history[:1] + [{"role": "user", "content": _text("next", 20, 4)}]
-        text, usage = _chat(srv, edited, "am", "amortize", via="metadata")
-        exact, _ = _chat(srv, edited, "am-reference")
-        assert text == exact
+        history += [{"role": "assistant", "content": reply}, {"role": "user", "content": _text("then", 40, 5)}]
+        reply, _ = _chat(srv, history, "am")
+        ask = {"role": "user", "content": _text("next", 20, 4)}
+        stubbed = history[:2] + [{"role": "user", "content": "tool output: (truncated)"}] + history[3:] \
+            + [{"role": "assistant", "content": reply}, ask]
+        text, usage = _chat(srv, stubbed, "am", "amortize", via="metadata")
+        assert text == _chat(srv, stubbed, "am-reference")[0]
         report = usage["kv_edit"]
-        assert report["mode"] == "amortize" and report["applied"] is False
-        assert report["fallback"] == "splice_not_built" and report["spliced_tokens"] == 0
+        assert report["mode"] == "amortize" and report["applied"] is False, report
+        assert report["fallback"] == "splice_not_built" and report["spliced_tokens"] == 0, report
         assert report["exact_prefix_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
-        assert len(_agent(srv, "am")["branches"]) >= 2  # served as exact: the span's branch stays
+        plan = report["plan"]
+        assert plan["run_tokens"] >= 16 and plan["delta"] < 0  # the tool output was longer than its stub
+        assert len(_agent(srv, "am")["branches"]) >= 2  # served as exact: the tool output's branch stays
+
+        _, usage = _chat(srv, history[:1] + [ask], "am", "amortize")
+        assert usage["kv_edit"]["fallback"] == "no_realignment" and "plan" not in usage["kv_edit"]

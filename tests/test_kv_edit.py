@@ -52,7 +52,8 @@ def test_a_mode_without_an_agent_is_400():
 
 
 def test_the_server_option():
-    assert parse_options({})["kv_edit"] == {"enabled": True, "max_rotations": 4}
+    assert parse_options({})["kv_edit"] == {"enabled": True, "max_rotations": 4, "min_run_tokens": 16,
+                                           "max_stub_tokens": 4096}
     assert parse_options({"kv_edit": {"enabled": False}})["kv_edit"]["enabled"] is False
     for bad in ({"enabled": "yes"}, {"max_rotations": -1}, {"max_rotations": 2.5}, {"rotations": 3}, "on"):
         with pytest.raises(ValueError, match="kv_edit"):

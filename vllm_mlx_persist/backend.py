@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
+from .amortize import ModelSplicing
 from .caches import ModelCodec
 from .identity import model_fingerprint
 from .kv_edit import AMORTIZE, FORGET, parse_option as parse_kv_edit
@@ -228,6 +229,7 @@ class PersistQ4Backend:
         # the engine admits a request once its blocks are read (ready()), waiting at most this long
         self.ready_timeout_s = READ_TIMEOUT_S + (opts["remote_wait_s"] if opts.get("remote_url") else 0.0)
         self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
+        self._splicing: Optional[ModelSplicing] = None  # probed on the first amortize request (worker)
         self.closed = False
 
     @property
@@ -357,9 +359,21 @@ class PersistQ4Backend:
         n_prompt = len(request.prompt_token_ids)
         if mode == FORGET:
             report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
+        elif not self.opts["kv_edit"]["enabled"]:
+            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled")
         else:
-            why = "splice_not_built" if self.opts["kv_edit"]["enabled"] else "disabled"
+            if self._splicing is None:
+                try:
+                    self._splicing = ModelSplicing.probe(self.model, self.tokenizer, self.codec.has_state)
+                except Exception as e:  # a model the probe cannot drive is never spliced
+                    self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
+                log.info("persist_q4: amortize on this model: %s", self._splicing)
+            plan = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
+            # A splice the history allows is still served as exact until the splice itself is built.
+            why = plan if isinstance(plan, str) else "splice_not_built"
             report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback=why)
+            if not isinstance(plan, str):
+                report["plan"] = {"stub_tokens": plan.stub, "run_tokens": plan.length, "delta": plan.delta}
         request.cache_usage = {"kv_edit": report}
         log.info("[persist_q4] kv_edit %s", report)
 

@@ -25,7 +25,7 @@ EDIT_SEPARATOR = "\0edit:"
 # Why an amortize request was served otherwise (usage.kv_edit.fallback).
 FALLBACKS = ("disabled", "no_history", "no_edit", "recurrent_state", "unsupported_positions", "no_realignment",
              "unaligned", "stub_too_long", "rotation_budget", "splice_not_built")
-OPTION_DEFAULTS: dict[str, Any] = {"enabled": True, "max_rotations": 4}
+OPTION_DEFAULTS: dict[str, Any] = {"enabled": True, "max_rotations": 4, "min_run_tokens": 16, "max_stub_tokens": 4096}
 
 
 def resolve_mode(request: Any, headers: Optional[Mapping[str, str]]) -> Optional[str]:
@@ -59,7 +59,8 @@ def split_mode(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
 
 
 def parse_option(value: Any) -> dict[str, Any]:
-    """The backend option `kv_edit: {enabled, max_rotations}` merged over OPTION_DEFAULTS.
+    """The backend option `kv_edit: {enabled, max_rotations, min_run_tokens, max_stub_tokens}` merged
+    over OPTION_DEFAULTS.
     `enabled: false` serves amortize requests as exact (reason "disabled"); forget always works."""
     if value is None:
         return dict(OPTION_DEFAULTS)
@@ -71,9 +72,10 @@ def parse_option(value: Any) -> dict[str, Any]:
     out = {**OPTION_DEFAULTS, **value}
     if not isinstance(out["enabled"], bool):
         raise ValueError("persist_q4 kv_edit.enabled must be true or false")
-    n = out["max_rotations"]
-    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 1024:
-        raise ValueError(f"persist_q4 kv_edit.max_rotations must be an integer from 0 to 1024; got {n!r}")
+    for key, top in (("max_rotations", 1024), ("min_run_tokens", 1 << 20), ("max_stub_tokens", 1 << 20)):
+        n = out[key]
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= top:
+            raise ValueError(f"persist_q4 kv_edit.{key} must be an integer from 0 to {top}; got {n!r}")
     return out
 
 

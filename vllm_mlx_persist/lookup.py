@@ -37,6 +37,7 @@ class Match:
     prompt: Optional[list[int]] = None  # replacement prompt tokens, or None when unchanged
     forked: bool = False  # the prefix came from the fork parent
     superseded: int = 0  # with a forget edit: the agent's branches the turn's commit drops
+    stored: Optional[list[int]] = None  # with an amortize edit: the best own branch's tokens
 
 
 @dataclass

@@ -40,7 +40,7 @@ from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
-from .kv_edit import FORGET
+from .kv_edit import AMORTIZE, FORGET
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
 from .q4cache import Q4
@@ -102,7 +102,7 @@ class BlockPool:
              "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks", "unsaved_blocks_dropped",
              "store_refused", "read_timeouts", "fork_hits", "tokens_from_parent", "branches_evicted",
              "text_matches", "tokens_matched_by_text", "commit_replans", "kv_edit_forgets",
-             "branches_superseded"], 0)
+             "kv_edit_amortizes", "branches_superseded"], 0)
         self._lock = threading.RLock()
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight, tokens reused]
         # request id -> (namespace, first superseded blocks) of a forget edit, until its turn commits
@@ -287,13 +287,17 @@ class BlockPool:
             # sliding arrays only moves their bytes out of the budget's count until the cache is built.
             self._trim_windows([agent] + ([found.src] if found is not None and found.src is not agent else []))
             self._enforce_budget(keep=(agent.namespace, found.src.namespace if found is not None else agent.namespace))
+        stored = None
+        if edit == AMORTIZE and found is not None and found.src is agent:  # what a splice could reuse
+            self.stats["kv_edit_amortizes"] += 1
+            stored, _ = self.lookup_.stored_tokens(agent, found.branch, found.branch.n_tokens)
         if found is None or not found.used:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss", superseded=superseded)
+            return Match(None, 0, "miss", superseded=superseded, stored=stored)
         cache, covered = self.codec.build([(got.layers, n) for got, n in found.used], whole_run(found.used))
         if covered == 0:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss", superseded=superseded)
+            return Match(None, 0, "miss", superseded=superseded, stored=stored)
         with self._lock:
             if request_id is not None and request_id in self._inflight:
                 self._inflight[request_id][2] = covered
@@ -303,7 +307,7 @@ class BlockPool:
             if forked:
                 self.stats["fork_hits"] += 1
                 self.stats["tokens_from_parent"] += covered
-        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked, superseded)
+        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked, superseded, stored)
 
     def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
         """(lock held) A forget edit: note the first block of the agent's own best branch that holds
