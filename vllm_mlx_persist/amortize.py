@@ -129,16 +129,17 @@ class ModelSplicing:
     anchor: Optional[int]
     recurrent: bool
     refused_layer: Optional[str]
+    verdicts: tuple = ()  # rope_shift.LayerShift per layer (empty for a recurrent model)
 
     @classmethod
     def probe(cls, model: Any, tokenizer: Any, recurrent: bool) -> "ModelSplicing":
         from .rope_shift import probe_model  # MLX: only here
 
-        refused = None
+        refused, verdicts = None, ()
         if not recurrent:
-            verdicts = probe_model(model)
+            verdicts = tuple(probe_model(model))
             refused = next((f"layer {i}: {v.reason}" for i, v in enumerate(verdicts) if not v.ok), None)
-        return cls(message_anchor(tokenizer), recurrent, refused)
+        return cls(message_anchor(tokenizer), recurrent, refused, verdicts)
 
     def decide(self, stored: Optional[Sequence[int]], prompt: Sequence[int], options: dict) -> Union[Splice, str]:
         """`decide` for this model (`options`: the backend's kv_edit option)."""

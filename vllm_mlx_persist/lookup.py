@@ -38,6 +38,7 @@ class Match:
     forked: bool = False  # the prefix came from the fork parent
     superseded: int = 0  # with a forget edit: the agent's branches the turn's commit drops
     stored: Optional[list[int]] = None  # with an amortize edit: the best own branch's tokens
+    source: Optional[tuple] = None  # with an amortize edit: (agent, branch) the stored tokens are from
 
 
 @dataclass

@@ -287,17 +287,18 @@ class BlockPool:
             # sliding arrays only moves their bytes out of the budget's count until the cache is built.
             self._trim_windows([agent] + ([found.src] if found is not None and found.src is not agent else []))
             self._enforce_budget(keep=(agent.namespace, found.src.namespace if found is not None else agent.namespace))
-        stored = None
+        stored = source = None
         if edit == AMORTIZE and found is not None and found.src is agent:  # what a splice could reuse
             self.stats["kv_edit_amortizes"] += 1
             stored, _ = self.lookup_.stored_tokens(agent, found.branch, found.branch.n_tokens)
+            source = (agent, found.branch)
         if found is None or not found.used:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss", superseded=superseded, stored=stored)
+            return Match(None, 0, "miss", superseded=superseded, stored=stored, source=source)
         cache, covered = self.codec.build([(got.layers, n) for got, n in found.used], whole_run(found.used))
         if covered == 0:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss", superseded=superseded, stored=stored)
+            return Match(None, 0, "miss", superseded=superseded, stored=stored, source=source)
         with self._lock:
             if request_id is not None and request_id in self._inflight:
                 self._inflight[request_id][2] = covered
@@ -307,7 +308,22 @@ class BlockPool:
             if forked:
                 self.stats["fork_hits"] += 1
                 self.stats["tokens_from_parent"] += covered
-        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked, superseded, stored)
+        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked, superseded, stored, source)
+
+    def run_arrays(self, source: tuple, start: int, end: int) -> Optional[dict]:
+        """The token arrays of stored positions [start, end) of a branch (`Match.source`), read as
+        needed (worker: MLX); None if a block cannot be had."""
+        agent, branch = source
+        bs = self.block_size
+        steps = list(self.chains.walk(branch))[start // bs: -(-end // bs)]
+        got, ended = self.lookup_.fetch(agent, steps)
+        if len(got) < len(steps):
+            return None
+        lo = start - (start // bs) * bs
+        names = [n for n in got[0].layers if n not in (WIN_FROM,) and ".ckpt" not in n and not n.startswith("ckpt")]
+        whole = {n: mx.concatenate([g.layers[n] for g in got], axis=2) if len(got) > 1 else got[0].layers[n]
+                 for n in names}
+        return {n: a[..., lo:lo + end - start, :] for n, a in whole.items()}
 
     def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
         """(lock held) A forget edit: note the first block of the agent's own best branch that holds
