@@ -2,15 +2,18 @@
 official openai and anthropic clients. The mode's 400s; forget (output equal to a cold run of the
 edited conversation, the superseded branch gone from the agent, from memory and from every block
 file, and after a SIGKILL restart the unedited conversation reuses nothing past the edit); amortize
-answering a normal 200 that says it was not applied, and why."""
+splicing (usage, never stored, the same answer as an in-process splice) and falling back with
+its reason."""
 
 from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import anthropic
 import openai
@@ -152,11 +155,46 @@ def test_forget_equals_cold_and_the_removed_span_is_gone_everywhere(model, tmp_p
         srv.stop()
 
 
-def test_amortize_is_served_exactly_and_says_why_it_was_not_applied(model, tmp_path):
-    """A splice the history allows (a tool output replaced by a stub, the later messages unchanged) is
-    found and described, but served as exact until the splice is built; an edit after which nothing
-    stored reappears says no_realignment. Both answer what a plain exact request answers."""
-    with Server(model, tmp_path / "home", options={**OPTIONS, "kv_edit": {"enabled": True}}) as srv:
+def _reference_splice(model: Path, cache_root: Path, agent: str, ids: list[int]) -> tuple[str, int]:
+    """The same amortize request served in this process from a copy of the server's cache: the
+    backend's own fetch (the splice), then greedy decoding on the spliced cache. (text, cached)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from vllm_mlx_persist.backend import PersistQ4Backend
+
+    m, tok = load(str(model))
+    backend = PersistQ4Backend(model=m, tokenizer=tok, options={**OPTIONS, "cache_dir": str(cache_root),
+                                                                "warmup": False, "restore": False})
+    try:
+        backend.load()
+        req = SimpleNamespace(prompt_token_ids=ids, cache_namespace=f"{agent}\0edit:amortize", request_id="ref")
+        hit = backend.fetch(req)
+        assert hit is not None and req.cache_usage["kv_edit"]["applied"]
+        cache, out = hit.cache, []
+        logits = m(mx.array([ids[hit.num_tokens:]]), cache=cache)[:, -1]
+        eos = set(tok.eos_token_ids) if hasattr(tok, "eos_token_ids") else {tok.eos_token_id}
+        for _ in range(MAX_TOKENS):
+            t = mx.argmax(logits, axis=-1).item()
+            if t in eos:
+                break
+            out.append(t)
+            logits = m(mx.array([[t]]), cache=cache)[:, -1]
+        backend.on_request_finished(req, False)
+        return tok.decode(out), hit.cached_tokens
+    finally:
+        backend.close()
+
+
+def test_amortize_splices_and_never_stores_what_it_spliced(model, tmp_path):
+    """A tool output replaced by a stub, the later messages unchanged: the stub is prefilled, the later
+    messages' stored K/V are spliced with their keys moved, and usage says so (cached_tokens counts
+    the exact prefix and the run, never the stub). The answer equals the same splice run in process.
+    The spliced turn is not stored: a plain request for the same messages then reuses only the
+    exact prefix and answers what a cold agent answers. An edit after which nothing stored reappears
+    says no_realignment and is served as exact."""
+    home = tmp_path / "home"
+    with Server(model, home, options={**OPTIONS, "kv_edit": {"enabled": True}}) as srv:
         history = [{"role": "user", "content": _text("task", 40, 3)}]
         reply, _ = _chat(srv, history, "am")
         history += [{"role": "assistant", "content": reply}, {"role": "user", "content": _tool_output(9)}]
@@ -166,15 +204,27 @@ def test_amortize_is_served_exactly_and_says_why_it_was_not_applied(model, tmp_p
         ask = {"role": "user", "content": _text("next", 20, 4)}
         stubbed = history[:2] + [{"role": "user", "content": "tool output: (truncated)"}] + history[3:] \
             + [{"role": "assistant", "content": reply}, ask]
+        branches = _agent(srv, "am")["branches"]
         text, usage = _chat(srv, stubbed, "am", "amortize", via="metadata")
-        assert text == _chat(srv, stubbed, "am-reference")[0]
         report = usage["kv_edit"]
-        assert report["mode"] == "amortize" and report["applied"] is False, report
-        assert report["fallback"] == "splice_not_built" and report["spliced_tokens"] == 0, report
-        assert report["exact_prefix_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
-        plan = report["plan"]
-        assert plan["run_tokens"] >= 16 and plan["delta"] < 0  # the tool output was longer than its stub
-        assert len(_agent(srv, "am")["branches"]) >= 2  # served as exact: the tool output's branch stays
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert report["mode"] == "amortize" and report["applied"] is True and report["fallback"] is None, report
+        assert report["spliced_tokens"] >= 16 and report["plan"]["delta"] < 0  # the stub is shorter
+        assert cached == report["exact_prefix_tokens"] + report["spliced_tokens"]
+        assert report["recomputed_tokens"] == usage["prompt_tokens"] - cached
+        n_prompt = usage["prompt_tokens"]
+        assert _agent(srv, "am")["branches"] == branches  # the spliced turn was not stored
+        copy = tmp_path / "copy"  # the history as the splice saw it, for the in-process reference
+        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
+
+        exact_text, exact = _chat(srv, stubbed, "am")
+        assert exact["prompt_tokens_details"]["cached_tokens"] <= report["exact_prefix_tokens"] + 1
+        assert exact_text == _chat(srv, stubbed, "am-cold")[0]
 
         _, usage = _chat(srv, history[:1] + [ask], "am", "amortize")
-        assert usage["kv_edit"]["fallback"] == "no_realignment" and "plan" not in usage["kv_edit"]
+        assert usage["kv_edit"]["fallback"] == "no_realignment" and usage["kv_edit"]["applied"] is False
+    ids = _tokenize(model, stubbed)
+    assert len(ids) == n_prompt  # the server's prompt, tokenized here
+    ref_text, ref_cached = _reference_splice(model, copy, "am", ids)
+    assert ref_cached == cached
+    assert ref_text.strip() == text.strip()

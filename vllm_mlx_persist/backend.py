@@ -339,7 +339,9 @@ class PersistQ4Backend:
                             edit=mode)
         agent = namespace or "<anonymous>"
         if mode is not None:
-            self._report_edit(request, mode, m)
+            spliced = self._report_edit(request, mode, m)
+            if spliced is not None:
+                return spliced
         if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
             return None
@@ -353,9 +355,9 @@ class PersistQ4Backend:
             return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier, prompt_token_ids=m.prompt)
         return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier)
 
-    def _report_edit(self, request: Any, mode: str, m: Any) -> None:
+    def _report_edit(self, request: Any, mode: str, m: Any) -> Any:
         """`usage.kv_edit` for a request that declared an edit mode (the seam reports
-        `request.cache_usage`). Amortize is not spliced yet: it is served as exact and says so."""
+        `request.cache_usage`); for an amortize request the splice allows, the spliced CacheLookup."""
         n_prompt = len(request.prompt_token_ids)
         if mode == FORGET:
             report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
@@ -369,13 +371,43 @@ class PersistQ4Backend:
                     self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
                 log.info("persist_q4: amortize on this model: %s", self._splicing)
             plan = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
-            # A splice the history allows is still served as exact until the splice itself is built.
-            why = plan if isinstance(plan, str) else "splice_not_built"
-            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback=why)
-            if not isinstance(plan, str):
-                report["plan"] = {"stub_tokens": plan.stub, "run_tokens": plan.length, "delta": plan.delta}
+            done = None if isinstance(plan, str) else self._splice(request, m, plan)
+            if isinstance(done, tuple):
+                lookup, n_run = done
+                report = kv_edit_report(AMORTIZE, True, m.num_tokens, n_prompt, spliced=n_run)
+                report["plan"] = {"stub_tokens": plan.stub, "run_tokens": n_run, "delta": plan.delta}
+                request.cache_usage = {"kv_edit": report}
+                log.info("[persist_q4] kv_edit %s", report)
+                return lookup
+            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback=plan if done is None else done)
         request.cache_usage = {"kv_edit": report}
         log.info("[persist_q4] kv_edit %s", report)
+        return None
+
+    def _splice(self, request: Any, m: Any, plan: Any) -> Any:
+        """(CacheLookup, run tokens) for a splice, or the reason it is served as exact. The turn of a
+        spliced request is not stored (store() refuses it): spliced K/V never get the ids an honest
+        prefill would, so no exact lookup can ever be served them; the next amortize request splices
+        again from the stored history."""
+        from vllm_mlx.cache_backend import CacheLookup
+
+        from . import splice
+
+        prompt = list(request.prompt_token_ids)
+        if not splice.supported(self.codec) or m.prompt is not None:
+            return "splice_not_built"  # windows, MLA, text-matched prompts: not spliced yet
+        n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
+        if n_run < self.opts["kv_edit"]["min_run_tokens"] or n_run <= 0:
+            return "no_realignment"
+        run = self.pool.run_arrays(m.source, plan.src, plan.src + n_run)
+        if run is None:
+            return "unreadable"
+        cache = m.cache if m.cache is not None else self.codec.make_cache()
+        cache, n = splice.apply(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
+                                plan, run)
+        request._vmp_spliced = True
+        self.pool.stats["kv_edit_splices"] += 1
+        return CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=m.num_tokens + n_run), n_run
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
@@ -416,8 +448,8 @@ class PersistQ4Backend:
         """Record the finished sequence's cache (prompt + output) under the request's agent."""
         if callable(cache):
             cache = cache()
-        if not self.validate(cache or []):
-            return False
+        if not self.validate(cache or []) or getattr(request, "_vmp_spliced", False):
+            return False  # a spliced turn is never stored (see _splice)
         try:
             namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
             n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),

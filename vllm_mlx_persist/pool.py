@@ -102,7 +102,7 @@ class BlockPool:
              "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks", "unsaved_blocks_dropped",
              "store_refused", "read_timeouts", "fork_hits", "tokens_from_parent", "branches_evicted",
              "text_matches", "tokens_matched_by_text", "commit_replans", "kv_edit_forgets",
-             "kv_edit_amortizes", "branches_superseded"], 0)
+             "kv_edit_amortizes", "kv_edit_splices", "branches_superseded"], 0)
         self._lock = threading.RLock()
         self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight, tokens reused]
         # request id -> (namespace, first superseded blocks) of a forget edit, until its turn commits
