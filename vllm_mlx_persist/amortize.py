@@ -1,7 +1,6 @@
 """Span directives, amortize: where an edited prompt can be spliced onto an agent's stored history,
-or why it cannot (issue #21). Pure functions, no MLX; the splice itself (prefill the stub, append
-the run with its keys moved by `rope_shift`) is not built yet, so a possible splice is still served
-as exact and reported as `splice_not_built`.
+or why it cannot (issue #21). Pure functions, no MLX (but `ModelSplicing.probe`); splice.py executes
+a plan (prefill the stub, append the run with its keys moved by `rope_shift`).
 
 A splice of the prompt P onto stored tokens T:
 

@@ -6,8 +6,8 @@ the server may treat the stored history they no longer match:
 
 * `forget`: re-prefill from the first differing token (a cold run's output), and the history the edit
   superseded really goes: its branch and the blocks only it named leave memory, disk and Redis.
-* `amortize`: splice (keep the K/V after the edited span, keys rotated by the position shift). Until
-  the splice is built it is served as exact, with `applied: false` and the reason.
+* `amortize`: splice (keep the K/V after the edited span, keys rotated by the position shift); where
+  it cannot, served as exact with `applied: false` and the reason (`FALLBACKS`).
 * none: today's exact behaviour.
 
 The mode comes from the `X-KV-Edit` header, else `metadata.kv_edit`; it needs an agent id. It rides in
