@@ -83,9 +83,65 @@ def test_a_splice_moves_the_run_and_keeps_everything_else(model, tmp_path, stub_
     pool.close()
 
 
-def test_only_linear_q4_models_are_spliced_here():
+def test_which_models_are_spliced_here():
     from vllm_mlx_persist.tools.models import build_model
 
     assert splice.supported(ModelCodec.for_model(build_model("llama", "tiny")[0]))
+    assert splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0]))
     assert not splice.supported(ModelCodec.for_model(build_model("gemma3_text", "tiny")[0], bounded=True))
-    assert not splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0]))
+    assert not splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0], latent_bits=8))
+    assert not splice.supported(ModelCodec.for_model(build_model("qwen3_next", "tiny")[0]))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
+    """MLA keeps full-precision latents: the rotary slot (deepseek_v3's k_pe in the cache's values;
+    deepseek_v32's also the indexer's keys) moves, the latent stays; layer 0 then equals a cold
+    prefill's within float rounding."""
+    from vllm_mlx_persist.rope_shift import slot_names
+    from vllm_mlx_persist.tools.models import build_model
+
+    model, _ = build_model(arch, "tiny")
+    codec = ModelCodec.for_model(model)
+    assert splice.supported(codec)
+    from vllm_mlx_persist.identity import model_fingerprint
+    from vllm_mlx_persist.pool import BlockPool
+    from vllm_mlx_persist.store import DiskStore
+
+    fmt = {"bits": 4, "group_size": GROUP, "block_size": 16}
+    fp = model_fingerprint(model, None, fmt)
+    pool = BlockPool(fingerprint=fp, n_layers=codec.n_layers, bits=4, group_size=GROUP, block_size=16,
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path, fp, {"test": True}, fmt), codec=codec)
+
+    def run_model(tokens, cache=None):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        return cache
+
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    assert pool.commit("a", stored, run_model(stored)) == len(stored)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    verdicts = probe_model(model)
+    spliced, n = splice.apply(model, codec, verdicts, m.cache, m.num_tokens, prompt, plan, run)
+    pool.finish("r")
+    got = codec.token_arrays(spliced)
+    ref = codec.token_arrays(run_model(prompt[:n]))
+    rotated = 0
+    for slot, (name,) in zip(verdicts[0].slots, slot_names(codec.kinds[0], 0)):
+        mine, cold, was = got[name][..., plan.at:n, :], ref[name][..., plan.at:n, :], run[name]
+        if mine.size == 0:
+            continue
+        rel = (mx.linalg.norm((mine - cold).reshape(-1)) / mx.linalg.norm(cold.reshape(-1))).item()
+        assert rel <= 1e-4, (name, slot.kind, rel)
+        if slot.kind == "rotate":
+            rotated += 1
+            assert not mx.allclose(was, cold, atol=1e-3).item()  # unmoved it would be far off
+        else:
+            assert mx.array_equal(mine, was).item()  # the latent: the stored bytes
+    assert rotated == (1 if arch == "deepseek_v3" else 2)
+    _ = run_model(prompt[n:], spliced)  # the model decodes on it
+    pool.close()
