@@ -228,3 +228,40 @@ def test_amortize_splices_and_never_stores_what_it_spliced(model, tmp_path):
     ref_text, ref_cached = _reference_splice(model, copy, "am", ids)
     assert ref_cached == cached
     assert ref_text.strip() == text.strip()
+
+
+def _conversation(srv: Server, agent: str) -> tuple[list[dict], list[dict]]:
+    """Three turns with a tool output in the middle; returns (history, the same with the tool output
+    replaced by a stub and a new question)."""
+    history = [{"role": "user", "content": _text("task", 40, 3)}]
+    reply, _ = _chat(srv, history, agent)
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": _tool_output(9)}]
+    reply, _ = _chat(srv, history, agent)
+    history += [{"role": "assistant", "content": reply}, {"role": "user", "content": _text("then", 40, 5)}]
+    reply, _ = _chat(srv, history, agent)
+    stubbed = history[:2] + [{"role": "user", "content": "tool output: (truncated)"}] + history[3:] \
+        + [{"role": "assistant", "content": reply}, {"role": "user", "content": _text("next", 20, 4)}]
+    return history, stubbed
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+def test_families_splice_or_fall_back_with_their_reason(tmp_path, arch):
+    """An MLA model splices (its answer equals the in-process splice); a recurrent hybrid falls back
+    (recurrent_state) and answers what an exact request answers."""
+    model = build_model_dir(tmp_path / "model", arch=arch, size="tiny", seed=0)
+    home = tmp_path / "home"
+    with Server(model, home, options=OPTIONS) as srv:
+        _, stubbed = _conversation(srv, "fam")
+        text, usage = _chat(srv, stubbed, "fam", "amortize")
+        report = usage["kv_edit"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        if arch == "qwen3_next":
+            assert report["applied"] is False and report["fallback"] == "recurrent_state", report
+            assert cached == report["exact_prefix_tokens"]
+            assert text == _chat(srv, stubbed, "fam-cold")[0]
+            return
+        assert report["applied"] is True and cached == report["exact_prefix_tokens"] + report["spliced_tokens"]
+        copy = tmp_path / "copy"
+        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
+    ref_text, ref_cached = _reference_splice(model, copy, "fam", _tokenize(model, stubbed))
+    assert ref_cached == cached and ref_text.strip() == text.strip()
