@@ -107,6 +107,13 @@ def test_modes_are_checked(model, tmp_path):
                                    extra_headers={"X-Agent-ID": "a", "X-KV-Edit": "forget"},
                                    extra_body={"temperature": 0.0})
         assert r.usage.model_dump()["kv_edit"]["mode"] == "forget"
+        # Streamed, the usage chunk carries it too.
+        oc = openai.OpenAI(base_url=srv.url + "/v1", api_key="test", max_retries=0, timeout=300)
+        chunks = list(oc.chat.completions.create(
+            model=srv.model, messages=msgs, max_tokens=4, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_headers={"X-Agent-ID": "a", "X-KV-Edit": "forget"}))
+        usage = next(c.usage for c in chunks if c.usage is not None).model_dump()
+        assert usage["kv_edit"]["mode"] == "forget"
         # No mode: today's usage, without a kv_edit object.
         _, usage = _chat(srv, msgs, "a")
         assert "kv_edit" not in usage
