@@ -193,13 +193,13 @@ def _reference_splice(model: Path, cache_root: Path, agent: str, ids: list[int])
         backend.close()
 
 
-def test_amortize_splices_and_never_stores_what_it_spliced(model, tmp_path):
+def test_amortize_splices_and_an_exact_request_never_sees_it(model, tmp_path):
     """A tool output replaced by a stub, the later messages unchanged: the stub is prefilled, the later
     messages' stored K/V are spliced with their keys moved, and usage says so (cached_tokens counts
     the exact prefix and the run, never the stub). The answer equals the same splice run in process.
-    The spliced turn is not stored: a plain request for the same messages then reuses only the
-    exact prefix and answers what a cold agent answers. An edit after which nothing stored reappears
-    says no_realignment and is served as exact."""
+    The spliced turn is stored apart: the agent's branches are unchanged, and a plain request for the
+    same messages reuses only the exact prefix and answers what a cold agent answers. An edit after
+    which nothing stored reappears says no_realignment and is served as exact."""
     home = tmp_path / "home"
     with Server(model, home, options={**OPTIONS, "kv_edit": {"enabled": True}}) as srv:
         history = [{"role": "user", "content": _text("task", 40, 3)}]
@@ -212,6 +212,8 @@ def test_amortize_splices_and_never_stores_what_it_spliced(model, tmp_path):
         stubbed = history[:2] + [{"role": "user", "content": "tool output: (truncated)"}] + history[3:] \
             + [{"role": "assistant", "content": reply}, ask]
         branches = _agent(srv, "am")["branches"]
+        copy = tmp_path / "copy"  # the history as the splice sees it, for the in-process reference
+        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
         text, usage = _chat(srv, stubbed, "am", "amortize", via="metadata")
         report = usage["kv_edit"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -220,9 +222,7 @@ def test_amortize_splices_and_never_stores_what_it_spliced(model, tmp_path):
         assert cached == report["exact_prefix_tokens"] + report["spliced_tokens"]
         assert report["recomputed_tokens"] == usage["prompt_tokens"] - cached
         n_prompt = usage["prompt_tokens"]
-        assert _agent(srv, "am")["branches"] == branches  # the spliced turn was not stored
-        copy = tmp_path / "copy"  # the history as the splice saw it, for the in-process reference
-        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
+        assert _agent(srv, "am")["branches"] == branches  # stored apart: the agent's history is unchanged
 
         exact_text, exact = _chat(srv, stubbed, "am")
         assert exact["prompt_tokens_details"]["cached_tokens"] <= report["exact_prefix_tokens"] + 1
@@ -259,6 +259,8 @@ def test_families_splice_or_fall_back_with_their_reason(tmp_path, arch):
     home = tmp_path / "home"
     with Server(model, home, options=OPTIONS) as srv:
         _, stubbed = _conversation(srv, "fam")
+        copy = tmp_path / "copy"  # the history as the splice sees it, for the in-process reference
+        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
         text, usage = _chat(srv, stubbed, "fam", "amortize")
         report = usage["kv_edit"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
@@ -268,7 +270,46 @@ def test_families_splice_or_fall_back_with_their_reason(tmp_path, arch):
             assert text == _chat(srv, stubbed, "fam-cold")[0]
             return
         assert report["applied"] is True and cached == report["exact_prefix_tokens"] + report["spliced_tokens"]
-        copy = tmp_path / "copy"
-        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
     ref_text, ref_cached = _reference_splice(model, copy, "fam", _tokenize(model, stubbed))
     assert ref_cached == cached and ref_text.strip() == text.strip()
+
+
+def _persisted_run(model: Path, home: Path, kill: bool) -> tuple:
+    """Splice, optionally SIGKILL and restart, then continue the spliced history (amortize), and
+    check that exact requests and a fork that did not opt in never reuse spliced K/V."""
+    srv = Server(model, home, options=OPTIONS).start()
+    try:
+        _, stubbed = _conversation(srv, "p")
+        text, usage = _chat(srv, stubbed, "p", "amortize")
+        first = usage["kv_edit"]
+        assert first["applied"] is True and first["fallback"] is None, first
+        if kill:
+            srv.restart(signal.SIGKILL)  # right after the spliced turn's response completed
+        cont = stubbed + [{"role": "assistant", "content": text}, {"role": "user", "content": _text("more", 10, 6)}]
+        text2, usage2 = _chat(srv, cont, "p", "amortize")
+        second, cached2 = usage2["kv_edit"], usage2["prompt_tokens_details"]["cached_tokens"]
+        assert second["applied"] is True and cached2 >= usage["prompt_tokens"], (second, cached2)
+        assert second["spliced_tokens"] > 0 and cached2 == second["exact_prefix_tokens"] + second["spliced_tokens"]
+        # A fork that did not opt in, then the agent itself without a mode: the honest history only
+        # (each stores an honest turn of its own, so the fork goes first).
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="test", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=srv.model, messages=cont, max_tokens=MAX_TOKENS, temperature=0.0,
+                                           metadata={"agent_id": "p-fork", "fork_from": "p"})
+        assert r.usage.prompt_tokens_details.cached_tokens <= first["exact_prefix_tokens"] + 1
+        _, exact = _chat(srv, cont, "p")
+        assert exact["prompt_tokens_details"]["cached_tokens"] <= first["exact_prefix_tokens"] + 1
+        # Erasing the agent erases its spliced history too (the fork keeps only what it shares).
+        req = urllib.request.Request(f"{srv.url}/v1/agents/p", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).read()
+        req = urllib.request.Request(f"{srv.url}/v1/agents/p-fork", method="DELETE")
+        urllib.request.urlopen(req, timeout=30).read()
+        assert _stored_tokens(home) == [], "an erased agent's spliced history is still on disk"
+        return text, text2, cached2, second
+    finally:
+        srv.stop()
+
+
+def test_a_spliced_history_survives_sigkill_and_stays_what_the_hot_path_gives(model, tmp_path):
+    hot = _persisted_run(model, tmp_path / "hot", kill=False)
+    killed = _persisted_run(model, tmp_path / "killed", kill=True)
+    assert killed == hot

@@ -145,3 +145,54 @@ def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
     assert rotated == (1 if arch == "deepseek_v3" else 2)
     _ = run_model(prompt[n:], spliced)  # the model decodes on it
     pool.close()
+
+
+def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_path):
+    """A spliced turn is stored under the agent's amortized namespace, as a fork of its source: only
+    amortize lookups of the agent see it, it survives a restart, and erasing the agent or a forget
+    edit erases it too; it is not listed as an agent."""
+    from vllm_mlx_persist.kv_edit import FORGET, amortized_namespace
+
+    pool = make_pool(model, tmp_path)
+    codec = ModelCodec.for_model(model)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    cache, _ = prefill(model, stored)
+    pool.commit("a", stored, cache)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    spliced, n = splice.apply(model, codec, probe_model(model), m.cache, m.num_tokens, prompt, plan, run)
+    spliced, _ = prefill(model, prompt[n:], spliced)
+    ns = amortized_namespace("a", 1)
+    assert pool.commit(ns, prompt, spliced, "r", fork_from="a", spliced=True) == len(prompt)
+    pool.finish("r")
+    later = prompt + msg(5, 6)
+    assert pool.match("a", later).num_tokens == m.num_tokens  # exact: the honest prefix only
+    assert pool.match("b", later, fork_from="a").num_tokens <= m.num_tokens  # a fork that did not opt in
+    hit = pool.match("a", later, "r2", edit=AMORTIZE)
+    assert hit.num_tokens == len(prompt) and hit.source[0].namespace == ns
+    pool.finish("r2")
+    assert [i["id"] for i in pool.list_agents(10)[0]] == ["a"]
+    pool.flush()
+    pool.close()
+
+    again = make_pool(model, tmp_path)  # a restart: the spliced history reads back bit for bit
+    hit2 = again.match("a", later, "r3", edit=AMORTIZE)
+    assert hit2.num_tokens == len(prompt)
+    for x, y in zip(codec.token_arrays(hit.cache).values(), codec.token_arrays(hit2.cache).values()):
+        assert mx.array_equal(x, y).item()
+    again.finish("r3")
+    forgot = head + msg(9, 7)
+    again.match("a", forgot, "r4", edit=FORGET)  # a forget edit erases spliced copies
+    again.commit("a", forgot, prefill(model, forgot)[0], "r4")
+    again.finish("r4")
+    assert again.agent(ns) is None
+    again.flush()
+    again.close()
+    third = make_pool(model, tmp_path)
+    assert third.agent(ns) is None and third.agent("a") is not None
+    third.commit(ns, prompt, spliced, fork_from="a", spliced=True)
+    assert third.erase("a") and third.agent(ns) is None  # erasing the agent erases them
+    third.close()

@@ -21,7 +21,7 @@ from .caches import ModelCodec
 from .identity import model_fingerprint
 from .kv_edit import AMORTIZE, FORGET, parse_option as parse_kv_edit
 from .kv_edit import report as kv_edit_report
-from .kv_edit import split_mode
+from .kv_edit import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of, split_mode
 from .match_decode import MatchDecoder
 from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import (
@@ -370,32 +370,55 @@ class PersistQ4Backend:
                 except Exception as e:  # a model the probe cannot drive is never spliced
                     self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
                 log.info("persist_q4: amortize on this model: %s", self._splicing)
+            src, gen, honest = self._source(m)
+            if gen:  # the lookup reused a spliced history: this turn continues it, there
+                request._vmp_store_as = (src, None, False)
             plan = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
-            done = None if isinstance(plan, str) else self._splice(request, m, plan)
+            done = None if isinstance(plan, str) else self._splice(request, m, plan, src, gen)
+            reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
             if isinstance(done, tuple):
                 lookup, n_run = done
-                report = kv_edit_report(AMORTIZE, True, m.num_tokens, n_prompt, spliced=n_run)
+                report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + n_run)
                 report["plan"] = {"stub_tokens": plan.stub, "run_tokens": n_run, "delta": plan.delta}
                 request.cache_usage = {"kv_edit": report}
                 log.info("[persist_q4] kv_edit %s", report)
                 return lookup
-            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback=plan if done is None else done)
+            why = plan if done is None else done
+            report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused,
+                                    fallback=None if reused > 0 and why == "no_edit" else why)
         request.cache_usage = {"kv_edit": report}
         log.info("[persist_q4] kv_edit %s", report)
         return None
 
-    def _splice(self, request: Any, m: Any, plan: Any) -> Any:
-        """(CacheLookup, run tokens) for a splice, or the reason it is served as exact. The turn of a
-        spliced request is not stored (store() refuses it): spliced K/V never get the ids an honest
-        prefill would, so no exact lookup can ever be served them; the next amortize request splices
-        again from the stored history."""
+    def _source(self, m: Any) -> tuple[Optional[str], int, int]:
+        """(namespace, generation, honest tokens) of an amortize lookup's source: the agent's own
+        history (generation 0, every reused token honest) or one of its spliced histories (only the
+        tokens before its first spliced block are honest)."""
+        if m.source is None:
+            return None, 0, m.num_tokens
+        agent, branch = m.source
+        am = amortized_of(agent.namespace)
+        if am is None:
+            return agent.namespace, 0, m.num_tokens
+        first = next((i for i, ns in branch.links if AMORTIZED_SEPARATOR in ns), 0)
+        return agent.namespace, am[1], min(m.num_tokens, first * self.opts["block_size"])
+
+    def _splice(self, request: Any, m: Any, plan: Any, src: Optional[str], gen: int) -> Any:
+        """(CacheLookup, run tokens) for a splice, or the reason it is served as exact. The turn is
+        stored as a fork of its source under the agent's spliced namespace of the next generation
+        (kv_edit.amortized_namespace): no request can name it, its ids are seeded apart from any
+        honest prefill's, and only amortize requests of the agent look there, so no exact or forget
+        lookup, other agent's fork or other server's exact request is ever served spliced K/V.
+        A run moved more than `max_rotations` times is re-prefilled (rotation_budget)."""
         from vllm_mlx.cache_backend import CacheLookup
 
         from . import splice
 
         prompt = list(request.prompt_token_ids)
         if not splice.supported(self.codec) or m.prompt is not None:
-            return "splice_not_built"  # windows, MLA, text-matched prompts: not spliced yet
+            return "splice_not_built"  # windows, latent-packed MLA, text-matched prompts: not spliced yet
+        if gen + 1 > self.opts["kv_edit"]["max_rotations"]:
+            return "rotation_budget"
         n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
         if n_run < self.opts["kv_edit"]["min_run_tokens"] or n_run <= 0:
             return "no_realignment"
@@ -405,7 +428,8 @@ class PersistQ4Backend:
         cache = m.cache if m.cache is not None else self.codec.make_cache()
         cache, n = splice.apply(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
                                 plan, run)
-        request._vmp_spliced = True
+        agent = split_namespace(getattr(request, "cache_namespace", None))[0]
+        request._vmp_store_as = (amortized_namespace(agent, gen + 1), src, True)
         self.pool.stats["kv_edit_splices"] += 1
         return CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=m.num_tokens + n_run), n_run
 
@@ -448,12 +472,15 @@ class PersistQ4Backend:
         """Record the finished sequence's cache (prompt + output) under the request's agent."""
         if callable(cache):
             cache = cache()
-        if not self.validate(cache or []) or getattr(request, "_vmp_spliced", False):
-            return False  # a spliced turn is never stored (see _splice)
+        if not self.validate(cache or []):
+            return False
         try:
             namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+            spliced = False
+            if getattr(request, "_vmp_store_as", None) is not None:  # a spliced history (see _splice)
+                namespace, parent, spliced = request._vmp_store_as
             n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),
-                                                fork_from=parent)
+                                                fork_from=parent, spliced=spliced)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False

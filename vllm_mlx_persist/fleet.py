@@ -121,6 +121,10 @@ class Fleet:
 
     # ---- lookups ------------------------------------------------------------------------------------
 
+    def erase_queued(self, namespace: str) -> None:
+        """Erase fleet-wide without reading Redis first (the pool's lock may be held)."""
+        self.tier.erase(namespace)
+
     def prefetch(self, namespace: str) -> None:
         """Start the agent's sync with Redis (any thread; never blocks)."""
         self._start(namespace)

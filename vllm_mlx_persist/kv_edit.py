@@ -22,6 +22,9 @@ HEADER = "x-kv-edit"
 AMORTIZE, FORGET = "amortize", "forget"
 MODES = (AMORTIZE, FORGET)
 EDIT_SEPARATOR = "\0edit:"
+# A spliced history is stored as a fork of its agent under an internal namespace no request can
+# name (agent ids never contain NUL): generation g holds K/V rotated up to g times.
+AMORTIZED_SEPARATOR = "\0amortized:"
 # Why an amortize request was served otherwise (usage.kv_edit.fallback).
 FALLBACKS = ("disabled", "no_history", "no_edit", "recurrent_state", "unsupported_positions", "no_realignment",
              "unaligned", "stub_too_long", "rotation_budget", "splice_not_built", "unreadable")
@@ -56,6 +59,17 @@ def split_mode(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
         return namespace, None
     rest, _, mode = namespace.rpartition(EDIT_SEPARATOR)
     return rest, (mode if mode in MODES else None)
+
+
+def amortized_namespace(agent: str, generation: int) -> str:
+    """Where an agent's spliced histories of `generation` (rotations per token, at most) are stored."""
+    return f"{agent}{AMORTIZED_SEPARATOR}{generation}"
+
+
+def amortized_of(namespace: str) -> Optional[tuple[str, int]]:
+    """(agent, generation) of an amortized namespace, else None."""
+    agent, sep, gen = namespace.rpartition(AMORTIZED_SEPARATOR)
+    return (agent, int(gen)) if sep and gen.isdigit() else None
 
 
 def parse_option(value: Any) -> dict[str, Any]:

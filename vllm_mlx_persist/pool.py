@@ -40,7 +40,7 @@ from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
-from .kv_edit import AMORTIZE, FORGET
+from .kv_edit import AMORTIZE, AMORTIZED_SEPARATOR, FORGET
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
 from .q4cache import Q4
@@ -267,12 +267,17 @@ class BlockPool:
             candidates = [(agent, br) for br in reversed(agent.branches)]
             if parent is not None:
                 candidates += [(parent, br) for br in reversed(parent.branches)]
+            if edit == AMORTIZE and namespace is not None:  # only amortize requests see spliced histories
+                for ns in self._amortized_names(namespace):
+                    spliced = self.agents.get(ns)
+                    candidates += [(spliced, br) for br in reversed(spliced.branches)]
         found = self.lookup_.best(candidates, prompt)  # the lock is taken and released inside
         superseded = 0
         with self._lock:
             if edit == FORGET and request_id is not None:
                 self.stats["kv_edit_forgets"] += 1
                 superseded = self._supersede(agent, found, prompt, request_id)
+                self._drop_amortized(agent.namespace)  # spliced copies may hold what is forgotten
             if found is not None and found.n and found.src is agent:
                 at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
                 if at is not None:  # now the most recently used
@@ -288,10 +293,10 @@ class BlockPool:
             self._trim_windows([agent] + ([found.src] if found is not None and found.src is not agent else []))
             self._enforce_budget(keep=(agent.namespace, found.src.namespace if found is not None else agent.namespace))
         stored = source = None
-        if edit == AMORTIZE and found is not None and found.src is agent:  # what a splice could reuse
+        if edit == AMORTIZE and found is not None and found.src is not parent:  # what a splice could reuse
             self.stats["kv_edit_amortizes"] += 1
-            stored, _ = self.lookup_.stored_tokens(agent, found.branch, found.branch.n_tokens)
-            source = (agent, found.branch)
+            stored, _ = self.lookup_.stored_tokens(found.src, found.branch, found.branch.n_tokens)
+            source = (found.src, found.branch)
         if found is None or not found.used:
             self.stats["misses"] += 1
             return Match(None, 0, "miss", superseded=superseded, stored=stored, source=source)
@@ -304,7 +309,7 @@ class BlockPool:
                 self._inflight[request_id][2] = covered
             self.stats["hits_disk" if found.from_disk else "hits_hot"] += 1
             self.stats["tokens_reused"] += covered
-            forked = found.src is not agent
+            forked = parent is not None and found.src is parent
             if forked:
                 self.stats["fork_hits"] += 1
                 self.stats["tokens_from_parent"] += covered
@@ -341,6 +346,25 @@ class BlockPool:
         self._superseding[request_id] = (agent.namespace, bids)
         return len(agent.branches) - len(surviving(agent.branches, bids))
 
+    def _amortized_names_locked(self, namespace: str) -> list[str]:
+        with self._lock:
+            return self._amortized_names(namespace)
+
+    def _amortized_names(self, namespace: str) -> list[str]:
+        """(lock held) The agent's spliced histories known here (kv_edit.amortized_namespace)."""
+        prefix = namespace + AMORTIZED_SEPARATOR
+        return sorted(n for n in self.agents.registry if n.startswith(prefix))
+
+    def _drop_amortized(self, namespace: str) -> None:
+        """(lock held) Erase the agent's spliced histories, here, on disk and in Redis (queued, no
+        waiting): a forget edit's removed content may be held by one."""
+        for ns in self._amortized_names(namespace):
+            self._forget(ns)
+            if self.persister is not None:
+                self.persister.erase(ns)
+            if self.fleet is not None:
+                self.fleet.erase_queued(ns)
+
     def _drop_superseded(self, namespace: str, bids: set[str]) -> None:
         """(lock held) A forget edit whose turn did not commit: drop the superseded branches now."""
         agent = self.agents.get(namespace)
@@ -372,10 +396,10 @@ class BlockPool:
     # ---- commit ---------------------------------------------------------------------------------
 
     def commit(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-               request_id: Optional[str] = None, fork_from: Optional[str] = None) -> int:
+               request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False) -> int:
         """`commit_async`, then (with durable writes) wait up to `write_timeout_s` for the disk.
         Returns the number of tokens now cached."""
-        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from)
+        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from, spliced)
         if future is not None and self.durable_writes:
             try:
                 if not future.result(self.write_timeout_s):
@@ -385,7 +409,7 @@ class BlockPool:
         return n
 
     def commit_async(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-                     request_id: Optional[str] = None, fork_from: Optional[str] = None,
+                     request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False,
                      ) -> tuple[int, Optional[Future]]:
         """Make `namespace`'s cache cover `tokens` (prompt + output) from an extracted cache.
 
@@ -420,7 +444,9 @@ class BlockPool:
                     agent = self.agents.anonymous_slot(tokens)
                 else:
                     agent = self.agents.get(namespace) or Agent(namespace)
-                plan = self.committer.plan(agent, tokens, fork_from, inflight[2] if inflight else 0, self.epoch)
+                # A spliced cache holds no stored block bit for bit (its lookup was another agent's).
+                reused = inflight[2] if inflight and not spliced else 0
+                plan = self.committer.plan(agent, tokens, fork_from, reused, self.epoch)
             built = self.committer.build(plan, cache)  # MLX, no lock
             with self._lock:
                 if inflight is not None and inflight[1]:
@@ -514,7 +540,8 @@ class BlockPool:
         """One page of agents ordered by id: up to `limit` whose ids sort after `after`, and whether
         more follow. Id order keeps pages stable while agents are used (recency would reshuffle them)."""
         with self._lock:
-            names = sorted(n for n in self.agents.registry if after is None or n > after)
+            names = sorted(n for n in self.agents.registry
+                           if (after is None or n > after) and AMORTIZED_SEPARATOR not in n)
         page = [i for i in map(self.agent_info, names[:limit]) if i is not None]
         return page, len(names) > limit
 
@@ -526,6 +553,8 @@ class BlockPool:
         its forks share stay, in memory and on disk, as long as a fork names them. With a fleet
         tier and `fleet_wide`, the agent is then erased from Redis too (queued).
         """
+        for ns in self._amortized_names_locked(namespace):  # its spliced histories go with it
+            self.erase(ns, timeout, fleet_wide)
         with self._lock:
             known = self._forget(namespace)
             for entry in self._inflight.values():
