@@ -196,3 +196,29 @@ def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_pat
     third.commit(ns, prompt, spliced, fork_from="a", spliced=True)
     assert third.erase("a") and third.agent(ns) is None  # erasing the agent erases them
     third.close()
+
+
+def test_a_splice_in_flight_during_a_forget_is_not_stored(model, tmp_path):
+    """A forget edit erases the agent's spliced histories; an amortize request that looked up before
+    it and finishes after it must not store its spliced turn (it may hold the forgotten content)."""
+    from vllm_mlx_persist.kv_edit import FORGET, amortized_namespace
+
+    pool = make_pool(model, tmp_path)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    pool.commit("a", stored, prefill(model, stored)[0])
+    ns = amortized_namespace("a", 1)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    cache = prefill(model, prompt)[0]
+    pool.commit(ns, prompt, cache, fork_from="a", spliced=True)  # an earlier splice, stored
+    pool.match("a", prompt + msg(4, 8), "slow", edit=AMORTIZE)  # a splice request in flight
+    pool.match("a", head + msg(9, 7), "forget", edit=FORGET)  # meanwhile a forget erases spliced copies
+    pool.finish("forget")
+    assert pool.agent(ns) is None
+    assert pool.commit(ns, prompt, cache, "slow", fork_from="a", spliced=True) == 0
+    assert pool.agent(ns) is None
+    pool.finish("slow")
+    pool.match("a", prompt, "later", edit=AMORTIZE)  # a request after the forget may splice again
+    assert pool.commit(ns, prompt, cache, "later", fork_from="a", spliced=True) == len(prompt)
+    pool.finish("later")
+    pool.close()

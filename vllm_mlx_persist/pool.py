@@ -104,7 +104,8 @@ class BlockPool:
              "text_matches", "tokens_matched_by_text", "commit_replans", "kv_edit_forgets",
              "kv_edit_amortizes", "kv_edit_splices", "branches_superseded"], 0)
         self._lock = threading.RLock()
-        self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight, tokens reused]
+        # request id -> [namespace, erased while in flight, tokens reused, epoch at its lookup]
+        self._inflight: dict[str, list] = {}
         # request id -> (namespace, first superseded blocks) of a forget edit, until its turn commits
         self._superseding: dict[str, tuple[str, set[str]]] = {}
         # Bumped whenever another thread than the worker changes agents (erasure, fleet adoption): a
@@ -254,7 +255,7 @@ class BlockPool:
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
-                self._inflight[request_id] = [namespace, False, 0]
+                self._inflight[request_id] = [namespace, False, 0, self.epoch]
                 if self.persister is not None:
                     self.persister.begin_use(namespace)
             agent = self.agents.find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
@@ -440,6 +441,8 @@ class BlockPool:
                 inflight = self._inflight.get(request_id) if request_id is not None else None
                 if inflight is not None and inflight[1]:
                     return 0, None  # erased while this request ran: its turn must not bring it back
+                if inflight is not None and self._erased.get(namespace, -1) > inflight[3]:
+                    return 0, None  # a spliced history erased since the lookup (a forget): not brought back
                 if namespace is None:
                     agent = self.agents.anonymous_slot(tokens)
                 else:
