@@ -251,10 +251,15 @@ def _conversation(srv: Server, agent: str) -> tuple[list[dict], list[dict]]:
     return history, stubbed
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next"])
+FALLBACK = {"qwen3_next": "recurrent_state", "lfm2": "recurrent_state", "gemma3_text": "splice_not_built",
+            "gpt_oss": "splice_not_built"}
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_next", "lfm2", "gemma3_text", "gpt_oss"])
 def test_families_splice_or_fall_back_with_their_reason(tmp_path, arch):
-    """An MLA model splices (its answer equals the in-process splice); a recurrent hybrid falls back
-    (recurrent_state) and answers what an exact request answers."""
+    """An MLA model splices (its answer equals the in-process splice); recurrent hybrids fall back
+    with recurrent_state, sliding-window models (not spliced yet) with splice_not_built, and each
+    answers what a cold agent answers."""
     model = build_model_dir(tmp_path / "model", arch=arch, size="tiny", seed=0)
     home = tmp_path / "home"
     with Server(model, home, options=OPTIONS) as srv:
@@ -264,8 +269,8 @@ def test_families_splice_or_fall_back_with_their_reason(tmp_path, arch):
         text, usage = _chat(srv, stubbed, "fam", "amortize")
         report = usage["kv_edit"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
-        if arch == "qwen3_next":
-            assert report["applied"] is False and report["fallback"] == "recurrent_state", report
+        if arch in FALLBACK:
+            assert report["applied"] is False and report["fallback"] == FALLBACK[arch], report
             assert cached == report["exact_prefix_tokens"]
             assert text == _chat(srv, stubbed, "fam-cold")[0]
             return
