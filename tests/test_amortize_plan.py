@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mlx_persist.amortize import ModelSplicing, Splice, decide, find_splice, message_anchor
+from vllm_mlx_persist.amortize import ModelSplicing, Splice, decide, find_splice, find_splices, message_anchor
 from vllm_mlx_persist.tools.models import build_model, build_model_dir
 
 A = 1  # the message-start token in these synthetic conversations
@@ -25,6 +25,22 @@ def test_a_removed_message_realigns_at_the_next_boundary():
     assert plan.length == len(tail)  # the whole stored tail
     assert plan.delta == 3 - len(span) and plan.stub == 2
     assert prompt[plan.at:plan.at + plan.length] == stored[plan.src:plan.src + plan.length]
+
+
+def test_two_edits_are_two_splices_left_to_right():
+    m1, span1, m2, span2, m3 = (msg(*range(b, b + 20)) for b in (10, 100, 200, 300, 400))
+    stored = m1 + span1 + m2 + span2 + m3
+    prompt = m1 + msg(7) + m2 + msg(8, 8, 8) + m3 + msg(9)
+    plans = find_splices(stored, prompt, len(m1) + 1, A)
+    assert len(plans) == 2
+    first, second = plans
+    assert (first.at, first.src) == (len(m1) + 2, 2 * len(m1))  # m2, moved back by span1 - stub
+    assert second.exact == first.at + first.length and second.src == 4 * len(m1)  # m3
+    for p in plans:
+        assert prompt[p.at:p.at + p.length] == stored[p.src:p.src + p.length]
+    assert second.delta == (len(prompt) - len(m3) - 2) - 4 * len(m1)
+    # a budget of stub tokens that only fits the first edit's stub keeps one splice
+    assert len(find_splices(stored, prompt, len(m1) + 1, A, max_stub=2)) == 1
 
 
 def test_an_inserted_message_moves_the_rest_forward():
@@ -50,7 +66,7 @@ def test_model_wide_fallbacks_come_first():
     stored = msg(*range(10, 30)) + msg(*range(100, 140)) + msg(*range(200, 230))
     prompt = msg(*range(10, 30)) + msg(7) + msg(*range(200, 230))
     kw = dict(recurrent=False, refused_layer=None)
-    assert isinstance(decide(stored, prompt, 22, A, **kw), Splice)
+    assert [type(x) for x in decide(stored, prompt, 22, A, **kw)] == [Splice]
     assert decide(None, prompt, 0, A, **kw) == "no_history"
     assert decide(stored, prompt, 22, A, recurrent=True, refused_layer=None) == "recurrent_state"
     assert decide(stored, prompt, 22, A, recurrent=False, refused_layer="layer 3: unsupported_positions") \

@@ -218,7 +218,7 @@ def test_amortize_splices_and_an_exact_request_never_sees_it(model, tmp_path):
         report = usage["kv_edit"]
         cached = usage["prompt_tokens_details"]["cached_tokens"]
         assert report["mode"] == "amortize" and report["applied"] is True and report["fallback"] is None, report
-        assert report["spliced_tokens"] >= 16 and report["plan"]["delta"] < 0  # the stub is shorter
+        assert report["spliced_tokens"] >= 16 and report["plan"][0]["delta"] < 0  # the stub is shorter
         assert cached == report["exact_prefix_tokens"] + report["spliced_tokens"]
         assert report["recomputed_tokens"] == usage["prompt_tokens"] - cached
         n_prompt = usage["prompt_tokens"]
@@ -318,3 +318,24 @@ def test_a_spliced_history_survives_sigkill_and_stays_what_the_hot_path_gives(mo
     hot = _persisted_run(model, tmp_path / "hot", kill=False)
     killed = _persisted_run(model, tmp_path / "killed", kill=True)
     assert killed == hot
+
+
+def test_two_edits_in_one_request_are_two_splices(model, tmp_path):
+    home = tmp_path / "home"
+    with Server(model, home, options=OPTIONS) as srv:
+        history = [{"role": "user", "content": _text("task", 40, 3)}]
+        for i, content in enumerate([_tool_output(9), _text("then", 40, 5), _tool_output(11), _text("and", 40, 12)]):
+            reply, _ = _chat(srv, history, "two")
+            history += [{"role": "assistant", "content": reply}, {"role": "user", "content": content}]
+        reply, _ = _chat(srv, history, "two")
+        stub = {"role": "user", "content": "tool output: (truncated)"}
+        edited = history[:2] + [stub] + history[3:6] + [stub] + history[7:] \
+            + [{"role": "assistant", "content": reply}, {"role": "user", "content": _text("next", 20, 4)}]
+        copy = tmp_path / "copy"
+        shutil.copytree(home / ".cache" / "vllm-mlx-persist", copy, ignore=shutil.ignore_patterns(".lock"))
+        text, usage = _chat(srv, edited, "two", "amortize")
+        report = usage["kv_edit"]
+        assert report["applied"] is True and len(report["plan"]) >= 2, report
+        assert usage["prompt_tokens_details"]["cached_tokens"] == report["exact_prefix_tokens"] + report["spliced_tokens"]
+    ref_text, ref_cached = _reference_splice(model, copy, "two", _tokenize(model, edited))
+    assert ref_cached == usage["prompt_tokens_details"]["cached_tokens"] and ref_text.strip() == text.strip()

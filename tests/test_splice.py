@@ -222,3 +222,32 @@ def test_a_splice_in_flight_during_a_forget_is_not_stored(model, tmp_path):
     assert pool.commit(ns, prompt, cache, "later", fork_from="a", spliced=True) == len(prompt)
     pool.finish("later")
     pool.close()
+
+
+def test_two_edits_in_one_request(model, tmp_path):
+    """Two spans replaced by stubs of other lengths: both later runs move, each by its own Δ; layer 0
+    of both equals a cold prefill's to 4-bit precision, and the values are the stored bytes."""
+    from vllm_mlx_persist.amortize import find_splices
+
+    pool = make_pool(model, tmp_path)
+    codec = ModelCodec.for_model(model)
+    m1, span1, m2, span2, m3 = msg(30, 1), msg(25, 2), msg(30, 3), msg(20, 4), msg(30, 5)
+    stored = m1 + span1 + m2 + span2 + m3
+    pool.commit("a", stored, prefill(model, stored)[0])
+    prompt = m1 + msg(4, 6) + m2 + msg(30, 7) + m3 + msg(5, 8)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plans = find_splices(m.stored, prompt, lcp(m.stored, prompt), A)
+    assert len(plans) == 2 and plans[0].delta == -21 and plans[1].delta == -21 + 10  # shifts add up
+    runs = [(p, pool.run_arrays(m.source, p.src, p.src + p.length)) for p in plans]
+    spliced, n = splice.apply_all(model, codec, probe_model(model), m.cache, m.num_tokens, prompt, runs)
+    pool.finish("r")
+    assert n == plans[1].at + plans[1].length
+    got = codec.token_arrays(spliced)
+    cold = codec.token_arrays(prefill(model, prompt[:n])[0])
+    step = mx.abs(cold["0.k.s"].astype(mx.float32)).max().item()
+    for p, run in runs:
+        moved = {k: a[..., p.at:p.at + p.length, :] for k, a in got.items()}
+        ref = {k: a[..., p.at:p.at + p.length, :] for k, a in cold.items()}
+        assert mx.abs(deq(moved, 0, "k") - deq(ref, 0, "k")).max().item() <= 2 * step
+        assert all(mx.array_equal(moved[x], run[x]).item() for x in run if ".v." in x)
+    pool.close()

@@ -66,23 +66,51 @@ def find_splice(stored: Sequence[int], prompt: Sequence[int], exact: int, anchor
         return "no_edit"
     if anchor is None:
         return "unaligned"
-    targets = [p for p in range(exact, len(prompt)) if prompt[p] == anchor]
-    sources = [s for s in range(exact, len(stored)) if stored[s] == anchor]
-    if not targets or not sources:  # no message boundary after the edit on one side
-        return "no_realignment"
-    best: Optional[Splice] = None
-    for at in targets:  # the first boundary of the prompt a stored run realigns at
-        for src in sources:
-            length = _lcp(stored[src:], prompt[at:])
-            if length >= min_run and (best is None or length > best.length):
-                best = Splice(exact, at, src, length)
-        if best is not None:
-            break
+    best = _next_run(stored, prompt, exact, exact, anchor, min_run)
     if best is None:
         return "no_realignment"
     if best.stub > max_stub:
         return "stub_too_long"
     return best
+
+
+def _next_run(stored: Sequence[int], prompt: Sequence[int], p_from: int, s_from: int, anchor: int,
+              min_run: int) -> Optional[Splice]:
+    """The longest stored run from `s_from` on that reappears at the first message boundary of the
+    prompt from `p_from` on where any does (at least `min_run` tokens), as a Splice whose stub
+    starts at `p_from`; None if none does."""
+    targets = [p for p in range(p_from, len(prompt)) if prompt[p] == anchor]
+    sources = [s for s in range(s_from, len(stored)) if stored[s] == anchor]
+    for at in targets:
+        best: Optional[Splice] = None
+        for src in sources:
+            length = _lcp(stored[src:], prompt[at:])
+            if length >= min_run and (best is None or length > best.length):
+                best = Splice(p_from, at, src, length)
+        if best is not None:
+            return best
+    return None
+
+
+def find_splices(stored: Sequence[int], prompt: Sequence[int], exact: int, anchor: Optional[int],
+                 min_run: int = MIN_RUN_TOKENS, max_stub: int = MAX_STUB_TOKENS) -> Union[list[Splice], str]:
+    """Every edit of the prompt, left to right: the first as `find_splice` finds it (or its fallback
+    reason), then, after each run ends, the next stored run (later in the stored tokens) that
+    reappears at a message boundary, as long as the stubs together stay within `max_stub`."""
+    first = find_splice(stored, prompt, exact, anchor, min_run, max_stub)
+    if isinstance(first, str):
+        return first
+    out, stubs = [first], first.stub
+    while True:
+        last = out[-1]
+        p, s = last.at + last.length, last.src + last.length
+        if p >= len(prompt) or s >= len(stored):
+            return out
+        nxt = _next_run(stored, prompt, p, s, anchor, min_run)
+        if nxt is None or stubs + nxt.stub > max_stub:
+            return out
+        out.append(nxt)
+        stubs += nxt.stub
 
 
 def message_anchor(tokenizer: Any) -> Optional[int]:
@@ -107,8 +135,9 @@ def message_anchor(tokenizer: Any) -> Optional[int]:
 
 def decide(stored: Optional[Sequence[int]], prompt: Sequence[int], exact: int, anchor: Optional[int], *,
            recurrent: bool, refused_layer: Optional[str], min_run: int = MIN_RUN_TOKENS,
-           max_stub: int = MAX_STUB_TOKENS) -> Union[Splice, str]:
-    """The splice for an amortize request, or why not (checked in the module docstring's order)."""
+           max_stub: int = MAX_STUB_TOKENS) -> Union[list[Splice], str]:
+    """The splices for an amortize request (one per edit, left to right), or why not (checked in the
+    module docstring's order)."""
     if not stored:
         return "no_history"
     if exact >= len(stored):
@@ -117,7 +146,7 @@ def decide(stored: Optional[Sequence[int]], prompt: Sequence[int], exact: int, a
         return "recurrent_state"
     if refused_layer:
         return "unsupported_positions"
-    return find_splice(stored, prompt, exact, anchor, min_run, max_stub)
+    return find_splices(stored, prompt, exact, anchor, min_run, max_stub)
 
 
 @dataclass(frozen=True)
@@ -140,7 +169,8 @@ class ModelSplicing:
             refused = next((f"layer {i}: {v.reason}" for i, v in enumerate(verdicts) if not v.ok), None)
         return cls(message_anchor(tokenizer), recurrent, refused, verdicts)
 
-    def decide(self, stored: Optional[Sequence[int]], prompt: Sequence[int], options: dict) -> Union[Splice, str]:
+    def decide(self, stored: Optional[Sequence[int]], prompt: Sequence[int], options: dict,
+               ) -> Union[list[Splice], str]:
         """`decide` for this model (`options`: the backend's kv_edit option)."""
         exact = _lcp(stored or (), prompt)
         return decide(stored, prompt, exact, self.anchor, recurrent=self.recurrent, refused_layer=self.refused_layer,

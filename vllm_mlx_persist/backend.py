@@ -373,17 +373,17 @@ class PersistQ4Backend:
             src, gen, honest = self._source(m)
             if gen:  # the lookup reused a spliced history: this turn continues it, there
                 request._vmp_store_as = (src, None, False)
-            plan = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
-            done = None if isinstance(plan, str) else self._splice(request, m, plan, src, gen)
+            plans = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
+            done = None if isinstance(plans, str) else self._splice(request, m, plans, src, gen)
             reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
             if isinstance(done, tuple):
-                lookup, n_run = done
-                report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + n_run)
-                report["plan"] = {"stub_tokens": plan.stub, "run_tokens": n_run, "delta": plan.delta}
+                lookup, used = done
+                report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
+                report["plan"] = [{"stub_tokens": p.stub, "run_tokens": n, "delta": p.delta} for p, n in used]
                 request.cache_usage = {"kv_edit": report}
                 log.info("[persist_q4] kv_edit %s", report)
                 return lookup
-            why = plan if done is None else done
+            why = plans if done is None else done
             report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused,
                                     fallback=None if reused > 0 and why == "no_edit" else why)
         request.cache_usage = {"kv_edit": report}
@@ -403,8 +403,9 @@ class PersistQ4Backend:
         first = next((i for i, ns in branch.links if AMORTIZED_SEPARATOR in ns), 0)
         return agent.namespace, am[1], min(m.num_tokens, first * self.opts["block_size"])
 
-    def _splice(self, request: Any, m: Any, plan: Any, src: Optional[str], gen: int) -> Any:
-        """(CacheLookup, run tokens) for a splice, or the reason it is served as exact. The turn is
+    def _splice(self, request: Any, m: Any, plans: list, src: Optional[str], gen: int) -> Any:
+        """(CacheLookup, [(plan, run tokens used)]) for the splices of a request (one per edit, left to
+        right), or the reason it is served as exact. The turn is
         stored as a fork of its source under the agent's spliced namespace of the next generation
         (kv_edit.amortized_namespace): no request can name it, its ids are seeded apart from any
         honest prefill's, and only amortize requests of the agent look there, so no exact or forget
@@ -419,19 +420,26 @@ class PersistQ4Backend:
             return "splice_not_built"  # windows, latent-packed MLA, text-matched prompts: not spliced yet
         if gen + 1 > self.opts["kv_edit"]["max_rotations"]:
             return "rotation_budget"
-        n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
-        if n_run < self.opts["kv_edit"]["min_run_tokens"] or n_run <= 0:
+        runs, used = [], []
+        for plan in plans:
+            n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
+            if n_run < self.opts["kv_edit"]["min_run_tokens"]:
+                break  # the rest of the prompt is prefilled
+            run = self.pool.run_arrays(m.source, plan.src, plan.src + n_run)
+            if run is None:
+                return "unreadable"
+            runs.append((plan, run))
+            used.append((plan, n_run))
+        if not runs:
             return "no_realignment"
-        run = self.pool.run_arrays(m.source, plan.src, plan.src + n_run)
-        if run is None:
-            return "unreadable"
         cache = m.cache if m.cache is not None else self.codec.make_cache()
-        cache, n = splice.apply(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
-                                plan, run)
+        cache, n = splice.apply_all(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
+                                    runs)
         agent = split_namespace(getattr(request, "cache_namespace", None))[0]
         request._vmp_store_as = (amortized_namespace(agent, gen + 1), src, True)
         self.pool.stats["kv_edit_splices"] += 1
-        return CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=m.num_tokens + n_run), n_run
+        cached = m.num_tokens + sum(k for _, k in used)
+        return CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached), used
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""

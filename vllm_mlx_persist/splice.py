@@ -39,9 +39,17 @@ def _full(c: KVCache, keys: mx.array, values: mx.array, offset: int) -> KVCache:
     return out
 
 
+def apply_all(model: Any, codec: ModelCodec, verdicts: Sequence[LayerShift], cache: list, covered: int,
+              prompt: Sequence[int], plans: Sequence[tuple[Splice, dict]]) -> tuple[list, int]:
+    """`apply` for each (plan, run) in turn, left to right: several edits in one request."""
+    for plan, run in plans:
+        cache, covered = apply(model, codec, verdicts, cache, covered, prompt, plan, run)
+    return cache, covered
+
+
 def apply(model: Any, codec: ModelCodec, verdicts: Sequence[LayerShift], cache: list, covered: int,
           prompt: Sequence[int], plan: Splice, run: dict) -> tuple[list, int]:
-    """The cache for `prompt[:plan.at + n]`: `cache` covers prompt[:covered] (covered <= plan.exact);
+    """The cache for `prompt[:plan.at + n]`: `cache` covers prompt[:covered] (covered <= plan.at);
     the model prefills prompt[covered:plan.at], then the stored run (`run`: a block-style array map
     of n tokens, stored at plan.src) follows, its keys moved by plan.delta. Returns (cache, tokens)."""
     stub = list(prompt[covered:plan.at])
