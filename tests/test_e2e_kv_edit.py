@@ -339,3 +339,16 @@ def test_two_edits_in_one_request_are_two_splices(model, tmp_path):
         assert usage["prompt_tokens_details"]["cached_tokens"] == report["exact_prefix_tokens"] + report["spliced_tokens"]
     ref_text, ref_cached = _reference_splice(model, copy, "two", _tokenize(model, edited))
     assert ref_cached == usage["prompt_tokens_details"]["cached_tokens"] and ref_text.strip() == text.strip()
+
+
+def test_amortize_switched_off_is_exact(model, tmp_path):
+    """kv_edit.enabled false: an amortize request is served and stored as an exact one (disabled),
+    and never sees a spliced history."""
+    with Server(model, tmp_path / "home", options={**OPTIONS, "kv_edit": {"enabled": False}}) as srv:
+        _, stubbed = _conversation(srv, "off")
+        text, usage = _chat(srv, stubbed, "off", "amortize")
+        report = usage["kv_edit"]
+        assert report["applied"] is False and report["fallback"] == "disabled" and report["spliced_tokens"] == 0
+        assert usage["prompt_tokens_details"]["cached_tokens"] == report["exact_prefix_tokens"]
+        assert text == _chat(srv, stubbed, "off-cold")[0]
+        assert len(_agent(srv, "off")["branches"]) >= 2  # stored as the agent's own (exact) turn

@@ -333,10 +333,12 @@ class PersistQ4Backend:
 
         namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
         mode = edit_mode(getattr(request, "cache_namespace", None))
+        # kv_edit.enabled false: amortize requests are exact ones, spliced histories unseen
+        lookup_mode = None if mode == AMORTIZE and not self.opts["kv_edit"]["enabled"] else mode
         t0 = time.perf_counter()
         m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
                             fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False),
-                            edit=mode)
+                            edit=lookup_mode)
         agent = namespace or "<anonymous>"
         if mode is not None:
             spliced = self._report_edit(request, mode, m)
