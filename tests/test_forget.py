@@ -5,7 +5,6 @@ a cold run of the edited prompt from the first differing token, and the history 
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 from vllm_mlx_persist.kv_edit import FORGET
