@@ -243,7 +243,13 @@ class BlockPool:
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
         if self.fleet is not None and namespace is not None:
-            self.fleet.wait(namespace, wait_fleet)  # bounded, and before the lock
+            # bounded, and before the lock; a fork's parent too (its copy may be of an erased
+            # history), both syncs running at once
+            names = [namespace] + ([fork_from] if fork_from and fork_from != namespace else [])
+            for ns in names[1:]:
+                self.fleet.prefetch(ns)
+            for ns in names:
+                self.fleet.wait(ns, wait_fleet)
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
