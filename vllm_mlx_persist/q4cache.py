@@ -508,15 +508,19 @@ class BatchQ4KVCache(_BaseCache):
         fv[..., prev - drop : self._idx, :] = dv
 
     def __deepcopy__(self, memo) -> "BatchQ4KVCache":
-        """A copy whose mirror is a copy of this one's when it fits the budget, else none (it builds
-        its own on its next decode step). mlx-lm deep-copies a prompt batch when it splits it."""
+        """A copy that shares the mirror's buffers, as it shares the packed ones (a deep copy of an
+        mx.array is a new array on the same data; MLX copies a shared buffer on its first write).
+        mlx-lm deep-copies a prompt batch when it splits it and then empties or filters the
+        original, so nothing is copied: copying the mirror here (`mx.array`) cost a full float copy
+        of the history per layer on every turn, and, when two copies did not fit the budget, a
+        second dequantization on the first decode step. Counted for each holder while both live."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             if k != "_mirror":
                 setattr(new, k, copy.deepcopy(v, memo))
-        if self._mirror is not None and self._mirror_fits(self.mirror_nbytes):
-            new._set_mirror(tuple(mx.array(x) for x in self._mirror))
+        if self._mirror is not None:
+            new._set_mirror(tuple(copy.deepcopy(x, memo) for x in self._mirror))
         return new
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -614,6 +618,11 @@ class BatchQ4KVCache(_BaseCache):
         """In-place: keep only the given batch rows, then drop the common left padding."""
         if not isinstance(batch_indices, mx.array):
             batch_indices = mx.array(list(batch_indices), dtype=mx.int32)
+        if batch_indices.tolist() == list(range(self.offset.shape[0])):
+            # Every row in order (mlx-lm's split of a prompt batch whose rows all start decoding):
+            # a gather would copy the packed storage and the mirror for nothing.
+            self._shift_left_padding()
+            return
         if self.keys is not None:
             self.keys = tuple(x[batch_indices] for x in self.keys)
             self.values = tuple(x[batch_indices] for x in self.values)
@@ -624,6 +633,10 @@ class BatchQ4KVCache(_BaseCache):
         self.left_padding = self.left_padding[batch_indices]
         if self._lengths is not None:
             self._lengths = [self._lengths[i] for i in batch_indices.tolist()]
+        self._shift_left_padding()
+
+    def _shift_left_padding(self) -> None:
+        """Drop the left padding every row has."""
         min_left_pad = self.left_padding.min().item() if self.left_padding.size else 0
         if min_left_pad > 0:
             if self.keys is not None:
