@@ -162,3 +162,65 @@ def test_goal_ratios_read_each_section():
     md = "\n".join(_md_goals(sections))
     # met: restart at 4k (1.1 <= 1.2), reload (1.2 <= 1.3), batch (0.95 >= 0.95); not: long restart, hot turn
     assert md.count("| yes |") == 3 and md.count("| no |") == 2
+
+
+def test_capacity_formulas_on_published_shapes():
+    """The analytical half of the capacity section: layer patterns read from the published configs,
+    and per-agent bytes (design.md's Gemma-3-12B figures at 32k: persist_q4 ~0.72 GB, vllm-mlx ~2.4 GB)."""
+    from vllm_mlx_persist.tools.bench_capacity import (PUBLISHED, agent_bytes, checkpoints, published_rows,
+                                                       shape_from_config, window_tokens)
+
+    gemma = shape_from_config(PUBLISHED["gemma3_text"]["config"])
+    assert [(g.count, g.window) for g in gemma.layers] == [(40, 1024), (8, None)]
+    assert [(g.count, g.kind) for g in shape_from_config(PUBLISHED["qwen3_next"]["config"]).layers] == \
+        [(36, "state"), (12, "kv")]
+    assert sum(g.count for g in shape_from_config(PUBLISHED["gpt_oss"]["config"]).layers if g.window) == 12
+    assert round(agent_bytes(gemma, 32768, "persist_q4", rule="worst")["total"] / 1e9, 2) == 0.72  # window + a block
+    assert round(agent_bytes(gemma, 32768, "persist_q4")["total"] / 1e9, 3) == 0.698  # 32k: the window's 4 blocks
+    assert round(agent_bytes(gemma, 32768, "vllm_default")["total"] / 1e9, 1) == 2.5
+    # 4-bit with bf16 scales and biases: 0.5625 bytes per element; vllm-mlx keeps 2
+    llama = shape_from_config(PUBLISHED["llama"]["config"])
+    assert agent_bytes(llama, 4096, "persist_q4")["total"] == 32 * 4096 * 2 * 8 * 128 * 0.5625
+    assert agent_bytes(llama, 4096, "persist_q4")["total"] == agent_bytes(llama, 4096, "bound")["total"]
+    # the sliding layers' blocks: from the one holding n - w; at worst the window + a block - 1
+    assert window_tokens(4096, 1024, 256) == 1024 and window_tokens(4100, 1024, 256) == 1028
+    assert window_tokens(4096, 1024, 256, "worst") == 1279 and window_tokens(4100, 1024, 256, "window") == 1024
+    assert window_tokens(100, 1024, 256, "worst") == 100
+    assert checkpoints(4096, 1, 256) == 2 and checkpoints(300, 8, 256) == 4
+    rows = published_rows([4096, 32768], [16], turns=8)
+    assert {r["key"] for r in rows} == set(PUBLISHED)
+    for r in rows:
+        a = r["agents"]["16"]
+        assert a["bound"] >= a["persist_q4"] >= a["persist_q4_turns"], r
+        if r["target"]:  # sliding-window families: within 1.15x of the bound even at their worst
+            assert 1.0 < r["persist_over_bound"] <= r["target"], r
+
+
+def test_quick_capacity_section(tmp_path: Path):
+    """The capacity section in quick mode: per family real persist_q4 and vllm-mlx servers on a
+    scaled-down model report per-agent bytes that agree with the formulas on the small shape."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "capacity",
+           "--out", str(out), "--work", str(tmp_path / "work")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    res = json.loads((out / "bench.json").read_text())
+    cap = res["sections"]["capacity"]
+    assert cap["errors"] == {}
+    assert set(cap["measured"]) == {"llama", "gemma3_text", "gpt_oss", "qwen3_next", "deepseek_v3"}
+    for arch, m in cap["measured"].items():
+        rows = m["compare"]["rows"]
+        assert [r["context"] for r in rows] == res["plan"]["capacity_contexts"]
+        for r in rows:
+            for system in ("persist_q4", "vllm_default"):
+                assert r[system]["bytes"] > 0 and r[system]["agrees"], (arch, system, r)
+            assert r["persist_q4"]["bytes"] >= r["persist_q4"]["bound"] * 0.99, (arch, r)
+            if arch in ("gemma3_text", "gpt_oss"):
+                assert r["target_met"], r
+        g = m["compare"]["grown"]["persist_q4"]
+        assert g["turns"] == res["plan"]["capacity_turns"]
+        # at most the checkpoints of every turn, plus older branches' tail blocks
+        assert g["bytes"] <= g["turns_analytical"] * 1.1, (arch, g)
+    assert (out / "capacity.png").exists()
+    md = (out / "bench.md").read_text()
+    assert "## Capacity: agents per memory budget" in md and "Gemma-3-12B" in md and "target 1.15x" in md

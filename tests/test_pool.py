@@ -41,12 +41,12 @@ def prefill(model, tokens, cache=None):
     return cache, logits[0, -1]
 
 
-def make_pool(model, root, hot_bytes=1 << 30, fingerprint=None) -> BlockPool:
+def make_pool(model, root, hot_bytes=1 << 30, fingerprint=None, **kw) -> BlockPool:
     fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
     fp = fingerprint or model_fingerprint(model, None, fmt)
     store = DiskStore(root, fp, {"test": True}, fmt)
     pool = BlockPool(fingerprint=fp, n_layers=len(model.layers), bits=BITS, group_size=GROUP,
-                     block_size=BLOCK, hot_bytes=hot_bytes, store=store)
+                     block_size=BLOCK, hot_bytes=hot_bytes, store=store, **kw)
     pool.load_manifests()
     return pool
 

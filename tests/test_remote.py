@@ -243,17 +243,61 @@ def test_conflict_rule(server, fp, tiers):
     a, b = tiers(server.url, fp), tiers(server.url, fp)
     blocks = {x.block_id: x for x in hist}
     a.put(manifest("cas", hist[:4]), blocks); a.flush(10)  # v1, 4 blocks
-    b.put(manifest("cas", hist[:3]), blocks); b.flush(10)  # B never saw v1: concurrent, shorter -> kept
+    late = manifest("cas", hist[:3])
+    late.updated_at -= 100  # B never saw v1: a late put of an older turn, which v1 holds -> kept
+    b.put(late, blocks); b.flush(10)
     assert b.stats()["puts_kept_other"] == 1 and len(b.get_manifest("cas").block_ids) == 4
-    b.put(manifest("cas", hist[:5]), blocks); b.flush(10)  # concurrent but longer -> wins (v2)
-    assert b.get_manifest("cas").version == 2
-    a.put(manifest("cas", hist[:4] + chain(fp, "x", 1)), {**blocks, **{x.block_id: x for x in chain(fp, "x", 1)}})
-    a.flush(10)  # A's base v1 is stale and its history is not longer: B's stays
+    b.put(manifest("cas", hist[:5]), blocks); b.flush(10)  # concurrent, continues v1: merged, v1 held by it
+    m = b.get_manifest("cas")
+    assert (m.version, m.block_ids, b.stats()["puts_merged"]) == (2, [x.block_id for x in hist[:5]], 1)
+    assert b.seen_version("cas") == 2  # the merged value is all B's own: its next put succeeds it
+
+    def turn(n: int, seed: int) -> Manifest:  # hist[:n] and one block of its own
+        own = chain(fp, "cas", 1, seed=seed, after=hist[n - 1])
+        blocks.update({x.block_id: x for x in own})
+        return manifest("cas", hist[:n] + own)
+
+    a.put(turn(4, 7), blocks); a.flush(10)  # A's base v1 is stale: its diverging turn is merged in
     m = a.get_manifest("cas")
-    assert (m.version, m.block_ids) == (2, [x.block_id for x in hist[:5]])
-    b.put(manifest("cas", hist[:2]), blocks); b.flush(10)  # B's base is current: a rewind wins
+    assert m.version == 3 and [br["block_ids"] for br in m.branches] == [
+        [x.block_id for x in hist[:5]], turn(4, 7).block_ids]  # B's branch, then A's (the newest)
+    assert m.n_tokens == 5 * TOKENS_PER_BLOCK and a.seen_version("cas") == 1  # A does not hold B's branch
+    a.put(turn(2, 8), blocks); a.flush(10)  # still no successor: merged again, nothing lost
     m = a.get_manifest("cas")
-    assert (m.version, len(m.block_ids), m.n_tokens) == (3, 2, 32)
+    assert m.version == 4 and [br["block_ids"] for br in m.branches][-1] == turn(2, 8).block_ids
+    assert len(m.branches) == 3
+    b.adopt("cas", b.get_manifest("cas").version)  # B fetched v4 (a sync): a rewind is its successor, wins
+    b.put(manifest("cas", hist[:2]), blocks); b.flush(10)
+    m = a.get_manifest("cas")
+    assert (m.version, len(m.block_ids), m.n_tokens, m.branches[0].get("last_used")) == (5, 2, 32, None)
+    b.release("cas")  # B erased its copy here (its disk budget): its next put merges instead
+    b.put(turn(1, 9), blocks); b.flush(10)
+    m = a.get_manifest("cas")
+    assert m.version == 6 and [br["block_ids"] for br in m.branches] == [
+        [x.block_id for x in hist[:2]], turn(1, 9).block_ids]
+
+
+def test_a_merge_keeps_the_most_recently_used_branches_of_both(server, fp, tiers):
+    """Concurrent puts of branched histories: the union by last use, `branches` at most, whichever
+    server wrote them; a branch another holds goes, its last use passing to the newest holder."""
+    from vllm_mlx_persist.chain import Branch, manifest_of
+
+    base = chain(fp, "m", 1)
+    forks = [chain(fp, "m", 1, seed=i, after=base[0])[0] for i in range(5)]
+    blocks = {x.block_id: x for x in base + forks}
+
+    def br(i: int, t: float) -> Branch:  # the base block, then fork i's own
+        return Branch([base[0].block_id, forks[i].block_id], 2 * TOKENS_PER_BLOCK, ((0, "m"), (1, "m")), t)
+
+    a, b = tiers(server.url, fp, branches=3), tiers(server.url, fp, branches=3)
+    a.put(manifest_of("m", [br(0, 10.0), br(2, 30.0), br(4, 50.0)], False, 50.0), blocks); a.flush(10)
+    only_base = Branch([base[0].block_id], TOKENS_PER_BLOCK, ((0, "m"),), 60.0)
+    b.put(manifest_of("m", [br(1, 20.0), br(3, 40.0), only_base], False, 60.0), blocks); b.flush(10)
+    m = a.get_manifest("m")
+    assert b.stats()["puts_merged"] == 1 and m.version == 2
+    assert [(e["block_ids"][1], e["last_used"]) for e in m.branches] == [
+        (forks[2].block_id, 30.0), (forks[3].block_id, 40.0), (forks[4].block_id, 60.0)]
+    assert m.n_tokens == 2 * TOKENS_PER_BLOCK and b.seen_version("m") == -1  # B holds only one of them
 
 
 def test_alternating_servers_lose_no_turn(server, fp, tiers):
@@ -384,12 +428,10 @@ def test_branched_and_forked_manifest_round_trips(server, fp, tiers):
     assert b.put(m) and b.flush(10) and b.stats()["puts_same"] == 1
     swapped = Manifest("child", m.block_ids, branches[0]["n_tokens"], time.time(), branches=branches[::-1])
     assert a.put(swapped) and a.flush(10) and a.get_manifest("child").branches == branches[::-1]
-    # conflict rule: the newest branch's tokens count; a concurrent put naming fewer is kept out
-    assert b.put(m) and b.flush(10) and b.stats()["puts_kept_other"] == 0  # longer newest branch: wins
-    shorter = Manifest("child", m.block_ids, 10, time.time(),
-                       branches=[branches[1], {**branches[0], "n_tokens": 10}])
-    a.put(shorter); a.flush(10)  # A's base is stale (B published since) and names fewer tokens
-    assert a.stats()["puts_kept_other"] == 1 and b.get_manifest("child").branches == branches
+    # a concurrent put is merged by last use: B's (stale base) names the same branches, used before
+    # A's put (a branch without last_used counts as used when its manifest was written): kept out
+    assert b.put(m) and b.flush(10) and b.stats()["puts_kept_other"] == 1
+    assert b.get_manifest("child").branches == branches[::-1]
     with pytest.raises(ValueError):  # a branch naming a block the manifest does not list: misuse
         a.put(Manifest("child", m.block_ids[:2], 5, time.time(), branches=branches))
 
@@ -482,11 +524,49 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
         fleet._sync_agent("big")
         assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1
         assert fleet.counts["blocks_fetched"] == 3
-        ((ids, n_tokens, _),) = pool.branch_state("big")
+        ((ids, n_tokens, _, _),) = pool.branch_state("big")
         assert list(ids) == [x.block_id for x in hist[:3]] and n_tokens == 3 * TOKENS_PER_BLOCK
         assert all(persister.store.has_block(x.block_id) for x in hist[:3])
     finally:
         fleet.close()
+        pool.close()
+
+
+def test_a_sync_fetches_any_branch_it_lacks_and_nothing_it_holds(server, fp, tiers, tmp_path):
+    """A sync fetches whenever Redis holds something this server lacks: here a branch shorter than
+    the local newest one (before: skipped, the local history being 'at least as long'). A history
+    already held costs the manifest read only: no block read, and the server adopts its version."""
+    from vllm_mlx_persist.chain import Branch, manifest_of
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.pool import BlockPool
+
+    hist = chain(fp, "s", 3)
+    side = chain(fp, "s", 1, seed=5, after=hist[0])  # a branch diverging after block 0
+    blocks = {x.block_id: x for x in hist + side}
+    long_ = Branch([x.block_id for x in hist], 3 * TOKENS_PER_BLOCK, ((0, "s"),), 10.0)
+    short = Branch([hist[0].block_id, side[0].block_id], 2 * TOKENS_PER_BLOCK, ((0, "s"), (1, "s")), 20.0)
+    a = tiers(server.url, fp)
+    assert a.put(manifest_of("s", [long_], False, 10.0), blocks) and a.flush(10)
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt),
+                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, **cb)))
+    fleet = pool.fleet
+    try:
+        fleet._sync_agent("s")
+        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens)]
+        gets = fleet.tier.stats()["gets"]
+        fleet._sync_agent("s")  # nothing new: no block read, the version adopted
+        assert fleet.counts["syncs_unchanged"] == 1 and fleet.tier.stats()["gets"] == gets
+        assert fleet.tier.seen_version("s") == 1
+        assert a.put(manifest_of("s", [long_, short], False, 20.0), blocks) and a.flush(10)  # A's successor: v2
+        fleet._sync_agent("s")  # its newest branch is shorter than the local one, and new here
+        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens),
+                                                           (tuple(short.block_ids), short.n_tokens)]
+        assert fleet.tier.stats()["gets"] == gets + 1 and fleet.tier.seen_version("s") == 2  # the one block it lacked
+        fleet._sync_agent("s")
+        assert fleet.counts["syncs_unchanged"] == 2 and fleet.tier.stats()["gets"] == gets + 1
+    finally:
         pool.close()
 
 
@@ -553,16 +633,16 @@ print(json.dumps(out))
 """
 
 
-def old_build(tmp_path: Path) -> Path:
-    """The package as it was at OLD_BUILD, extracted under tmp_path (skips without git history)."""
+def old_build(tmp_path: Path, commit: str = OLD_BUILD, what: str = "the build before crc32 blocks") -> Path:
+    """The package as it was at `commit`, extracted under tmp_path (skips without git history)."""
     root = Path(__file__).resolve().parent.parent
     git = shutil.which("git")
-    if git is None or subprocess.run([git, "cat-file", "-e", OLD_BUILD], cwd=root,
+    if git is None or subprocess.run([git, "cat-file", "-e", commit], cwd=root,
                                      capture_output=True).returncode != 0:
-        pytest.skip(f"needs git and commit {OLD_BUILD} (the build before crc32 blocks)")
-    archive = subprocess.run([git, "archive", OLD_BUILD, "vllm_mlx_persist"], cwd=root, capture_output=True,
+        pytest.skip(f"needs git and commit {commit} ({what})")
+    archive = subprocess.run([git, "archive", commit, "vllm_mlx_persist"], cwd=root, capture_output=True,
                              check=True).stdout
-    dest = tmp_path / "old-build"
+    dest = tmp_path / f"build-{commit}"
     dest.mkdir()
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return dest
@@ -913,6 +993,151 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
         assert fleet.counts["erased_from_fleet"] == 2
     finally:
         fleet.close()
+        pool.close()
+
+
+# The last build before eras (r2, like this one): manifests, in Redis and on disk, without `era`.
+PRE_ERA_BUILD = "8f65fcc"
+PRE_ERA_SCRIPT = """
+import json, sys
+from vllm_mlx_persist.remote import RemoteTier
+from vllm_mlx_persist.store import DiskStore
+url, fp, root, secret, block_size = sys.argv[1:6]
+t = RemoteTier(url, fp, secret=secret.encode())
+m = t.get_manifest("x")
+local = DiskStore(root, fp, {"test": True}, {"bits": 4, "group_size": 64, "block_size": int(block_size)}
+                  ).read_manifest("x")
+print(json.dumps({"remote": m and [m.block_ids, m.n_tokens, m.erased], "refused": t.stats()["refused"],
+                  "local": local and [local.block_ids, local.n_tokens]}))
+t.close(2)
+"""
+
+
+def test_a_build_from_before_eras_reads_manifests_that_carry_one(server, fp, tiers, tmp_path):
+    """`era` is an optional field (docs/disk-format.md, Versioning; docs/fleet.md, Versions): the r2
+    build before it reads a manifest carrying one, in Redis and on disk, as it reads any other."""
+    hist = chain(fp, "x", 2)
+    a = tiers(server.url, fp, secret=SECRET)
+    assert a.erase("x") and a.put(manifest("x", hist), {b.block_id: b for b in hist}) and a.flush(10)
+    raw = server.client()
+    assert json.loads(raw.hget(a.manifest_key("x"), "body"))["era"] == a.era("x")
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    m = manifest("x", hist)
+    m.era = a.era("x")
+    DiskStore(tmp_path / "cache", fp, {"test": True}, fmt).write_manifest(m)
+    on_disk = next((tmp_path / "cache").glob("*/agents/*.json")).read_text()
+    assert json.loads(on_disk)["era"] == a.era("x")
+    old = old_build(tmp_path, PRE_ERA_BUILD, "the build before eras")
+    done = subprocess.run([sys.executable, "-c", PRE_ERA_SCRIPT, server.url, fp, str(tmp_path / "cache"),
+                           SECRET.decode(), str(TOKENS_PER_BLOCK)], capture_output=True, text=True, timeout=120,
+                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    ids = [b.block_id for b in hist]
+    assert seen == {"remote": [ids, 2 * TOKENS_PER_BLOCK, False], "refused": 0, "local": [ids, 2 * TOKENS_PER_BLOCK]}
+
+
+def fleet_pool(fp: str, root: Path, make_tier):
+    """A pool with its disk tier at `root` and a fleet tier from `make_tier`, its agents loaded from disk."""
+    from vllm_mlx_persist.fleet import Fleet
+    from vllm_mlx_persist.pool import BlockPool
+
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                     hot_bytes=1 << 30, store=DiskStore(root, fp, {"test": True}, fmt), disk_budget=1 << 30,
+                     fleet=lambda p: Fleet(p, make_tier))
+    pool.load_manifests()
+    return pool
+
+
+def held(pool, agent: str) -> set:
+    """The block ids of every branch the pool holds for the agent."""
+    return {b for br in pool.branch_state(agent) or () for b in br[0]}
+
+
+def test_an_erasure_holds_on_a_server_that_missed_its_tombstone(server, fp, tiers, tmp_path):
+    """Server B holds agents X and Y; A erases both (tombstones) and serves a new turn of each, a new
+    history on top of the tombstone, before B reads the tombstones. Each new history carries its
+    tombstone's id (its era). B's sync of X erases its copy before it takes the new history; B's put
+    of its old copy of Y is refused like a put onto the tombstone, and B erases that copy. The era
+    survives B's restart (its local manifests carry it) and the MAC covers it; a history without one
+    (from before the erasure) is neither taken by B nor kept by its next put."""
+    old, new = chain(fp, "x", 3), chain(fp, "x", 2, seed=5)
+    y_old, y_new = chain(fp, "y", 2, seed=1), chain(fp, "y", 1, seed=6)
+    by_id = {b.block_id: b for b in old + new + y_old + y_new}
+    ids = lambda hist: {b.block_id for b in hist}  # noqa: E731
+    a = tiers(server.url, fp, secret=SECRET)
+
+    def make(**cb):
+        return tiers(server.url, fp, secret=SECRET, **cb)
+
+    pool = fleet_pool(fp, tmp_path / "b", make)
+    try:
+        for agent, hist in (("x", old), ("y", y_old)):
+            assert a.put(manifest(agent, hist), by_id) and a.flush(10)
+            pool.fleet._sync_agent(agent)
+            assert held(pool, agent) == ids(hist)
+        for agent, hist in (("x", new), ("y", y_new)):
+            assert a.erase(agent) and a.flush(10)
+            assert a.get_manifest(agent).erased and a.era(agent) == a.get_manifest(agent).ident
+            assert a.put(manifest(agent, hist), by_id) and a.flush(10)
+            m = a.get_manifest(agent)
+            assert not m.erased and m.era == a.era(agent) and not m.erasure and not m.outdated
+        fleet, b = pool.fleet, pool.fleet.tier
+        assert b.era("x") == "" and b.get_manifest("x").erasure == a.era("x")
+
+        # the sync path: B's copy predates the erasure, so it goes before the new history is taken
+        fleet._sync_agent("x")
+        assert held(pool, "x") == ids(new) and fleet.counts["erased_from_fleet"] == 1
+        assert b.era("x") == a.era("x") and pool.store.read_manifest("x").era == a.era("x")
+        assert b.seen_version("x") == a.get_manifest("x").version  # adopted: its next put succeeds it
+
+        # the put path: a save job of B's old copy of Y ends now; refused, and B erases that copy
+        assert b.put(manifest("y", y_old)) and b.flush(10)
+        assert b.stats()["puts_erased"] == 1 and set(a.get_manifest("y").block_ids) == ids(y_new)
+        deadline = time.monotonic() + 10
+        while (pool.branch_state("y") is not None or b.era("y") != a.era("y")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pool.branch_state("y") is None and b.era("y") == a.era("y")
+        fleet._sync_agent("y")
+        assert held(pool, "y") == ids(y_new) and fleet.counts["erased_from_fleet"] == 2
+
+        # a restart: the eras come back from the local manifests; nothing to erase, nothing to fetch
+        pool.close()
+        pool = fleet_pool(fp, tmp_path / "b", make)
+        fleet, b = pool.fleet, pool.fleet.tier
+        assert (b.era("x"), b.era("y")) == (a.era("x"), a.era("y"))
+        for agent in ("x", "y"):
+            fleet._sync_agent(agent)
+        assert fleet.counts["erased_from_fleet"] == 0 and fleet.counts["syncs_unchanged"] == 2
+        assert held(pool, "x") == ids(new) and held(pool, "y") == ids(y_new)
+
+        # the MAC covers the era: a body whose era was changed (its checksum recomputed) is refused
+        raw = server.client()
+        key = a.manifest_key("x")
+        body = json.loads(raw.hget(key, "body"))
+        del body["checksum"]
+        body["era"] = "0" * 16
+        body["checksum"] = "sha256:" + hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"),
+                                                                 ensure_ascii=True).encode()).hexdigest()
+        good = raw.hget(key, "body")
+        raw.hset(key, "body", json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+        before = b.stats()["refused_mac"]
+        assert b.get_manifest("x") is None and b.stats()["refused_mac"] == before + 1
+        raw.hset(key, "body", good)
+
+        # a history without an era (a build from before eras, or one published again after Redis
+        # lost the key) is from before B's erasure: B takes nothing from it, and its put replaces it
+        plant(raw, a, "x", manifest("x", old), version=9, ident="cd" * 8)
+        rm = b.get_manifest("x")
+        assert rm.outdated and not rm.erasure and rm.era == ""
+        fleet._sync_agent("x")
+        assert fleet.counts["syncs_outdated"] == 1 and held(pool, "x") == ids(new)
+        assert b.put(manifest("x", new)) and b.flush(10)
+        m = a.get_manifest("x")
+        assert set(m.block_ids) == ids(new) and m.era == a.era("x") and m.version == 10
+        assert b.stats()["puts_outdated"] == 1
+    finally:
         pool.close()
 
 

@@ -23,7 +23,7 @@ import redis.cluster  # noqa: E402
 
 from test_remote import SECRET, SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
 from vllm_mlx_persist.remote import REMOTE_FORMAT_VERSION, RemoteTier  # noqa: E402
-from vllm_mlx_persist.store import encode_block  # noqa: E402
+from vllm_mlx_persist.store import Manifest, encode_block  # noqa: E402
 
 NODE_TIMEOUT_MS = 2000
 
@@ -186,15 +186,24 @@ def test_conflict_rule_on_a_cluster(cluster, fp, tiers):
     blocks = {x.block_id: x for x in hist}
     a, b = ctier(tiers, cluster, fp), ctier(tiers, cluster, fp)
     assert a.put(manifest("cas", hist[:4]), blocks) and a.flush(10)  # v1
-    assert b.put(manifest("cas", hist[:3]), blocks) and b.flush(10)  # stale base, shorter: kept out
+
+    def late(m: Manifest) -> Manifest:  # a put of a turn made before v1 was
+        m.updated_at -= 100
+        return m
+
+    assert b.put(late(manifest("cas", hist[:3])), blocks) and b.flush(10)  # stale base, held by v1: kept out
     assert b.stats()["puts_kept_other"] == 1 and len(b.get_manifest("cas").block_ids) == 4
-    assert b.put(manifest("cas", hist[:5]), blocks) and b.flush(10)  # stale base, longer: wins
-    assert b.get_manifest("cas").version == 2
+    assert b.put(manifest("cas", hist[:5]), blocks) and b.flush(10)  # stale base, continues v1: merged
+    assert b.get_manifest("cas").version == 2 and b.stats()["puts_merged"] == 1
     assert b.put(manifest("cas", hist[:2]), blocks) and b.flush(10)  # sequential successor: a rewind wins
     m = a.get_manifest("cas")
     assert (m.version, len(m.block_ids), m.n_tokens) == (3, 2, 32)
-    assert a.put(manifest("cas", hist[:1]), blocks) and a.flush(10)  # stale base (v1), shorter: kept out
+    assert a.put(late(manifest("cas", hist[:1])), blocks) and a.flush(10)  # stale base (v1), held: kept out
     assert a.stats()["puts_kept_other"] == 1 and a.get_manifest("cas").version == 3
+    x = chain(fp, "cas", 1, seed=7, after=hist[0])
+    assert a.put(manifest("cas", hist[:1] + x), {**blocks, x[0].block_id: x[0]}) and a.flush(10)
+    m = a.get_manifest("cas")  # stale base, diverging: merged in beside the rewind, nothing lost
+    assert m.version == 4 and [br["n_tokens"] for br in m.branches] == [32, 32] and a.stats()["puts_merged"] == 1
 
 
 def test_erasure_on_a_cluster(cluster, fp, tiers):
@@ -339,7 +348,7 @@ def _one_node_killed(c: RedisClusterServers, fp: str, tiers) -> None:
     while c.port_of(a.block_key(longer[-1].block_id)) == victim:  # its new block on a live node too
         longer = agents[n] + chain(fp, n, 1, seed=int(time.monotonic_ns() % 10**6), after=agents[n][-1])
     assert b.put(manifest(n, longer), {x.block_id: x for x in longer}) and b.flush(10)
-    assert b.stats()["puts_published"] == 1, b.stats()
+    assert b.stats()["puts_merged"] == 1, b.stats()  # no successor (B never saw it): merged, and it holds A's
     assert a.get_manifest(n).block_ids == [x.block_id for x in longer]
 
 

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from vllm_mlx_persist.tools.models import build_model
-from vllm_mlx_persist.chain import Branch
+from vllm_mlx_persist.chain import Branch, merge_branches
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.text_match import align as _align
 from test_pool import COLD_HOT_TOL, assert_same_cache, make_pool, prefill, tokens
@@ -242,7 +242,7 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
     commit(b, model, "c", doc, fork_from="p")  # a fork of its own, as far as the document
     commit(b, model, "c", tokens(30, seed=9))  # and a branch A never saw
     a.flush()
-    fetched = [Branch(list(br.block_ids), br.n_tokens, br.links) for br in a.agent("c").branches]
+    fetched = [Branch(list(br.block_ids), br.n_tokens, br.links, br.last_used) for br in a.agent("c").branches]
     assert [l[1] for l in fetched[-1].links] == ["p", "c"]
     data = {bid: a.store.read_block(bid) for br in fetched for bid in br.block_ids}
 
@@ -261,9 +261,10 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
     done = []
     fut = b.save_fetched("c", fetched, list(missing.values()), b.agent_version("c"), done.append)
     assert fut.result(30) and done and done[0] is not None
-    # B's older copy of the fork (the same blocks but its partial tail) is continued by a fetched
-    # branch and goes; its own branch stays, older than the fetched ones
-    assert [br.block_ids for br in b.agent("c").branches] == [local[1]] + [br.block_ids for br in fetched]
+    # B's older copy of the fork (the same blocks but its partial tail, which the fetched branches'
+    # tokens show they grew) is held by the fetched branches and goes; its own branch stays, the
+    # most recently used (B committed it after A's turns)
+    assert [br.block_ids for br in b.agent("c").branches] == [br.block_ids for br in fetched] + [local[1]]
     assert len(b.store.read_manifest("c").branches) == 3  # on disk as in memory
     check_accounting(b)
     for seq in seqs:
@@ -276,3 +277,129 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
     assert b.save_fetched("c", fetched, [], (), done.append) is None
     a.close()
     b.close()
+
+
+# ---- two servers' branches of one agent, merged by recency (the fleet tier's syncs) -----------------
+
+
+def br(ids: str, n: int, t: float) -> Branch:
+    """A branch over blocks named by letters (an agent's own chain), used at `t`."""
+    return Branch(list(ids), n, ((0, "x"),), t)
+
+
+def test_merge_branches_keeps_the_most_recently_used_of_both_sides():
+    mine = [br("a", 16, 1.0), br("bc", 32, 3.0), br("d", 16, 5.0)]
+    theirs = [br("e", 16, 2.0), br("f", 16, 4.0), br("g", 16, 6.0)]
+    got = merge_branches(mine, theirs, 3)
+    assert [b.block_ids for b in got] == [["f"], ["d"], ["g"]]  # least recently used first, from either side
+    assert [b.block_ids for b in merge_branches(mine, [br("h", 16, 5.0)], 1)] == [["h"]]  # a tie: theirs newer
+    assert mine[1].last_used == 3.0 and len(mine) == 3  # pure
+
+
+def test_merge_branches_drops_a_branch_another_holds():
+    # "b" (a prefix, used last) is held by "bc": it goes and "bc" counts as used when it was
+    got = merge_branches([br("a", 16, 1.0), br("bc", 32, 2.0)], [br("b", 16, 3.0)], 4)
+    assert [(b.block_ids, b.last_used) for b in got] == [(["a"], 1.0), (["b", "c"], 3.0)]
+    # the same branch on both sides: once, with the later use
+    got = merge_branches([br("bc", 32, 5.0)], [br("bc", 32, 2.0), br("a", 16, 3.0)], 4)
+    assert [(b.block_ids, b.last_used) for b in got] == [(["a"], 3.0), (["b", "c"], 5.0)]
+    # a prefix of several: only the most recently used of them takes its use
+    got = merge_branches([br("ab", 32, 1.0), br("ac", 32, 2.0)], [br("a", 16, 9.0)], 4)
+    assert [(b.block_ids, b.last_used) for b in got] == [(["a", "b"], 1.0), (["a", "c"], 9.0)]
+    # a partial tail ("b": 20 tokens, 4 in block b) is held only when the tokens show it was grown
+    mine, theirs = [br("ab", 20, 1.0)], [br("ac", 40, 2.0)]
+    assert len(merge_branches(mine, theirs, 4)) == 2
+    assert len(merge_branches(mine, theirs, 4, grew=lambda c, b: True)) == 1
+    # fewer tokens never hold: a branch shorter than one block is not 'continued' by a longer one
+    assert len(merge_branches([br("a", 5, 3.0)], [br("e", 30, 1.0)], 4)) == 2
+
+
+class Clock:
+    """The pools' clock, set by the test."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_branch_records_its_last_use(model, tmp_path):
+    """A commit stamps its branch, a lookup the branch it served from (with the pool's clock, never
+    before the agent's newest stamp: a clock stepped back cannot reorder its branches), and the
+    manifest keeps the stamps across a restart."""
+    clock = Clock(100.0)
+    pool = make_pool(model, tmp_path, clock=clock)
+    history = tokens(20)
+    b = [history + tokens(20, seed=30 + i) for i in range(2)]
+    for t, seq in zip((100.0, 200.0), b):
+        clock.t = t
+        assert pool.commit("a", seq, prefill(model, seq)[0]) == 40
+    clock.t = 300.0
+    assert pool.lookup("a", b[0] + [1])[1] == 40
+    assert [(x.n_tokens, x.last_used) for x in pool.agent("a").branches] == [(40, 200.0), (40, 300.0)]
+    assert pool.agent("a").branches[-1].block_ids == pool.chains.ids(((0, "a"),), b[0])
+    clock.t = 50.0  # stepped back
+    assert pool.lookup("a", b[1] + [1])[1] == 40
+    assert [x.last_used for x in pool.agent("a").branches] == [300.0, 300.0]
+    assert pool.agent("a").branches[-1].block_ids == pool.chains.ids(((0, "a"),), b[1])
+    seq = b[1] + tokens(5, seed=40)
+    assert pool.commit("a", seq, prefill(model, seq)[0]) == 45  # the save writes the stamps
+    pool.close()
+    pool = make_pool(model, tmp_path, clock=clock)
+    assert [(x.n_tokens, x.last_used) for x in pool.agent("a").branches] == [(40, 300.0), (45, 300.0)]
+    pool.close()
+
+
+def test_a_fetched_history_merges_with_the_local_one_by_recency(model, tmp_path):
+    """The defect the fleet state machine found, at the pool: A fetched B's three branches, served two
+    parallel turns (the last one acknowledged), then fetched B's newer history, in which B had served
+    a turn A never saw. A keeps the three most recently used of both servers' branches, its own two
+    among them; before, the fetched ones became the most recent whatever their age, and A's went."""
+    ca, cb = Clock(0.0), Clock(0.0)
+    a, b = make_pool(model, tmp_path / "a", clock=ca), make_pool(model, tmp_path / "b", clock=cb)
+    a.max_branches = b.max_branches = 3
+
+    def turn(pool, clock, t, seq):  # a committed turn at time t (no lookup: nothing else is used)
+        clock.t = t
+        assert pool.commit("x", seq, prefill(model, seq)[0]) == len(seq)
+
+    def sync(src, dst):  # what the fleet's sync hands the pool: the branches, and the blocks dst lacks
+        src.flush()
+        fetched = [Branch(list(x.block_ids), x.n_tokens, x.links, x.last_used) for x in src.agent("x").branches]
+        blocks = [src.store.read_block(bid) for bid in src.agent("x").ids if not dst.store.has_block(bid)]
+        done = []
+        assert dst.save_fetched("x", fetched, blocks, dst.agent_version("x"), done.append).result(30) and done[0]
+        return fetched
+
+    doc = tokens(20)  # one whole block of 16 and a partial one
+    olds = [doc + tokens(6, seed=i) for i in range(3)]
+    for t, seq in zip((100.0, 200.0, 300.0), olds):
+        turn(b, cb, t, seq)
+    sync(b, a)
+    p1, p2 = doc + tokens(8, seed=10), doc + tokens(3, seed=11)  # p2: 23 tokens, acknowledged last
+    turn(a, ca, 400.0, p1)
+    turn(a, ca, 500.0, p2)
+    q = olds[0] + tokens(30, seed=12)  # B's turn continuing its oldest branch (A never saw it)
+    turn(b, cb, 600.0, q)
+    assert [x.n_tokens for x in b.agent("x").branches] == [26, 26, 56]
+    ca.t = 700.0
+    sync(b, a)
+    assert [(x.n_tokens, x.last_used) for x in a.agent("x").branches] == [(28, 400.0), (23, 500.0), (56, 600.0)]
+    for seq in (p1, p2, q):
+        assert a.lookup("x", seq + [1])[1] == len(seq)
+    assert a.lookup("x", olds[1] + [1])[1] == 20  # the least recently used went: the document only
+    check_accounting(a)
+    # on disk as in memory, last uses included; after a restart, the same order
+    assert [x["last_used"] for x in a.store.read_manifest("x").branches] == [400.0, 500.0, 600.0]
+    a.close()
+    a = make_pool(model, tmp_path / "a", clock=ca)
+    assert [(x.n_tokens, x.last_used) for x in a.agent("x").branches] == [(28, 400.0), (23, 500.0), (56, 600.0)]
+    a.close()
+    b.close()
+
+
+def test_merge_branches_keeps_continued_branches_for_sliding_windows():
+    """With bounded sliding windows a continued branch is a place to resume: only an equal one goes."""
+    got = merge_branches([br("a", 16, 1.0), br("ab", 32, 2.0)], [br("ab", 32, 3.0)], 4, continued=False)
+    assert [(b.block_ids, b.last_used) for b in got] == [(["a"], 1.0), (["a", "b"], 3.0)]

@@ -44,3 +44,87 @@ def test_a_shorter_turn_after_a_restart_survives_the_next_fleet_sync():
         state.restart()  # checks that every acknowledged turn is reused whole
     finally:
         state.teardown()
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_turn_is_lost():
+    """Server B held agent b with branches of 1, 4 and 9 tokens; A fetched them, served two parallel
+    requests of b (its branches then of 7, 8 and 5 tokens, the 5 its last acknowledged turn) and
+    published. B's sync skipped the fetch (its newest branch was longer than Redis's), B's turn was
+    no successor of A's value but longer, so it replaced it ('the longer history wins'); A's next
+    sync made the fetched branches the most recent and dropped its own beyond `branches`: the
+    acknowledged turn, more recent than two of the three branches that replaced it, was gone."""
+    steps = [
+        ("fleet_turn", dict(agent="b", new=[31])),
+        ("parallel", dict(a=[8], agent="c", b=[29, 35, 37, 8, 26, 33, 33], pick=66)),
+        ("restart", {}),
+        ("parallel", dict(a=[32, 8, 34, 21], agent="a", b=[7, 26], pick=15)),
+        ("restart", {}),
+        ("fleet_turn", dict(agent="b", new=[7, 30, 36, 32])),
+        ("restart", {}),
+        ("fleet_turn", dict(agent="b", new=[23, 28, 28, 8, 29, 22, 28, 27, 29])),
+        ("parallel", dict(a=[26, 30, 31], agent="b", b=[36, 38, 32, 22, 33, 22], pick=73)),
+        ("parallel", dict(a=[30, 32], agent="b", b=[21, 23, 26, 35], pick=93)),
+        ("parallel", dict(a=[29, 30, 29, 35], agent="c", b=[31, 34, 20, 8, 7, 8, 20], pick=34)),
+        ("disk_budget", dict(i=1)),
+        ("parallel", dict(a=[28, 7, 7, 29, 31, 37, 37, 24, 20, 33, 21, 23, 8, 38, 32, 8], agent="d",
+                          b=[34, 35, 20, 32, 8, 36, 39, 39, 30, 25, 22, 30, 7, 20, 30, 22], pick=98)),
+        ("fleet_turn", dict(agent="d", new=[37])),
+        ("fleet_turn", dict(agent="b", new=[27, 36, 8, 37, 8, 22, 28, 7, 31, 26, 26, 34, 37, 22, 27, 7, 26, 32,
+                                            25, 8])),
+        ("parallel", dict(a=[26, 28, 22, 21, 33, 27], agent="a",
+                          b=[26, 30, 25, 30, 37, 38, 24, 8, 26, 20, 25, 20, 32, 30], pick=3)),
+        ("restart", {}),  # checks that every acknowledged turn is reused whole
+    ]
+    state = FleetMachine()
+    try:
+        for rule, args in steps:  # with the invariants after every step, as Hypothesis ran them
+            getattr(state, rule)(**args)
+            state.consistent()
+            state.disk_within_budget_and_clean()
+    finally:
+        state.teardown()
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_tombstone():
+    """B held agent a when A erased it (a tombstone); A then served a new turn of a, a new history on top
+    of the tombstone, before B synced. B never saw the tombstone: its next sync merged its erased copy
+    with the new history and served from it. Now the new history says which erasure it follows (its
+    era), and B, whose copy follows none, erases it before it takes that history (docs/fleet.md, Erasure)."""
+    state = FleetMachine()
+    try:
+        for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
+                           ("fleet_turn", dict(agent="a", new=[39])),
+                           ("erase", dict(agent="a")),
+                           ("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
+                           ("fleet_turn", dict(agent="a", new=[39, 20]))]:
+            getattr(state, rule)(**args)
+            state.consistent()
+            state.disk_within_budget_and_clean()
+    finally:
+        state.teardown()
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_turn_after_an_erasure_survives_a_restart_of_the_server_that_erased():
+    """A erased agent a and served a new turn of it, a history of the erasure's era. After a restart A
+    must still know that era (its local manifest carries it): else the history in Redis reads as a
+    newer era than A's copy, and A erases its own copy (and fetches back what Redis holds of it)."""
+    state = FleetMachine()
+    try:
+        for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21])),
+                           ("erase", dict(agent="a")),
+                           ("turn", dict(agent="a", pick=0, cut=0.0, new=[22, 23, 24])),
+                           ("restart", {}),  # checks that every acknowledged turn is reused whole
+                           ("fleet_turn", dict(agent="a", new=[25])),
+                           ("turn", dict(agent="a", pick=0, cut=1.0, new=[26]))]:
+            getattr(state, rule)(**args)
+            state.consistent()
+            state.disk_within_budget_and_clean()
+        assert state.pool.fleet.counts["erased_from_fleet"] == 0  # A's copy was of the era in Redis
+        # B held no copy: it still acts on the erasure once (so a fetch of an older era still running
+        # cannot be saved), then takes the history
+        assert state.other.fleet.counts["erased_from_fleet"] == 1
+    finally:
+        state.teardown()

@@ -195,6 +195,25 @@ def test_manifest_round_trip(tmp_path):
     assert os.listdir(s.tmp_dir) == []
 
 
+def test_a_branchs_last_use_is_an_optional_field(tmp_path):
+    """`last_used` per branch (docs/disk-format.md): written and read back; a manifest without it (an
+    older writer's) reads as before, its branches dated by `updated_at`; a malformed one is refused."""
+    from vllm_mlx_persist.chain import branches_of
+
+    s = open_store(tmp_path)
+    ids = ["aa" * 32, "bb" * 32]
+    listed = [{"block_ids": ids[:1], "n_tokens": 16, "links": [[0, "a"]], "last_used": 5.5},
+              {"block_ids": ids, "n_tokens": 20, "links": [[0, "a"]]}]
+    m = Manifest("a", ids[::-1], 20, 9.0, branches=listed)
+    s.write_manifest(m)
+    got = open_store(tmp_path).read_manifest("a")
+    assert got == m and [b.last_used for b in branches_of(got)] == [5.5, 9.0]
+    for bad in ("5", True, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            s.write_manifest(Manifest("a", ids, 16, 9.0, branches=[{**listed[0], "last_used": bad}]))
+    assert s.read_manifest("a") == m
+
+
 def test_agent_key_is_hashed_and_paths_stay_inside(tmp_path):
     root = tmp_path / "cache"
     s = open_store(root)

@@ -57,6 +57,12 @@ class Agents:
             self.anonymous[agent.namespace] = agent
         self.table.list(agent, True)
 
+    def stamp(self, agent: Agent) -> float:
+        """When a use of one of the agent's branches happens now: the clock, but never before the
+        agent's most recent branch (a clock stepped back, or branches stamped by a server whose
+        clock is ahead, cannot make its newest use count as older than its others)."""
+        return max([self.clock()] + [br.last_used for br in agent.branches])
+
     def touch(self, agent: Agent) -> None:
         agent.last_used = self.clock()
         entries = self.registry if agent.persistent else self.anonymous

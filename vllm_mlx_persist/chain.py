@@ -4,14 +4,15 @@ A block's id is `sha256(previous id || its token ids)`, the chain seeded with th
 and the agent's namespace, so blocks never match across models or agents. A `Branch` is one
 continuation of an agent's history: its block ids, how many tokens they hold, and its `links`, where
 the chain is (re-)seeded with a namespace (a fork starts on its parent's chain and continues on its
-own). Manifests (store.Manifest) carry branches in the schema of docs/disk-format.md.
+own), and when it was last used. Manifests (store.Manifest) carry branches in the schema of
+docs/disk-format.md. Two servers' branches of one agent are merged by recency (`merge_branches`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
@@ -29,12 +30,15 @@ class Branch:
     namespace. A fork is ((0, parent), (k, child)): blocks 0..k-1 are the parent's (the same ids,
     shared by reference) and block k's link is re-seeded with the child's namespace, so what the
     child adds can never collide with what the parent or a sibling adds after the same prefix.
-    A branch's `block_ids` list is never changed in place: a changed branch is a new Branch.
+    `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds);
+    it orders two servers' branches when their histories are merged (`merge_branches`).
+    A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
     block_ids: list[str]
     n_tokens: int
     links: Links
+    last_used: float = 0.0
 
 
 def chain_seed(fingerprint: str, namespace: str) -> str:
@@ -65,7 +69,7 @@ def chain_prev(prev: Optional[str], i: int, at: dict, fingerprint: str) -> Optio
 def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
     """`branch` without block i and the blocks after it."""
     return Branch(branch.block_ids[:i], min(branch.n_tokens, i * block_size),
-                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1])
+                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1], branch.last_used)
 
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -140,22 +144,83 @@ class Chains:
                 return i, False
         return len(branch.block_ids), False
 
+    def grew(self, c: Branch, b: Branch, tokens_of: Callable[[str], Optional[Sequence[int]]]) -> bool:
+        """Whether `c` names `b`'s whole blocks and then a block beginning with `b`'s partial tail
+        (another server grew that tail), as far as `tokens_of` (block id -> its tokens, None when
+        not at hand: no read) shows; False when it cannot tell."""
+        w = len(b.block_ids) - 1
+        tail = b.n_tokens - w * self.block_size
+        if w < 0 or not 0 < tail < self.block_size or len(c.block_ids) <= w or c.block_ids[:w] != b.block_ids[:w]:
+            return False
+        tokens = tokens_of(c.block_ids[w])
+        if tokens is None or len(tokens) < tail:
+            return False
+        prev = chain_prev(b.block_ids[w - 1] if w else None, w, dict(b.links), self.fingerprint)
+        return block_id(prev, tokens[:tail]) == b.block_ids[w]
+
+
+def holds(c: Branch, b: Branch, grew: Optional[Callable[[Branch, Branch], bool]] = None) -> bool:
+    """Whether branch `c` serves everything `b` does (so `b` adds nothing beside it): `c` has at
+    least `b`'s tokens and names all of `b`'s blocks, or all but a partial tail that `grew(c, b)`
+    shows `c` extends. Whole blocks alone are not enough: a branch shorter than one block would be
+    'continued' by any longer branch."""
+    if c.n_tokens < b.n_tokens:
+        return False
+    return c.block_ids[: len(b.block_ids)] == b.block_ids or (grew is not None and grew(c, b))
+
+
+def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
+                   grew: Optional[Callable[[Branch, Branch], bool]] = None, continued: bool = True) -> list[Branch]:
+    """Two lists of one agent's branches (e.g. this server's and another's, each least recently
+    used first) as one, least recently used first: a branch that another holds (`holds`) goes, and
+    the most recently used of those holding it counts as used when either was (as a lookup served
+    from it would have been); of the rest the `limit` most recently used are kept, whichever list
+    they came from. On equal `last_used` a branch of `theirs` counts as the more recent.
+    `continued=False`: only a branch another equals goes (a model with bounded sliding windows
+    keeps a continued branch as a place to resume, as its commits do). Pure."""
+    def held(c: Branch, b: Branch) -> bool:
+        return holds(c, b, grew) if continued else (c.block_ids == b.block_ids and c.n_tokens == b.n_tokens)
+
+    every = sorted([*mine, *theirs], key=lambda br: br.last_used)  # stable: ties keep mine first
+    gone = [False] * len(every)
+    for i, b in enumerate(every):  # least recent first: of two that hold each other, the older goes
+        holders = [j for j, c in enumerate(every) if j != i and not gone[j] and held(c, b)]
+        if not holders:
+            continue
+        gone[i] = True
+        j = max(holders, key=lambda j: (every[j].last_used, j))
+        if every[j].last_used < b.last_used:
+            every[j] = replace(every[j], last_used=b.last_used)
+    kept = sorted((br for br, g in zip(every, gone) if not g), key=lambda br: br.last_used)
+    return kept[-limit:] if limit > 0 else []
+
+
+def same_branches(a: Sequence[Branch], b: Sequence[Branch]) -> bool:
+    """Whether two branch lists are equal, in order, last uses included."""
+    return [(br.block_ids, br.n_tokens, br.links, br.last_used) for br in a] == [
+        (br.block_ids, br.n_tokens, br.links, br.last_used) for br in b]
+
 
 def branches_of(m: Manifest) -> list[Branch]:
-    """A manifest's branches, least recently used first (one plain chain when it lists none)."""
+    """A manifest's branches, least recently used first (one plain chain when it lists none). A
+    branch without `last_used` (a plain manifest's, or one written before it existed) counts as
+    used when the manifest was written."""
     listed = m.branches or [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}]
     return [Branch(list(b["block_ids"]), b["n_tokens"],
-                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]))
+                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]),
+                   float(b.get("last_used", m.updated_at)))
             for b in listed]
 
 
 def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None) -> Manifest:
     """An agent's manifest: every block it names (newest branch first), and its branches when they
-    are more than one plain chain (so manifests of agents that never fork or branch read as before)."""
+    are more than one plain chain (so manifests of agents that never fork or branch read as before;
+    such a branch's last use is then read back as `now`)."""
     ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
     plain = len(branches) == 1 and branches[0].links == ((0, namespace),)
     listed = None if plain else [
-        {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links]}
+        {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links],
+         "last_used": float(br.last_used)}
         for br in branches]
     return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
                     time.time() if now is None else now, pinned, branches=listed)

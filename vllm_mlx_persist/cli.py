@@ -16,10 +16,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-mlx-persist", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("patch", help="apply the cache-backend seam to the installed vllm-mlx")
+    p = sub.add_parser("patch", help="apply the cache-backend seam (a series of patches) to the installed vllm-mlx")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="only report whether the patch is applied")
+    mode.add_argument("--check", action="store_true", help="only report whether the series is applied")
     mode.add_argument("--revert", action="store_true", help="restore the pristine vllm-mlx files")
+    mode.add_argument("--stat", action="store_true", help="list the patches with the lines each adds and removes")
 
     m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
     m.add_argument("out_dir")
@@ -42,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return import_module(f".{ROUTES[argv[0]]}", __package__).main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "patch":
-        from .patcher import run as run_patch
+        from . import patcher
 
-        return run_patch("check" if args.check else "revert" if args.revert else "apply")
+        if args.stat:
+            return patcher.stat()
+        return patcher.run("check" if args.check else "revert" if args.revert else "apply")
     if args.command == "make-model":
         from .tools.models import build_model_dir
 

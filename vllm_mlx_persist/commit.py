@@ -220,7 +220,7 @@ class Commit:
         windowed = bool(self.codec.window_names())
         kept = [br for br in agent.branches if not self.chains.continues(br, tokens)
                 or (windowed and br.n_tokens < len(tokens))]
-        kept.append(Branch(plan.ids, len(tokens), plan.links))
+        kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent)))
         if len(kept) > limit:
             self.stats["branches_evicted"] += len(kept) - limit
             kept = kept[-limit:]

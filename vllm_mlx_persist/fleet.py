@@ -6,14 +6,22 @@
     erasure:  DELETE /v1/agents/ID (pool.erase) -> tier.erase, a tombstone fleet-wide. The disk
               budget and the TTL are this server's space decisions: they erase locally only.
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
-              module's own threads: read the agent's manifest in Redis; a tombstone this server has
-              not acted on erases the agent locally (then tier.erased_locally); a longer history than the
-              local one has the missing blocks of each of its branches fetched (pipelined, verified
-              as disk blocks, and each branch's id chain checked with its links: forks included),
-              merged with the local branches, saved to local disk through the persister (index and
-              budget see them; they are not uploaded again), then registered in the pool as COLD
-              blocks on the persister thread, in order with every other write. pool.lookup waits for that job at most
-              `wait_s`, then goes on with what is local.
+              module's own threads: read the agent's manifest in Redis; an erasure this server has
+              not acted on (a tombstone, or a history of a newer era: started on a tombstone this
+              server never read) erases the agent locally (then tier.erased_locally, and a history
+              is read again); a history from before this server's era is left alone; a history holding
+              anything the local one lacks (a branch, or a more recent use of one) has the missing
+              blocks of each of its branches fetched (pipelined, verified as disk blocks, and each
+              branch's id chain checked with its links: forks included), merged with the local
+              branches by recency (chain.merge_branches), saved to local disk through the persister
+              (index and budget see them; they are not uploaded again), then registered in the pool
+              as COLD blocks on the persister thread, in order with every other write. A history
+              the local one already holds costs the manifest read only. pool.lookup waits for that
+              job at most `wait_s`, then goes on with what is local.
+    local erasure (disk budget, TTL, before erased_locally) -> tier.release: this server's next
+              put merges with what Redis holds instead of succeeding it.
+    eras:     every local manifest is stamped with the erasure its history follows (`era`, from the
+              tier), and a restart tells the tier back (`loaded`), so it survives (docs/fleet.md, Erasure).
 
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
 jobs tracked at once (more are skipped and counted), `threads` threads, the persister's and the
@@ -48,9 +56,10 @@ class Fleet:
     def __init__(self, pool: "BlockPool", make_tier: Callable[..., RemoteTier], *, wait_s: float = 3.0,
                  write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
                  max_fetch_bytes: Optional[int] = None):
-        """`make_tier(block_source=, on_erased=)`: the RemoteTier, built here with this fleet's
-        callbacks (blocks a put lacks come from the local disk, verified; a put refused by another
-        server's erasure erases the agent here)."""
+        """`make_tier(block_source=, on_erased=, branches=, keep_continued=)`: the RemoteTier, built
+        here with this fleet's callbacks (blocks a put lacks come from the local disk, verified; a put
+        refused by another server's erasure erases the agent here) and what a merge in Redis keeps:
+        the pool's `branches`, and continued branches on a model with bounded sliding windows."""
         if pool.persister is None:
             raise ValueError("the fleet tier needs the local disk tier")
         self.pool, self.wait_s = pool, wait_s
@@ -65,10 +74,11 @@ class Fleet:
         self._exec = ThreadPoolExecutor(threads, thread_name_prefix="vllm-mlx-persist-fleet")
         self._closed = False
         self.counts = dict.fromkeys(
-            ["syncs", "syncs_skipped", "agents_fetched", "blocks_fetched", "tokens_fetched", "fetch_incomplete",
-             "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed", "erased_from_fleet", "lookup_waits",
-             "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
-        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere)
+            ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
+             "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
+             "erased_from_fleet", "syncs_outdated", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
+                              branches=pool.max_branches, keep_continued=bool(pool.codec.window_names()))
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
@@ -80,6 +90,19 @@ class Fleet:
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
+
+    def era(self, namespace: str) -> Optional[str]:
+        """The erasure this server's histories of the agent follow (a manifest's `era`; None: none).
+        Any thread, the pool's lock held: no I/O."""
+        return self.tier.era(namespace) or None
+
+    def loaded(self, manifest: Manifest) -> None:
+        """Start-up: the agent's manifest found on the local disk (its era survives the restart)."""
+        self.tier.known_era(manifest.namespace, manifest.era)
+
+    def released(self, namespace: str) -> None:
+        """The agent was erased here (any reason; the pool's lock held): it holds no copy any more."""
+        self.tier.release(namespace)
 
     def erase(self, namespace: str) -> bool:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
@@ -158,27 +181,40 @@ class Fleet:
             log.exception("fleet: syncing agent %r failed", namespace)
 
     def _sync_agent(self, namespace: str) -> None:
-        # Before the read: an erasure from here on (an API erasure racing this sync) makes the pool
-        # refuse what this sync fetched, even for an agent it does not know.
+        for _ in range(3):  # again after acting on an erasure: then the agent's history is of its era
+            if not self._sync_once(namespace):
+                return
+
+    def _sync_once(self, namespace: str) -> bool:
+        """One read of the agent's manifest and what follows; True to read it again (this server
+        has just acted on an erasure, and the value read may hold a history of that era)."""
+        # Before the read: an erasure from here on (an API erasure racing this sync, or the one this
+        # sync acts on) makes the pool refuse what this sync fetched, even for an agent it does not know.
         expect = self.pool.agent_version(namespace)
         rm = self.tier.get_manifest(namespace)
         if rm is None:
-            return
+            return False
         pool = self.pool
+        if rm.erasure:  # a tombstone, or a newer era's history: an erasure this server has not acted on
+            self._count("erased_from_fleet")
+            log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
+            pool.erase(namespace, fleet_wide=False)
+            # only now may its puts start afresh (or join the history of that era)
+            return self.tier.erased_locally(namespace, rm.erasure) and not rm.erased
         if rm.erased:
-            if not rm.seen:  # an erasure this server has not acted on yet
-                self._count("erased_from_fleet")
-                log.info("fleet: agent %r was erased on another server; erasing it here", namespace)
-                pool.erase(namespace, fleet_wide=False)
-                self.tier.erased_locally(namespace, rm.ident)  # only now may its puts start afresh
-            return
-        local = expect[1]
-        local_n = local[-1][1] if local else 0
-        if local is not None and local_n >= rm.n_tokens:
-            return
-        branches, blocks, complete = self._fetch(rm)
-        if not branches or (local is not None and local_n >= branches[-1].n_tokens):
-            return
+            return False
+        if rm.outdated:  # from before the erasure this server's copies follow: none of it may come back
+            self._count("syncs_outdated")
+            return False
+        remote = self._branches(rm)
+        # Every branch there already held here, as recently used: no block is read, and this server
+        # now holds that version (its next put succeeds it).
+        if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version)):
+            self._count("syncs_unchanged")
+            return False
+        branches, blocks, complete = self._fetch(rm, remote)
+        if not branches:
+            return False
         version = rm.version if complete else None
         fut = pool.save_fetched(namespace, branches, blocks, expect, lambda adopted: self._adopted(adopted, version))
         with self._lock:
@@ -189,10 +225,18 @@ class Fleet:
         except FutureTimeout:
             log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
                         namespace, self.write_timeout_s)
+        return False
 
-    def _fetch(self, rm: RemoteManifest) -> tuple[list[Branch], list[BlockData], bool]:
-        """Fetch what the local disk lacks of the manifest's branches (newest first: it matters
-        most, and older ones mostly share its blocks; at most the pool's `branches`). A branch ends
+    def _branches(self, rm: RemoteManifest) -> list[Branch]:
+        """The manifest's branches, least recently used first (at most the pool's `branches`, the
+        most recent); one without a last use counts as used when the manifest was written."""
+        return [Branch(list(e["block_ids"]), e["n_tokens"], tuple((int(i), ns) for i, ns in e["links"]),
+                       float(e.get("last_used", rm.updated_at)))
+                for e in rm.branches[-self.pool.max_branches:]]
+
+    def _fetch(self, rm: RemoteManifest, remote: list[Branch]) -> tuple[list[Branch], list[BlockData], bool]:
+        """Fetch what the local disk lacks of the manifest's branches (`remote`; newest first: it
+        matters most, and older ones mostly share its blocks). A branch ends
         at its first block that is missing, refused by the tier, or off its id chain (checked with
         the branch's links, exactly as the pool checks disk blocks); the prefix before it is still
         used. Returns the usable branches (least recently used first), the fetched blocks they
@@ -203,9 +247,7 @@ class Fleet:
         failed: set[str] = set()
         out: list[Branch] = []
         complete = True  # branches beyond the pool's bound are left out as on one server: not a cut
-        for entry in reversed(rm.branches[-pool.max_branches:]):
-            br = Branch(list(entry["block_ids"]), entry["n_tokens"],
-                        tuple((int(i), ns) for i, ns in entry["links"]))
+        for br in reversed(remote):
             want: list[str] = []
             for bid in br.block_ids:
                 if bid in failed:
@@ -256,7 +298,8 @@ class Fleet:
         self.pool.prefetch(manifest.namespace)
 
     def _erased_elsewhere(self, namespace: str, ident: str) -> None:
-        """Tier writer thread: a put of ours found the agent erased by another server (tombstone `ident`)."""
+        """Tier writer thread: a put of ours found the agent erased by another server (erasure
+        `ident`: its tombstone, or the era of a history started on it)."""
         self._count("erased_from_fleet")
 
         def erase_here() -> None:

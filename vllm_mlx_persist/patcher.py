@@ -1,15 +1,20 @@
 """Apply, check and revert the plugin seam patches on an installed package, without `patch`/`git`.
 
 A patch is a unified diff whose paths are relative to site-packages (`a/vllm_mlx/scheduler.py`),
-shipped with a `.sha256` manifest giving, for every file it touches, the sha256 of the pristine and
-of the patched file (`-` when the file does not exist). The manifest makes the state exact: every
-file pristine, every file patched, a mix of the two (an interrupted run, or a reinstall that put
-the pristine files back next to our new ones: both are finished by apply or revert), or anything
-else, which is refused without touching a file. Hunks must match their context exactly, at the
-line the diff names: no fuzz, no offsets.
+shipped with a `.sha256` manifest giving, for every file it touches, the sha256 of the file before
+and after it (`-` when the file does not exist). A series is a folder of such patches applied in
+the order its `series` file lists, each on top of the ones before it. The manifests chain every
+touched file through its states (pristine, after the first patch touching it, ...), which makes
+the state exact: every file pristine, every file fully patched, files in between (an interrupted
+run, or a reinstall that put the pristine files back next to our new ones: both are finished by
+apply or revert), or anything else, which is refused without touching a file. Hunks must match
+their context exactly, at the line the diff names: no fuzz, no offsets.
 
-Maintainers regenerate a manifest after editing a patch with
-`python -m vllm_mlx_persist.patcher record PATCH PRISTINE_SITE_PACKAGES`.
+Apply keeps a copy of the series it applied next to the package, so that a later version of the
+series (or a user's `--revert` after upgrading) can undo exactly what was applied.
+
+Maintainers regenerate the manifests after editing a patch with
+`python -m vllm_mlx_persist.patcher record patches/vllm-mlx-0.6.0 PRISTINE_SITE_PACKAGES`.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -30,21 +36,24 @@ ABSENT = "-"
 
 @dataclass(frozen=True)
 class PatchSpec:
-    """One patch file and the distribution it applies to."""
+    """A series of patches (or one patch) and the distribution it applies to."""
 
     dist: str  # distribution name, e.g. "vllm-mlx"
     package: str  # top-level import package, e.g. "vllm_mlx"
-    version: str  # the only version the patch applies to
-    file: str  # patch file name inside the patches directory
-    title: str  # what the patch does, for messages
+    version: str  # the only version the series applies to
+    path: str  # under the patches directory: a folder with a `series` file, or one .patch file
+    title: str  # what the series does, for messages
+    # Older versions shipped for environments that lost the copy apply keeps (paths like `path`).
+    previous: tuple[str, ...] = ()
 
 
 VLLM_MLX = PatchSpec(
     dist="vllm-mlx",
     package="vllm_mlx",
     version="0.6.0",
-    file="vllm-mlx-0.6.0-cache-backend.patch",
+    path="vllm-mlx-0.6.0",
     title="cache-backend seam",
+    previous=("vllm-mlx-0.6.0/previous/vllm-mlx-0.6.0-cache-backend.patch",),
 )
 PATCHES: tuple[PatchSpec, ...] = (VLLM_MLX,)
 
@@ -71,6 +80,8 @@ class FileDiff:
     old_exists: bool
     new_exists: bool
     hunks: list[Hunk]
+    added: int = 0  # "+" lines
+    removed: int = 0  # "-" lines
 
 
 def _lines(text: str) -> list[str]:
@@ -125,9 +136,11 @@ def parse_unified_diff(text: str) -> list[FileDiff]:
                 elif tag == "-":
                     hunk.old.append(body)
                     n_old += 1
+                    fd.removed += 1
                 elif tag == "+":
                     hunk.new.append(body)
                     n_new += 1
+                    fd.added += 1
                 elif line.startswith("\\"):
                     pass
                 else:
@@ -149,8 +162,14 @@ def parse_unified_diff(text: str) -> list[FileDiff]:
     return files
 
 
-def apply_hunks(text: Optional[str], fd: FileDiff, reverse: bool = False) -> Optional[str]:
-    """Apply one file's hunks (or undo them); None means the file does not exist."""
+def apply_hunks(
+    text: Optional[str], fd: FileDiff, reverse: bool = False, offsets: bool = False
+) -> Optional[str]:
+    """Apply one file's hunks (or undo them); None means the file does not exist.
+
+    Context must match exactly at the line each hunk names. `offsets` lets a hunk match its exact
+    context elsewhere (the nearest place, as `patch` does), to check that one patch of a series
+    applies without the others; applying the series never uses it."""
     exists_before = fd.new_exists if reverse else fd.old_exists
     exists_after = fd.old_exists if reverse else fd.new_exists
     if (text is not None) != exists_before:
@@ -163,11 +182,20 @@ def apply_hunks(text: Optional[str], fd: FileDiff, reverse: bool = False) -> Opt
         start = h.new_start if reverse else h.old_start
         start = start - 1 if before else start  # an empty side names the line it follows
         if start < pos or src[start : start + len(before)] != before:
-            raise PatchError(f"{fd.path}: hunk at line {start + 1} does not match the file")
+            found = _nearest_match(src, before, start, pos) if offsets and before else None
+            if found is None:
+                raise PatchError(f"{fd.path}: hunk at line {start + 1} does not match the file")
+            start = found
         out += src[pos:start] + after
         pos = start + len(before)
     out += src[pos:]
     return "".join(out) if exists_after else None
+
+
+def _nearest_match(src: list[str], lines: list[str], start: int, lo: int) -> Optional[int]:
+    """The index >= lo nearest to `start` where `lines` occur in `src`, if any."""
+    hits = [k for k in range(lo, len(src) - len(lines) + 1) if src[k : k + len(lines)] == lines]
+    return min(hits, key=lambda k: abs(k - start)) if hits else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,59 +283,95 @@ def _drop_bytecode(path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The three actions
+# Patches, series and the states of their files
 
 
 @dataclass
 class Patch:
     name: str
+    text: str  # the diff as shipped
+    sums: str  # its .sha256 manifest as shipped
     diffs: list[FileDiff]
     manifest: dict[str, tuple[str, str]]
 
     @classmethod
-    def load(cls, name: str, patch_text: str, manifest_text: str) -> "Patch":
-        diffs = parse_unified_diff(patch_text)
-        manifest = parse_manifest(manifest_text)
+    def load(cls, name: str, text: str, sums: str) -> "Patch":
+        diffs = parse_unified_diff(text)
+        manifest = parse_manifest(sums)
         if sorted(manifest) != sorted(fd.path for fd in diffs):
             raise PatchError(f"{name}: the .sha256 manifest does not list the files the patch touches")
-        return cls(name, diffs, manifest)
+        return cls(name, text, sums, diffs, manifest)
+
+    @classmethod
+    def read(cls, path: Path) -> "Patch":
+        return cls.load(path.name, path.read_bytes().decode("utf-8"), path.with_suffix(".sha256").read_text())
 
 
-def _state(root: Path, manifest: dict[str, tuple[str, str]]) -> dict[str, str]:
-    """Per file: "pristine", "patched" or "modified"."""
-    states = {}
-    for rel, (pristine, patched) in manifest.items():
-        h = sha256(root / rel)
-        states[rel] = "patched" if h == patched else "pristine" if h == pristine else "modified"
-    return states
+def series_files(path: Path) -> list[Path]:
+    """The patch files of a series folder in the order of its `series` file, or `[path]`."""
+    if not path.is_dir():
+        return [path]
+    names = [line.strip() for line in (path / "series").read_text().splitlines()]
+    return [path / name for name in names if name and not name.startswith("#")]
 
 
-def _transform(root: Path, patch: Patch, rels: Sequence[str], reverse: bool) -> dict[str, Optional[str]]:
-    """New contents of `rels`, computed in memory and checked against the manifest."""
-    out: dict[str, Optional[str]] = {}
-    by_path = {fd.path: fd for fd in patch.diffs}
-    for rel in rels:
-        path = root / rel
-        text = path.read_bytes().decode("utf-8") if path.exists() else None
-        new = apply_hunks(text, by_path[rel], reverse=reverse)
-        want = patch.manifest[rel][0 if reverse else 1]
-        if _text_sha256(new) != want:
-            raise PatchError(f"{rel}: {'reverting' if reverse else 'applying'} gives an unexpected file")
-        out[rel] = new
+def read_series(path: Path) -> list[Patch]:
+    return [Patch.read(p) for p in series_files(path)]
+
+
+@dataclass
+class Chain:
+    """One file through a series: `hashes[0]` before the first patch touching it, `hashes[k]` after
+    the k-th; `diffs[k]` takes it from state k to k + 1."""
+
+    hashes: list[str]
+    diffs: list[FileDiff]
+
+
+def chains(series: Sequence[Patch]) -> dict[str, Chain]:
+    out: dict[str, Chain] = {}
+    for patch in series:
+        for fd in patch.diffs:
+            before, after = patch.manifest[fd.path]
+            chain = out.setdefault(fd.path, Chain([before], []))
+            if chain.hashes[-1] != before:
+                raise PatchError(f"{patch.name}: {fd.path} does not start where the series leaves it")
+            chain.hashes.append(after)
+            chain.diffs.append(fd)
     return out
 
 
-def _record_paths(spec: PatchSpec, root: Path) -> tuple[Path, Path]:
-    """Where apply keeps a copy of what it applied, so a later version can undo it."""
-    stem = spec.file.removesuffix(".patch")
-    return root / spec.package / f".applied-{stem}.patch", root / spec.package / f".applied-{stem}.sha256"
+def _states(root: Path, files: dict[str, Chain]) -> dict[str, Optional[int]]:
+    """Per file: the index of its state in its chain, or None (matches none: modified)."""
+    states: dict[str, Optional[int]] = {}
+    for rel, chain in files.items():
+        h = sha256(root / rel)
+        states[rel] = chain.hashes.index(h) if h in chain.hashes else None
+    return states
 
 
-def _applied_record(spec: PatchSpec, root: Path) -> Optional[Patch]:
-    patch_file, sums_file = _record_paths(spec, root)
-    if not (patch_file.is_file() and sums_file.is_file()):
-        return None
-    return Patch.load(patch_file.name, patch_file.read_bytes().decode("utf-8"), sums_file.read_text())
+def _move(root: Path, rel: str, chain: Chain, start: int, end: int) -> Optional[str]:
+    """The file `rel` taken from state `start` to state `end`, in memory, each step checked."""
+    path = root / rel
+    text = path.read_bytes().decode("utf-8") if path.exists() else None
+    step = 1 if end > start else -1
+    for k in range(start, end, step):
+        fd, want = (chain.diffs[k], chain.hashes[k + 1]) if step > 0 else (chain.diffs[k - 1], chain.hashes[k - 1])
+        text = apply_hunks(text, fd, reverse=step < 0)
+        if _text_sha256(text) != want:
+            raise PatchError(f"{rel}: {'applying' if step > 0 else 'reverting'} gives an unexpected file")
+    return text
+
+
+def _plan(root: Path, files: dict[str, Chain], states: dict[str, Optional[int]], back: bool) -> dict[str, Optional[str]]:
+    """New contents of every file not yet fully patched (or, `back`, not yet pristine)."""
+    out: dict[str, Optional[str]] = {}
+    for rel, chain in files.items():
+        state, target = states[rel], 0 if back else len(chain.diffs)
+        assert state is not None
+        if state != target:
+            out[rel] = _move(root, rel, chain, state, target)
+    return out
 
 
 def _write(root: Path, texts: dict[str, Optional[str]]) -> None:
@@ -316,8 +380,54 @@ def _write(root: Path, texts: dict[str, Optional[str]]) -> None:
         _drop_bytecode(root / rel)
 
 
+# ---------------------------------------------------------------------------------------------
+# What apply keeps: a copy of the series it applied
+
+
+def _record_path(spec: PatchSpec, root: Path) -> Path:
+    return root / spec.package / f".applied-{spec.dist}-{spec.version}.json"
+
+
+def _recorded(spec: PatchSpec, root: Path) -> list[list[Patch]]:
+    """The series recorded as applied: ours, and any `.applied-NAME.patch|.sha256` pair that
+    vllm-mlx-persist kept when it shipped a single patch."""
+    out: list[list[Patch]] = []
+    record = _record_path(spec, root)
+    if record.is_file():
+        try:
+            data = json.loads(record.read_text())
+            out.append([Patch.load(p["name"], p["patch"], p["sha256"]) for p in data["series"]])
+        except (ValueError, KeyError, TypeError) as e:
+            raise PatchError(f"{record} is unreadable ({e}); delete it and run again") from None
+    for legacy in sorted((root / spec.package).glob(".applied-*.patch")):
+        sums = legacy.with_suffix(".sha256")
+        if sums.is_file():
+            out.append([Patch.load(legacy.name, legacy.read_bytes().decode("utf-8"), sums.read_text())])
+    return out
+
+
+def _forget(spec: PatchSpec, root: Path) -> None:
+    _record_path(spec, root).unlink(missing_ok=True)
+    for legacy in (root / spec.package).glob(".applied-*.patch"):
+        legacy.unlink(missing_ok=True)
+        legacy.with_suffix(".sha256").unlink(missing_ok=True)
+
+
+def _keep(spec: PatchSpec, root: Path, series: Sequence[Patch]) -> None:
+    data = {"series": [{"name": p.name, "patch": p.text, "sha256": p.sums} for p in series]}
+    _forget(spec, root)
+    _write_atomic(_record_path(spec, root), json.dumps(data, indent=1) + "\n")
+
+
+def _same(a: Sequence[Patch], b: Sequence[Patch]) -> bool:
+    return [(p.name, p.text, p.sums) for p in a] == [(p.name, p.text, p.sums) for p in b]
+
+
+# ---------------------------------------------------------------------------------------------
+# The actions
+
+
 def run_one(spec: PatchSpec, action: str, root: Path) -> int:
-    patch_path = patches_dir() / spec.file
     name = f"{spec.dist} {spec.title}"
     version = installed_version(spec, root)
     if version != spec.version:
@@ -325,30 +435,33 @@ def run_one(spec: PatchSpec, action: str, root: Path) -> int:
             f"{spec.dist} {version or '(unknown version)'} found in {root}; this patch is for "
             f"{spec.dist} {spec.version} only (pip install --no-deps {spec.dist}=={spec.version})"
         )
-    patch_text = patch_path.read_bytes().decode("utf-8")
-    sums_text = patch_path.with_suffix(".sha256").read_text()
-    patch = Patch.load(patch_path.name, patch_text, sums_text)
-    record_patch, record_sums = _record_paths(spec, root)
+    series = read_series(patches_dir() / spec.path)
+    files = chains(series)
 
-    states = _state(root, patch.manifest)
-    if "modified" in states.values():
-        # Perhaps an earlier version of this patch: undo it with the copy kept when it was applied.
-        old = _applied_record(spec, root)
-        if old is not None and "modified" not in _state(root, old.manifest).values():
-            if action == "check":
-                print(f"not applied: an older version of the {name} is applied to {root}; "
-                      f"run `vllm-mlx-persist patch` to update it")
-                return 1
-            rels = [rel for rel, st in _state(root, old.manifest).items() if st == "patched"]
-            _write(root, _transform(root, old, rels, reverse=True))
-            record_patch.unlink(missing_ok=True)
-            record_sums.unlink(missing_ok=True)
-            print(f"reverted an older version of the {name} in {root}")
-            states = _state(root, patch.manifest)
-    modified = sorted(rel for rel, st in states.items() if st == "modified")
+    # An older version applied (known from the copy apply kept, else from the versions shipped):
+    # undo it first, if every file it touched is in one of its states.
+    recorded = _recorded(spec, root)
+    older = [s for s in recorded if not _same(s, series)] if recorded else [
+        read_series(patches_dir() / p) for p in spec.previous]
+    for old in older:
+        old_files = chains(old)
+        old_states = _states(root, old_files)
+        if None in old_states.values() or not any(old_states.values()):
+            continue
+        if action == "check":
+            print(f"not applied: an older version of the {name} is applied to {root}; "
+                  f"run `vllm-mlx-persist patch` to update it")
+            return 1
+        _write(root, _plan(root, old_files, old_states, back=True))
+        _forget(spec, root)
+        print(f"reverted an older version of the {name} in {root}")
+        break
+
+    states = _states(root, files)
+    modified = sorted(rel for rel, st in states.items() if st is None)
     if modified:
         msg = (
-            f"{name}: {', '.join(modified)} in {root} match(es) neither the pristine nor the patched "
+            f"{name}: {', '.join(modified)} in {root} match(es) no state of the series for "
             f"{spec.dist} {spec.version}; reinstall it (pip install --force-reinstall --no-deps "
             f"{spec.dist}=={spec.version}) and apply again. Nothing was changed."
         )
@@ -357,32 +470,31 @@ def run_one(spec: PatchSpec, action: str, root: Path) -> int:
             return 1
         raise PatchError(msg)
 
-    pristine = sorted(rel for rel, st in states.items() if st == "pristine")
-    patched = sorted(rel for rel, st in states.items() if st == "patched")
+    done = [rel for rel, chain in files.items() if states[rel] == len(chain.diffs)]
+    untouched = [rel for rel in files if states[rel] == 0]
     if action == "check":
-        # dry runs: the patch must also revert cleanly if applied, and apply cleanly if not
-        if not pristine:
-            _transform(root, patch, patched, reverse=True)
+        # dry runs: the series must also revert cleanly if applied, and apply cleanly if not
+        if len(done) == len(files):
+            _plan(root, files, states, back=True)
             print(f"applied: {name} is applied to {root}")
             return 0
-        _transform(root, patch, pristine, reverse=False)
-        partly = " (partially: run `vllm-mlx-persist patch` to finish)" if patched else ""
+        _plan(root, files, states, back=False)
+        partly = " (partially: run `vllm-mlx-persist patch` to finish)" if len(untouched) < len(files) else ""
         print(f"not applied: {name} is not applied to {root}{partly}")
         return 1
 
     if action == "apply":
-        if pristine:
-            _write(root, _transform(root, patch, pristine, reverse=False))
-        _write_atomic(record_patch, patch_text)
-        _write_atomic(record_sums, sums_text)
-        done = f"applied to {root} ({len(pristine)} files)" if pristine else f"already applied to {root}"
+        todo = _plan(root, files, states, back=False)
+        _write(root, todo)
+        _keep(spec, root, series)
+        n = f"{len(series)} patches" if len(series) > 1 else "1 patch"
+        result = f"applied to {root} ({n}, {len(todo)} files)" if todo else f"already applied to {root}"
     else:
-        if patched:
-            _write(root, _transform(root, patch, patched, reverse=True))
-        record_patch.unlink(missing_ok=True)
-        record_sums.unlink(missing_ok=True)
-        done = f"reverted in {root} ({len(patched)} files)" if patched else f"already absent from {root}"
-    print(f"{name} {done}")
+        todo = _plan(root, files, states, back=True)
+        _write(root, todo)
+        _forget(spec, root)
+        result = f"reverted in {root} ({len(todo)} files)" if todo else f"already absent from {root}"
+    print(f"{name} {result}")
     return 0
 
 
@@ -402,18 +514,38 @@ def run(action: str, target: Path | None = None, *, specs: Sequence[PatchSpec] =
     return rc
 
 
-def record(patch_path: Path, pristine_root: Path) -> None:
-    """Write `patch_path`'s `.sha256` manifest from a pristine tree (maintainers only)."""
-    diffs = parse_unified_diff(patch_path.read_bytes().decode("utf-8"))
-    lines = ["# path  pristine-sha256  patched-sha256  ('-' = file absent)"]
-    for fd in diffs:
-        path = pristine_root / fd.path
-        text = path.read_bytes().decode("utf-8") if path.exists() else None
-        new = apply_hunks(text, fd)
-        if apply_hunks(new, fd, reverse=True) != text:
-            raise PatchError(f"{fd.path}: the patch does not revert to the pristine file")
-        lines.append(f"{fd.path} {_text_sha256(text)} {_text_sha256(new)}")
-    patch_path.with_suffix(".sha256").write_text("\n".join(lines) + "\n")
+def stat(specs: Sequence[PatchSpec] = PATCHES) -> int:
+    """Print each patch of the series with the files it touches and its added/removed lines."""
+    for spec in specs:
+        series = read_series(patches_dir() / spec.path)
+        print(f"{spec.dist} {spec.version} {spec.title} ({patches_dir() / spec.path}):")
+        total_added = total_removed = 0
+        for patch in series:
+            added = sum(fd.added for fd in patch.diffs)
+            removed = sum(fd.removed for fd in patch.diffs)
+            total_added, total_removed = total_added + added, total_removed + removed
+            print(f"  {patch.name:<44} {len(patch.diffs):>2} files  +{added:<4} -{removed}")
+        files = len({fd.path for patch in series for fd in patch.diffs})
+        print(f"  {'total':<44} {files:>2} files  +{total_added:<4} -{total_removed}")
+    return 0
+
+
+def record(path: Path, pristine_root: Path) -> None:
+    """Write the `.sha256` manifests of a patch or series from a pristine tree (maintainers only)."""
+    texts: dict[str, Optional[str]] = {}
+    for patch_path in series_files(path):
+        lines = ["# path  before-sha256  after-sha256  ('-' = file absent)"]
+        for fd in parse_unified_diff(patch_path.read_bytes().decode("utf-8")):
+            if fd.path not in texts:
+                p = pristine_root / fd.path
+                texts[fd.path] = p.read_bytes().decode("utf-8") if p.exists() else None
+            before = texts[fd.path]
+            after = apply_hunks(before, fd)
+            if apply_hunks(after, fd, reverse=True) != before:
+                raise PatchError(f"{patch_path.name}: {fd.path} does not revert to what it was")
+            lines.append(f"{fd.path} {_text_sha256(before)} {_text_sha256(after)}")
+            texts[fd.path] = after
+        patch_path.with_suffix(".sha256").write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
@@ -421,5 +553,7 @@ if __name__ == "__main__":
         record(Path(sys.argv[2]), Path(sys.argv[3]))
     elif len(sys.argv) == 2 and sys.argv[1] in ("apply", "check", "revert"):
         sys.exit(run(sys.argv[1]))
+    elif len(sys.argv) == 2 and sys.argv[1] == "stat":
+        sys.exit(stat())
     else:
-        sys.exit("usage: python -m vllm_mlx_persist.patcher apply|check|revert|record PATCH PRISTINE_ROOT")
+        sys.exit("usage: python -m vllm_mlx_persist.patcher apply|check|revert|stat|record PATH PRISTINE_ROOT")

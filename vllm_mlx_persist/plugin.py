@@ -1,7 +1,9 @@
-"""pluggy hook implementations that vllm-mlx loads from the `vllm_mlx.plugins` entry point.
-
-This module must import without vllm-mlx's patch applied (it only needs pluggy), so the marker is
-created here rather than imported from `vllm_mlx.plugins`.
+"""pluggy hook implementations that vllm-mlx loads from the `vllm_mlx.plugins` entry point (hookspecs:
+vllm_mlx/plugins.py, added by the patch series in patches/vllm-mlx-0.6.0): the `persist_q4` factory
+(`vllm_mlx_cache_backends`), the agent id of a request (`vllm_mlx_cache_namespace`) and the agent admin
+API (`vllm_mlx_api_routers`). This module imports neither vllm-mlx nor MLX, and it must import without
+the series applied (it only needs pluggy), so the marker is created here rather than imported from
+`vllm_mlx.plugins`.
 """
 
 from __future__ import annotations
@@ -64,10 +66,35 @@ def resolve_fork_from(request: Any, headers: Mapping[str, str]) -> Optional[str]
     return None
 
 
-def create_backend(**kwargs: Any) -> Any:
-    """The `persist_q4` factory vllm-mlx calls: a backend, registered for the hooks below."""
-    from .backend import PersistQ4Backend
+# vllm-mlx options of the built-in prefix caches, which persist_q4 replaces: accepted, they would
+# be silently ignored. (--max-kv-size: its rotating cache bounds a sequence; 4-bit caches do not.)
+_REPLACED_OPTIONS = (
+    ("--use-paged-cache", "use_paged_cache", True),
+    ("--disable-prefix-cache", "enable_prefix_cache", False),
+    ("--no-memory-aware-cache", "use_memory_aware_cache", False),
+    ("--kv-cache-quantization", "kv_cache_quantization", True),
+    ("--ssd-cache-dir", "ssd_cache_dir", True),
+    ("--max-kv-size", "max_kv_size", True),
+)
 
+
+def check_scheduler_config(config: Any) -> None:
+    """Raise ValueError naming the options of vllm-mlx's SchedulerConfig that persist_q4 replaces."""
+    given = [flag for flag, field, when_set in _REPLACED_OPTIONS
+             if hasattr(config, field) and bool(getattr(config, field)) == when_set]
+    if given:
+        raise ValueError(f"--cache-backend {BACKEND_NAME} cannot be combined with {', '.join(given)}: "
+                         "it replaces the built-in prefix cache those options configure")
+
+
+def create_backend(**kwargs: Any) -> Any:
+    """The `persist_q4` factory vllm-mlx calls: refuses the built-in cache options it replaces."""
+    from .backend import PersistQ4Backend, _refuse
+
+    try:
+        check_scheduler_config(kwargs.get("config"))
+    except ValueError as e:
+        raise _refuse(e) from None
     backend = PersistQ4Backend(**kwargs)
     _LIVE_BACKENDS.add(backend)
     return backend
@@ -86,6 +113,7 @@ def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
 
 @hookimpl
 def vllm_mlx_api_routers() -> Any:
+    """The agent admin API (mounted behind --api-key)."""
     from .admin import make_router
 
     return make_router(live_backend, validate_agent_id)
@@ -93,6 +121,7 @@ def vllm_mlx_api_routers() -> Any:
 
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
+    """A request's agent id, with its fork parent; ValueError (HTTP 400) for a malformed one."""
     agent_id = resolve_agent_id(request, headers)
     parent = resolve_fork_from(request, headers)
     if parent is not None and agent_id is None:

@@ -29,6 +29,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
@@ -37,13 +38,13 @@ from .agents import ANON_PREFIX, Agents
 from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
 from .caches.codec import WIN_FROM
-from .chain import Branch, Chains, branches_of, manifest_of
+from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
 from .q4cache import Q4
 from .reads import Reads
-from .store import BlockData, DiskStore
+from .store import BlockData, DiskStore, Manifest
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -107,6 +108,7 @@ class BlockPool:
         # The epoch at each agent's last erasure (the most recent MAX_ERASED): a fleet sync that read
         # the agent before it is refused, even when the agent was unknown here (agent_version).
         self._erased: "OrderedDict[str, int]" = OrderedDict()
+        self.fleet: Any = None  # built last (below); the persister may erase before that
         self.persister = (Persister(store, disk_budget=disk_budget, on_erased=self._forgotten, clock=clock,
                                     **(persister_options or {})) if store is not None else None)
         self.store = store
@@ -176,6 +178,8 @@ class BlockPool:
             for m in manifests:
                 if self.agents.get(m.namespace) is not None:
                     continue
+                if self.fleet is not None:
+                    self.fleet.loaded(m)  # the erasure its history follows survives the restart
                 agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at)
                 self.table.name(agent, branches_of(m))
                 self.agents.add(agent, coldest=True)  # disk agents are the coldest
@@ -258,10 +262,12 @@ class BlockPool:
                 candidates += [(parent, br) for br in reversed(parent.branches)]
         found = self.lookup_.best(candidates, prompt)  # the lock is taken and released inside
         with self._lock:
-            if found is not None and found.n:
-                if found.src is agent and any(b is found.branch for b in agent.branches):  # now the most recent
-                    agent.branches.remove(found.branch)
-                    agent.branches.append(found.branch)
+            if found is not None and found.n and found.src is agent:
+                at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
+                if at is not None:  # now the most recently used
+                    used = replace(found.branch, last_used=self.agents.stamp(agent))
+                    del agent.branches[at]
+                    agent.branches.append(used)
             if self.reads is not None:  # read-ahead this lookup did not need
                 self.reads.cancel(list(agent.ids) + (list(parent.ids) if parent is not None else []), restored=False)
             if agent.listed:
@@ -355,8 +361,10 @@ class BlockPool:
     def _save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str],
               before: list[Branch]) -> Future:
         """(lock held) Queue the agent's manifest after the blocks it names that are not durable yet
-        (`before`: its branches before the turn, what the fleet tier's put continues)."""
-        manifest = manifest_of(agent.namespace, agent.branches, agent.pinned, self.clock())
+        (`before`: its branches before the turn, what the fleet tier's put continues). The manifest
+        is dated by the turn's branch's last use, which is what a plain manifest's branch reads back."""
+        manifest = self._stamped(manifest_of(agent.namespace, agent.branches, agent.pinned,
+                                             agent.branches[-1].last_used if agent.branches else self.clock()))
         base = manifest_of(agent.namespace, before, agent.pinned) if before else None
         data = [datas[b.block_id] for b in blocks]
         stats = self.stats
@@ -376,6 +384,12 @@ class BlockPool:
         future = self.persister.save(manifest, data, dead, on_durable)
         future.add_done_callback(count_failure)
         return future
+
+    def _stamped(self, manifest: Manifest) -> Manifest:
+        """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md, Erasure)."""
+        if self.fleet is not None:
+            manifest.era = self.fleet.era(manifest.namespace)
+        return manifest
 
     def finish(self, request_id: str) -> None:
         """The request is done (completed or aborted): its agent is no longer in use by it."""
@@ -461,6 +475,8 @@ class BlockPool:
         self._erased.move_to_end(namespace)
         if len(self._erased) > MAX_ERASED:
             self._erased.popitem(last=False)
+        if self.fleet is not None:
+            self.fleet.released(namespace)  # this server holds no history of it in Redis any more
         agent = self.agents.get(namespace)
         if agent is None:
             return False
@@ -479,17 +495,31 @@ class BlockPool:
     # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
 
     def branch_state(self, namespace: str) -> Optional[tuple]:
-        """The agent's branches as ((block ids), tokens, links), least recently used first (the last
-        is the most recent; () when every branch was cut), or None if unknown; any thread."""
+        """The agent's branches as ((block ids), tokens, links, last used), least recently used first
+        (the last is the most recent; () when every branch was cut), or None if unknown; any thread."""
         with self._lock:
             agent = self.agents.get(namespace)
-            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links)
+            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links, br.last_used)
                                                     for br in agent.branches)
 
     def agent_version(self, namespace: str) -> tuple:
-        """What `save_fetched` compares: when the agent was last erased, and its branches."""
+        """What `save_fetched` compares: when the agent was last erased, and its branches (their
+        last uses included: a lookup since changes it)."""
         with self._lock:
             return self._erased.get(namespace, 0), self.branch_state(namespace)
+
+    def holds(self, namespace: str, expect: tuple, remote: list[Branch], then: Callable[[], None]) -> bool:
+        """Whether the agent is still as `expect` and already holds every branch of `remote` (a
+        history in the fleet tier) as recently used: merging them would change nothing. If so,
+        `then()` runs under the lock (so no erasure comes between; it must not wait). No I/O."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            if agent is None or self.agent_version(namespace) != expect:
+                return False
+            if not same_branches(self._merge_fetched(agent.branches, remote, {}), agent.branches):
+                return False
+            then()
+            return True
 
     def save_fetched(self, namespace: str, fetched: list[Branch], blocks: list[BlockData], expect: tuple,
                      on_done: Callable) -> Optional[Future]:
@@ -503,8 +533,11 @@ class BlockPool:
             if self.persister is None or self.agent_version(namespace) != expect:
                 return None
             agent = self.agents.get(namespace)
-            branches = self._merge_fetched(agent.branches if agent is not None else [], fetched)
-            manifest = manifest_of(namespace, branches, agent is not None and agent.pinned, self.clock())
+            data = {d.block_id: d for d in blocks}
+            branches = self._merge_fetched(agent.branches if agent is not None else [], fetched, data)
+            manifest = self._stamped(manifest_of(namespace, branches, agent is not None and agent.pinned, self.clock()))
+            named = set(manifest.block_ids)
+            blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
             def on_durable() -> None:  # persister thread; on_done must not raise
                 try:
@@ -516,17 +549,20 @@ class BlockPool:
 
             return self.persister.save(manifest, blocks, [], on_durable)
 
-    def _merge_fetched(self, local: list[Branch], fetched: list[Branch]) -> list[Branch]:
-        """The agent's branches once a longer history is fetched: the fetched branches become the
-        most recent (the conversation went on there), after the local branches none of them
-        continues; the `branches` most recent are kept. A fetched branch continues a local one when
-        it names all of its blocks but a partial tail (a tail the other server grew)."""
-        def continued(br: Branch) -> bool:
-            whole = br.n_tokens == len(br.block_ids) * self.block_size
-            head = br.block_ids if whole else br.block_ids[:-1]
-            return any(f.n_tokens >= br.n_tokens and f.block_ids[: len(head)] == head for f in fetched)
+    def _merge_fetched(self, local: list[Branch], fetched: list[Branch], data: dict[str, BlockData]) -> list[Branch]:
+        """(lock held) The agent's branches merged with a fetched history's, by recency
+        (chain.merge_branches): a branch another holds goes, the `branches` most recently used stay,
+        from either side. A partial tail another branch grew is recognised by the tokens at hand
+        (`data`: fetched blocks; blocks in memory), never by a read."""
+        def tokens_of(bid: str) -> Optional[Sequence[int]]:
+            got = data.get(bid)
+            if got is not None:
+                return got.tokens
+            block = self.table.blocks.get(bid)
+            return block.tokens if block is not None and block.tokens else None
 
-        return ([br for br in local if not continued(br)] + list(fetched))[-self.max_branches:]
+        return merge_branches(local, fetched, self.max_branches, lambda c, b: self.chains.grew(c, b, tokens_of),
+                              continued=not self.codec.window_names())
 
     def _adopt_fetched(self, namespace: str, branches: list[Branch], expect: tuple) -> bool:
         """Give the agent its merged branches with COLD blocks (blocks still hot stay hot)."""

@@ -9,20 +9,32 @@ sizing and faults are in docs/fleet.md. The interface the pool (or persister) ca
                                                             # an HMAC; cluster=True: a Redis Cluster
     tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s;
                                                             # erased=True: a tombstone (.seen: this
-                                                            # server already acted on it)
+                                                            # server already acted on it); .erasure:
+                                                            # one to act on before using the value
+                                                            # (a tombstone, or a newer era's history);
+                                                            # .outdated: from before this server's era
     tier.get_block(block_id) -> BlockData | None            # any thread; at most read_timeout_s;
                                                             # verified exactly as a disk block
     tier.get_blocks(block_ids) -> list[BlockData]           # any thread; pipelined round trips of
                                                             # bounded size, each at most read_timeout_s;
                                                             # the blocks up to the first one not served
-    tier.put(manifest, blocks=None) -> bool                 # any thread; never blocks: queues the
-                                                            # upload, False when dropped (queue full)
+    tier.put(manifest, blocks=None, base=None) -> bool      # any thread; never blocks: queues the
+                                                            # upload, False when dropped (queue full);
+                                                            # a concurrent update is merged with it
     tier.erase(agent) -> bool                               # any thread; never blocks: queued ahead
                                                             # of the bound, retried until done or close()
     tier.erased_locally(agent, ident) -> bool               # any thread: this server dropped its copy
-                                                            # because of tombstone `ident` (from
-                                                            # get_manifest or on_erased(agent, ident));
-                                                            # its puts may now start a new history
+                                                            # because of erasure `ident` (from
+                                                            # get_manifest's .erasure or on_erased(agent,
+                                                            # ident)); its puts may now start a new
+                                                            # history, of that era
+    tier.era(agent) -> str                                  # any thread: the erasure this server's
+                                                            # histories of the agent follow ('' none):
+                                                            # stamped in its local manifests
+    tier.known_era(agent, era)                              # start-up: a local manifest's era
+    tier.adopt(agent, version)                              # any thread: this server now holds that
+                                                            # version (read by get_manifest lately)
+    tier.release(agent)                                     # any thread: it holds no copy any more
     tier.flush(timeout) -> bool                             # wait for queued writes (tests, shutdown)
     tier.stats() -> dict                                    # O(1) counters
     tier.close(timeout)                                     # flush within the bound, stop the threads
@@ -58,8 +70,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+from .chain import branches_of, manifest_of, merge_branches, same_branches
 from .store import (_BLOCK_FORMAT, FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id,
-                    _check_branches, decode_block, encode_block)
+                    _check_branches, _check_era, decode_block, encode_block)
 
 logger = logging.getLogger("vllm_mlx_persist.remote")
 
@@ -188,7 +201,15 @@ class RemoteManifest:
     disk manifest's schema ({"block_ids", "n_tokens", "links"}, docs/disk-format.md): one plain
     chain seeded with the agent for a manifest without branches (an agent that never branched or
     forked). `ident` names this very value (fresh for every value written); `seen`: this server
-    already holds it (published or adopted it, or, for a tombstone, erased its copy because of it)."""
+    already holds it (published or adopted it, or, for a tombstone, erased its copy because of it).
+
+    `era`: the erasure the value's history follows (the id of the tombstone it was started on; ''
+    none; a tombstone's is its own id). `erasure`: an erasure this server has not acted on, which it
+    must act on before it uses the value (erase its copy, then `erased_locally(agent, erasure)`): an
+    unseen tombstone's id, or the era of a history started after an erasure this server never
+    acted on. `outdated`: a history from before the erasure this server's histories follow (it
+    says none while this server's era is one): nothing of it may be used, and this server's next
+    put replaces it (docs/fleet.md, Erasure)."""
 
     namespace: str
     block_ids: list[str]
@@ -199,6 +220,9 @@ class RemoteManifest:
     branches: list = field(default_factory=list)
     ident: str = ""
     seen: bool = False
+    era: str = ""
+    erasure: str = ""
+    outdated: bool = False
 
 
 @dataclass
@@ -208,6 +232,7 @@ class _Put:
     gen: int
     nbytes: int
     base_digest: Optional[str] = None  # the history this turn continued (see put's `base`)
+    era: str = ""  # this server's era for the agent when queued (changes only with gen)
 
 
 @dataclass
@@ -223,10 +248,14 @@ class _AgentState:
     # again from the writer's memory once a key expires, so equal versions can be different values.
     seen_v: int = -1
     seen_id: str = ""
-    # The newest tombstone met (read, or refusing a put) that this server has not yet erased its copy
-    # for (erased_locally): until then every put of the agent is refused by it.
+    # The newest erasure met (a tombstone, or a history of another era: read, or refusing a put) that
+    # this server has not yet erased its copy for (erased_locally): until then every put of the
+    # agent is refused by it.
     tomb_v: int = -1
     tomb_id: str = ""
+    # The erasure this server's histories of the agent follow: the id of the last tombstone it wrote
+    # (its own erasure) or erased its copy for; '' none. Every put carries it (docs/fleet.md, Erasure).
+    era: str = ""
     read: dict = field(default_factory=dict)  # version -> id of the last live manifests read (adopt)
     gen: int = 0  # changes on every erasure seen here: queued puts from before it are stale
 
@@ -286,6 +315,11 @@ def _block_nbytes(b: Union[BlockData, bytes]) -> int:
 
 def _canonical(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def _content(m: Manifest) -> set:
+    """A manifest's branches as a set of (block ids, tokens), recency and order aside."""
+    return {(tuple(br.block_ids), br.n_tokens) for br in branches_of(m)}
 
 
 def _newer_block(data: Any) -> Optional[str]:
@@ -405,6 +439,8 @@ class RemoteTier:
         on_erased: Optional[Callable[[str, str], None]] = None,
         cluster: bool = False,
         secret: Union[bytes, str, None] = None,
+        branches: int = 4,
+        keep_continued: bool = False,
     ):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
@@ -448,6 +484,8 @@ class RemoteTier:
         self.block_ttl_s, self.manifest_ttl_s, self.tombstone_ttl_s = block_ttl_s, manifest_ttl_s, tombstone_ttl_s
         self.max_agents, self.max_erasures = max_agents, max_erasures
         self.on_erased = on_erased
+        self.branches = max(1, int(branches))  # a merged manifest keeps this many (the pool's `branches`)
+        self.keep_continued = keep_continued  # a model with bounded sliding windows: see chain.merge_branches
         self._tagger = _Tagger(secret or None)
         self.authenticated = secret is not None
         self.key_id = self._tagger.key_id
@@ -472,10 +510,11 @@ class RemoteTier:
         self._pending_erase: dict[str, int] = {}  # namespace -> erasures queued
         self._gen_counter = 0
         self._c = dict.fromkeys(
-            ["puts", "puts_published", "puts_same", "puts_kept_other", "puts_erased", "puts_stale", "puts_incomplete",
-             "put_failures", "dropped", "blocks_uploaded", "blocks_present", "bytes_up", "gets", "fetch_round_trips", "hits",
-             "misses", "refused", "refused_mac", "foreign", "puts_foreign", "bytes_down", "manifest_gets",
-             "manifest_hits", "erases", "erases_done", "errors", "timeouts", "skipped"], 0)
+            ["puts", "puts_published", "puts_merged", "puts_same", "puts_kept_other", "puts_erased", "puts_stale",
+             "puts_outdated", "puts_incomplete", "put_failures", "dropped", "blocks_uploaded", "blocks_present",
+             "bytes_up", "gets", "fetch_round_trips", "hits", "misses", "refused", "refused_mac", "foreign",
+             "puts_foreign", "bytes_down", "manifest_gets", "manifest_hits", "erases", "erases_done", "errors",
+             "timeouts", "skipped"], 0)
 
         self._q: deque = deque()
         self._q_puts = 0
@@ -556,13 +595,15 @@ class RemoteTier:
     # ---- reads (any thread, bounded) ------------------------------------------------------------
 
     def get_manifest(self, namespace: str) -> Optional[RemoteManifest]:
-        """The agent's manifest in Redis (erased=True for a tombstone); None when absent, refused,
-        not ours or unreachable within read_timeout_s."""
+        """The agent's manifest in Redis (erased=True for a tombstone), judged against this server's
+        era (RemoteManifest: erasure, outdated); None when absent, refused, not ours or unreachable
+        within read_timeout_s."""
         key = self.manifest_key(namespace)
         with self._lock:
             self._c["manifest_gets"] += 1
             if namespace in self._pending_erase:
                 return None  # erased here, not yet in Redis: never serve it back
+            gen = self._agent(namespace).gen
         raw = self._bounded_read(lambda: self._client.hmget(key, *_FIELDS))
         if raw is _FAILED:
             return None
@@ -572,23 +613,33 @@ class RemoteTier:
         if cur.state != "ok":
             self._refused_manifest(cur, "read")
             return None
-        if cur.erased:
-            seen = self._met_tombstone(namespace, cur.version, cur.ident)
-            return RemoteManifest(namespace, [], 0, 0.0, cur.version, erased=True, ident=cur.ident, seen=seen)
-        m = self._parse_manifest(cur.body, namespace)
-        if m is None:
+        m = None if cur.erased else self._parse_manifest(cur.body, namespace)
+        if m is None and not cur.erased:
             self._count("refused")
             return None
+        era = cur.ident if m is None else (m.era or "")
         with self._lock:
-            self._c["manifest_hits"] += 1
             st = self._agent(namespace)
+            if st.gen != gen:
+                # An erasure here, or one met, while this read ran: the value is judged against an
+                # era that is no longer this server's. A miss; the next read judges it afresh.
+                return None
+            mine = st.era
+            # Another era: a tombstone, or a history started after an erasure this server never
+            # acted on (its copy predates it); none ('') while this server's has one: a history
+            # from before the erasure this server's histories follow.
+            erasure = era if era and not self._meet_erasure(st, cur.version, era) else ""
+            if m is None:
+                return RemoteManifest(namespace, [], 0, 0.0, cur.version, erased=True, ident=cur.ident,
+                                      seen=not erasure, era=era, erasure=erasure)
+            self._c["manifest_hits"] += 1
             st.read[cur.version] = cur.ident
             while len(st.read) > _READ_IDS:
                 del st.read[next(iter(st.read))]
             seen = st.seen_id == cur.ident
         branches = m.branches or [{"block_ids": list(m.block_ids), "n_tokens": m.n_tokens, "links": [[0, namespace]]}]
         return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, cur.version, branches=branches,
-                              ident=cur.ident, seen=seen)
+                              ident=cur.ident, seen=seen, era=era, erasure=erasure, outdated=not era and bool(mine))
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
         """The block, verified exactly as a disk block (store.decode_block), and its MAC with a
@@ -735,7 +786,8 @@ class RemoteTier:
         False when dropped (queue full by count or bytes, tier closed or disabled). `base`: the
         agent's history this turn continued (its manifest before the turn): a put whose base is the
         value in Redis is its sequential successor even when this server forgot having published
-        it (a restart)."""
+        it (a restart). A put that is no successor is merged with the value in Redis by recency
+        (docs/fleet.md, "Which update wins")."""
         _agent_key(manifest.namespace)
         for b in manifest.block_ids:
             _check_block_id(b)
@@ -750,7 +802,8 @@ class RemoteTier:
                 self._c["dropped"] += 1
                 return False
             st = self._agent(manifest.namespace)
-            self._q.append(_Put(manifest, blocks, st.gen, nbytes, self._digest(base) if base is not None else None))
+            self._q.append(_Put(manifest, blocks, st.gen, nbytes, self._digest(base) if base is not None else None,
+                                st.era))
             self._q_puts += 1
             self._q_bytes += nbytes
             self._cond.notify()
@@ -758,8 +811,9 @@ class RemoteTier:
 
     def erase(self, namespace: str) -> bool:
         """Queue erasing the agent from Redis (manifest replaced by a tombstone one version up, so a
-        put from before the erasure cannot bring it back); queued puts for it are discarded. Not
-        bounded by queue_max; retried until done or close(). False if it cannot be queued."""
+        put from before the erasure cannot bring it back); queued puts for it are discarded. This
+        server's era for the agent is the new tombstone's id from now on (its later histories follow
+        it). Not bounded by queue_max; retried until done or close(). False if it cannot be queued."""
         _agent_key(namespace)
         with self._cond:
             self._c["erases"] += 1
@@ -769,6 +823,10 @@ class RemoteTier:
                              len(self._pending_erase))
                 return False
             self._bump_gen(namespace)
+            st = self._agent(namespace)
+            # The tombstone's id is chosen now: turns made after this call follow this erasure. An
+            # erasure met earlier and not yet acknowledged is superseded (erased_locally refuses it).
+            st.era, st.tomb_v, st.tomb_id = secrets.token_hex(8), -1, ""
             self._pending_erase[namespace] = self._pending_erase.get(namespace, 0) + 1
             self._q.append(_Erase(namespace))
             self._cond.notify()
@@ -833,20 +891,51 @@ class RemoteTier:
             if ident is not None and int(version) >= st.seen_v:
                 st.seen_v, st.seen_id = int(version), ident
 
+    def release(self, namespace: str) -> None:
+        """This server no longer holds the agent's history (it erased its copy: a local space
+        decision, or before erased_locally): its next put is nobody's sequential successor, so it
+        merges with what Redis holds instead of replacing it."""
+        with self._lock:
+            st = self._agents.get(namespace)
+            if st is not None:
+                st.seen_id = ""
+
     def erased_locally(self, namespace: str, ident: str) -> bool:
         """This server has erased its copy of the agent (memory and disk, durable) because of the
-        tombstone `ident` (RemoteManifest.ident of an erased manifest, or on_erased's second
-        argument). Until this is called every put of the agent meets that tombstone and is refused;
-        from now on a put starts a new history on top of it. Puts queued before are discarded.
-        False (nothing changes) if a newer tombstone has been met since: its own erasure follows."""
+        erasure `ident` (RemoteManifest.erasure, or on_erased's second argument). Until this is
+        called every put of the agent meets that erasure and is refused; from now on this server's
+        era for the agent is `ident`: a put starts a new history on top of that tombstone, or joins
+        the history of that era in Redis. Puts queued before are discarded. False (nothing changes)
+        if a newer erasure has been met or made here since: its own erasure follows."""
         with self._lock:
             st = self._agent(namespace)
-            if not ident or ident != st.tomb_id:
+            if not ident or ident != st.tomb_id or namespace in self._pending_erase:
                 return False
+            # Onto a tombstone its id is the base (a successor starts a new history); a history of
+            # that era in Redis is no base of this server's: its next put merges with it.
             st.seen_v, st.seen_id = st.tomb_v, st.tomb_id
+            st.era = st.tomb_id
             st.tomb_v, st.tomb_id = -1, ""
             self._bump_gen(namespace)
             return True
+
+    def era(self, namespace: str) -> str:
+        """The erasure this server's histories of the agent follow: the id of the last tombstone it
+        wrote or erased its copy for ('' none, or forgotten). Stamped in the local manifests (a
+        restart tells it back with known_era); every put carries it."""
+        with self._lock:
+            st = self._agents.get(namespace)
+            return "" if st is None else st.era
+
+    def known_era(self, namespace: str, era: Optional[str]) -> None:
+        """Start-up: this server's copy of the agent on its disk follows erasure `era` (its local
+        manifest says so). Ignored when this tier already knows an era for the agent (it is newer)."""
+        if era:
+            _check_era(era)
+            with self._lock:
+                st = self._agent(namespace)
+                if not st.era:
+                    st.era = era
 
     # ---- stats ---------------------------------------------------------------------------------------
 
@@ -906,17 +995,18 @@ class RemoteTier:
         self._gen_counter += 1
         self._agent(namespace).gen = self._gen_counter
 
-    def _met_tombstone(self, namespace: str, version: int, ident: str) -> bool:
-        """A tombstone was read or refused a put: whether this server already acted on it. A new one
-        is remembered until erased_locally; puts queued before it are stale (it would refuse them)."""
-        with self._lock:
-            st = self._agent(namespace)
-            if ident == st.seen_id:
-                return True
-            if ident != st.tomb_id:
-                st.tomb_v, st.tomb_id = version, ident
-                self._bump_gen(namespace)
-            return False
+    def _meet_erasure(self, st: _AgentState, version: int, ident: str) -> bool:
+        """(lock held) Erasure `ident` (a tombstone's id, or the era of a history: read, or refusing a
+        put; `version`: that value's) was met: whether this server already acted on it (it is this
+        server's era). A new one is remembered until erased_locally; puts queued before it are stale
+        (it would refuse them)."""
+        if ident == st.era:
+            return True
+        if ident != st.tomb_id:
+            st.tomb_v, st.tomb_id = version, ident
+            self._gen_counter += 1
+            st.gen = self._gen_counter
+        return False
 
     def _warn_once(self, kind: str, msg: str, *args: Any) -> None:
         """Log at WARNING the first time, then at DEBUG: a planted or foreign value must not be able
@@ -981,6 +1071,7 @@ class RemoteTier:
                            (d or b"").decode("ascii"), body)
             if not cur.ident or e not in (b"0", b"1") or (not erased and body is None):
                 raise ValueError("missing fields")
+            _check_era(cur.ident)  # a tombstone's id becomes an era, stamped in local manifests
         except (TypeError, ValueError) as err:
             return _Current("refused", raw_id, why=f"malformed ({err})")
         return cur
@@ -1031,17 +1122,24 @@ class RemoteTier:
                 _check_branches(branches, set(ids))
                 if branches[-1]["n_tokens"] != n:
                     raise ValueError("n_tokens is not the newest branch's")
+            era = d.get("era")  # absent: a history that never met an erasure (and every older server's)
+            if era is not None:
+                _check_era(era)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("fleet: refused a manifest from Redis: %s", e)
             return None
-        return Manifest(namespace, list(ids), n, float(ts), branches=branches)
+        return Manifest(namespace, list(ids), n, float(ts), branches=branches, era=era)
 
-    def _manifest_body(self, m: Manifest) -> bytes:
+    def _manifest_body(self, m: Manifest, era: Optional[str] = None) -> bytes:
+        """A manifest's body as Redis holds it; `era` (default: the manifest's) the erasure its history follows."""
         d = {"format": _MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
              "namespace": m.namespace, "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens),
              "updated_at": float(m.updated_at)}
         if m.branches is not None:  # optional, as on disk: plain manifests read as before everywhere
             d["branches"] = m.branches
+        era = m.era if era is None else era
+        if era:  # optional too: every r2 reader before it ignores it (docs/fleet.md, Versions)
+            d["era"] = era
         d["checksum"] = "sha256:" + hashlib.sha256(_canonical(d)).hexdigest()
         return _canonical(d)
 
@@ -1113,14 +1211,22 @@ class RemoteTier:
         key = self.manifest_key(namespace)
         for _ in range(_CAS_TRIES):
             cur = self._judge_manifest(key, self._write_client.hmget(key, *_FIELDS))
+            with self._lock:
+                st = self._agent(namespace)
+                base = st.seen_v
+                if not st.era:  # forgotten since erase() chose it (the agents' bound)
+                    st.era = secrets.token_hex(8)
+                # The id erase() chose, of the latest erasure queued here: an earlier one retried
+                # after it writes the same tombstone, so this server's era is what Redis holds.
+                ident = st.era
+            if cur.state == "ok" and cur.erased and cur.ident == ident:
+                version = cur.version  # written already (its reply was lost, or a later erasure's)
+                break
             if cur.state in ("refused", "foreign"):
                 self._refused_manifest(cur, "replaced by an erasure")
-            with self._lock:
-                base = self._agent(namespace).seen_v
             # One version above anything this server or Redis knew of the agent. An erasure replaces
             # whatever is there, a value it cannot judge included: the agent's owner asked for it.
             version = max(cur.version if cur.state == "ok" else -1, base, 0) + 1
-            ident = secrets.token_hex(8)
             fields = self._manifest_fields(key, version, ident, True)
             if int(self._cas_script(self._write_client, [key], [cur.raw_id, self.tombstone_ttl_s, *fields])):
                 break
@@ -1170,11 +1276,12 @@ class RemoteTier:
                 self._c["blocks_uploaded"] += 1
                 self._c["bytes_up"] += len(value)
                 self._block_size_seen = max(self._block_size_seen, len(value))
-        digest, body = self._digest(m), self._manifest_body(m)
+        digest, body = self._digest(m), self._manifest_body(m, p.era)
         for attempt in range(_CAS_TRIES):
             if attempt:  # changed since it was read: judge the new value
                 values = self._write_client.hmget(key, *_FIELDS)
             cur = self._judge_manifest(key, values)
+            theirs = self._parse_manifest(cur.body, m.namespace) if cur.state == "ok" and not cur.erased else None
             # The erasure check and the base are read together: an erasure this server makes or sees
             # after this point changes the value (or the base), so the compare-and-set refuses.
             with self._lock:
@@ -1182,11 +1289,18 @@ class RemoteTier:
                     return
                 st = self._agent(m.namespace)
                 seen_v, seen_id = st.seen_v, st.seen_id
-            outcome, version = self._decide(cur, seen_v, seen_id, int(m.n_tokens), digest, p.base_digest)
-            if outcome != "publish":
+            cur_era = cur.ident if cur.erased else (theirs.era or "") if theirs is not None else ""
+            outcome, version = self._decide(cur, seen_v, seen_id, digest, p.base_digest, p.era, cur_era)
+            value = m  # what is written: the put, or (a concurrent update) the put merged with the current
+            if outcome == "merge":
+                value = self._merged(m, theirs)
+                if value is None:
+                    outcome = "kept"
+            if outcome not in ("publish", "merge", "outdated"):
                 break
+            d, b = (digest, body) if value is m else (self._digest(value), self._manifest_body(value, p.era))
             ident = secrets.token_hex(8)
-            fields = self._manifest_fields(key, version, ident, False, int(m.n_tokens), digest, body)
+            fields = self._manifest_fields(key, version, ident, False, int(value.n_tokens), d, b)
             if int(self._cas_script(self._write_client, [key], [cur.raw_id, self.manifest_ttl_s, *fields])):
                 if cur.state == "refused":
                     self._refused_manifest(cur, "replaced by a put")
@@ -1194,53 +1308,78 @@ class RemoteTier:
         else:
             raise _Conflict(f"an agent's manifest changed under its put {_CAS_TRIES} times")
         with self._lock:
-            if outcome == "publish":
+            # A merged value holding another server's branches is not this server's history: its
+            # next put merges again (until a sync fetches them), so it never drops them unseen.
+            if outcome in ("publish", "outdated") or (outcome == "merge" and _content(value) <= _content(m)):
                 st.seen_v, st.seen_id = version, ident
             elif outcome == "same":  # the same history already there: this server holds it too
                 st.seen_v, st.seen_id = cur.version, cur.ident
-            self._c[{"publish": "puts_published", "same": "puts_same", "kept": "puts_kept_other",
-                     "erased": "puts_erased", "foreign": "puts_foreign"}[outcome]] += 1
+            self._c[{"publish": "puts_published", "merge": "puts_merged", "same": "puts_same",
+                     "kept": "puts_kept_other", "erased": "puts_erased", "foreign": "puts_foreign",
+                     "outdated": "puts_outdated"}[outcome]] += 1
+            # Another server erased the agent after this one last looked (a tombstone, or a history
+            # of a newer era on top of it). The owner drops its copy and then calls
+            # erased_locally(agent, erasure); until then every put of the agent is refused here. Not
+            # when an erasure was made or met here since the put was judged: that one decides.
+            met = outcome == "erased" and st.gen == p.gen and m.namespace not in self._pending_erase
+            if met:
+                self._meet_erasure(st, cur.version, cur_era)
         if outcome == "foreign":
             self._refused_manifest(cur, "a put left it alone")
-        elif outcome == "erased":
-            # Another server erased the agent after this one last looked. The owner drops its copy and
-            # then calls erased_locally(agent, ident); until then every put of the agent is refused here.
-            self._met_tombstone(m.namespace, cur.version, cur.ident)
-            if self.on_erased is not None:
-                try:
-                    self.on_erased(m.namespace, cur.ident)
-                except Exception:
-                    logger.exception("fleet: on_erased callback failed")
+        elif met and self.on_erased is not None:
+            try:
+                self.on_erased(m.namespace, cur_era)
+            except Exception:
+                logger.exception("fleet: on_erased callback failed")
 
     @staticmethod
-    def _decide(cur: _Current, seen_v: int, seen_id: str, n_tokens: int, digest: str,
-                base_digest: Optional[str] = None) -> tuple[str, int]:
+    def _decide(cur: _Current, seen_v: int, seen_id: str, digest: str, base_digest: Optional[str] = None,
+                era: str = "", cur_era: str = "") -> tuple[str, int]:
         """Which update wins (docs/fleet.md): (outcome, version), outcome one of publish (as that
-        version), same, kept (the other history stays), erased (a tombstone this server has not
-        acted on), foreign (a value this build cannot judge: left alone)."""
+        version), merge (a concurrent update: the union of both histories by recency, as that
+        version), same, erased (a tombstone, or a history of another era: an erasure this server
+        has not acted on), outdated (a history from before the erasure this put's era follows:
+        replaced, as that version), foreign (a value this build cannot judge: left alone). `era`:
+        the put's; `cur_era`: the current value's (a tombstone's is its own id)."""
         if cur.state == "foreign":
             return "foreign", -1
         if cur.state != "ok":  # absent, or no value of this fleet's (refused): as if absent
             return "publish", max(seen_v, 0) + 1
-        if cur.ident == seen_id:  # a sequential successor (onto a tombstone: a new history)
+        if cur_era != era:
+            if cur.erased or cur_era:  # an erasure this server never acted on: its copy predates it
+                return "erased", cur.version
+            return "outdated", cur.version + 1  # no era: none of it may come back
+        if cur.ident == seen_id or cur.erased:  # a sequential successor (onto its own era's tombstone: a new history)
             return "publish", cur.version + 1
-        if cur.erased:
-            return "erased", cur.version
         if cur.digest == digest:
             return "same", cur.version
         if base_digest is not None and cur.digest == base_digest:  # it continued what Redis holds
             return "publish", cur.version + 1
-        if n_tokens <= cur.n_tokens:
-            return "kept", cur.version
-        return "publish", cur.version + 1
+        return "merge", cur.version + 1
+
+    def _merged(self, m: Manifest, theirs: Optional[Manifest]) -> Optional[Manifest]:
+        """The put's branches merged with the current manifest's (`theirs`, parsed; chain.merge_branches:
+        a branch another holds goes, the `branches` most recently used stay), as a manifest; None
+        when that is the current manifest itself (a late put of turns it already holds). A current
+        body that does not parse (None) is no history to keep: the put as it is."""
+        if theirs is None:
+            return m
+        old = branches_of(theirs)
+        merged = merge_branches(old, branches_of(m), self.branches,  # on equal last use, the put's is newer
+                                continued=not self.keep_continued)
+        if same_branches(merged, old):
+            return None
+        return manifest_of(m.namespace, merged, m.pinned, max(m.updated_at, theirs.updated_at))
 
     @staticmethod
     def _digest(m: Manifest) -> str:
         """What makes two puts 'the same history' for the script: the block ids, and the branches
-        when there are any (a plain manifest's digest is what older servers compute)."""
+        when there are any, without their last uses (recency is not history; and so a digest is
+        what servers from before last uses compute)."""
         text = "\n".join(m.block_ids)
         if m.branches is not None:
-            text += "\n" + _canonical(m.branches).decode()
+            text += "\n" + _canonical([{k: v for k, v in br.items() if k != "last_used"}
+                                        for br in m.branches]).decode()
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _stale(self, p: _Put, locked: bool = False) -> bool:

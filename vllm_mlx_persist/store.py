@@ -40,6 +40,7 @@ _MAX_HEADER = 16 << 20
 # A real block is a few MiB to tens of MiB (64 layers x 8 heads x 256 tokens x head_dim 128 is 18 MiB).
 MAX_BLOCK_BYTES = 1 << 30
 MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
+MAX_ERA_CHARS = 128  # a manifest's era: the fleet tier's tombstone id (16 hex digits as written)
 _MAX_MODEL_JSON = 1 << 20
 # Never follow a symlink, never block on a FIFO or device: the file type is checked after opening.
 _O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
@@ -107,10 +108,14 @@ class Manifest:
     updated_at: float
     pinned: bool = False  # exempt from hot-tier eviction, the disk budget and the TTL
     # The agent's branches, least recently used first, when it has more than one plain chain:
-    # [{"block_ids": [...], "n_tokens": n, "links": [[block index, namespace], ...]}]. None: one
+    # [{"block_ids": [...], "n_tokens": n, "links": [[block index, namespace], ...], "last_used": t}]
+    # (last_used optional: absent, the manifest's updated_at; chain.branches_of). None: one
     # branch, `block_ids` itself, seeded with the namespace. `block_ids` always lists every block
     # the manifest names (what the disk budget, GC and erasure count).
     branches: Optional[list] = None
+    # The erasure the agent's history follows (docs/fleet.md, Erasure): the id of the fleet tier's
+    # tombstone it was started on; None: it never met one. Optional, like `pinned` and `branches`.
+    era: Optional[str] = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -720,6 +725,9 @@ class DiskStore:
         if m.branches is not None:  # optional too: agents that never branch or fork read as before
             _check_branches(m.branches, set(m.block_ids))
             body["branches"] = m.branches
+        if m.era is not None:  # optional too: absent for every history that never met an erasure
+            _check_era(m.era)
+            body["era"] = m.era
         body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
         data = json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
         if len(data) > MAX_MANIFEST_BYTES:  # could never be read back
@@ -1200,8 +1208,20 @@ def _parse_manifest(raw: bytes) -> Manifest:
             _check_branches(branches, set(ids))
         except ValueError as e:
             raise _BadFile(str(e)) from None
+    era = body.get("era")
+    if era is not None:
+        try:
+            _check_era(era)
+        except ValueError as e:
+            raise _BadFile(str(e)) from None
     return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned,
-                    branches=branches)
+                    branches=branches, era=era)
+
+
+def _check_era(era: Any) -> None:
+    """Raise ValueError unless `era` is a tombstone id as a manifest may carry it."""
+    if not isinstance(era, str) or not 0 < len(era) <= MAX_ERA_CHARS or not era.isascii() or not era.isprintable():
+        raise ValueError("malformed manifest era")
 
 
 def _check_branches(branches: Any, named: set) -> None:
@@ -1216,3 +1236,6 @@ def _check_branches(branches: Any, named: set) -> None:
                            for l in links)
                 or links[0][0] != 0 or [l[0] for l in links] != sorted({l[0] for l in links})):
             raise ValueError("malformed manifest branch")
+        used = br.get("last_used", 0.0)  # optional: absent in manifests written before it existed
+        if isinstance(used, bool) or not isinstance(used, (int, float)) or not math.isfinite(used):
+            raise ValueError("malformed manifest branch: last_used")

@@ -13,7 +13,9 @@ A block's arrays are one flat name -> array map (the disk format stores it as is
   held when it was committed, i.e. the window before the turn's end. A prefix is reused up to the
   last point whose window the blocks hold (`window_reach`): a turn's end, or any point at least a
   window past the start of what a turn held.
-* FULL layer l (MLA latent, mlx-lm's `KVCache` in the model's dtype): `l.k l.v`, (1, H, n_tokens, .).
+* FULL layer l (MLA latent, mlx-lm's `KVCache` in the model's dtype): `l.k l.v`, (1, H, n_tokens, .);
+  with the `latent_bits` option, packed instead (caches/latent.py): `l.k.c l.k.s l.k.b l.v.c l.v.s
+  l.v.b` (uint8 codes, float32 scales and biases), dequantized into the live float cache on reuse.
 * LIST layer l (`CacheList` of FULL caches): `l.j.k l.j.v` for sub-cache j.
 * STATE layer l (`StateCache`): no per-token arrays. A block may carry up to MAX_CHECKPOINTS
   recurrent-state checkpoints: `ckpt{c}.pos` (int32 (1,), the position within the block, 1..n:
@@ -28,13 +30,16 @@ from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache
 
 from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds, layer_windows
+from .latent import LATENT_BITS, dequantize_latent, quantize_latent
 from .recurrent import StateCache
 
 Arrays = dict  # name -> mx.array
 _Q4_PARTS = ("k.q", "k.s", "k.b", "v.q", "v.s", "v.b")
+_LATENT_PARTS = ("k.c", "k.s", "k.b", "v.c", "v.s", "v.b")
 _RAW16 = {mx.bfloat16: "bfloat16"}
 # Per block: a turn's prefill end and its final state, or two turns' ends. A checkpoint costs a
 # whole recurrent state (for a 30B-class hybrid, tens of MB): bounded per block, newest kept.
@@ -47,7 +52,11 @@ class ModelCodec:
 
     def __init__(self, kinds: Sequence[Any], bits: int = 4, group_size: int = 64,
                  state_sizes: Optional[dict[int, int]] = None, windows: Optional[dict[int, int]] = None,
-                 bounded: bool = False):
+                 bounded: bool = False, latent_bits: Optional[int] = None, latent_dtype: mx.Dtype = mx.float32):
+        """`latent_bits` (None, 8 or 4): blocks hold FULL (MLA latent) layers packed in that many
+        bits, dequantized to `latent_dtype` (the model's) when a cache is built from them."""
+        if latent_bits is not None and latent_bits not in LATENT_BITS:
+            raise ValueError(f"latent_bits must be None or one of {LATENT_BITS}, got {latent_bits}")
         self.kinds = list(kinds)
         self.bits, self.group_size = bits, group_size
         self.state_sizes = dict(state_sizes or {})
@@ -55,15 +64,19 @@ class ModelCodec:
         # Q4 layers with a sliding window -> the window; their live caches hold only it if bounded.
         self.windows = dict(windows or {})
         self.bounded = bounded
+        self.latent_bits, self.latent_dtype = latent_bits, latent_dtype
 
     @classmethod
-    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64, bounded: bool = False) -> "ModelCodec":
+    def for_model(cls, model: Any, bits: int = 4, group_size: int = 64, bounded: bool = False,
+                  latent_bits: Optional[int] = None) -> "ModelCodec":
         """Raises `UnsupportedModelError` (naming the model type and why) for what cannot work."""
         kinds = layer_kinds(model, group_size)
         sizes = {l: len(c.cache) for l, c in enumerate(model.make_cache() if hasattr(model, "make_cache") else [])
                  if kinds[l] == STATE}
         windows = {l: w for l, w in layer_windows(model).items() if kinds[l] == Q4}
-        return cls(kinds, bits, group_size, sizes, windows, bounded)
+        dtype = next((p.dtype for _, p in tree_flatten(model.parameters())
+                      if mx.issubdtype(p.dtype, mx.floating)), mx.float32)
+        return cls(kinds, bits, group_size, sizes, windows, bounded, latent_bits, dtype)
 
     def window(self, l: int) -> Optional[int]:
         """The window layer l's live caches keep, or None when they keep every token."""
@@ -185,6 +198,10 @@ class ModelCodec:
             if k == Q4:
                 keys, values = c.to_arrays()
                 out.update({f"{l}.{p}": a for p, a in zip(_Q4_PARTS, keys + values)})
+            elif k == FULL and self.latent_bits is not None:
+                packed = quantize_latent(_valid(c, c.keys), self.latent_bits) \
+                    + quantize_latent(_valid(c, c.values), self.latent_bits)
+                out.update({f"{l}.{p}": a for p, a in zip(_LATENT_PARTS, packed)})
             elif k == FULL:  # keys/values directly: `state` differs between mlx-lm 0.31 and 0.32
                 out.update({f"{l}.k": _valid(c, c.keys), f"{l}.v": _valid(c, c.values)})
             elif k != STATE:
@@ -278,6 +295,10 @@ class ModelCodec:
                 parts = [cat(f"{l}.{p}", lo) for p in _Q4_PARTS]
                 cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size,
                                                    window=w, offset=covered))
+            elif k == FULL and self.latent_bits is not None:
+                deq = lambda x: dequantize_latent(*(cat(f"{l}.{x}.{p}") for p in "csb"), self.latent_bits,
+                                                  self.latent_dtype)
+                cache.append(_kv(deq("k"), deq("v")))
             elif k == FULL:
                 cache.append(_kv(cat(f"{l}.k"), cat(f"{l}.v")))
             elif k == STATE:
@@ -334,6 +355,8 @@ class ModelCodec:
         for l, k in enumerate(self.kinds):
             if k == Q4:
                 want |= {f"{l}.{p}" for p in _Q4_PARTS}
+            elif k == FULL and self.latent_bits is not None:
+                want |= {f"{l}.{p}" for p in _LATENT_PARTS}
             elif k == FULL:
                 want |= {f"{l}.k", f"{l}.v"}
             elif k != STATE:

@@ -20,6 +20,9 @@ Sections, each selectable with --sections:
 - long, concurrency, stall (bench_workloads.py, the seeds' workloads): 16k/32k contexts on a smaller
   model with the peak memory of the chunked prefill; two agents against one and staggered arrivals;
   other agents' inter-token gaps while one agent's long first turn is prefilled and written.
+- capacity (bench_capacity.py): agents of 4k/16k/32k tokens per memory budget, per family, persist_q4
+  against vllm-mlx's default cache and the bound: analytical from published model shapes, measured
+  (per-agent bytes the servers report) on scaled-down models with the same layer pattern.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -54,10 +57,12 @@ from .bench_kit import (COMMON_ARGS, FAMILIES, FAMILY_TURNS, FIXED_REPLY, LABELS
                         server_flags)
 from .serving import RssSampler, Server, openblas_path
 
+from .bench_capacity import CAPACITY_FAMILIES, headline_capacity, md_capacity, section_capacity
 from .bench_workloads import (headline_workloads, md_concurrency, md_long, md_stall, section_concurrency,
                               section_long, section_stall)
 
-SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet", "long", "concurrency", "stall")
+SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet", "long", "concurrency", "stall",
+            "capacity")
 
 # ---------------------------------------------------------------------------------------------
 # Section: TTFT against context length
@@ -740,7 +745,8 @@ def section_fleet(ctx: "Ctx") -> dict:
         deadline = time.time() + 300
         while time.time() < deadline:
             r = remote(s)
-            if r["queue_depth"] == 0 and r["puts_published"] + r["puts_same"] + r["puts_kept_other"] >= n:
+            done = r["puts_published"] + r.get("puts_merged", 0) + r["puts_same"] + r["puts_kept_other"]
+            if r["queue_depth"] == 0 and done >= n:
                 return
             time.sleep(0.05)
         raise RuntimeError("uploads to Redis did not finish")
@@ -867,6 +873,7 @@ def headline(results: dict) -> dict:
                                  "reuse_restart": v["turns"].get("4", {}).get("reuse_ratio"), **v["ttft_s"]}
                              for s, v in per.items()} for a, per in fam["summary"].items()}
     h.update(headline_workloads(results))
+    h.update(headline_capacity(results))
     fan = results.get("fanout")
     if fan and fan.get("ratios"):
         at = max(fan["ratios"], key=int)
@@ -919,7 +926,8 @@ def render_markdown(res: dict) -> str:
         L += _md_fanout(res["sections"]["fanout"], plan)
     if "fleet" in res["sections"]:
         L += _md_fleet(res["sections"]["fleet"], plan)
-    for name, md in (("long", md_long), ("concurrency", md_concurrency), ("stall", md_stall)):
+    for name, md in (("long", md_long), ("concurrency", md_concurrency), ("stall", md_stall),
+                     ("capacity", md_capacity)):
         if name in res["sections"]:
             L += md(res["sections"][name], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
@@ -1207,6 +1215,15 @@ def print_summary(res: dict) -> None:
         print("Longest gap between other agents' tokens, ms (before / during the long prefill / while it is written):")
         for s, v in h["stall_max_gap_ms"].items():
             print(f"  {s:<14} {v.get('before')} / {v.get('prefill')} / {v.get('write')}")
+    if "capacity" in h:
+        print(f"Capacity: agents of {h['capacity_at']} tokens in {h['capacity_budget_gib']} GiB "
+              "(bound / persist_q4 / vllm-mlx default; published shapes):")
+        for k, v in h["capacity"].items():
+            print(f"  {v['model']:<30} {v['bound']:>7} / {v['persist_q4']:>7} / {v['vllm_default']:>7}")
+        for arch, per in h["capacity_target"].get("measured", {}).items():
+            print(f"  measured {arch:<12} persist_q4 / bound: " + ", ".join(
+                f"{c}: {v['over_bound']}" + ("" if v["target_met"] is None else f" ({'met' if v['target_met'] else 'NOT met'})")
+                for c, v in per.items()))
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
     for r in res.get("runs") or [res]:
         print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
@@ -1250,6 +1267,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--long-size", default=None, help="models.SIZES preset of the long section (default small)")
     p.add_argument("--conc-contexts", default=None, help="history lengths of the concurrency section, e.g. 1024,4096")
     p.add_argument("--stall-tokens", type=int, default=None, help="the long first turn of the stall section, in tokens")
+    p.add_argument("--capacity-families", default=None,
+                   help=f"comma-separated subset of {','.join(CAPACITY_FAMILIES)} for the capacity section's measurements")
+    p.add_argument("--capacity-contexts", default=None, help="contexts of the capacity section, published scale "
+                                                             "(default 4096,16384,32768; --quick: 4096)")
+    p.add_argument("--capacity-scale", type=int, default=None,
+                   help="capacity: divide windows, block size and contexts by this on the measured models (default 8)")
+    p.add_argument("--capacity-turns", type=int, default=None, help="capacity: turns of the grown agent (default 8)")
+    p.add_argument("--capacity-budgets", default=None, help="capacity: budgets in GiB, e.g. 16,64")
     p.add_argument("--persist-options", default=None,
                    help='extra persist_q4 options (JSON) for every persist_q4 server, e.g. \'{"decode_float_mb": 0}\'')
     p.add_argument("--merge", action="store_true",
@@ -1302,6 +1327,21 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.family_tokens is not None:
         plan.family_tokens = args.family_tokens
     plan.fanout_nofork = args.fanout_nofork
+    if args.capacity_families:
+        plan.capacity_archs = [a.strip() for a in args.capacity_families.split(",") if a.strip()]
+        bad = set(plan.capacity_archs) - set(CAPACITY_FAMILIES)
+        if bad:
+            raise SystemExit(f"unknown capacity families {sorted(bad)}; choose from {', '.join(CAPACITY_FAMILIES)}")
+    if args.capacity_contexts:
+        plan.capacity_contexts = [int(x) for x in args.capacity_contexts.split(",")]
+    if args.capacity_scale is not None:
+        if args.capacity_scale < 1 or 256 % args.capacity_scale or 256 // args.capacity_scale < 16:
+            raise SystemExit("--capacity-scale must divide 256 and leave a block of at least 16 tokens (1..16)")
+        plan.capacity_scale = args.capacity_scale
+    if args.capacity_turns is not None:
+        plan.capacity_turns = max(1, args.capacity_turns)
+    if args.capacity_budgets:
+        plan.capacity_budgets_gib = [int(x) for x in args.capacity_budgets.split(",")]
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         bad = set(systems) - set(SYSTEMS)
@@ -1310,6 +1350,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems", "fanout_systems",
                   "long_systems", "conc_systems", "stall_systems"):
             setattr(plan, k, systems)
+        # the capacity formulas cover these two
+        plan.capacity_systems = [s for s in systems if s in ("persist_q4", "vllm_default")]
     return plan
 
 
@@ -1341,17 +1383,18 @@ def main(argv: list[str]) -> int:
     from .models import SIZES, build_model_dir
 
     sz = SIZES[plan.model_size]
-    if set(sections) - {"families", "long"}:
+    if set(sections) - {"families", "long", "capacity"}:
         model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
         ctx = Ctx(plan, work, model, Prompts(model))
-    else:  # the families and long sections build their own models
+    else:  # the families, long and capacity sections build their own models
         ctx = Ctx(plan, work, None, None)
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
                                                  "batch": section_batch, "reload": section_reload,
                                                  "families": section_families, "fanout": section_fanout,
                                                  "fleet": section_fleet, "long": section_long,
-                                                 "concurrency": section_concurrency, "stall": section_stall}
+                                                 "concurrency": section_concurrency, "stall": section_stall,
+                                                 "capacity": section_capacity}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():
@@ -1372,7 +1415,8 @@ def main(argv: list[str]) -> int:
     finally:
         finished = time.time()
         used = sorted({s for k in ("ttft_systems", "agent_systems", "batch_systems", "family_systems",
-                                   "fanout_systems", "long_systems", "conc_systems", "stall_systems")
+                                   "fanout_systems", "long_systems", "conc_systems", "stall_systems",
+                                   "capacity_systems")
                        for s in getattr(plan, k)},
                       key=SYSTEMS.index)
         machine = machine_info(work)

@@ -100,6 +100,16 @@ class Plan:
     stall_max_tokens: int = 32
     stall_after_s: float = 5.0
     stall_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    # capacity: agents per memory budget, published shapes (analytical) and scaled-down models (measured)
+    capacity_archs: list[str] = field(default_factory=lambda: ["llama", "gemma3_text", "gpt_oss", "qwen3_next",
+                                                               "deepseek_v3"])
+    capacity_contexts: list[int] = field(default_factory=lambda: [4096, 16384, 32768])  # published scale
+    capacity_scale: int = 8  # measured: windows, block size and contexts divided by this
+    capacity_turns: int = 8  # the grown agent's turns
+    capacity_budgets_gib: list[int] = field(default_factory=lambda: [16, 64])
+    capacity_size: str = "tiny"
+    capacity_max_tokens: int = 8
+    capacity_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -115,6 +125,7 @@ QUICK = Plan(
     fanout_tokens=512, fleet_contexts=[256, 512], fleet_reps=1,
     long_size="tiny", long_contexts=[1024, 2048], conc_contexts=[256], conc_max_tokens=16, stall_tokens=1024,
     stall_agents=2, stall_history=128, stall_max_tokens=16, stall_after_s=2.0,
+    capacity_contexts=[4096], capacity_turns=2,
 )
 
 # ---------------------------------------------------------------------------------------------

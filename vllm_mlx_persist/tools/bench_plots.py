@@ -1,9 +1,7 @@
-"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend; installed on demand if missing)."""
+"""PNG plots for `vllm-mlx-persist bench` (matplotlib, Agg backend: the `bench` extra)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,13 +16,17 @@ STATE_STYLE = {
 TIER_COLORS = {"memory": "tab:green", "disk": "tab:blue", "cold": "tab:red"}
 
 
-def _pyplot():
+MISSING = ('the bench plots need matplotlib, which is not installed: pip install "vllm-mlx-persist[bench]" '
+           "(or pass --no-plots)")
+
+
+def _pyplot() -> Any:
+    """matplotlib.pyplot on the Agg backend. Nothing is installed at run time: without matplotlib,
+    an ImportError names the extra that provides it."""
     try:
         import matplotlib
     except ImportError:
-        print("[bench] matplotlib missing: installing it (pip install matplotlib; the 'bench' extra)", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib>=3.7"], check=True)
-        import matplotlib
+        raise ImportError(MISSING) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -38,7 +40,7 @@ def write_plots(res: dict, out: Path) -> list[str]:
     written = []
     for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
                      ("families", plot_families), ("fanout", plot_fanout),
-                     ("stall", plot_stall)):
+                     ("stall", plot_stall), ("capacity", plot_capacity)):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
@@ -219,6 +221,9 @@ def plot_families(plt: Any, f: dict, res: dict):
     size = res["plan"].get("family_size")
     fig.suptitle(f"Model families, {size} random-weight float32 models, about {res['plan'].get('family_tokens')} "
                  f"tokens of history. {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
+    return fig
+
+
 def plot_fanout(plt: Any, f: dict, res: dict):
     systems = {s: v["levels"] for s, v in f.get("systems", {}).items() if v.get("levels")}
     if not systems:
@@ -257,4 +262,51 @@ def plot_stall(plt: Any, st: dict, res: dict):
         ax.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("seconds (each tick: one token of a looping agent)")
     fig.suptitle("Other agents' tokens while one agent's long first turn is prefilled and written")
+    return fig
+
+
+def plot_capacity(plt: Any, cap: dict, res: dict):
+    """Agents per budget against context, one panel per published shape: persist_q4, vllm-mlx's
+    default cache and the bound (analytical), and persist_q4 after the grown agent's turns where it
+    differs; persist_q4's measured / analytical ratio on the scaled-down model is in the title."""
+    rows = cap.get("published") or []
+    keys = list(dict.fromkeys(r["key"] for r in rows))
+    if not keys:
+        return None
+    budget = str(res["plan"].get("capacity_budgets_gib", [16])[0])
+    turns = res["plan"].get("capacity_turns")
+    cols = 3
+    fig, axes = plt.subplots((len(keys) + cols - 1) // cols, cols, figsize=(4.3 * cols, 3.6 * ((len(keys) + 2) // 3)),
+                             squeeze=False)
+    measured = cap.get("summary", {}).get("measured", {})
+    for ax, key in zip(axes.flat, keys):
+        rs = sorted((r for r in rows if r["key"] == key), key=lambda r: r["context"])
+        xs = [r["context"] for r in rs]
+        for name, color, ls, label in (("bound", "black", "--", "bound (4-bit, window only)"),
+                                       ("persist_q4", COLORS["persist_q4"], "-", "persist_q4"),
+                                       ("vllm_default", COLORS["vllm_default"], "-", "vllm-mlx default")):
+            ax.plot(xs, [r["agents"][budget][name] for r in rs], ls=ls, marker="o", color=color, label=label)
+        grown = [r["agents"][budget]["persist_q4_turns"] for r in rs]
+        if grown != [r["agents"][budget]["persist_q4"] for r in rs]:
+            ax.plot(xs, grown, ls=":", marker="v", color=COLORS["persist_q4"], label=f"persist_q4 after {turns} turns")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs)
+        ax.set_xticklabels([f"{x // 1024}k" for x in xs])
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        m = measured.get(rs[0]["family"]) if key == rs[0]["family"] else None
+        note = ""
+        if m:
+            ratios = [v["over_bound"] for v in m.values() if v.get("over_bound")]
+            note = (f"\nmeasured, float32 at 1/{res['plan'].get('capacity_scale')} scale: "
+                    f"{min(ratios):.2f}-{max(ratios):.2f}x bound")
+        ax.set_title(f"{rs[0]['model']} ({rs[0]['family']}){note}", fontsize=9)
+        ax.set_xlabel("tokens per agent")
+        ax.set_ylabel(f"agents in {budget} GiB")
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.axis("off")
+    fig.suptitle(f"Agents per {budget} GiB of cache memory, published shapes (bfloat16), persist_q4 vs vllm-mlx's "
+                 "default cache vs the bound", fontsize=10)
+    fig.tight_layout()
     return fig

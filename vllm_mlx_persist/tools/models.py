@@ -225,12 +225,14 @@ def _draw_weights(model: Any, arch: str, seed: int) -> dict[str, Any]:
     return weights
 
 
-def build_model(arch: str = "llama", size: str | Size = "tiny", seed: int = 0) -> tuple[Any, dict[str, Any]]:
-    """mlx-lm's Model for `arch` at preset `size`, weights drawn from `seed`, in float32."""
+def build_model(arch: str = "llama", size: str | Size = "tiny", seed: int = 0,
+                overrides: dict[str, Any] | None = None) -> tuple[Any, dict[str, Any]]:
+    """mlx-lm's Model for `arch` at preset `size`, weights drawn from `seed`, in float32.
+    `overrides`: config.json keys set after the preset's (e.g. a layer count and pattern)."""
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
-    config = model_config(arch, size)
+    config = {**model_config(arch, size), **(overrides or {})}
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     weights = _draw_weights(model, arch, seed)
@@ -311,10 +313,13 @@ def tokenizer_config(clean_up_spaces: bool = False) -> dict[str, Any]:
     }
 
 
-def _stamp(arch: str, size: str, seed: int, clean_up_spaces: bool = False) -> dict[str, Any]:
+def _stamp(arch: str, size: str, seed: int, clean_up_spaces: bool = False,
+           overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     stamp = {"arch": arch, "size": size, "seed": seed, "format": BUILD_FORMAT}
     if clean_up_spaces:  # only when set: directories built before the option stay valid
         stamp["clean_up_spaces"] = True
+    if overrides:  # likewise
+        stamp["overrides"] = json.loads(json.dumps(overrides, sort_keys=True))
     return stamp
 
 
@@ -326,11 +331,13 @@ def read_stamp(path: str | os.PathLike) -> dict[str, Any] | None:
         return None
 
 
-def _is_built(path: Path, arch: str, size: str, seed: int, clean_up_spaces: bool = False) -> bool:
+def _is_built(path: Path, arch: str, size: str, seed: int, clean_up_spaces: bool = False,
+              overrides: dict[str, Any] | None = None) -> bool:
     stamp = read_stamp(path)
-    want = _stamp(arch, size, seed, clean_up_spaces)
+    want = _stamp(arch, size, seed, clean_up_spaces, overrides)
     if stamp is None or any(stamp.get(k) != v for k, v in want.items()) \
-            or stamp.get("clean_up_spaces", False) != clean_up_spaces:
+            or stamp.get("clean_up_spaces", False) != clean_up_spaces \
+            or stamp.get("overrides", {}) != want.get("overrides", {}):
         return False
     return all((path / f).is_file() for f in MODEL_FILES)
 
@@ -364,10 +371,12 @@ def build_model_dir(
     seed: int = 0,
     force: bool = False,
     clean_up_spaces: bool = False,
+    overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a servable model directory at `out_dir`; return its absolute path.
 
     `clean_up_spaces`: a tokenizer config that cleans up tokenization spaces (see tokenizer_config).
+    `overrides`: config.json keys set over the preset's (see build_model), recorded in the stamp.
 
     Does nothing when `out_dir` already holds a model built with the same (arch, size, seed) unless
     `force`. Builds into a sibling temp dir and renames it into place, so a half-built directory is
@@ -376,18 +385,18 @@ def build_model_dir(
     out = Path(out_dir).expanduser().resolve()
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    if not force and _is_built(out, arch, size, seed, clean_up_spaces):
+    if not force and _is_built(out, arch, size, seed, clean_up_spaces, overrides):
         return out
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and read_stamp(out) is None)):
         raise FileExistsError(f"{out} exists and is not a model built by vllm-mlx-persist; not replacing it")
 
-    model, config = build_model(arch, size, seed)
+    model, config = build_model(arch, size, seed, overrides)
     tokenizer_json = train_tokenizer(config["vocab_size"])
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        stamp = _stamp(arch, size, seed, clean_up_spaces)
+        stamp = _stamp(arch, size, seed, clean_up_spaces, overrides)
         stamp["tokenizer_sha256"] = hashlib.sha256(tokenizer_json.encode()).hexdigest()
         write_model_files(tmp, model, config, tokenizer_json, stamp, clean_up_spaces)
 
@@ -399,7 +408,7 @@ def build_model_dir(
             os.rename(tmp, out)
         except OSError:
             # Another process put a model there meanwhile; keep it if it is the one asked for.
-            if not _is_built(out, arch, size, seed, clean_up_spaces):
+            if not _is_built(out, arch, size, seed, clean_up_spaces, overrides):
                 raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

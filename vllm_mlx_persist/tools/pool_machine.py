@@ -16,8 +16,10 @@ Invariants after every step:
   within its budget plus the agent saved last and the pinned ones;
 - after a flush, every block file is named by a manifest and every named block has its file;
 - an acknowledged (durable) turn survives every restart and crash, unless an erasure that the stats
-  record removed its agent (the disk budget or the TTL) or the API erased it; pinned agents are
-  never erased by the budget or the TTL; an erased agent never returns, locally or from the fleet.
+  record removed its agent (the disk budget or the TTL) or the API erased it, or (the fleet merging
+  both servers' branches by recency) `branches` branches used after it on the other server may have
+  pushed it out; pinned agents are never erased by the budget or the TTL; an erased agent never
+  returns, locally or from the fleet.
 
 K/V are synthetic but go through the real 4-bit code: token t's K and V are drawn from a seed that
 hashes the whole history up to t (as a real model's depend on everything before), quantized by
@@ -61,6 +63,7 @@ WORDS = tuple(range(20, 40))  # ordinary tokens: a distinct word each
 TEXT = {5: "a", 6: "b", 7: "ab", 8: "c", 9: "bc"}
 RETOKENIZE = {(7,): (5, 6), (7, 8): (5, 9)}
 TTL_S = 3600.0
+BRANCHES = 3  # the pools' `branches`
 
 
 def decode(ids: list[int]) -> str:
@@ -179,7 +182,7 @@ def open_pool(root: Path, *, hot: int, disk: int, clock: Clock, redis_url: Optio
     pool = BlockPool(fingerprint=FINGERPRINT, n_layers=LAYERS, bits=BITS, group_size=GROUP, block_size=BLOCK,
                      hot_bytes=hot, store=DiskStore(root, FINGERPRINT, {"machine": True}, fmt), disk_budget=disk,
                      persister_options={"ttl_s": TTL_S, "retry_delays": retry_delays},
-                     branches=3, decode=decode, fleet=fleet, clock=clock)
+                     branches=BRANCHES, decode=decode, fleet=fleet, clock=clock)
     pool.load_manifests()
     pool.flush()  # the start-up scan (sizes, garbage collection, the first budget and TTL check) is done
     return pool
@@ -214,6 +217,10 @@ class PoolMachine(RuleBasedStateMachine):
         self.anon: list[list[int]] = []
         self.acked: dict[str, Optional[list[int]]] = dict.fromkeys(AGENTS)  # last durable turn
         self.acked_at: dict[str, int] = dict.fromkeys(AGENTS, 0)  # erasures counted when it was acked
+        # Branches of the agent the other server may have used since its acknowledged turn here: each
+        # fleet turn uses at most two (the one it is served from, the one it makes). With `branches`
+        # of them, the fleet's merge by recency may rightly push that turn out.
+        self.elsewhere: dict[str, int] = dict.fromkeys(AGENTS, 0)
         self.pinned: set[str] = set()
         self.erasures = 0  # budget and TTL erasures over every pool lifetime (the stats'); API ones apart
         self.keep: set[str] = set()  # agents of the last request: the hot budget spares them
@@ -278,8 +285,9 @@ class PoolMachine(RuleBasedStateMachine):
             self.hist[agent].append(served)
             self.saved_last = agent
             if ok and durable and pool is self.pool:
-                self.acked[agent], self.acked_at[agent] = served, self._erasures_now()
-        self.keep = {x for x in (agent, fork_from) if x is not None}
+                self.acked[agent], self.acked_at[agent], self.elsewhere[agent] = served, self._erasures_now(), 0
+        if pool is self.pool:  # a request of the other server leaves this pool's budget as it was
+            self.keep = {x for x in (agent, fork_from) if x is not None}
         return n, served
 
     def _same(self, cache: list, tokens: list[int]) -> bool:
@@ -336,7 +344,7 @@ class PoolMachine(RuleBasedStateMachine):
                 self.hist[agent].append(p)
                 self.saved_last = agent
                 if ok:
-                    self.acked[agent], self.acked_at[agent] = p, self._erasures_now()
+                    self.acked[agent], self.acked_at[agent], self.elsewhere[agent] = p, self._erasures_now(), 0
         self.keep = {agent}
 
     @rule(agent=names, pick=st.integers(0, 99), new=words)
@@ -420,13 +428,22 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.fleet.tier.flush(10)
         n, _ = self._serve(self.other, agent, self._history(agent, 0, 1.0) + new)
         self.other.fleet.tier.flush(10)
+        self.elsewhere[agent] += 2
 
     @precondition(lambda self: self.other is not None)
     @rule(agent=names)
     def fleet_erase(self, agent: str) -> None:
-        """The agent is erased through the other server: fleet-wide."""
+        """The agent is erased through the other server: fleet-wide. A put of this server's still
+        queued then meets the tombstone and erases the agent here, on a fleet thread: the step waits
+        for that (the invariants would race it)."""
+        erased = self.pool.fleet.tier.stats()["puts_erased"]
         watchdog(self.other.erase, agent, 30.0)
         self.other.fleet.tier.flush(10)
+        self.pool.fleet.tier.flush(10)
+        if self.pool.fleet.tier.stats()["puts_erased"] > erased:
+            deadline = time.monotonic() + OP_TIMEOUT_S
+            while self.pool.agent(agent) is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
         self._forget(agent)
 
     # ---- invariants ----------------------------------------------------------------------------------
@@ -440,6 +457,9 @@ class PoolMachine(RuleBasedStateMachine):
                 continue
             probe = seq + [WORDS[1]]
             n = watchdog(self.pool.lookup, a, probe)[1]
+            if n < len(seq) and self.elsewhere[a] >= BRANCHES:
+                self.acked[a] = None  # `branches` more recently used ones on the other server kept instead
+                continue
             assert n == len(seq), f"agent {a!r}: acknowledged turn of {len(seq)} tokens, {n} reused after a restart"
 
     def _sync_erased(self) -> None:

@@ -92,13 +92,48 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     heldout_windows: int = 0  # windows of seq_len for the final held-out loss; 0 = all
+    # The model family (an arch of models.ARCHS) and config.json keys set over models.model_config
+    # (as sorted (key, value) pairs, so the config stays hashable): see `family_overrides`.
+    arch: str = "llama"
+    overrides: tuple[tuple[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        # Left out at their defaults, so that a llama trained before they existed is still reused.
+        if self.arch == "llama":
+            del d["arch"]
+        if not self.overrides:
+            del d["overrides"]
+        else:
+            d["overrides"] = [list(kv) for kv in self.overrides]
+        return d
+
+    def model_config(self) -> dict[str, Any]:
+        """The config.json of the model this trains: `models.model_config(arch, size)` plus the overrides."""
+        config = model_config(self.arch, self.size)
+        config.update(dict(self.overrides))
+        return config
 
 
 QUICK_CONFIG = TrainConfig(size=QUICK_SIZE, seq_len=128, batch=1, steps=150, short_len=64,
                            lr=1e-2, warmup=10, heldout_windows=16)
+
+# Config keys set over models.model_config for the quality models of each family, without
+# changing the shapes the rest of the project builds: dense MLPs instead of mixture-of-experts
+# (routing has nothing to do with the KV cache, and dense layers train faster on the CPU), and for
+# deepseek_v3 latent and rope dims that 64-element quantization groups divide (the latent is what
+# issue #24's item 5 quantizes; DeepSeek-V3 itself has kv_lora_rank 512, rope 64).
+def family_overrides(arch: str, layers: int, sliding_window: int) -> tuple[tuple[str, Any], ...]:
+    """Config keys set for the quality model of `arch` with `layers` layers, as TrainConfig.overrides."""
+    o: dict[str, Any] = {}
+    if arch == "gemma3_text":
+        o = {"sliding_window": sliding_window, "sliding_window_pattern": 2}
+    elif arch == "qwen3_next":
+        o = {"mlp_only_layers": list(range(layers))}
+    elif arch == "deepseek_v3":
+        o = {"first_k_dense_replace": layers, "q_lora_rank": None, "kv_lora_rank": 128,
+             "qk_rope_head_dim": 64, "qk_nope_head_dim": 64, "v_head_dim": 64}
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in o.items()))
 
 
 def stdlib_files(names: Sequence[str]) -> list[Path]:
@@ -137,18 +172,19 @@ def corpus(names: Sequence[str], tokenizer: Any) -> tuple[np.ndarray, list[str]]
 def init_weights(model: Any, config: dict[str, Any], seed: int) -> None:
     """GPT-2 style init from numpy's PCG64 at `seed`, in sorted-name order: N(0, 0.02) for
     embeddings and matrices, 0.02 / sqrt(2 * layers) for the projections back into the residual
-    stream, norms at 1."""
+    stream, norms at identity (1; 0 for gemma, whose RMSNorm scales by 1 + weight)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
     rng = np.random.default_rng(seed)
     resid_std = 0.02 / math.sqrt(2 * config["num_hidden_layers"])
+    norm_value = 0.0 if config.get("model_type", "").startswith("gemma") else 1.0
     weights = []
     for name, p in sorted(tree_flatten(model.parameters())):
         if name.endswith("norm.weight"):
-            a = np.ones(p.shape, dtype=np.float32)
+            a = np.full(p.shape, norm_value, dtype=np.float32)
         else:
-            std = resid_std if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.02
+            std = resid_std if name.endswith(("o_proj.weight", "down_proj.weight", "out_proj.weight")) else 0.02
             a = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(std)
         weights.append((name, mx.array(a)))
     model.load_weights(weights, strict=True)
@@ -275,7 +311,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, force: bool = False,
                            eval_tokens=len(eval_tokens), bigram_heldout_loss=bigram, reused=True)
 
     mx.random.seed(cfg.seed)
-    config = model_config("llama", cfg.size)
+    config = cfg.model_config()
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     init_weights(model, config, cfg.seed)
@@ -290,7 +326,7 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, force: bool = False,
         return nn.losses.cross_entropy(model(x), y, reduction="mean")
 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
-    log(f"training a {params / 1e6:.2f}M-parameter llama for {cfg.steps} steps of "
+    log(f"training a {params / 1e6:.2f}M-parameter {cfg.arch} for {cfg.steps} steps of "
         f"{cfg.batch}x{cfg.seq_len} tokens on {len(train_tokens)} tokens of {len(train_files)} "
         f"stdlib files ({len(eval_tokens)} held-out tokens in {len(eval_files)} files)")
     model.train()
