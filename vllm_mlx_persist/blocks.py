@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .chain import Branch
 
@@ -51,6 +51,9 @@ class Run:
 
     arrays: dict
     members: list[Block]  # the hot ones, in chain order
+    # A committed turn's float copies of its 4-bit layers (q4cache.CarriedFloats), for the next
+    # lookup that takes the run whole; bounded by their own budget, never counted in hot_bytes.
+    floats: Any = None
 
 
 @dataclass(eq=False)
