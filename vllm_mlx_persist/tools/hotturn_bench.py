@@ -15,7 +15,11 @@ what vllm-mlx's scheduler does with a prefix hit, with the same objects:
 The next turn's prompt is the previous prompt, its output and a new suffix of `--suffix` tokens, so
 the agent grows a little every rep, as a conversation does. Reported per system and context: TTFT
 (lookup included), the lookup, the whole turn, and the store/commit after it, wall and process CPU
-time, and the persist-q4 / vllm-default TTFT ratio per rep (median, range).
+time, the persist-q4 / vllm-default TTFT ratio per rep (median, range), and the ratio of the two
+systems' fastest TTFTs (best of the reps: on a machine shared with other work, the least disturbed
+turn of each), and the median per-rep ratio of their process CPU times to the first token (with
+`OPENBLAS_NUM_THREADS=1`, the work done, which other jobs on the machine disturb least). The load
+average is printed before and after.
 
 `--profile` also splits a turn into stages, run one after the other with an `mx.eval` between them
 (so nothing overlaps, unlike the turn above): lookup, merge, prefill of the suffix, the split of the
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import statistics
 import tempfile
 import time
@@ -298,9 +303,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     vocab = model.args.vocab_size
     print(f"model llama/{a.size}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
           f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}")
-    print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | lookup ms | turn ms | "
-          "store/commit ms | durable ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
+    print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | best vs best | CPU vs CPU | lookup ms | "
+          "turn ms | store/commit ms | durable ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     profiles: list[str] = []
     for T in [int(x) for x in a.context.split(",")]:
         rng = np.random.default_rng(T)
@@ -337,8 +343,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                 if "vllm-default" in got:
                     ratios = [x["ttft"] / f["ttft"] for f, x in zip(got["vllm-default"], got[s])]
                     line += f"{statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                    best = min(x["ttft"] for x in got[s]) / min(f["ttft"] for f in got["vllm-default"])
+                    cpu = [x["ttft_cpu"] / f["ttft_cpu"] for f, x in zip(got["vllm-default"], got[s])]
+                    line += f"{best:.3f} | {statistics.median(cpu):.3f} | "
                 else:
-                    line += "| "
+                    line += "| | | "
                 line += f"{med('lookup'):.1f} | {med('turn'):.0f} | {med('store'):.1f} | "
                 line += f"{med('durable'):.1f} |" if "durable" in got[s][0] else "|"
                 print(line, flush=True)
@@ -347,6 +356,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     s.close()
             del made
             mx.clear_cache()
+    print("load average %.2f %.2f %.2f" % os.getloadavg())
     print(f"\nmirrors {q4cache.MIRROR_COUNTS}, carried {getattr(q4cache, 'CARRY_COUNTS', None)}")
     if a.profile:
         print("\nStages of one turn, serialized (ms):\n")
