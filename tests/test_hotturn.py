@@ -223,6 +223,28 @@ def test_carried_floats_go_with_their_run(model, tmp_path):
     pool.close()
 
 
+def test_carried_floats_go_when_the_run_loses_its_first_block(model, tmp_path):
+    """Once the run's first block leaves memory no lookup can take the run whole, so its floats are
+    released at once, while the other blocks (and the run's 4-bit arrays) stay hot."""
+    gc.collect()
+    base = q4cache.carry_float_bytes()
+    pool = _pool(model, tmp_path)
+    prompt = _tokens(200, 21)
+    _serve(model, pool, prompt)
+    first, second = (pool.blocks[b] for b in pool.agent("a").block_ids[:2])
+    run = first.run[0]
+    assert run.floats is not None and q4cache.carry_float_bytes() > base
+    pool.flush()  # the blocks on disk first: they leave memory as an eviction would make them
+    pool.table.drop(second)  # a later block leaving keeps them: a shorter prefix still uses them
+    assert run.floats is not None
+    pool.table.drop(first)
+    assert run.floats is None and run.members
+    del run
+    gc.collect()
+    assert q4cache.carry_float_bytes() == base
+    pool.close()
+
+
 def test_splitting_a_prompt_batch_copies_nothing(model):
     """mlx-lm moves a prompt batch to decode by deep-copying it, emptying the original and
     filtering the copy to all its rows: no byte of the packed storage or the mirror is copied (the
