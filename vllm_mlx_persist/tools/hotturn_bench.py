@@ -21,6 +21,13 @@ turn of each), and the median per-rep ratio of their process CPU times to the fi
 `OPENBLAS_NUM_THREADS=1`, the work done, which other jobs on the machine disturb least). The load
 average is printed before and after.
 
+`--servers` instead runs the same comparison through real servers: a persist_q4 server and a
+vllm-mlx server with its default prefix cache (the bench's own flags, bench_kit.make_server), side
+by side, on a chat history of about T tokens (the model's template); one cold turn each, then
+`--reps` hot turns alternating between them, one request at a time, TTFT as a streaming client sees
+it. Each reply is recorded as a fixed text (bench_kit.FIXED_REPLY, as the bench's batch section does)
+so that both re-prefill the same few tokens. No warm-up request: the cold turn is the agent's first.
+
 `--profile` also splits a turn into stages, run one after the other with an `mx.eval` between them
 (so nothing overlaps, unlike the turn above): lookup, merge, prefill of the suffix, the split of the
 prompt batch into a generation batch (mlx-lm deep-copies it), the first two decode steps, extract,
@@ -272,6 +279,68 @@ def layer_ops(model, T: int, S: int, bits: int, group_size: int, reps: int = 7) 
     return got
 
 
+# ---- through real servers ---------------------------------------------------------------------------
+
+
+def _find(d: Any, keys: tuple[str, ...], out: dict) -> dict:
+    """The stats fields whose names contain one of `keys`, wherever they are nested."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            if any(x in str(k) for x in keys) and not isinstance(v, dict):
+                out[k] = v
+            _find(v, keys, out)
+    return out
+
+
+def servers_main(a: argparse.Namespace) -> int:
+    from .bench_kit import FIXED_REPLY, Conversation, Prompts, Session, make_server, seed_of, send
+    from .models import build_model_dir
+
+    systems = ["vllm_default", "persist_q4"]
+    with tempfile.TemporaryDirectory(prefix="hotturn-servers-") as root:
+        work = Path(root)
+        model = build_model_dir(work / "model", arch="llama", size=a.size)
+        prompts = Prompts(model)
+        print(f"model llama/{a.size} through servers; {a.max_tokens} output tokens; load average "
+              "%.2f %.2f %.2f" % os.getloadavg(), flush=True)
+        print("| context | cold s: vllm-mlx / persist_q4 | hot TTFT s median: vllm-mlx / persist_q4 | per-pair ratio "
+              "median (range) | best vs best | carried |")
+        print("|---|---|---|---|---|---|")
+        for T in [int(x) for x in a.context.split(",")]:
+            hist = prompts.history(seed_of("hotturn", T), T)
+            sess = {s: Session(s, make_server(s, model, work / f"{s}-{T}", 4096), [], "hotturn") for s in systems}
+            convs = {s: Conversation(f"agent-{T}", [dict(m) for m in hist], seed_of("hotturn-u", T), 30)
+                     for s in systems}
+            cold: dict[str, float] = {}
+            got: dict[str, list[float]] = {s: [] for s in systems}
+            carried: dict = {}
+            try:
+                for s in systems:
+                    sess[s].start()
+                for s in systems:
+                    cold[s] = send(sess[s], convs[s].ask(), convs[s].agent, a.max_tokens)["ttft_s"]
+                    convs[s].answer(FIXED_REPLY)
+                for i in range(a.reps):
+                    for s in systems if i % 2 == 0 else systems[::-1]:
+                        r = send(sess[s], convs[s].ask(), convs[s].agent, a.max_tokens)
+                        convs[s].answer(FIXED_REPLY)
+                        if r["tier"] != "memory":
+                            raise RuntimeError(f"{s}: a hot turn was served from {r['tier']}")
+                        got[s].append(r["ttft_s"])
+                carried = _find(sess["persist_q4"].server.get_json("/v1/cache/stats"),
+                                ("carry_float_used", "decode_float_from_carry"), {})
+            finally:
+                for s in systems:
+                    sess[s].stop()
+            f, q = got["vllm_default"], got["persist_q4"]
+            ratios = [y / x for x, y in zip(f, q)]
+            print(f"| {T} | {cold['vllm_default']:.1f} / {cold['persist_q4']:.1f} | {statistics.median(f):.3f} / "
+                  f"{statistics.median(q):.3f} | {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                  f"{min(q) / min(f):.3f} | {carried} |", flush=True)
+        print("load average %.2f %.2f %.2f" % os.getloadavg())
+    return 0
+
+
 # ---- main -------------------------------------------------------------------------------------------
 
 
@@ -291,10 +360,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--mirror-mb", default="auto", help="persist_q4's decode_float_mb")
     p.add_argument("--carry-mb", default="auto", help="persist_q4's carry_float_mb (persist-q4-nocarry: 0)")
     p.add_argument("--profile", action="store_true", help="also the serialized stages and one layer's ops")
+    p.add_argument("--servers", action="store_true",
+                   help="through real servers instead (persist_q4 and vllm-mlx's default cache; --reps hot turns)")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     a = p.parse_args(argv)
     a.carry_mb = a.carry_mb if a.carry_mb == "auto" else float(a.carry_mb)
+    if a.servers:
+        return servers_main(a)
     logging.getLogger("vllm_mlx").setLevel(logging.WARNING)
     systems = a.systems.split(",")
     model, _ = build_model("llama", a.size)
