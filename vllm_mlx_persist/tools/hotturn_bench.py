@@ -335,7 +335,8 @@ def servers_main(a: argparse.Namespace) -> int:
             f, q = got["vllm_default"], got["persist_q4"]
             ratios = [y / x for x, y in zip(f, q)]
             print(f"| {T} | {cold['vllm_default']:.1f} / {cold['persist_q4']:.1f} | {statistics.median(f):.3f} / "
-                  f"{statistics.median(q):.3f} | {statistics.median(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                  f"{statistics.median(q):.3f} | {statistics.median(ratios):.3f} "
+                  f"({min(ratios):.2f}-{max(ratios):.2f}) | "
                   f"{min(q) / min(f):.3f} | {carried} |", flush=True)
         print("load average %.2f %.2f %.2f" % os.getloadavg())
     return 0
@@ -377,7 +378,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"model llama/{a.size}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
           f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}")
     print("load average %.2f %.2f %.2f" % os.getloadavg())
-    print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | best vs best | CPU vs CPU | lookup ms | "
+    print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | best vs best | CPU vs CPU | "
+          "lookup ms | "
           "turn ms | store/commit ms | durable ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     profiles: list[str] = []
