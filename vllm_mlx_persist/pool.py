@@ -285,7 +285,10 @@ class BlockPool:
         if found is None or not found.used:
             self.stats["misses"] += 1
             return Match(None, 0, "miss")
-        cache, covered = self.codec.build([(got.layers, n) for got, n in found.used], whole_run(found.used))
+        run = whole_run(found.used)
+        cache, covered = self.codec.build([(got.layers, n) for got, n in found.used],
+                                          run.arrays if run is not None else None,
+                                          run.floats if run is not None else None)
         if covered == 0:
             self.stats["misses"] += 1
             return Match(None, 0, "miss")
