@@ -301,7 +301,9 @@ def train(cfg: TrainConfig, out_dir: str | os.PathLike, force: bool = False,
     bigram = bigram_loss(train_tokens, eval_tokens, cfg.size.vocab)
 
     old = _read_json(out / STAMP_FILE)
-    if not force and old is not None and {k: old.get(k) for k in stamp} == stamp and "result" in old:
+    # compared as JSON holds it (config overrides are tuples here, lists once written)
+    if not force and old is not None and {k: old.get(k) for k in stamp} == json.loads(json.dumps(stamp)) \
+            and "result" in old:
         log(f"reusing the model trained at {out} (same config; --retrain to train again)")
         r = old["result"]
         return TrainResult(model_dir=out, config=cfg, params=r["params"], losses=r["losses"],
