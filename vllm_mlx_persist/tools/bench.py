@@ -402,7 +402,8 @@ def section_reload(ctx: "Ctx") -> dict:
     import mlx.core as mx
 
     from ..pool import BlockPool
-    from ..store import FORMAT_VERSION, DiskStore
+    from ..disk_format import FORMAT_VERSION
+    from ..store import DiskStore
 
     plan = ctx.plan
     cfg = json.loads((ctx.model / "config.json").read_text())
