@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from .caches import ModelCodec
 from .identity import model_fingerprint
 from .match_decode import MatchDecoder
+from .namespace import split_namespace
 from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import (
     DEQUANT_MIN_QUERIES,
@@ -63,17 +64,6 @@ DEFAULTS: dict[str, Any] = {
     # where it would show in the command line): every value in Redis then carries an HMAC.
     "remote_secret_file": None,
 }
-
-FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
-
-
-def split_namespace(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """(agent, fork parent or None) from a request's cache_namespace (see plugin.py)."""
-    if namespace is None or FORK_SEPARATOR not in namespace:
-        return namespace, None
-    agent, _, parent = namespace.partition(FORK_SEPARATOR)
-    return agent, parent
-
 
 # Warm-up at start-up (see PersistQ4Backend.warm_up): one prefill chunk on the dequantized path
 # (>= DEQUANT_MIN_QUERIES queries), then a few batched decode steps on the quantized one.
