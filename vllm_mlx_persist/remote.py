@@ -455,6 +455,7 @@ class RemoteTier:
         # ClusterError: CLUSTERDOWN (a master failed, full coverage required), redirections exhausted.
         cluster_errors = (redis.exceptions.RedisClusterException, redis.exceptions.ClusterError)
         self._redis_errors = (redis.exceptions.RedisError, OSError, *cluster_errors)
+        self._timeout_errors = (redis.exceptions.TimeoutError, TimeoutError)
         self._transport_errors = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
                                   *cluster_errors)
         self.cluster = bool(cluster)
@@ -766,8 +767,9 @@ class RemoteTier:
         except RemoteUnavailable:
             self._count("skipped")
             return _FAILED
-        except self._redis_errors as e:
-            self._failed("errors", e, transport=isinstance(e, self._transport_errors))
+        except self._redis_errors as e:  # the socket's own time-out may fire first: still a time-out
+            self._failed("timeouts" if isinstance(e, self._timeout_errors) else "errors", e,
+                         transport=isinstance(e, self._transport_errors))
             return _FAILED
         self._succeeded()
         return result
