@@ -316,3 +316,23 @@ def test_a_turn_whose_save_is_queued_survives_its_agents_eviction(model, tmp_pat
     assert pool.lookup("a", seq + [1])[1] == len(seq)  # no restart needed
     assert pool.check() == []
     pool.close()
+
+
+def test_unpinning_an_agent_brings_the_hot_tier_back_within_its_budget(model, tmp_path):
+    """A pin holds an agent in memory past hot_mb; unpinning it enforces the budget at once, not
+    at some later request (found by the state_machine campaign, seed 30)."""
+    probe = make(model, tmp_path / "probe")
+    serve(probe, model, "x", tokens(4 * BLOCK, 0))
+    one = probe.hot_bytes
+    probe.close()
+    pool = make(model, tmp_path / "cache", hot_bytes=int(1.5 * one))
+    try:
+        serve(pool, model, "a", tokens(4 * BLOCK, 1))
+        assert pool.set_pinned("a", True)
+        serve(pool, model, "b", tokens(4 * BLOCK, 2))
+        assert pool.hot_bytes > pool.hot_budget  # the pin keeps a; b is the request's own agent
+        assert pool.set_pinned("a", False)
+        assert pool.hot_bytes <= pool.hot_budget
+        assert pool.check() == []
+    finally:
+        pool.close()

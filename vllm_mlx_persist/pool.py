@@ -462,6 +462,8 @@ class BlockPool:
             if agent is None:
                 return False
             agent.pinned = pinned
+            if not pinned:
+                self._enforce_budget()  # what the pin held over the budget leaves memory now
             future = self.persister.set_pinned(namespace, pinned) if self.persister is not None else None
         if future is not None:
             future.result(timeout)

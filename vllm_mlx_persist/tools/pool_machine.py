@@ -540,8 +540,10 @@ def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
                     phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)))
         except BaseException as e:  # a failed invariant, after shrinking: the steps are in the report
             out["failures"] += 1
+            # Hypothesis attaches the falsifying steps to the exception as notes (PEP 678)
+            steps = "\n".join(getattr(e, "__notes__", [])) or report.getvalue()
             out["failure_cases"].append({"seed": s, "fleet": fleet, "problem": f"{type(e).__name__}: {e}"[:600],
-                                         "steps": report.getvalue()[-4000:]})
+                                         "steps": steps[-4000:]})
         ran = PoolMachine.steps_run - before
         out["fleet_steps" if fleet else "steps"] += ran
         out["seeds"].append({"seed": s, "examples": n, "fleet": fleet, "steps": ran})
