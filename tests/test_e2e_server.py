@@ -426,7 +426,7 @@ def _stat(stats, key):
 def test_float_decode_mirror_replies_equal_quantized_decode(models, tmp_path):
     """Four agents batched together, two turns each, greedy: a server whose batched decode runs on
     the float decode mirror (decode_float_mb 256) gives the same replies as one on the 4-bit
-    matmuls (decode_float_mb 0). The two attend over the same 4-bit K/V values; the logits differ
+    matmuls (decode_float_mb 0), the second turns starting from the floats the first ones carried. The two attend over the same 4-bit K/V values; the logits differ
     by float rounding only (~5e-6 of their std, tests/test_q4cache.py), far below the top-2 gap of
     these greedy choices, so the replies are asserted equal. The mirror bytes go back to 0."""
     agents = ["m-alice", "m-bob", "m-carol", "m-dave"]
@@ -456,14 +456,20 @@ def test_float_decode_mirror_replies_equal_quantized_decode(models, tmp_path):
     assert _stat(stats[256], "decode_float_builds") > stats[256]["warm_builds"] > 0
     assert _stat(stats[256], "decode_float_refused") == 0
     assert _stat(stats[0], "decode_float_bytes") == _stat(stats[256], "decode_float_bytes") == 0
+    # the second turns started their mirrors from the floats the first turns carried (carry_float_mb
+    # "auto"), in the server as in tests/test_hotturn.py; without a mirror there is nothing to carry
+    assert _stat(stats[256], "carry_float_kept") > 0 and _stat(stats[256], "carry_float_used") > 0
+    assert _stat(stats[256], "decode_float_from_carry") > 0
+    assert _stat(stats[0], "carry_float_kept") == 0 and _stat(stats[0], "carry_float_bytes") == 0
 
 
-def test_decode_float_option_is_checked():
+@pytest.mark.parametrize("key", ["decode_float_mb", "carry_float_mb"])
+def test_decode_float_option_is_checked(key):
     from vllm_mlx_persist.backend import parse_options
 
-    assert parse_options({})["decode_float_mb"] == "auto"
-    assert parse_options({"decode_float_mb": 0})["decode_float_mb"] == 0.0
-    assert parse_options({"decode_float_mb": "512"})["decode_float_mb"] == 512.0
+    assert parse_options({})[key] == "auto"
+    assert parse_options({key: 0})[key] == 0.0
+    assert parse_options({key: "512"})[key] == 512.0
     for bad in (-1, "fast", True, float("inf"), float("nan")):
-        with pytest.raises(ValueError, match="decode_float_mb"):
-            parse_options({"decode_float_mb": bad})
+        with pytest.raises(ValueError, match=key):
+            parse_options({key: bad})

@@ -23,11 +23,15 @@ from .namespace import split_namespace
 from .pool import READ_TIMEOUT_S, BlockPool
 from .q4cache import (
     DEQUANT_MIN_QUERIES,
+    CARRY_COUNTS,
     MIRROR_COUNTS,
     PREFILL_ATTENTION_MODES,
+    carry_float_budget_bytes,
+    carry_float_bytes,
     decode_float_budget_bytes,
     decode_float_bytes,
     install_attention_fix,
+    set_carry_float_budget,
     set_decode_float_budget,
     set_prefill_attention,
 )
@@ -47,6 +51,7 @@ DEFAULTS: dict[str, Any] = {
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
     "prefill_attention": "auto",  # see q4cache.set_prefill_attention
     "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
+    "carry_float_mb": "auto",  # float copies carried to agents' next turns, MB (auto: 1024 on a CPU, 0 on a GPU)
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
     "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
     "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
@@ -97,15 +102,17 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             opts["ttl_hours"] = float(opts["ttl_hours"])
     except (TypeError, ValueError) as e:
         raise ValueError(f"bad persist_q4 option value: {e}") from None
-    mb = opts["decode_float_mb"]
-    if mb != "auto":
+    for key in ("decode_float_mb", "carry_float_mb"):
+        mb = opts[key]
+        if mb == "auto":
+            continue
         try:
             mb = float(mb) if not isinstance(mb, bool) else -1.0
         except (TypeError, ValueError):
             mb = -1.0
         if not 0 <= mb < float("inf"):
-            raise ValueError(f"persist_q4 decode_float_mb must be \"auto\" or a number of MB >= 0; got {opts['decode_float_mb']!r}")
-        opts["decode_float_mb"] = mb
+            raise ValueError(f"persist_q4 {key} must be \"auto\" or a number of MB >= 0; got {opts[key]!r}")
+        opts[key] = mb
     if opts["disk_mb"] <= 0 or opts["write_timeout_s"] <= 0 or (opts["ttl_hours"] is not None and opts["ttl_hours"] <= 0):
         raise ValueError("persist_q4 disk_mb, write_timeout_s and ttl_hours must be > 0")
     if opts["bits"] not in (2, 3, 4, 5, 6, 8):
@@ -190,6 +197,7 @@ class PersistQ4Backend:
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
         set_prefill_attention(opts["prefill_attention"])
         set_decode_float_budget(opts["decode_float_mb"])
+        set_carry_float_budget(opts["carry_float_mb"])
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self._match_decoder: Optional[MatchDecoder] = None  # built on first use, on the worker
         self.bits, self.group_size = opts["bits"], opts["group_size"]
@@ -257,9 +265,9 @@ class PersistQ4Backend:
                 log.error("persist_q4: fleet tier OFF: it needs the local disk tier, which is disabled")
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
-                "float decode mirror %.0f MB, dir %s (model %s)",
+                "float decode mirror %.0f MB, carried floats %.0f MB, dir %s (model %s)",
                 self.bits, self.group_size, opts["block_size"], opts["hot_mb"], opts["prefill_attention"],
-                decode_float_budget_bytes() / 2**20,
+                decode_float_budget_bytes() / 2**20, carry_float_budget_bytes() / 2**20,
                 store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
@@ -393,7 +401,10 @@ class PersistQ4Backend:
         out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
                "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot(), **warm,
                "decode_float_bytes": decode_float_bytes(), "decode_float_budget_bytes": decode_float_budget_bytes(),
-               "decode_float_builds": MIRROR_COUNTS["builds"], "decode_float_refused": MIRROR_COUNTS["refused"]}
+               "decode_float_builds": MIRROR_COUNTS["builds"], "decode_float_refused": MIRROR_COUNTS["refused"],
+               "decode_float_from_carry": MIRROR_COUNTS["carried"], "carry_float_bytes": carry_float_bytes(),
+               "carry_float_budget_bytes": carry_float_budget_bytes(),
+               **{f"carry_float_{k}": v for k, v in CARRY_COUNTS.items()}}
         if self.fleet is not None:
             out["remote"] = self.fleet.stats()
         return out

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from .chain import Branch
 
@@ -51,6 +51,10 @@ class Run:
 
     arrays: dict
     members: list[Block]  # the hot ones, in chain order
+    # A committed turn's float copies of its 4-bit layers (q4cache.CarriedFloats), for the next
+    # lookup that takes the run whole; bounded by their own budget, never counted in hot_bytes;
+    # dropped when the run's first block leaves it (a lookup then never takes it whole).
+    floats: Any = None
 
 
 @dataclass(eq=False)
@@ -143,6 +147,8 @@ class BlockTable:
             self.orphans[block.block_id] = None
         if left is not None:  # its views no longer hold the run's arrays, the other members' still do
             left[0].members = [b for b in left[0].members if b is not block]
+            if left[1] == 0:  # no lookup can take the run whole from its start again: its floats go now
+                left[0].floats = None
             if left[0].members and viewed:
                 heir = left[0].members[0]
                 heir.nbytes += viewed

@@ -334,9 +334,8 @@ class Lookup:
         return out, from_disk
 
 
-def whole_run(used: list[tuple[Got, int]]) -> Optional[dict]:
-    """The run's token arrays when the used blocks are, in order, the start of one run (Block.run),
-    else None."""
+def whole_run(used: list[tuple[Got, int]]) -> Optional[Run]:
+    """The run when the used blocks are, in order, the start of one run (Block.run), else None."""
     first = used[0][0].run
     if first is None or first[1] != 0:
         return None
@@ -345,4 +344,4 @@ def whole_run(used: list[tuple[Got, int]]) -> Optional[dict]:
         if got.run is None or got.run[0] is not first[0] or got.run[1] != start:
             return None
         start += len(got.tokens)
-    return first[0].arrays
+    return first[0]

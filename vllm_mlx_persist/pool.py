@@ -243,7 +243,13 @@ class BlockPool:
         `finish(request_id)`: the disk budget never erases its agent meanwhile.
         """
         if self.fleet is not None and namespace is not None:
-            self.fleet.wait(namespace, wait_fleet)  # bounded, and before the lock
+            # bounded, and before the lock; a fork's parent too (its copy may be of an erased
+            # history), both syncs running at once
+            names = [namespace] + ([fork_from] if fork_from and fork_from != namespace else [])
+            for ns in names[1:]:
+                self.fleet.prefetch(ns)
+            for ns in names:
+                self.fleet.wait(ns, wait_fleet)
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
@@ -279,7 +285,10 @@ class BlockPool:
         if found is None or not found.used:
             self.stats["misses"] += 1
             return Match(None, 0, "miss")
-        cache, covered = self.codec.build([(got.layers, n) for got, n in found.used], whole_run(found.used))
+        run = whole_run(found.used)
+        cache, covered = self.codec.build([(got.layers, n) for got, n in found.used],
+                                          run.arrays if run is not None else None,
+                                          run.floats if run is not None else None)
         if covered == 0:
             self.stats["misses"] += 1
             return Match(None, 0, "miss")

@@ -187,6 +187,10 @@ class Q4KVCache(QuantizedKVCache):
 
     window: Optional[int] = None
     start = 0
+    # Float (keys, values) holding exactly the dequantized values of positions [0, offset), carried
+    # from an earlier turn (see `CarriedFloats`), which `BatchQ4KVCache.merge` takes as the batch's
+    # float mirror instead of dequantizing. Never stored or persisted; any write drops it.
+    floats: Optional[tuple] = None
 
     def __init__(self, group_size: int = 64, bits: int = 4, window: Optional[int] = None):
         _check_format(bits, group_size)
@@ -195,6 +199,7 @@ class Q4KVCache(QuantizedKVCache):
         super().__init__(group_size=group_size, bits=bits)
         self.window = window
         self.start = 0
+        self.floats = None
 
     @property
     def held(self) -> int:
@@ -205,6 +210,7 @@ class Q4KVCache(QuantizedKVCache):
         # Not the parent's: it sizes packed storage as `dim // (32 // bits)`, which is wrong for
         # 5 and 6 bits at head_dim 128.
         S = keys.shape[2]
+        self.floats = None
         if self.window is None:
             self.keys, self.values, _, _ = _append(self, self.offset, keys, values)
             self.offset += S
@@ -235,6 +241,7 @@ class Q4KVCache(QuantizedKVCache):
             n = min(n, self.held - self.window)
         n = max(0, min(self.offset, n))
         self.offset -= n
+        self.floats = None
         return n
 
     def size(self) -> int:
@@ -247,6 +254,7 @@ class Q4KVCache(QuantizedKVCache):
     @state.setter
     def state(self, v) -> None:
         self.keys, self.values = v
+        self.floats = None
 
     # mlx-lm 0.32 dropped meta_state and takes from_state(state); ours keeps both forms working.
     @property
@@ -335,8 +343,9 @@ DECODE_FLOAT_AUTO_MB = 1024  # "auto" on a CPU; 0 (off) on a GPU, where quantize
 _decode_float_mb: Any = "auto"
 _MIRRORS: "weakref.WeakSet[BatchQ4KVCache]" = weakref.WeakSet()
 _MIRRORS_LOCK = threading.Lock()  # get_stats reads the set from the HTTP thread
-# Mirrors built, and mirrors not built or dropped because the budget was full (for get_stats).
-MIRROR_COUNTS = {"builds": 0, "refused": 0}
+# Mirrors built (by dequantizing), started from carried floats (no dequantization; see
+# CarriedFloats), and not built or dropped because the budget was full (for get_stats).
+MIRROR_COUNTS = {"builds": 0, "carried": 0, "refused": 0}
 
 
 def set_decode_float_budget(mb: Any) -> None:
@@ -362,6 +371,104 @@ def decode_float_bytes() -> int:
     with _MIRRORS_LOCK:
         caches = list(_MIRRORS)
     return sum(c.mirror_nbytes for c in caches)
+
+
+# ---- float copies carried between turns ----------------------------------------------------------
+#
+# A returning agent's turn used to dequantize its whole history, every layer, for its first prefill
+# chunk (the mirror build above): on the CPU that cost more than the two float copies vllm-mlx's
+# default cache makes of the same history (docs/performance.md, "A hot turn of a long agent"). The
+# mirror a turn ends with already holds those values, so the pool keeps it, as views, beside the
+# turn's 4-bit blocks (`CarriedFloats`, held by the committed run), and the agent's next turn starts
+# its batch mirror from it. Exactly `dequantize(packed)`: hot and reloaded turns attend on the same
+# values. Bounded by a process-wide budget of its own; least recently used copies go first, and a
+# copy lives no longer than the run of hot blocks that holds it.
+
+CARRY_FLOAT_AUTO_MB = 1024  # "auto" on a CPU; 0 (off) on a GPU, like the decode mirror
+_carry_float_mb: Any = "auto"
+_CARRIED: "weakref.WeakValueDictionary[int, CarriedFloats]" = weakref.WeakValueDictionary()
+_CARRY_LOCK = threading.Lock()
+_carry_clock = 0
+# Copies kept, used by a lookup, dropped for a newer one, and not kept because they did not fit.
+CARRY_COUNTS = {"kept": 0, "used": 0, "evicted": 0, "refused": 0}
+
+
+def set_carry_float_budget(mb: Any) -> None:
+    """Process-wide budget for float copies carried between turns, in MB: a number >= 0 (0: off)
+    or "auto" (CARRY_FLOAT_AUTO_MB when MLX's default device is the CPU, else 0). Applies to the
+    next copy kept; a smaller budget drops the least recently used copies then."""
+    global _carry_float_mb
+    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
+        raise ValueError(f"carry_float_mb must be \"auto\" or a number >= 0; got {mb!r}")
+    _carry_float_mb = mb
+
+
+def carry_float_budget_bytes() -> int:
+    """The budget `set_carry_float_budget` resolves to on the current default device."""
+    mb = _carry_float_mb
+    if mb == "auto":
+        mb = CARRY_FLOAT_AUTO_MB if mx.default_device().type == mx.DeviceType.cpu else 0
+    return int(mb * 2**20)
+
+
+def carry_float_bytes() -> int:
+    """Bytes of the float copies carried between turns that are alive."""
+    with _CARRY_LOCK:
+        return sum(c.nbytes for c in _CARRIED.values())
+
+
+class CarriedFloats:
+    """Per 4-bit layer, float (keys, values) of a stored turn's positions [0, n): exactly the
+    dequantized values of its 4-bit K/V (the turn's float mirror, as views). Kept by whoever holds
+    the turn's 4-bit arrays (the pool's committed run); `take` gives them to the next turn's
+    caches. Dropped when evicted for a newer copy or when its holder goes."""
+
+    def __init__(self, layers: dict[int, tuple[mx.array, mx.array]], n: int):
+        self.layers: Optional[dict[int, tuple[mx.array, mx.array]]] = layers
+        self.n = n
+        self.nbytes = sum(k.nbytes + v.nbytes for k, v in layers.values())
+        self.used = 0
+
+    def take(self, n: int) -> Optional[dict[int, tuple[mx.array, mx.array]]]:
+        """Views of positions [0, n) per layer (n <= self.n), or None once evicted."""
+        global _carry_clock
+        with _CARRY_LOCK:
+            layers = self.layers
+            if layers is None or n > self.n:
+                return None
+            _carry_clock += 1
+            self.used = _carry_clock
+            CARRY_COUNTS["used"] += 1
+        return {l: (k[..., :n, :], v[..., :n, :]) for l, (k, v) in layers.items()}
+
+
+def carry_floats(layers: dict[int, tuple[mx.array, mx.array]], n: int) -> Optional[CarriedFloats]:
+    """Keep float copies of a stored turn's first n positions within the budget, dropping the least
+    recently used others to make room; None when they cannot fit (or there are none)."""
+    global _carry_clock
+    if not layers:
+        return None
+    layers = {l: (k[..., :n, :], v[..., :n, :]) for l, (k, v) in layers.items()}
+    carried = CarriedFloats(layers, n)
+    budget = carry_float_budget_bytes()
+    with _CARRY_LOCK:
+        if carried.nbytes > budget:
+            CARRY_COUNTS["refused"] += 1
+            return None
+        live = sorted(_CARRIED.values(), key=lambda c: c.used)
+        used = sum(c.nbytes for c in live)
+        for old in live:
+            if used + carried.nbytes <= budget:
+                break
+            used -= old.nbytes
+            old.layers = None
+            _CARRIED.pop(id(old), None)
+            CARRY_COUNTS["evicted"] += 1
+        _carry_clock += 1
+        carried.used = _carry_clock
+        _CARRIED[id(carried)] = carried
+        CARRY_COUNTS["kept"] += 1
+    return carried
 
 
 class BatchQ4KVCache(_BaseCache):
@@ -508,15 +615,19 @@ class BatchQ4KVCache(_BaseCache):
         fv[..., prev - drop : self._idx, :] = dv
 
     def __deepcopy__(self, memo) -> "BatchQ4KVCache":
-        """A copy whose mirror is a copy of this one's when it fits the budget, else none (it builds
-        its own on its next decode step). mlx-lm deep-copies a prompt batch when it splits it."""
+        """A copy that shares the mirror's buffers, as it shares the packed ones (a deep copy of an
+        mx.array is a new array on the same data; MLX copies a shared buffer on its first write).
+        mlx-lm deep-copies a prompt batch when it splits it and then empties or filters the
+        original, so nothing is copied: copying the mirror here (`mx.array`) cost a full float copy
+        of the history per layer on every turn, and, when two copies did not fit the budget, a
+        second dequantization on the first decode step. Counted for each holder while both live."""
         new = self.__class__.__new__(self.__class__)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             if k != "_mirror":
                 setattr(new, k, copy.deepcopy(v, memo))
-        if self._mirror is not None and self._mirror_fits(self.mirror_nbytes):
-            new._set_mirror(tuple(mx.array(x) for x in self._mirror))
+        if self._mirror is not None:
+            new._set_mirror(tuple(copy.deepcopy(x, memo) for x in self._mirror))
         return new
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
@@ -614,6 +725,11 @@ class BatchQ4KVCache(_BaseCache):
         """In-place: keep only the given batch rows, then drop the common left padding."""
         if not isinstance(batch_indices, mx.array):
             batch_indices = mx.array(list(batch_indices), dtype=mx.int32)
+        if batch_indices.tolist() == list(range(self.offset.shape[0])):
+            # Every row in order (mlx-lm's split of a prompt batch whose rows all start decoding):
+            # a gather would copy the packed storage and the mirror for nothing.
+            self._shift_left_padding()
+            return
         if self.keys is not None:
             self.keys = tuple(x[batch_indices] for x in self.keys)
             self.values = tuple(x[batch_indices] for x in self.values)
@@ -624,6 +740,10 @@ class BatchQ4KVCache(_BaseCache):
         self.left_padding = self.left_padding[batch_indices]
         if self._lengths is not None:
             self._lengths = [self._lengths[i] for i in batch_indices.tolist()]
+        self._shift_left_padding()
+
+    def _shift_left_padding(self) -> None:
+        """Drop the left padding every row has."""
         min_left_pad = self.left_padding.min().item() if self.left_padding.size else 0
         if min_left_pad > 0:
             if self.keys is not None:
@@ -697,7 +817,24 @@ class BatchQ4KVCache(_BaseCache):
         if self.window is not None:
             cache.offset = self.offset[idx].item()
             cache.start = cache.offset - (self._idx - pad)
+        elif self._mirror is not None:
+            cache.floats = self._extract_floats(idx, pad)
         return cache
+
+    def _extract_floats(self, idx: int, pad: int) -> Optional[tuple[mx.array, mx.array]]:
+        """Row idx's mirror, for the pool to carry to the row's next turn (`CarriedFloats`). One row:
+        views (mlx-lm empties the batch right after extracting its last row, so they pin no more
+        than that row's buffer). Several: a copy, evaluated now so that it holds none of the batch's
+        buffer (its in-place decode writes would then copy the whole buffer every step); only when
+        the carry budget could keep it."""
+        fk, fv = self._mirror
+        if fk.shape[0] == 1:
+            return fk[..., pad : self._idx, :], fv[..., pad : self._idx, :]
+        if self._float_bytes(1, self._idx - pad) > carry_float_budget_bytes():
+            return None
+        out = tuple(mx.contiguous(x[idx : idx + 1, :, pad : self._idx]) for x in (fk, fv))
+        mx.eval(out)
+        return out
 
     @classmethod
     def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQ4KVCache":
@@ -729,6 +866,7 @@ class BatchQ4KVCache(_BaseCache):
             cache.keys, cache.values = _qslice(src.keys, max_length), _qslice(src.values, max_length)
             cache.offset = mx.array([src.offset])
             cache._idx = max_length
+            cache._adopt_floats(caches, padding, lengths)
             return cache
         keys, values = _alloc(src.keys, B, max_length), _alloc(src.values, B, max_length)
         for i, (p, c) in enumerate(zip(padding, caches)):
@@ -742,7 +880,36 @@ class BatchQ4KVCache(_BaseCache):
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset if c.keys is not None else 0 for c in caches])
         cache._idx = max_length
+        cache._adopt_floats(caches, padding, lengths)
         return cache
+
+    def _adopt_floats(self, caches: Sequence[QuantizedKVCache], padding: List[int], lengths: List[int]) -> None:
+        """Start the mirror from the rows' carried floats (`Q4KVCache.floats`) when any row has
+        them and it fits the decode budget: one row's as they are (views), several laid out like
+        the packed storage, the rows without any dequantized (what the first update would do)."""
+        rows = [getattr(c, "floats", None) if n else None for c, n in zip(caches, lengths)]
+        if self.window is not None or all(f is None for f in rows):
+            return
+        B, T = len(caches), self._idx
+        if not self._mirror_fits(self._float_bytes(B, T)):
+            MIRROR_COUNTS["refused"] += 1
+            self._mirror_refused = True
+            return
+        MIRROR_COUNTS["carried"] += 1
+        if B == 1:
+            self._set_mirror(tuple(x[..., :T, :] for x in rows[0]))
+            return
+        dtype = self.keys[1].dtype
+        mirror = tuple(mx.zeros((B, q[0].shape[1], T, q[0].shape[3] * 32 // self.bits), dtype=dtype)
+                       for q in (self.keys, self.values))
+        for i, (f, c, p, n) in enumerate(zip(rows, caches, padding, lengths)):
+            if n == 0:
+                continue
+            if f is None:
+                f = (self._dequantize(_qslice(c.keys, n)), self._dequantize(_qslice(c.values, n)))
+            for dst, x in zip(mirror, f):
+                dst[i : i + 1, :, p : p + n] = x[..., :n, :]
+        self._set_mirror(mirror)
 
     def _check_compatible(self, other: "BatchQ4KVCache") -> None:
         if not isinstance(other, BatchQ4KVCache):

@@ -33,7 +33,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache
 
-from ..q4cache import FULL, LIST, Q4, STATE, Q4KVCache, layer_kinds, layer_windows
+from ..q4cache import FULL, LIST, Q4, STATE, CarriedFloats, Q4KVCache, carry_floats, layer_kinds, layer_windows
 from .latent import LATENT_BITS, dequantize_latent, quantize_latent
 from .recurrent import StateCache
 
@@ -249,12 +249,13 @@ class ModelCodec:
     # ---- blocks -> cache ------------------------------------------------------------------------
 
     def build(self, used: Sequence[tuple[Arrays, int]], whole: Optional[Arrays] = None,
-              ) -> tuple[Optional[list], int]:
+              floats: Optional[CarriedFloats] = None) -> tuple[Optional[list], int]:
         """A per-sequence cache from the first n tokens of each block in `used` (consecutive from
         position 0). Recurrent models stop at the last checkpoint at or before the end; returns
         (cache, tokens covered), or (None, 0) when nothing can be reused. `whole`: the token arrays
         of `from_numpy_run` when the used blocks are, in order, the start of that run; the cache
-        is then views of them, not a concatenation."""
+        is then views of them, not a concatenation. `floats`: the float copies carried with that
+        run (`carry`), given to its 4-bit layers (`Q4KVCache.floats`)."""
         covered = self.window_reach(used)  # bounded sliding layers: up to the last window held
         if covered < sum(n for _, n in used):
             used = _truncate(used, covered)
@@ -307,7 +308,24 @@ class ModelCodec:
             else:
                 cache.append(CacheList(*(_kv(cat(f"{l}.{j}.k"), cat(f"{l}.{j}.v")) for j in range(len(k[1])))))
         mx.eval([a for _, a in _flat(cache)])
+        carried = floats.take(covered) if floats is not None and whole is not None else None
+        for l, kv in (carried or {}).items():
+            cache[l].floats = kv
         return cache, covered
+
+    def carry(self, cache: list, n: int) -> Optional[CarriedFloats]:
+        """The float copies of a stored turn's first n positions, for its next turn: the plain 4-bit
+        layers' `Q4KVCache.floats` (what the turn's batch mirror held), kept within the carry
+        budget (`q4cache.carry_floats`); None when there are none or they do not fit. All layers
+        or none: a layer without would dequantize its history anyway."""
+        layers = {}
+        for l, (c, k) in enumerate(zip(cache, self.kinds)):
+            if k == Q4 and self.window(l) is None:
+                f = c.floats
+                if f is None or f[0].shape[2] < n:
+                    return None
+                layers[l] = f
+        return carry_floats(layers, n)
 
     # ---- disk -----------------------------------------------------------------------------------
 

@@ -511,6 +511,15 @@ STEPS = 50  # steps per example in the campaign (the suite's runs take 30)
 EXAMPLES_PER_SEED = 10
 
 
+def _falsifying(e: BaseException) -> str:
+    """The falsifying steps Hypothesis attaches to a failure as notes (PEP 678), of each failure
+    when it found several (an ExceptionGroup)."""
+    parts = [f"{type(e).__name__}: {e}"[:300] + "\n" + "\n".join(getattr(e, "__notes__", []))]
+    for sub in getattr(e, "exceptions", ()):
+        parts.append(_falsifying(sub))
+    return "\n\n".join(p for p in parts if p.strip())
+
+
 def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
     """`vllm-mlx-persist reliability --campaigns state_machine`: `trials` examples of up to `steps`
     steps, EXAMPLES_PER_SEED per seed from `seed` on, every fourth seed with the fleet rules (when a
@@ -540,10 +549,8 @@ def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
                     phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck)))
         except BaseException as e:  # a failed invariant, after shrinking: the steps are in the report
             out["failures"] += 1
-            # Hypothesis attaches the falsifying steps to the exception as notes (PEP 678)
-            steps = "\n".join(getattr(e, "__notes__", [])) or report.getvalue()
             out["failure_cases"].append({"seed": s, "fleet": fleet, "problem": f"{type(e).__name__}: {e}"[:600],
-                                         "steps": steps[-4000:]})
+                                         "steps": (_falsifying(e) or report.getvalue())[-4000:]})
         ran = PoolMachine.steps_run - before
         out["fleet_steps" if fleet else "steps"] += ran
         out["seeds"].append({"seed": s, "examples": n, "fleet": fleet, "steps": ran})

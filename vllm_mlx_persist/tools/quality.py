@@ -48,8 +48,8 @@ class KVFormat:
     Without `factory`: `bits` None is mlx-lm's own `make_prompt_cache` (the model's dtype: a
     `KVCache` per plain layer, `RotatingKVCache` per sliding layer, `ArraysCache` per recurrent
     layer); otherwise the cache the persist_q4 backend serves from, `caches.ModelCodec(bits,
-    group_size).make_cache()` (`Q4KVCache` on plain and sliding attention layers, the model's dtype
-    on MLA latents and recurrent states). `factory(model)` builds anything else: the simulated
+    group_size, bounded=True).make_cache()` (`Q4KVCache` on plain attention layers, bounded to the
+    window on sliding ones, the model's dtype on MLA latents and recurrent states). `factory(model)` builds anything else: the simulated
     options (`sim_factory`) and, later, caches not written yet (`add_cache_format`)."""
 
     name: str
@@ -68,7 +68,7 @@ class KVFormat:
             return self.factory(model)
         if self.bits is None:
             return make_prompt_cache(model)
-        return ModelCodec.for_model(model, bits=self.bits, group_size=self.group_size).make_cache()
+        return ModelCodec.for_model(model, bits=self.bits, group_size=self.group_size, bounded=True).make_cache()
 
 
 FULL = KVFormat("fp32", "float32 (mlx-lm KVCache)")
@@ -527,7 +527,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", "Llama (plain attention, grouped-query)", "llama",
            "every layer's K and V"),
     Family("gemma3_text", "Gemma 3 (sliding-window and global attention)", "gemma3_text",
-           "K and V of every layer, sliding ones included (all tokens kept, the window applied by the mask)"),
+           "K and V of every layer, sliding ones included (sliding ones hold only their window, as the server keeps them)"),
     Family("qwen3_next", "Qwen3-Next (hybrid: gated-delta linear attention and attention)", "qwen3_next",
            "K and V of the attention layers; the linear-attention layers' recurrent state stays in the model's dtype"),
     Family("deepseek_v3", "DeepSeek-V3 (multi-head latent attention)", "deepseek_v3",
@@ -1001,10 +1001,8 @@ def render_markdown(r: dict[str, Any]) -> str:
             lines += [
                 f"Sliding layers (window {f['sliding_window']}) see sequences {mc['eval_len'] // f['sliding_window']} "
                 "windows long. Full precision uses mlx-lm's `RotatingKVCache` (bounded to the window) on the "
-                "sliding layers; the served 4-bit cache keeps every token and applies the window by the mask. "
-                "The bounded 4-bit cache for sliding layers (being built separately) is not in this table yet: "
-                "`quality.add_cache_format(\"gemma3_text\", KVFormat(name, label, factory=...))` adds its row "
-                "(the factory returns a fresh per-sequence cache list, one per layer).",
+                "sliding layers; the served 4-bit and 8-bit caches are the server's: `Q4KVCache(window=w)` on "
+                "the sliding layers, which holds only the window (docs/design.md, \"Sliding-window layers\").",
                 ""]
     # outliers
     o = r.get("outliers")
