@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from .caches import ModelCodec
+from .disk_format import FORMAT_VERSION
 from .identity import model_fingerprint
 from .match_decode import MatchDecoder
 from .namespace import split_namespace
@@ -35,7 +36,7 @@ from .q4cache import (
     set_decode_float_budget,
     set_prefill_attention,
 )
-from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
+from .store import CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
 

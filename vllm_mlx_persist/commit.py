@@ -21,8 +21,8 @@ from .agents import Agents
 from .blocks import Agent, Block, BlockState, BlockTable, Run
 from .caches import ModelCodec
 from .chain import Branch, Chains, Links, common, lcp, manifest_of
+from .disk_format import BlockData
 from .persister import Persister
-from .store import BlockData
 
 
 @dataclass

@@ -40,11 +40,12 @@ from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
+from .disk_format import BlockData, Manifest
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
 from .q4cache import Q4
 from .reads import Reads
-from .store import BlockData, DiskStore, Manifest
+from .store import DiskStore
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
