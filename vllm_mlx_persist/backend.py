@@ -17,25 +17,25 @@ from typing import Any, Callable, Optional
 from urllib.parse import urlsplit
 
 from .caches import ModelCodec
-from .disk_format import FORMAT_VERSION
-from .identity import model_fingerprint
-from .match_decode import MatchDecoder
-from .namespace import split_namespace
-from .pool import READ_TIMEOUT_S, BlockPool
-from .q4cache import (
-    DEQUANT_MIN_QUERIES,
+from .caches.attention import install_attention_fix
+from .caches.floats import (
     CARRY_COUNTS,
+    DEQUANT_MIN_QUERIES,
     MIRROR_COUNTS,
     PREFILL_ATTENTION_MODES,
     carry_float_budget_bytes,
     carry_float_bytes,
     decode_float_budget_bytes,
     decode_float_bytes,
-    install_attention_fix,
     set_carry_float_budget,
     set_decode_float_budget,
     set_prefill_attention,
 )
+from .disk_format import FORMAT_VERSION
+from .identity import model_fingerprint
+from .match_decode import MatchDecoder
+from .namespace import split_namespace
+from .pool import READ_TIMEOUT_S, BlockPool
 from .store import CacheDirLock, DiskStore, StoreError
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -50,7 +50,7 @@ DEFAULTS: dict[str, Any] = {
     "disk_mb": 16384.0,  # disk-tier budget for the whole cache root (see docs/operations.md)
     "ttl_hours": None,  # erase agents unused for this long (None: never)
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
-    "prefill_attention": "auto",  # see q4cache.set_prefill_attention
+    "prefill_attention": "auto",  # see caches.floats.set_prefill_attention
     "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
     "carry_float_mb": "auto",  # float copies carried to agents' next turns, MB (auto: 1024 on a CPU, 0 on a GPU)
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)

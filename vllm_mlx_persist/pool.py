@@ -38,12 +38,12 @@ from .agents import ANON_PREFIX, Agents
 from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
 from .caches.codec import WIN_FROM
+from .caches.kinds import Q4
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
 from .disk_format import BlockData, Manifest
 from .lookup import Lookup, Match, whole_run
 from .persister import Persister
-from .q4cache import Q4
 from .reads import Reads
 from .store import DiskStore
 
