@@ -896,7 +896,7 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
         assert load_secret(str(f), {}) == SECRET
     assert "open to other users" in caplog.text and SECRET.decode() not in caplog.text
     # the backend's options: a file path (a secret inline is refused, naming the ways to give one)
-    from vllm_mlx_persist.backend import parse_options
+    from vllm_mlx_persist.options import parse_options
 
     assert parse_options({"remote_secret_file": "~/s"})["remote_secret_file"] == os.path.expanduser("~/s")
     with pytest.raises(ValueError, match="remote_secret_file.*VLLM_MLX_PERSIST_FLEET_SECRET"):

@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 import pluggy
 
 from .namespace import join_namespace, validate_agent_id
+from .refusal import refuse
 
 hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
@@ -75,12 +76,12 @@ def check_scheduler_config(config: Any) -> None:
 
 def create_backend(**kwargs: Any) -> Any:
     """The `persist_q4` factory vllm-mlx calls: refuses the built-in cache options it replaces."""
-    from .backend import PersistQ4Backend, _refuse
+    from .backend import PersistQ4Backend
 
     try:
         check_scheduler_config(kwargs.get("config"))
     except ValueError as e:
-        raise _refuse(e) from None
+        raise refuse(e) from None
     backend = PersistQ4Backend(**kwargs)
     _LIVE_BACKENDS.add(backend)
     return backend
