@@ -82,22 +82,31 @@ _MIRRORS_LOCK = threading.Lock()  # get_stats reads the set from the HTTP thread
 MIRROR_COUNTS = {"builds": 0, "carried": 0, "refused": 0}
 
 
+def _checked_mb(option: str, mb: Any) -> Any:
+    """`mb` if it is "auto" or a number of MB >= 0, else ValueError naming the option."""
+    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
+        raise ValueError(f"{option} must be \"auto\" or a number >= 0; got {mb!r}")
+    return mb
+
+
+def _budget_bytes(mb: Any, auto_mb: int) -> int:
+    """A budget of `mb` MB in bytes; "auto": `auto_mb` when MLX's default device is the CPU, else 0."""
+    if mb == "auto":
+        mb = auto_mb if mx.default_device().type == mx.DeviceType.cpu else 0
+    return int(mb * 2**20)
+
+
 def set_decode_float_budget(mb: Any) -> None:
     """Process-wide budget for float decode mirrors, in MB: a number >= 0 (0: off) or "auto"
     (DECODE_FLOAT_AUTO_MB when MLX's default device is the CPU, else 0). Existing mirrors are kept;
     the budget applies to the next build or growth."""
     global _decode_float_mb
-    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
-        raise ValueError(f"decode_float_mb must be \"auto\" or a number >= 0; got {mb!r}")
-    _decode_float_mb = mb
+    _decode_float_mb = _checked_mb("decode_float_mb", mb)
 
 
 def decode_float_budget_bytes() -> int:
     """The budget `set_decode_float_budget` resolves to on the current default device."""
-    mb = _decode_float_mb
-    if mb == "auto":
-        mb = DECODE_FLOAT_AUTO_MB if mx.default_device().type == mx.DeviceType.cpu else 0
-    return int(mb * 2**20)
+    return _budget_bytes(_decode_float_mb, DECODE_FLOAT_AUTO_MB)
 
 
 def track_mirror(cache: Any, held: bool) -> None:
@@ -142,17 +151,12 @@ def set_carry_float_budget(mb: Any) -> None:
     or "auto" (CARRY_FLOAT_AUTO_MB when MLX's default device is the CPU, else 0). Applies to the
     next copy kept; a smaller budget drops the least recently used copies then."""
     global _carry_float_mb
-    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
-        raise ValueError(f"carry_float_mb must be \"auto\" or a number >= 0; got {mb!r}")
-    _carry_float_mb = mb
+    _carry_float_mb = _checked_mb("carry_float_mb", mb)
 
 
 def carry_float_budget_bytes() -> int:
     """The budget `set_carry_float_budget` resolves to on the current default device."""
-    mb = _carry_float_mb
-    if mb == "auto":
-        mb = CARRY_FLOAT_AUTO_MB if mx.default_device().type == mx.DeviceType.cpu else 0
-    return int(mb * 2**20)
+    return _budget_bytes(_carry_float_mb, CARRY_FLOAT_AUTO_MB)
 
 
 def carry_float_bytes() -> int:
