@@ -47,6 +47,7 @@ QUARANTINE_KEEP_FILES = 256
 
 _TMP_RE = re.compile(r"[a-z]+\.(\d+)\.[0-9a-f]{32}\.tmp")
 
+
 class StoreError(Exception):
     """The store cannot be opened or used as asked (not a bad cache file: those are misses)."""
 

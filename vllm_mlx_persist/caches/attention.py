@@ -1,10 +1,10 @@
 """The attention-dispatch fix: mlx-lm's quantized SDPA and its dispatcher, replaced at runtime.
 
 Models pick mlx-lm's quantized attention path by duck typing (`hasattr(cache, "bits")`), which has
-a mask-broadcasting bug under grouped-query attention with a batched mask and no attention sinks;
-`install_attention_fix` replaces it with ours (see patches/README.md), which also, on the CPU, runs
-chunks of many queries (prefill) through the fast SDPA on a transient dequantized copy of the layer's
-K/V (`floats.set_prefill_attention`). Attention on a `BatchQ4KVCache` runs row by row on each row's
+a mask-broadcasting bug under grouped-query attention with a batched mask and takes no attention
+sinks; `install_attention_fix` replaces it with ours (see patches/README.md), which also, on the
+CPU, runs chunks of many queries (prefill) through the fast SDPA on a transient dequantized copy of
+the layer's K/V (`floats.set_prefill_attention`). Attention on a `BatchQ4KVCache` runs row by row on each row's
 own keys (`batch_attention`), on its float decode mirror when it has one, so a sequence's logits are
 bit-identical alone and batched, whatever its companions.
 
@@ -22,6 +22,7 @@ from mlx_lm.models import base as _mlx_base
 
 from .floats import DEQUANT_MIN_QUERIES, decode_float_budget_bytes, dequantize_for
 from .q4 import BatchQ4KVCache, QTuple
+
 
 def _gqa_mask(mask: Any, B: int, n_kv: int, n_rep: int) -> Any:
     """A mask for (B, n_kv, n_rep, L, T) scores, from mlx-lm's (L, T) or 4-D (B|1, 1|n_q, L, T)."""
