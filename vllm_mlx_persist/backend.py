@@ -3,9 +3,10 @@
 Thin on purpose: it wires the parts together at start-up and forwards each call of the contract.
 Its options live in `options`, its one-line start-up refusals in `refusal`, its warm-up in
 `warmup`, and `futures` builds what `ready()` returns; the cache classes and attention are in
-`caches/`, blocks and tiers in `pool`, files in `store`. The factory runs on the event-loop thread at start-up; `fetch`,
-`store`, `load` and the pool's first build on the worker; `prefetch` and `ready` on the event loop;
-`get_stats` on the HTTP thread (it never builds the pool).
+`caches/`, blocks and tiers in `pool`, files in `store`, span directives in `kv_edit` / `amortize`
+/ `splice`. The factory runs on the event-loop thread at start-up; `fetch`, `store`, `load` and the
+pool's first build on the worker; `prefetch` and `ready` on the event loop; `get_stats` on the HTTP
+thread (it never builds the pool).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .amortize import ModelSplicing
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
 from .caches.floats import (
@@ -32,8 +34,10 @@ from .caches.floats import (
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
+from .kv_edit import AMORTIZE, FORGET
+from .kv_edit import report as kv_edit_report
 from .match_decode import MatchDecoder
-from .namespace import split_namespace
+from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of, edit_mode, split_namespace
 from .options import parse_options
 from .pool import READ_TIMEOUT_S, BlockPool
 from .refusal import refuse
@@ -86,6 +90,7 @@ class PersistQ4Backend:
         # the engine admits a request once its blocks are read (ready()), waiting at most this long
         self.ready_timeout_s = READ_TIMEOUT_S + (opts["remote_wait_s"] if opts.get("remote_url") else 0.0)
         self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
+        self._splicing: Optional[ModelSplicing] = None  # probed on the first amortize request (worker)
         self.closed = False
 
     @property
@@ -188,10 +193,18 @@ class PersistQ4Backend:
         from vllm_mlx.cache_backend import CacheLookup
 
         namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+        mode = edit_mode(getattr(request, "cache_namespace", None))
+        # kv_edit.enabled false: amortize requests are exact ones, spliced histories unseen
+        lookup_mode = None if mode == AMORTIZE and not self.opts["kv_edit"]["enabled"] else mode
         t0 = time.perf_counter()
         m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
-                            fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False))
+                            fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False),
+                            edit=lookup_mode)
         agent = namespace or "<anonymous>"
+        if mode is not None:
+            spliced = self._report_edit(request, mode, m)
+            if spliced is not None:
+                return spliced
         if m.cache is None:
             log.info("[persist_q4] agent=%s MISS prompt=%d", agent, len(request.prompt_token_ids))
             return None
@@ -204,6 +217,92 @@ class PersistQ4Backend:
             # as the tokens the cache holds (the seam replaces request.prompt_token_ids).
             return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier, prompt_token_ids=m.prompt)
         return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier)
+
+    def _report_edit(self, request: Any, mode: str, m: Any) -> Any:
+        """`usage.kv_edit` for a request that declared an edit mode (the seam reports
+        `request.cache_usage`); for an amortize request the splice allows, the spliced CacheLookup."""
+        n_prompt = len(request.prompt_token_ids)
+        if mode == FORGET:
+            report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
+        elif not self.opts["kv_edit"]["enabled"]:
+            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled")
+        else:
+            if self._splicing is None:
+                try:
+                    self._splicing = ModelSplicing.probe(self.model, self.tokenizer, self.codec.has_state)
+                except Exception as e:  # a model the probe cannot drive is never spliced
+                    self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
+                log.info("persist_q4: amortize on this model: %s", self._splicing)
+            src, gen, honest = self._source(m)
+            if gen:  # the lookup reused a spliced history: this turn continues it, there
+                request._vmp_store_as = (src, None, False)
+            plans = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
+            done = None if isinstance(plans, str) else self._splice(request, m, plans, src, gen)
+            reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
+            if isinstance(done, tuple):
+                lookup, used = done
+                report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
+                report["plan"] = [{"stub_tokens": p.stub, "run_tokens": n, "delta": p.delta} for p, n in used]
+                request.cache_usage = {"kv_edit": report}
+                log.info("[persist_q4] kv_edit %s", report)
+                return lookup
+            why = plans if done is None else done
+            report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused,
+                                    fallback=None if reused > 0 and why == "no_edit" else why)
+        request.cache_usage = {"kv_edit": report}
+        log.info("[persist_q4] kv_edit %s", report)
+        return None
+
+    def _source(self, m: Any) -> tuple[Optional[str], int, int]:
+        """(namespace, generation, honest tokens) of an amortize lookup's source: the agent's own
+        history (generation 0, every reused token honest) or one of its spliced histories (only the
+        tokens before its first spliced block are honest)."""
+        if m.source is None:
+            return None, 0, m.num_tokens
+        agent, branch = m.source
+        am = amortized_of(agent.namespace)
+        if am is None:
+            return agent.namespace, 0, m.num_tokens
+        first = next((i for i, ns in branch.links if AMORTIZED_SEPARATOR in ns), 0)
+        return agent.namespace, am[1], min(m.num_tokens, first * self.opts["block_size"])
+
+    def _splice(self, request: Any, m: Any, plans: list, src: Optional[str], gen: int) -> Any:
+        """(CacheLookup, [(plan, run tokens used)]) for the splices of a request (one per edit, left to
+        right), or the reason it is served as exact. The turn is
+        stored as a fork of its source under the agent's spliced namespace of the next generation
+        (namespace.amortized_namespace): no request can name it, its ids are seeded apart from any
+        honest prefill's, and only amortize requests of the agent look there, so no exact or forget
+        lookup, other agent's fork or other server's exact request is ever served spliced K/V.
+        A run moved more than `max_rotations` times is re-prefilled (rotation_budget)."""
+        from vllm_mlx.cache_backend import CacheLookup
+
+        from . import splice
+
+        prompt = list(request.prompt_token_ids)
+        if not splice.supported(self.codec) or m.prompt is not None:
+            return "splice_not_built"  # windows, latent-packed MLA, text-matched prompts: not spliced yet
+        if gen + 1 > self.opts["kv_edit"]["max_rotations"]:
+            return "rotation_budget"
+        runs, used = [], []
+        for plan in plans:
+            n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
+            if n_run < self.opts["kv_edit"]["min_run_tokens"]:
+                break  # the rest of the prompt is prefilled
+            run = self.pool.run_arrays(m.source, plan.src, plan.src + n_run)
+            if run is None:
+                return "unreadable"
+            runs.append((plan, run))
+            used.append((plan, n_run))
+        if not runs:
+            return "no_realignment"
+        cache = m.cache if m.cache is not None else self.codec.make_cache()
+        cache, n = splice.apply_all(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
+                                    runs)
+        agent = split_namespace(getattr(request, "cache_namespace", None))[0]
+        request._vmp_store_as = (amortized_namespace(agent, gen + 1), src, True)
+        self.pool.stats["kv_edit_splices"] += 1
+        cached = m.num_tokens + sum(k for _, k in used)
+        return CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached), used
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
@@ -248,8 +347,11 @@ class PersistQ4Backend:
             return False
         try:
             namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
+            spliced = False
+            if getattr(request, "_vmp_store_as", None) is not None:  # a spliced history (see _splice)
+                namespace, parent, spliced = request._vmp_store_as
             n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),
-                                                fork_from=parent)
+                                                fork_from=parent, spliced=spliced)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False

@@ -23,6 +23,7 @@ from .caches import ModelCodec
 from .chain import Branch, Chains, Links, common, lcp, manifest_of
 from .disk_format import BlockData
 from .persister import Persister
+from .supersede import surviving
 
 
 @dataclass
@@ -204,10 +205,11 @@ class Commit:
                 return True
         return plan.agent.persistent and self.agents.get(plan.agent.namespace) not in (None, plan.agent)
 
-    def install(self, plan: Plan, built: Built) -> tuple[list[str], Optional[Future]]:
+    def install(self, plan: Plan, built: Built, drop: Optional[set[str]] = None) -> tuple[list[str], Optional[Future]]:
         """Name the turn's blocks as the agent's newest branch (branches it continues are replaced by
-        it, and beyond `max_branches` the least recently used goes), make the new ones hot and queue
-        the save. Returns (dead block ids, the save's future or None)."""
+        it, branches naming a block of `drop` go: a forget edit superseded them, and beyond `max_branches`
+        the least recently used goes), make the new ones hot and queue the save. Returns (dead block
+        ids, the save's future or None)."""
         agent, tokens = plan.agent, plan.tokens
         before = list(agent.branches)
         if agent.persistent and self.agents.get(agent.namespace) is not agent:
@@ -221,6 +223,10 @@ class Commit:
         windowed = bool(self.codec.window_names())
         kept = [br for br in agent.branches if not self.chains.continues(br, tokens)
                 or (windowed and br.n_tokens < len(tokens))]
+        if drop is not None:
+            left = surviving(kept, drop)
+            self.stats["branches_superseded"] += len(kept) - len(left)
+            kept = left
         kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent)))
         if len(kept) > limit:
             self.stats["branches_evicted"] += len(kept) - limit

@@ -91,6 +91,14 @@ class Fleet:
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
 
+    def superseded(self, block_ids: list[str]) -> None:
+        """A forget edit's save is durable and its manifest's put queued: delete the blocks it no
+        longer names from Redis too. Never raises (persister thread)."""
+        try:
+            self.tier.drop_blocks(block_ids)
+        except Exception:
+            log.exception("fleet: queueing the deletion of superseded blocks failed")
+
     def era(self, namespace: str) -> Optional[str]:
         """The erasure this server's histories of the agent follow (a manifest's `era`; None: none).
         Any thread, the pool's lock held: no I/O."""
@@ -112,6 +120,10 @@ class Fleet:
         return m is not None and not m.erased
 
     # ---- lookups ------------------------------------------------------------------------------------
+
+    def erase_queued(self, namespace: str) -> None:
+        """Erase fleet-wide without reading Redis first (the pool's lock may be held)."""
+        self.tier.erase(namespace)
 
     def prefetch(self, namespace: str) -> None:
         """Start the agent's sync with Redis (any thread; never blocks)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .agents import Agents
@@ -36,6 +36,9 @@ class Match:
     tier: str
     prompt: Optional[list[int]] = None  # replacement prompt tokens, or None when unchanged
     forked: bool = False  # the prefix came from the fork parent
+    superseded: int = 0  # with a forget edit: the agent's branches the turn's commit drops
+    stored: Optional[list[int]] = None  # with an amortize edit: the best own branch's tokens
+    source: Optional[tuple] = None  # with an amortize edit: (agent, branch) the stored tokens are from
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Found:
     used: list[tuple[Got, int]]
     from_disk: bool
     prompt: Optional[list[int]] = None
+    ties: list["Found"] = field(default_factory=list)  # other walked branches matching as far
 
     @property
     def n(self) -> int:
@@ -112,6 +116,7 @@ class Lookup:
                 best, reach = found, r
             if reach == best.n:
                 break
+        best.ties = [f for f in walked if f is not best and f.n == best.n]
         if reach < best.n:  # a shorter branch may end where its window is held (an earlier turn's end)
             for k, src, br in ranked:
                 if k < top:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from .caches.floats import PREFILL_ATTENTION_MODES
+from .kv_edit import parse_option as parse_kv_edit
 
 DEFAULTS: dict[str, Any] = {
     "cache_dir": None,  # default: $XDG_CACHE_HOME/vllm-mlx-persist, else ~/.cache/vllm-mlx-persist
@@ -43,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
     # A file holding the fleet's shared secret (or env VLLM_MLX_PERSIST_FLEET_SECRET; never inline,
     # where it would show in the command line): every value in Redis then carries an HMAC.
     "remote_secret_file": None,
+    "kv_edit": None,  # span directives: {"enabled": true, "max_rotations": 4} (kv_edit.parse_option)
 }
 
 
@@ -117,4 +119,5 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             raise ValueError("persist_q4 remote_secret_file must be the path of a file holding the fleet secret")
         opts["remote_secret_file"] = os.path.expanduser(secret_file)
     opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
+    opts["kv_edit"] = parse_kv_edit(opts["kv_edit"])
     return opts

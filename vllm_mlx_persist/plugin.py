@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import pluggy
 
+from .kv_edit import resolve_mode
 from .namespace import join_namespace, validate_agent_id
 from .refusal import refuse
 
@@ -123,5 +124,9 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
             backend.prefetch(agent_id)
             if parent is not None:
                 backend.prefetch(parent)
-    # One string reaches the backend; the fork parent rides along (namespace.py).
-    return join_namespace(agent_id, parent) if agent_id is not None else None
+    mode = resolve_mode(request, headers)
+    if mode is not None and agent_id is None:
+        raise ValueError(f"a span directive (X-KV-Edit or metadata.kv_edit: {mode}) needs an agent id "
+                         "(X-Agent-ID, metadata.agent_id or prompt_cache_key): it edits that agent's history")
+    # One string reaches the backend; the fork parent and the edit mode ride along (namespace.py).
+    return join_namespace(agent_id, parent, mode) if agent_id is not None else None

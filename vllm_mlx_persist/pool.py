@@ -42,10 +42,13 @@ from .caches.kinds import Q4
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
 from .disk_format import BlockData, Manifest
+from .kv_edit import AMORTIZE, FORGET
 from .lookup import Lookup, Match, whole_run
+from .namespace import AMORTIZED_SEPARATOR
 from .persister import Persister
 from .reads import Reads
 from .store import DiskStore
+from .supersede import edit_point, superseded_block, surviving
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -100,9 +103,13 @@ class BlockPool:
             ["hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded",
              "bytes_loaded", "evicted_agents", "write_errors", "bad_blocks", "unsaved_blocks_dropped",
              "store_refused", "read_timeouts", "fork_hits", "tokens_from_parent", "branches_evicted",
-             "text_matches", "tokens_matched_by_text", "commit_replans"], 0)
+             "text_matches", "tokens_matched_by_text", "commit_replans", "kv_edit_forgets",
+             "kv_edit_amortizes", "kv_edit_splices", "branches_superseded"], 0)
         self._lock = threading.RLock()
-        self._inflight: dict[str, list] = {}  # request id -> [namespace, erased while in flight, tokens reused]
+        # request id -> [namespace, erased while in flight, tokens reused, epoch at its lookup]
+        self._inflight: dict[str, list] = {}
+        # request id -> (namespace, first superseded blocks) of a forget edit, until its turn commits
+        self._superseding: dict[str, tuple[str, set[str]]] = {}
         # Bumped whenever another thread than the worker changes agents (erasure, fleet adoption): a
         # commit planned before it is planned again.
         self.epoch = 0
@@ -232,7 +239,7 @@ class BlockPool:
         return m.cache, m.num_tokens, m.tier
 
     def match(self, namespace: Optional[str], prompt: Sequence[int], request_id: Optional[str] = None,
-              fork_from: Optional[str] = None, wait_fleet: bool = True) -> Match:
+              fork_from: Optional[str] = None, wait_fleet: bool = True, edit: Optional[str] = None) -> Match:
         """Longest reusable prefix of `prompt` for `namespace` (None: anonymous).
 
         Every branch of the agent is a candidate, and with `fork_from` every branch of that agent
@@ -241,7 +248,9 @@ class BlockPool:
         the same text goes on past it; `Match.prompt` is then the prompt as the stored tokens.
         At least one prompt token is always left to prefill; recurrent models stop at their last
         state checkpoint. With `request_id`, the request counts as in flight until
-        `finish(request_id)`: the disk budget never erases its agent meanwhile.
+        `finish(request_id)`: the disk budget never erases its agent meanwhile. With `edit="forget"`
+        (and a request id), the agent's branches holding what the prompt no longer has (supersede.py)
+        are dropped when the turn commits, or when the request finishes without committing.
         """
         if self.fleet is not None and namespace is not None:
             # bounded, and before the lock; a fork's parent too (its copy may be of an erased
@@ -254,7 +263,7 @@ class BlockPool:
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
-                self._inflight[request_id] = [namespace, False, 0]
+                self._inflight[request_id] = [namespace, False, 0, self.epoch]
                 if self.persister is not None:
                     self.persister.begin_use(namespace)
             agent = self.agents.find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
@@ -267,8 +276,17 @@ class BlockPool:
             candidates = [(agent, br) for br in reversed(agent.branches)]
             if parent is not None:
                 candidates += [(parent, br) for br in reversed(parent.branches)]
+            if edit == AMORTIZE and namespace is not None:  # only amortize requests see spliced histories
+                for ns in self._amortized_names(namespace):
+                    spliced = self.agents.get(ns)
+                    candidates += [(spliced, br) for br in reversed(spliced.branches)]
         found = self.lookup_.best(candidates, prompt)  # the lock is taken and released inside
+        superseded = 0
         with self._lock:
+            if edit == FORGET and request_id is not None:
+                self.stats["kv_edit_forgets"] += 1
+                superseded = self._supersede(agent, found, prompt, request_id)
+                self._drop_amortized(agent.namespace)  # spliced copies may hold what is forgotten
             if found is not None and found.n and found.src is agent:
                 at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
                 if at is not None:  # now the most recently used
@@ -283,34 +301,117 @@ class BlockPool:
             # sliding arrays only moves their bytes out of the budget's count until the cache is built.
             self._trim_windows([agent] + ([found.src] if found is not None and found.src is not agent else []))
             self._enforce_budget(keep=(agent.namespace, found.src.namespace if found is not None else agent.namespace))
+        stored = source = None
+        if edit == AMORTIZE and found is not None and found.src is not parent:  # what a splice could reuse
+            self.stats["kv_edit_amortizes"] += 1
+            stored, _ = self.lookup_.stored_tokens(found.src, found.branch, found.branch.n_tokens)
+            source = (found.src, found.branch)
         if found is None or not found.used:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss")
+            return Match(None, 0, "miss", superseded=superseded, stored=stored, source=source)
         run = whole_run(found.used)
         cache, covered = self.codec.build([(got.layers, n) for got, n in found.used],
                                           run.arrays if run is not None else None,
                                           run.floats if run is not None else None)
         if covered == 0:
             self.stats["misses"] += 1
-            return Match(None, 0, "miss")
+            return Match(None, 0, "miss", superseded=superseded, stored=stored, source=source)
         with self._lock:
             if request_id is not None and request_id in self._inflight:
                 self._inflight[request_id][2] = covered
             self.stats["hits_disk" if found.from_disk else "hits_hot"] += 1
             self.stats["tokens_reused"] += covered
-            forked = found.src is not agent
+            forked = parent is not None and found.src is parent
             if forked:
                 self.stats["fork_hits"] += 1
                 self.stats["tokens_from_parent"] += covered
-        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked)
+        return Match(cache, covered, "disk" if found.from_disk else "hot", found.prompt, forked, superseded, stored, source)
+
+    def run_arrays(self, source: tuple, start: int, end: int) -> Optional[dict]:
+        """The token arrays of stored positions [start, end) of a branch (`Match.source`), read as
+        needed (worker: MLX); None if a block cannot be had."""
+        agent, branch = source
+        bs = self.block_size
+        steps = list(self.chains.walk(branch))[start // bs: -(-end // bs)]
+        got, ended = self.lookup_.fetch(agent, steps)
+        if len(got) < len(steps):
+            return None
+        lo = start - (start // bs) * bs
+        names = [n for n in got[0].layers if n not in (WIN_FROM,) and ".ckpt" not in n and not n.startswith("ckpt")]
+        whole = {n: mx.concatenate([g.layers[n] for g in got], axis=2) if len(got) > 1 else got[0].layers[n]
+                 for n in names}
+        return {n: a[..., lo:lo + end - start, :] for n, a in whole.items()}
+
+    def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
+        """(lock held) A forget edit: note the first block of the agent's own best branch that holds
+        content the prompt no longer has; returns how many of its branches name it."""
+        if found is None or found.src is not agent:
+            return 0
+        served = found.prompt if found.prompt is not None else prompt
+        bids = set()
+        for f in [found] + [t for t in found.ties if t.src is agent]:
+            bid = superseded_block(f.branch, edit_point([got.tokens for got, _ in f.used], served), self.block_size)
+            if bid is not None:
+                bids.add(bid)
+        if not bids:
+            return 0
+        self._superseding[request_id] = (agent.namespace, bids)
+        return len(agent.branches) - len(surviving(agent.branches, bids))
+
+    def _amortized_names_locked(self, namespace: str) -> list[str]:
+        with self._lock:
+            return self._amortized_names(namespace)
+
+    def _amortized_names(self, namespace: str) -> list[str]:
+        """(lock held) The agent's spliced histories known here (namespace.amortized_namespace)."""
+        prefix = namespace + AMORTIZED_SEPARATOR
+        return sorted(n for n in self.agents.registry if n.startswith(prefix))
+
+    def _drop_amortized(self, namespace: str) -> None:
+        """(lock held) Erase the agent's spliced histories, here, on disk and in Redis (queued, no
+        waiting): a forget edit's removed content may be held by one."""
+        for ns in self._amortized_names(namespace):
+            self._forget(ns)
+            if self.persister is not None:
+                self.persister.erase(ns)
+            if self.fleet is not None:
+                self.fleet.erase_queued(ns)
+
+    def _drop_superseded(self, namespace: str, bids: set[str]) -> None:
+        """(lock held) A forget edit whose turn did not commit: drop the superseded branches now."""
+        agent = self.agents.get(namespace)
+        if agent is None:
+            return
+        before = list(agent.branches)
+        kept = surviving(before, bids)
+        if len(kept) == len(before):
+            return
+        self.stats["branches_superseded"] += len(before) - len(kept)
+        self.epoch += 1  # commits planned on those blocks plan again
+        if not kept:  # nothing left: the agent goes, locally (its next turn starts a new history)
+            self._forget(namespace)
+            if self.persister is not None:
+                self.persister.erase(namespace)
+            return
+        dead = self.table.name(agent, kept)
+        if agent.persistent and self.persister is not None:
+            self._drop_remote(dead, self._save(agent, [], {}, dead, before))
+
+    def _drop_remote(self, dead: list[str], saved: Optional[Future]) -> None:
+        """With a fleet tier: once the save that stops naming `dead` is durable (its put then queued),
+        delete those blocks from Redis too."""
+        if self.fleet is not None and dead and saved is not None:
+            fleet = self.fleet
+            saved.add_done_callback(
+                lambda f: fleet.superseded(dead) if not f.cancelled() and f.exception() is None and f.result() else None)
 
     # ---- commit ---------------------------------------------------------------------------------
 
     def commit(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-               request_id: Optional[str] = None, fork_from: Optional[str] = None) -> int:
+               request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False) -> int:
         """`commit_async`, then (with durable writes) wait up to `write_timeout_s` for the disk.
         Returns the number of tokens now cached."""
-        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from)
+        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from, spliced)
         if future is not None and self.durable_writes:
             try:
                 if not future.result(self.write_timeout_s):
@@ -320,7 +421,7 @@ class BlockPool:
         return n
 
     def commit_async(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-                     request_id: Optional[str] = None, fork_from: Optional[str] = None,
+                     request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False,
                      ) -> tuple[int, Optional[Future]]:
         """Make `namespace`'s cache cover `tokens` (prompt + output) from an extracted cache.
 
@@ -344,16 +445,22 @@ class BlockPool:
         tokens = [int(t) for t in tokens[:n_valid]]
         if n_valid == 0:
             return 0, None
+        with self._lock:  # a forget edit's superseded branches go with this turn (else at finish())
+            drop = self._superseding.get(request_id, (None, None))[1] if request_id is not None else None
         for _ in range(COMMIT_ATTEMPTS):
             with self._lock:
                 inflight = self._inflight.get(request_id) if request_id is not None else None
                 if inflight is not None and inflight[1]:
                     return 0, None  # erased while this request ran: its turn must not bring it back
+                if inflight is not None and self._erased.get(namespace, -1) > inflight[3]:
+                    return 0, None  # a spliced history erased since the lookup (a forget): not brought back
                 if namespace is None:
                     agent = self.agents.anonymous_slot(tokens)
                 else:
                     agent = self.agents.get(namespace) or Agent(namespace)
-                plan = self.committer.plan(agent, tokens, fork_from, inflight[2] if inflight else 0, self.epoch)
+                # A spliced cache holds no stored block bit for bit (its lookup was another agent's).
+                reused = inflight[2] if inflight and not spliced else 0
+                plan = self.committer.plan(agent, tokens, fork_from, reused, self.epoch)
             built = self.committer.build(plan, cache)  # MLX, no lock
             with self._lock:
                 if inflight is not None and inflight[1]:
@@ -361,7 +468,11 @@ class BlockPool:
                 if self.committer.stale(plan, self.epoch):
                     self.stats["commit_replans"] += 1
                     continue
-                _, future = self.committer.install(plan, built)
+                dead, future = self.committer.install(plan, built, drop)
+                if drop is not None:
+                    self._superseding.pop(request_id, None)
+                    self.epoch += 1  # other commits planned on the superseded blocks plan again
+                    self._drop_remote(dead, future)
                 self._trim_windows([agent])
                 self._enforce_budget(keep=(agent.namespace,))
             return n_valid, future
@@ -407,6 +518,9 @@ class BlockPool:
             entry = self._inflight.pop(request_id, None)
             if entry is not None and self.persister is not None:
                 self.persister.end_use(entry[0])
+            pending = self._superseding.pop(request_id, None)
+            if pending is not None:  # a forget edit whose turn was not stored
+                self._drop_superseded(*pending)
 
     # ---- agents: admin API ----------------------------------------------------------------------
 
@@ -440,7 +554,8 @@ class BlockPool:
         """One page of agents ordered by id: up to `limit` whose ids sort after `after`, and whether
         more follow. Id order keeps pages stable while agents are used (recency would reshuffle them)."""
         with self._lock:
-            names = sorted(n for n in self.agents.registry if after is None or n > after)
+            names = sorted(n for n in self.agents.registry
+                           if (after is None or n > after) and AMORTIZED_SEPARATOR not in n)
         page = [i for i in map(self.agent_info, names[:limit]) if i is not None]
         return page, len(names) > limit
 
@@ -452,6 +567,8 @@ class BlockPool:
         its forks share stay, in memory and on disk, as long as a fork names them. With a fleet
         tier and `fleet_wide`, the agent is then erased from Redis too (queued).
         """
+        for ns in self._amortized_names_locked(namespace):  # its spliced histories go with it
+            self.erase(ns, timeout, fleet_wide)
         with self._lock:
             known = self._forget(namespace)
             for entry in self._inflight.values():

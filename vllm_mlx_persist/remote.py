@@ -243,6 +243,13 @@ class _Erase:
 
 
 @dataclass
+class _Drop:
+    """Blocks a forget edit superseded (the agent's manifest no longer names them)."""
+
+    block_ids: list[str]
+
+
+@dataclass
 class _AgentState:
     # The value this server last published, adopted, or erased its copy for: a put whose base it is
     # succeeds it (a sequential successor). Compared by id, never by version alone: versions start
@@ -509,7 +516,7 @@ class RemoteTier:
              "puts_outdated", "puts_incomplete", "put_failures", "dropped", "blocks_uploaded", "blocks_present",
              "bytes_up", "gets", "fetch_round_trips", "hits", "misses", "refused", "refused_mac", "foreign",
              "puts_foreign", "bytes_down", "manifest_gets", "manifest_hits", "erases", "erases_done", "errors",
-             "timeouts", "skipped"], 0)
+             "timeouts", "skipped", "blocks_deleted"], 0)
 
         self._q: deque = deque()
         self._q_puts = 0
@@ -825,6 +832,22 @@ class RemoteTier:
             st.era, st.tomb_v, st.tomb_id = secrets.token_hex(8), -1, ""
             self._pending_erase[namespace] = self._pending_erase.get(namespace, 0) + 1
             self._q.append(_Erase(namespace))
+            self._cond.notify()
+        return True
+
+    def drop_blocks(self, block_ids: Sequence[str]) -> bool:
+        """Queue deleting blocks from Redis now rather than at their TTL: a span directive's forget
+        superseded them (queued after the put of the manifest that no longer names them). A fork of
+        the agent on another server that still names one reads a miss there. False if not queued."""
+        ids = list(block_ids)
+        for b in ids:
+            check_block_id(b)
+        if not ids:
+            return True
+        with self._cond:
+            if self._closing or self._disabled:
+                return False
+            self._q.append(_Drop(ids))
             self._cond.notify()
         return True
 
@@ -1165,7 +1188,7 @@ class RemoteTier:
                 self._busy = False
                 self._cond.notify_all()
 
-    def _do(self, item: Union[_Put, _Erase]) -> bool:
+    def _do(self, item: Union[_Put, _Erase, _Drop]) -> bool:
         """Run one write with retries and back-off; True to requeue it (an erasure not yet done)."""
         for attempt in range(self.max_attempts):
             if not self._breaker.allow():
@@ -1178,6 +1201,9 @@ class RemoteTier:
                 self._ensure_model(self._write_client)
                 if isinstance(item, _Erase):
                     self._erase_now(item.namespace)
+                elif isinstance(item, _Drop):
+                    for b in item.block_ids:  # one key per call: a cluster's keys lie in many slots
+                        self._count("blocks_deleted", int(self._write_client.delete(self.block_key(b))))
                 else:
                     self._put_now(item)
                 self._succeeded()

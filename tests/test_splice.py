@@ -1,0 +1,255 @@
+"""Span directives, amortize: a splice executed at pool level on real MLX (vllm_mlx_persist/splice.py):
+the exact prefix and the run's values byte-identical to what was stored, the run's keys moved to their
+new positions (layer 0, whose K depends only on token and position, matches a cold prefill to 4-bit
+precision; unmoved it does not), and the model decodes on the result."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from vllm_mlx_persist.amortize import Splice, find_splice
+from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.chain import lcp
+from vllm_mlx_persist.kv_edit import AMORTIZE
+from vllm_mlx_persist.rope_shift import probe_model
+from vllm_mlx_persist import splice
+from test_pool import GROUP, make_pool, prefill
+
+A = 2  # the message-start token of these synthetic conversations
+
+
+def msg(n, seed):
+    return [A] + np.random.default_rng(seed).integers(5, 500, size=n - 1).tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_mlx_persist.tools.models import build_model
+
+    m, _ = build_model("llama", "tiny", seed=0)
+    return m
+
+
+def deq(arrays, layer, x):
+    return mx.dequantize(*(arrays[f"{layer}.{x}.{p}"] for p in "qsb"), GROUP, 4)
+
+
+def cache_arrays(cache, codec, lo, hi):
+    return {n: a[..., lo:hi, :] for n, a in codec.token_arrays(cache).items()}
+
+
+@pytest.mark.parametrize("stub_len", [3, 45])  # Δ < 0 (a long span replaced by a short stub) and Δ > 0
+def test_a_splice_moves_the_run_and_keeps_everything_else(model, tmp_path, stub_len):
+    pool = make_pool(model, tmp_path)
+    codec = ModelCodec.for_model(model)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    cache, _ = prefill(model, stored)
+    assert pool.commit("a", stored, cache) == len(stored)
+    prompt = head + msg(stub_len, 4) + tail + msg(6, 5)
+
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    assert m.stored == stored and m.num_tokens == 41  # the span's start token matched too
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    assert isinstance(plan, Splice) and plan.src == 70 and plan.at == 40 + stub_len and plan.length == 40
+    assert plan.delta == stub_len - 30
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    verdicts = probe_model(model)
+    spliced, n = splice.apply(model, codec, verdicts, m.cache, m.num_tokens, prompt, plan, run)
+    pool.finish("r")
+    assert n == plan.at + plan.length and all(c.offset == n for c in spliced)
+
+    got = cache_arrays(spliced, codec, 0, n)
+    old = codec.token_arrays(cache)
+    for name in old:  # the exact prefix: byte for byte what was stored
+        assert mx.array_equal(got[name][..., :m.num_tokens, :], old[name][..., :m.num_tokens, :]).item(), name
+    moved = {k: a[..., plan.at:, :] for k, a in got.items()}
+    for name in (x for x in run if ".v." in x):  # the run's values: untouched
+        assert mx.array_equal(moved[name], run[name]).item(), name
+    # Layer 0's keys depend only on token and position: moved, they are a cold prefill's to 4-bit
+    # precision; left where they were stored, they are far off.
+    cold, _ = prefill(model, prompt[:n])
+    ref = cache_arrays(cold, codec, plan.at, n)
+    step = mx.abs(ref["0.k.s"].astype(mx.float32)).max().item()
+    assert mx.abs(deq(moved, 0, "k") - deq(ref, 0, "k")).max().item() <= 2 * step
+    assert mx.abs(deq(run, 0, "k") - deq(ref, 0, "k")).max().item() > 4 * step
+    assert mx.array_equal(moved["0.v.q"], ref["0.v.q"]).item()  # layer-0 values: the same tokens' values
+
+    # The model decodes on the spliced cache.
+    _, logits = prefill(model, prompt[n:], spliced)
+    assert mx.all(mx.isfinite(logits)).item()
+    pool.close()
+
+
+def test_which_models_are_spliced_here():
+    from vllm_mlx_persist.tools.models import build_model
+
+    assert splice.supported(ModelCodec.for_model(build_model("llama", "tiny")[0]))
+    assert splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0]))
+    assert not splice.supported(ModelCodec.for_model(build_model("gemma3_text", "tiny")[0], bounded=True))
+    assert not splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0], latent_bits=8))
+    assert not splice.supported(ModelCodec.for_model(build_model("qwen3_next", "tiny")[0]))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32"])
+def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
+    """MLA keeps full-precision latents: the rotary slot (deepseek_v3's k_pe in the cache's values;
+    deepseek_v32's also the indexer's keys) moves, the latent stays; layer 0 then equals a cold
+    prefill's within float rounding."""
+    from vllm_mlx_persist.rope_shift import slot_names
+    from vllm_mlx_persist.tools.models import build_model
+
+    model, _ = build_model(arch, "tiny")
+    codec = ModelCodec.for_model(model)
+    assert splice.supported(codec)
+    from vllm_mlx_persist.identity import model_fingerprint
+    from vllm_mlx_persist.pool import BlockPool
+    from vllm_mlx_persist.store import DiskStore
+
+    fmt = {"bits": 4, "group_size": GROUP, "block_size": 16}
+    fp = model_fingerprint(model, None, fmt)
+    pool = BlockPool(fingerprint=fp, n_layers=codec.n_layers, bits=4, group_size=GROUP, block_size=16,
+                     hot_bytes=1 << 30, store=DiskStore(tmp_path, fp, {"test": True}, fmt), codec=codec)
+
+    def run_model(tokens, cache=None):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        return cache
+
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    assert pool.commit("a", stored, run_model(stored)) == len(stored)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    verdicts = probe_model(model)
+    spliced, n = splice.apply(model, codec, verdicts, m.cache, m.num_tokens, prompt, plan, run)
+    pool.finish("r")
+    got = codec.token_arrays(spliced)
+    ref = codec.token_arrays(run_model(prompt[:n]))
+    rotated = 0
+    for slot, (name,) in zip(verdicts[0].slots, slot_names(codec.kinds[0], 0)):
+        mine, cold, was = got[name][..., plan.at:n, :], ref[name][..., plan.at:n, :], run[name]
+        if mine.size == 0:
+            continue
+        rel = (mx.linalg.norm((mine - cold).reshape(-1)) / mx.linalg.norm(cold.reshape(-1))).item()
+        assert rel <= 1e-4, (name, slot.kind, rel)
+        if slot.kind == "rotate":
+            rotated += 1
+            assert not mx.allclose(was, cold, atol=1e-3).item()  # unmoved it would be far off
+        else:
+            assert mx.array_equal(mine, was).item()  # the latent: the stored bytes
+    assert rotated == (1 if arch == "deepseek_v3" else 2)
+    _ = run_model(prompt[n:], spliced)  # the model decodes on it
+    pool.close()
+
+
+def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_path):
+    """A spliced turn is stored under the agent's amortized namespace, as a fork of its source: only
+    amortize lookups of the agent see it, it survives a restart, and erasing the agent or a forget
+    edit erases it too; it is not listed as an agent."""
+    from vllm_mlx_persist.kv_edit import FORGET
+    from vllm_mlx_persist.namespace import amortized_namespace
+
+    pool = make_pool(model, tmp_path)
+    codec = ModelCodec.for_model(model)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    cache, _ = prefill(model, stored)
+    pool.commit("a", stored, cache)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    spliced, n = splice.apply(model, codec, probe_model(model), m.cache, m.num_tokens, prompt, plan, run)
+    spliced, _ = prefill(model, prompt[n:], spliced)
+    ns = amortized_namespace("a", 1)
+    assert pool.commit(ns, prompt, spliced, "r", fork_from="a", spliced=True) == len(prompt)
+    pool.finish("r")
+    later = prompt + msg(5, 6)
+    assert pool.match("a", later).num_tokens == m.num_tokens  # exact: the honest prefix only
+    assert pool.match("b", later, fork_from="a").num_tokens <= m.num_tokens  # a fork that did not opt in
+    hit = pool.match("a", later, "r2", edit=AMORTIZE)
+    assert hit.num_tokens == len(prompt) and hit.source[0].namespace == ns
+    pool.finish("r2")
+    assert [i["id"] for i in pool.list_agents(10)[0]] == ["a"]
+    pool.flush()
+    pool.close()
+
+    again = make_pool(model, tmp_path)  # a restart: the spliced history reads back bit for bit
+    hit2 = again.match("a", later, "r3", edit=AMORTIZE)
+    assert hit2.num_tokens == len(prompt)
+    for x, y in zip(codec.token_arrays(hit.cache).values(), codec.token_arrays(hit2.cache).values()):
+        assert mx.array_equal(x, y).item()
+    again.finish("r3")
+    forgot = head + msg(9, 7)
+    again.match("a", forgot, "r4", edit=FORGET)  # a forget edit erases spliced copies
+    again.commit("a", forgot, prefill(model, forgot)[0], "r4")
+    again.finish("r4")
+    assert again.agent(ns) is None
+    again.flush()
+    again.close()
+    third = make_pool(model, tmp_path)
+    assert third.agent(ns) is None and third.agent("a") is not None
+    third.commit(ns, prompt, spliced, fork_from="a", spliced=True)
+    assert third.erase("a") and third.agent(ns) is None  # erasing the agent erases them
+    third.close()
+
+
+def test_a_splice_in_flight_during_a_forget_is_not_stored(model, tmp_path):
+    """A forget edit erases the agent's spliced histories; an amortize request that looked up before
+    it and finishes after it must not store its spliced turn (it may hold the forgotten content)."""
+    from vllm_mlx_persist.kv_edit import FORGET
+    from vllm_mlx_persist.namespace import amortized_namespace
+
+    pool = make_pool(model, tmp_path)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    pool.commit("a", stored, prefill(model, stored)[0])
+    ns = amortized_namespace("a", 1)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    cache = prefill(model, prompt)[0]
+    pool.commit(ns, prompt, cache, fork_from="a", spliced=True)  # an earlier splice, stored
+    pool.match("a", prompt + msg(4, 8), "slow", edit=AMORTIZE)  # a splice request in flight
+    pool.match("a", head + msg(9, 7), "forget", edit=FORGET)  # meanwhile a forget erases spliced copies
+    pool.finish("forget")
+    assert pool.agent(ns) is None
+    assert pool.commit(ns, prompt, cache, "slow", fork_from="a", spliced=True) == 0
+    assert pool.agent(ns) is None
+    pool.finish("slow")
+    pool.match("a", prompt, "later", edit=AMORTIZE)  # a request after the forget may splice again
+    assert pool.commit(ns, prompt, cache, "later", fork_from="a", spliced=True) == len(prompt)
+    pool.finish("later")
+    pool.close()
+
+
+def test_two_edits_in_one_request(model, tmp_path):
+    """Two spans replaced by stubs of other lengths: both later runs move, each by its own Δ; layer 0
+    of both equals a cold prefill's to 4-bit precision, and the values are the stored bytes."""
+    from vllm_mlx_persist.amortize import find_splices
+
+    pool = make_pool(model, tmp_path)
+    codec = ModelCodec.for_model(model)
+    m1, span1, m2, span2, m3 = msg(30, 1), msg(25, 2), msg(30, 3), msg(20, 4), msg(30, 5)
+    stored = m1 + span1 + m2 + span2 + m3
+    pool.commit("a", stored, prefill(model, stored)[0])
+    prompt = m1 + msg(4, 6) + m2 + msg(30, 7) + m3 + msg(5, 8)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plans = find_splices(m.stored, prompt, lcp(m.stored, prompt), A)
+    assert len(plans) == 2 and plans[0].delta == -21 and plans[1].delta == -21 + 10  # shifts add up
+    runs = [(p, pool.run_arrays(m.source, p.src, p.src + p.length)) for p in plans]
+    spliced, n = splice.apply_all(model, codec, probe_model(model), m.cache, m.num_tokens, prompt, runs)
+    pool.finish("r")
+    assert n == plans[1].at + plans[1].length
+    got = codec.token_arrays(spliced)
+    cold = codec.token_arrays(prefill(model, prompt[:n])[0])
+    step = mx.abs(cold["0.k.s"].astype(mx.float32)).max().item()
+    for p, run in runs:
+        moved = {k: a[..., p.at:p.at + p.length, :] for k, a in got.items()}
+        ref = {k: a[..., p.at:p.at + p.length, :] for k, a in cold.items()}
+        assert mx.abs(deq(moved, 0, "k") - deq(ref, 0, "k")).max().item() <= 2 * step
+        assert all(mx.array_equal(moved[x], run[x]).item() for x in run if ".v." in x)
+    pool.close()
