@@ -43,8 +43,8 @@ def isolated_home(tmp_path) -> dict[str, str]:
 def decode_mirror(request):
     """Run a test with batched decode on the 4-bit matmuls (budget 0), then on the float decode
     mirror (a 256 MB budget); the process default ("auto") is restored after."""
-    from vllm_mlx_persist import q4cache
+    from vllm_mlx_persist.caches import floats
 
-    q4cache.set_decode_float_budget(256 if request.param == "mirror_on" else 0)
+    floats.set_decode_float_budget(256 if request.param == "mirror_on" else 0)
     yield request.param == "mirror_on"
-    q4cache.set_decode_float_budget("auto")
+    floats.set_decode_float_budget("auto")

@@ -40,9 +40,10 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models import switch_layers
 
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.caches import ModelCodec
-from vllm_mlx_persist.q4cache import Q4KVCache, install_attention_fix, set_prefill_attention
+from vllm_mlx_persist.caches import ModelCodec, floats
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.floats import set_prefill_attention
+from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 
 WINDOW = 16
@@ -139,7 +140,7 @@ def _run(model, codec, rows: list[int], schedule: dict[int, list[int]], prefix) 
 def _alone_and_batched(model, codec, carried: bool = False) -> tuple[dict, list[dict]]:
     prefix = codec.make_cache()
     mx.eval(model(mx.array([_prompts()[RETURNING][:-3]]), cache=prefix))
-    if carried:  # the floats a hot turn carries from the agent's last turn (q4cache.CarriedFloats)
+    if carried:  # the floats a hot turn carries from the agent's last turn (floats.CarriedFloats)
         for c in prefix:
             if isinstance(c, Q4KVCache) and c.window is None:
                 c.floats = tuple(mx.dequantize(*q, group_size=c.group_size, bits=c.bits) for q in c.to_arrays())
@@ -175,15 +176,15 @@ def test_logits_bit_identical_with_carried_floats(arch, bounded, row_by_row):
     """The returning agent carries its last turn's floats, which start the batch's mirror at the
     merge (the other rows' K/V dequantized into it): every row's logprobs alone == batched, and
     == the same runs with nothing carried (the mirror then built by dequantizing), bit for bit."""
-    q4cache.set_decode_float_budget(256)
+    floats.set_decode_float_budget(256)
     try:
         model, codec = _family(arch, bounded)
-        started = q4cache.MIRROR_COUNTS["carried"]
+        started = floats.MIRROR_COUNTS["carried"]
         alone, batched = _alone_and_batched(model, codec, carried=True)
-        assert q4cache.MIRROR_COUNTS["carried"] > started
+        assert floats.MIRROR_COUNTS["carried"] > started
         plain, _ = _alone_and_batched(model, codec)
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     for name, run in zip(("together", "staggered", "nothing carried"), batched + [plain]):
         for r, (toks, lps) in alone.items():
             assert run[r][0] == toks, (arch, name, r)

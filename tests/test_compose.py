@@ -17,6 +17,7 @@ import time
 import pytest
 
 from vllm_mlx_persist import faults, store as store_mod
+from vllm_mlx_persist.disk_format import manifest_name
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
@@ -181,7 +182,7 @@ def test_erasure_reaches_every_model_directory_under_the_root(model, tmp_path):
     pool = make(model, tmp_path)
     serve(pool, model, "a", tokens(40))
     assert pool.erase("a")
-    assert not (other_dir / "agents" / f"{DiskStore.agent_key('a')}.json").exists()
+    assert not (other_dir / "agents" / manifest_name("a")).exists()
     assert not any((other_dir / "blocks" / b[:2] / f"{b}.safetensors").exists() for b in a_blocks)
     assert pool.snapshot()["erased_elsewhere"] == 1
     pool.close()

@@ -465,7 +465,7 @@ def test_float_decode_mirror_replies_equal_quantized_decode(models, tmp_path):
 
 @pytest.mark.parametrize("key", ["decode_float_mb", "carry_float_mb"])
 def test_decode_float_option_is_checked(key):
-    from vllm_mlx_persist.backend import parse_options
+    from vllm_mlx_persist.options import parse_options
 
     assert parse_options({})[key] == "auto"
     assert parse_options({key: 0})[key] == 0.0

@@ -145,7 +145,7 @@ def test_three_concurrent_branches_each_reuse_their_own(server):
 
 
 def _greedy(model, tokens, n, eos):
-    from vllm_mlx_persist.q4cache import make_q4_prompt_cache
+    from vllm_mlx_persist.caches.q4 import make_q4_prompt_cache
 
     cache = make_q4_prompt_cache(model, 4, 64)
     logits = model(mx.array(tokens)[None], cache=cache)
@@ -162,7 +162,7 @@ def _greedy(model, tokens, n, eos):
 def test_reply_that_retokenizes_differently_is_still_reused(server, model_dir):
     from mlx_lm import load
 
-    from vllm_mlx_persist.q4cache import install_attention_fix
+    from vllm_mlx_persist.caches.attention import install_attention_fix
 
     install_attention_fix()
     model, tok = load(str(model_dir))

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from test_text_match import CLEAN, FILL, SPACED, fed
-from vllm_mlx_persist.store import decode_block
+from vllm_mlx_persist.disk_format import decode_block
 from vllm_mlx_persist.tools.models import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 

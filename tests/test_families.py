@@ -24,12 +24,12 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from vllm_mlx_persist.caches import ModelCodec, StateCache
-from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+from vllm_mlx_persist.caches import ModelCodec, StateCache, floats
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.q4 import BatchQ4KVCache
 from vllm_mlx_persist.pool import BlockPool
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.q4cache import BatchQ4KVCache, install_attention_fix
 from vllm_mlx_persist.store import DiskStore
+from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 
 REL_TOL = 0.4
 BLOCK = 16
@@ -208,7 +208,7 @@ def test_state_checkpoints_carry_across_turns(arch, tmp_path):
 def test_unsupported_models_refused_with_reason():
     from mlx_lm.models import gemma2
 
-    from vllm_mlx_persist.q4cache import UnsupportedModelError
+    from vllm_mlx_persist.caches.kinds import UnsupportedModelError
 
     args = gemma2.ModelArgs(model_type="gemma2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
                             num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-6,
@@ -223,7 +223,7 @@ def test_quantized_attention_with_sinks(n_q, L, B):
     with GQA and a batched left-padded mask; without the sink term it would not."""
     from mlx_lm.models.base import create_causal_mask
 
-    from vllm_mlx_persist.q4cache import _sdpa_with_sinks
+    from vllm_mlx_persist.caches.attention import _sdpa_with_sinks
 
     mx.random.seed(0)
     n_kv, T, D = 2, 12, 64
@@ -254,7 +254,7 @@ def test_decode_mirror_with_window_and_sinks(arch):
     logits = {}
     try:
         for budget in (0, 256):
-            q4cache.set_decode_float_budget(budget)
+            floats.set_decode_float_budget(budget)
             rows = []
             for i, n in enumerate([40, 25, 33]):
                 c = codec.make_cache()
@@ -270,7 +270,7 @@ def test_decode_mirror_with_window_and_sinks(arch):
             assert q4 and all((c.float_kv() is not None) == (budget > 0) for c in q4)
             logits[budget] = mx.stack(out)
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     rel = (mx.abs(logits[256] - logits[0]).max() / logits[0].std()).item()
     print(arch, f"max |Δlogit| / std, mirror on vs off: {rel:.2e}")
     assert rel < 1e-4

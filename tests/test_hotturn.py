@@ -1,5 +1,5 @@
 """A returning agent's hot turn starts its float mirror from the floats its last turn ended with
-(`q4cache.CarriedFloats`, kept by the pool beside the turn's 4-bit blocks) instead of dequantizing
+(`floats.CarriedFloats`, kept by the pool beside the turn's 4-bit blocks) instead of dequantizing
 its history: the same values, so the same logits, bit for bit, as a turn that dequantizes (a reload
 from disk, or no carry budget). Real MLX on the CPU, tiny random models, mlx-lm's BatchGenerator.
 """
@@ -14,11 +14,11 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.caches import ModelCodec, floats
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.pool import BlockPool
-from vllm_mlx_persist.q4cache import BatchQ4KVCache, Q4KVCache, install_attention_fix, make_q4_prompt_cache
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 from vllm_mlx_persist.store import DiskStore
 from vllm_mlx_persist.tools.models import build_model
 
@@ -34,11 +34,11 @@ def model():
 
 @pytest.fixture(autouse=True)
 def budgets():
-    q4cache.set_decode_float_budget(256)
-    q4cache.set_carry_float_budget(256)
+    floats.set_decode_float_budget(256)
+    floats.set_carry_float_budget(256)
     yield
-    q4cache.set_decode_float_budget("auto")
-    q4cache.set_carry_float_budget("auto")
+    floats.set_decode_float_budget("auto")
+    floats.set_carry_float_budget("auto")
 
 
 def _tokens(n: int, seed: int) -> list[int]:
@@ -60,7 +60,7 @@ def _history(model, n: int, seed: int, carried: bool) -> list[Q4KVCache]:
 def _turn(model, rows: list[list], new: list[list[int]], steps: int = 3):
     """Merge the rows as BatchGenerator does, one prefill chunk of their new tokens (right-padded
     when their lengths differ), then decode steps. Returns the logits and the mirror builds."""
-    builds = q4cache.MIRROR_COUNTS["builds"]
+    builds = floats.MIRROR_COUNTS["builds"]
     batch = [BatchQ4KVCache.merge([r[l] for r in rows]) for l in range(len(model.layers))]
     started = [c.float_kv() is not None for c in batch]
     for c in batch:
@@ -79,7 +79,7 @@ def _turn(model, rows: list[list], new: list[list[int]], steps: int = 3):
     for s in range(steps):
         logits.append(model(mx.array([[7 + s + b] for b in range(len(rows))]), cache=batch)[:, -1])
     mx.eval(logits)
-    return logits, all(started), q4cache.MIRROR_COUNTS["builds"] - builds
+    return logits, all(started), floats.MIRROR_COUNTS["builds"] - builds
 
 
 @pytest.mark.parametrize("chunk", [12, 600], ids=["short-chunk", "long-chunk"])
@@ -122,18 +122,18 @@ def test_carry_budget_keeps_the_most_recently_used():
     """Copies are kept within the budget, least recently used dropped first, one larger than the
     budget never kept; the bytes go when their holders do."""
     mib = lambda: {0: (mx.zeros((1, 2, 1024, 64)), mx.zeros((1, 2, 1024, 64)))}  # noqa: E731 - 1 MiB
-    q4cache.set_carry_float_budget(3)
-    a, b, c = (q4cache.carry_floats(mib(), 1024) for _ in range(3))
-    assert q4cache.carry_float_bytes() == 3 << 20  # any older copies made room
+    floats.set_carry_float_budget(3)
+    a, b, c = (floats.carry_floats(mib(), 1024) for _ in range(3))
+    assert floats.carry_float_bytes() == 3 << 20  # any older copies made room
     assert a.take(1000)[0][0].shape == (1, 2, 1000, 64)  # a is now the most recently used
-    d = q4cache.carry_floats(mib(), 1024)
+    d = floats.carry_floats(mib(), 1024)
     assert b.layers is None and b.take(10) is None  # b went, not a
     assert all(x.layers is not None for x in (a, c, d))
-    assert q4cache.carry_floats({0: (mx.zeros((1, 2, 8192, 64)),) * 2}, 8192) is None  # 8 MiB: never
+    assert floats.carry_floats({0: (mx.zeros((1, 2, 8192, 64)),) * 2}, 8192) is None  # 8 MiB: never
     assert a.take(1025) is None  # beyond what it holds
     del a, b, c, d
     gc.collect()
-    assert q4cache.carry_float_bytes() == 0
+    assert floats.carry_float_bytes() == 0
 
 
 # ---- through the pool and mlx-lm's BatchGenerator -----------------------------------------------
@@ -153,7 +153,7 @@ def _serve(model, pool: BlockPool, prompt: list[int], max_tokens: int = 6):
     """One request as vllm-mlx's scheduler serves it with the backend: lookup, BatchGenerator from
     the hit (or a fresh cache), commit of the extracted cache. Returns tokens, logprobs, tier and
     the mirror builds during the request."""
-    builds = q4cache.MIRROR_COUNTS["builds"]
+    builds = floats.MIRROR_COUNTS["builds"]
     m = pool.match("a", prompt, "r")
     cache, rest = (m.cache, prompt[m.num_tokens:]) if m.cache is not None else (pool.codec.make_cache(), prompt)
     gen = BatchGenerator(model, max_tokens=max_tokens, prefill_step_size=2048)
@@ -167,7 +167,7 @@ def _serve(model, pool: BlockPool, prompt: list[int], max_tokens: int = 6):
             if r.finish_reason is not None:
                 pool.commit("a", prompt + tokens, r.prompt_cache, "r")
                 pool.finish("r")
-                return tokens, logprobs, m.tier, q4cache.MIRROR_COUNTS["builds"] - builds
+                return tokens, logprobs, m.tier, floats.MIRROR_COUNTS["builds"] - builds
 
 
 def test_a_hot_turn_runs_on_the_carried_floats_like_a_reloaded_one(model, tmp_path):
@@ -181,9 +181,9 @@ def test_a_hot_turn_runs_on_the_carried_floats_like_a_reloaded_one(model, tmp_pa
     run = pool.blocks[pool.agent("a").block_ids[0]].run[0]
     assert run.floats is not None and run.floats.n == len(first) + len(out1)
     second = first + out1 + _tokens(20, 12)
-    used = q4cache.CARRY_COUNTS["used"]
+    used = floats.CARRY_COUNTS["used"]
     hot = _serve(model, pool, second)
-    assert (hot[2], hot[3], q4cache.CARRY_COUNTS["used"]) == ("hot", 0, used + 1)
+    assert (hot[2], hot[3], floats.CARRY_COUNTS["used"]) == ("hot", 0, used + 1)
     pool.close()
 
     pool = _pool(model, tmp_path / "a")  # a restart: the blocks come from disk, no floats with them
@@ -191,7 +191,7 @@ def test_a_hot_turn_runs_on_the_carried_floats_like_a_reloaded_one(model, tmp_pa
     assert (reloaded[2], reloaded[3]) == ("disk", len(model.layers))
     pool.close()
 
-    q4cache.set_carry_float_budget(0)
+    floats.set_carry_float_budget(0)
     pool = _pool(model, tmp_path / "b")
     _serve(model, pool, first)
     assert pool.blocks[pool.agent("a").block_ids[0]].run[0].floats is None
@@ -207,7 +207,7 @@ def test_carried_floats_go_with_their_run(model, tmp_path):
     """The floats live as long as the run of hot blocks that holds them: cleared with the pool's
     hot tier, and replaced, not accumulated, turn after turn."""
     gc.collect()
-    base = q4cache.carry_float_bytes()
+    base = floats.carry_float_bytes()
     pool = _pool(model, tmp_path)
     prompt = _tokens(200, 13)
     for i in range(3):
@@ -216,10 +216,10 @@ def test_carried_floats_go_with_their_run(model, tmp_path):
         gc.collect()
         # an int, not the run: an object named in an assert stays alive in pytest's rewritten frame
         kept = pool.blocks[pool.agent("a").block_ids[0]].run[0].floats.nbytes
-        assert q4cache.carry_float_bytes() - base == kept
+        assert floats.carry_float_bytes() - base == kept
     pool.clear()
     gc.collect()
-    assert q4cache.carry_float_bytes() == base
+    assert floats.carry_float_bytes() == base
     pool.close()
 
 
@@ -227,13 +227,13 @@ def test_carried_floats_go_when_the_run_loses_its_first_block(model, tmp_path):
     """Once the run's first block leaves memory no lookup can take the run whole, so its floats are
     released at once, while the other blocks (and the run's 4-bit arrays) stay hot."""
     gc.collect()
-    base = q4cache.carry_float_bytes()
+    base = floats.carry_float_bytes()
     pool = _pool(model, tmp_path)
     prompt = _tokens(200, 21)
     _serve(model, pool, prompt)
     first, second = (pool.blocks[b] for b in pool.agent("a").block_ids[:2])
     run = first.run[0]
-    assert run.floats is not None and q4cache.carry_float_bytes() > base
+    assert run.floats is not None and floats.carry_float_bytes() > base
     pool.flush()  # the blocks on disk first: they leave memory as an eviction would make them
     pool.table.drop(second)  # a later block leaving keeps them: a shorter prefix still uses them
     assert run.floats is not None
@@ -241,7 +241,7 @@ def test_carried_floats_go_when_the_run_loses_its_first_block(model, tmp_path):
     assert run.floats is None and run.members
     del run
     gc.collect()
-    assert q4cache.carry_float_bytes() == base
+    assert floats.carry_float_bytes() == base
     pool.close()
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_mlx_persist import kv_edit
-from vllm_mlx_persist.backend import edit_mode, parse_options, split_namespace
+from vllm_mlx_persist.namespace import edit_mode, split_namespace
+from vllm_mlx_persist.options import parse_options
 from vllm_mlx_persist.plugin import vllm_mlx_cache_namespace
 
 

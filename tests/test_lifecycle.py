@@ -13,7 +13,8 @@ from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.tools.models import build_model
 from vllm_mlx_persist.pool import BlockPool, BlockState
-from vllm_mlx_persist.store import DiskStore, Manifest, StoreWriteError
+from vllm_mlx_persist.disk_format import Manifest
+from vllm_mlx_persist.store import DiskStore, StoreWriteError
 
 
 @pytest.fixture(scope="module")

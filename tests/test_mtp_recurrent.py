@@ -25,7 +25,8 @@ import pytest
 from test_families import SIZE, _pool
 from vllm_mlx_persist.caches import ModelCodec, StateCache
 from vllm_mlx_persist.caches.recurrent import LOST
-from vllm_mlx_persist.q4cache import STATE, install_attention_fix
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.kinds import STATE
 from vllm_mlx_persist.tools.models import build_model
 
 STATE_TOL = 1e-4

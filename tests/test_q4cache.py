@@ -27,16 +27,11 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.q4cache import (
-    BatchQ4KVCache,
-    Q4KVCache,
-    UnsupportedModelError,
-    check_model_supported,
-    install_attention_fix,
-    make_q4_prompt_cache,
-    set_prefill_attention,
-)
+from vllm_mlx_persist.caches import attention, floats
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.floats import set_prefill_attention
+from vllm_mlx_persist.caches.kinds import UnsupportedModelError, check_model_supported
+from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 
 VOCAB = 512
 PATCHES = Path(__file__).resolve().parent.parent / "patches"
@@ -243,7 +238,7 @@ def test_gqa_batch_equals_kv_heads(model, monkeypatch, attention_mode):
     SDPA and even mlx-lm 0.31's unpatched function, which mis-broadcasts it (silently wrong at
     B == n_kv_heads, `test_attention_fix_function_level`), gives the right answer here. (Decode on
     the quantized matmuls: the float decode mirror would bypass them.)"""
-    monkeypatch.setattr(q4cache, "_decode_float_mb", 0)
+    monkeypatch.setattr(floats, "_decode_float_mb", 0)
     prompts = [[5, 17, 300, 42, 8, 99, 100, 1, 2, 3, 4], [77, 3, 250]]
 
     def first_logprobs():
@@ -287,7 +282,7 @@ def _check_attention(fixed, original):
         # A per-head (B, n_q, L, T) mask is handled too.
         head_mask = mx.broadcast_to(mask, (B, n_q, L, T))
         assert mx.abs(run(fixed, head_mask) - want).max().item() < 1e-4
-        if not q4cache.mask_needs_fix(original):  # mlx-lm >= 0.32: fixed upstream
+        if not attention.mask_needs_fix(original):  # mlx-lm >= 0.32: fixed upstream
             assert mx.abs(run(original, mask) - want).max().item() < 1e-4
         elif B == n_kv:  # silently wrong: measured max error 2.0
             assert mx.abs(run(original, mask) - want).max().item() > 0.5
@@ -319,9 +314,9 @@ def test_prefill_attention_modes_agree(model):
     set_prefill_attention("auto")
     assert mx.abs(logits["quantized"] - logits["dequantized"]).max().item() < 1e-4
     assert mx.array_equal(logits["auto"], logits["dequantized"]).item()  # tests run on the CPU
-    assert q4cache.DEQUANT_MIN_QUERIES > 1
+    assert floats.DEQUANT_MIN_QUERIES > 1
     set_prefill_attention("dequantized")
-    assert not q4cache._dequantize_for(1)  # decode stays on the quantized matmuls
+    assert not floats.dequantize_for(1)  # decode stays on the quantized matmuls
     set_prefill_attention("auto")
     with pytest.raises(ValueError, match="prefill_attention"):
         set_prefill_attention("fp16")
@@ -508,9 +503,9 @@ def test_check_model_supported():
 def test_mask_fix_detected_not_assumed():
     """The GQA mask fix is applied only where the installed mlx-lm needs it (0.31.3 does; 0.32.x
     fixed it upstream, and wrapping again there breaks batched decode)."""
-    assert q4cache.mask_needs_fix(_ORIGINAL_QSDPA) == (tuple(map(int, mlx_lm_version().split(".")[:2])) < (0, 32))
-    fixed = q4cache._make_fixed(_ORIGINAL_QSDPA)
-    assert not q4cache.mask_needs_fix(fixed)
+    assert attention.mask_needs_fix(_ORIGINAL_QSDPA) == (tuple(map(int, mlx_lm_version().split(".")[:2])) < (0, 32))
+    fixed = attention._make_fixed(_ORIGINAL_QSDPA)
+    assert not attention.mask_needs_fix(fixed)
 
 
 def mlx_lm_version() -> str:
@@ -541,7 +536,7 @@ def _mirror_ops(budget_mb):
     merge, decode updates across a buffer growth, extend (with a mirrored, an unmirrored and an
     empty side), trim, filter, a right-padded chunk with prepare/finalize, deepcopy, state. Returns
     every row's extracted cache and the mirror bytes seen after each step."""
-    q4cache.set_decode_float_budget(budget_mb)
+    floats.set_decode_float_budget(budget_mb)
     mx.random.seed(11)
     kv = lambda B, n: (mx.random.normal((B, 2, n, 64)), mx.random.normal((B, 2, n, 64)))
     on = budget_mb > 0
@@ -563,7 +558,7 @@ def _mirror_ops(budget_mb):
         a.update_and_fetch(*kv(3, 1))
         if i in (0, 255, 256, 259):
             _check_mirror(a, on)
-            seen.append(q4cache.decode_float_bytes())
+            seen.append(floats.decode_float_bytes())
     b = merged([30, 12])
     b.update_and_fetch(*kv(2, 1))  # b has its own mirror
     a.extend(b)
@@ -587,28 +582,28 @@ def _mirror_ops(budget_mb):
     _check_mirror(a, on)
     a.update_and_fetch(*kv(4, 1))
     _check_mirror(a, on)
-    seen.append(q4cache.decode_float_bytes())
+    seen.append(floats.decode_float_bytes())
     d = copy.deepcopy(a)
     _check_mirror(d, on)  # shares a's mirror: a deep copy of an array is the same data
     d.update_and_fetch(*kv(4, 1))
     _check_mirror(d, on)
     _check_mirror(a, on)  # the copies are independent (MLX copies a shared buffer on write)
     if on:
-        q4cache.set_decode_float_budget(q4cache.decode_float_bytes() / 2**20)  # full
+        floats.set_decode_float_budget(floats.decode_float_bytes() / 2**20)  # full
         _check_mirror(copy.deepcopy(a), True)  # a deep copy allocates nothing: shared whatever the budget
         rows = [a.extract(i) for i in range(4)]
         for r in rows:
             r.floats = None  # else the merge would start the mirror from them (test_carried_floats_*)
-        refused = q4cache.MIRROR_COUNTS["refused"]
+        refused = floats.MIRROR_COUNTS["refused"]
         d2 = Q4KVCache.merge(rows)
         d2.update_and_fetch(*kv(4, 1))
         d2.update_and_fetch(*kv(4, 1))
         _check_mirror(d2, False)  # no room: none built at its decode steps
-        assert q4cache.MIRROR_COUNTS["refused"] == refused + 1  # one cache refused, not one per step
+        assert floats.MIRROR_COUNTS["refused"] == refused + 1  # one cache refused, not one per step
         packed = lambda c: sum(x.nbytes for x in c.keys + c.values)  # noqa: E731
         assert a.nbytes == packed(a) + a.mirror_nbytes > packed(a)  # nbytes counts the mirror
         assert d2.nbytes == packed(d2)
-        q4cache.set_decode_float_budget(budget_mb)
+        floats.set_decode_float_budget(budget_mb)
         d2.update_and_fetch(*kv(4, 1))
         _check_mirror(d2, True)  # room again: built
         d2.filter([])
@@ -627,25 +622,25 @@ def test_mirror_follows_every_op_and_storage_is_unchanged():
     """The mirror equals dequantize(packed) bit for bit after each op, and what is stored and
     extracted is bit-identical with and without it (the mirror never feeds the storage)."""
     gc.collect()
-    base = q4cache.decode_float_bytes()
+    base = floats.decode_float_bytes()
     try:
         with_mirror, seen = _mirror_ops(256)
         without, seen_off = _mirror_ops(0)
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     assert all(n > base for n in seen) and all(n == base for n in seen_off)
     assert seen[0] == seen[1] < seen[2] == seen[3]  # the growth was accounted
     for x, y in zip(with_mirror, without):
         assert x.offset == y.offset
         assert all(mx.array_equal(p, q).item() for p, q in zip(x.keys + x.values, y.keys + y.values))
     gc.collect()
-    assert q4cache.decode_float_bytes() == base  # filtered to nothing / freed: nothing held
+    assert floats.decode_float_bytes() == base  # filtered to nothing / freed: nothing held
 
 
 def _teacher_forced(model, lens, steps, budget_mb, seed=0):
     """Batched decode of fixed tokens (the same inputs whatever the logits) on merged 4-bit rows;
     returns the logits per step, the peak mirror bytes and the batch caches."""
-    q4cache.set_decode_float_budget(budget_mb)
+    floats.set_decode_float_budget(budget_mb)
     rows = []
     rng = random.Random(seed)
     for n in lens:
@@ -658,7 +653,7 @@ def _teacher_forced(model, lens, steps, budget_mb, seed=0):
         y = mx.array([[(s * 7 + b) % VOCAB] for b in range(len(lens))])
         logits.append(model(y, cache=batch)[:, -1])
         mx.eval(logits[-1])
-        peak = max(peak, q4cache.decode_float_bytes())
+        peak = max(peak, floats.decode_float_bytes())
     return mx.stack(logits), peak, batch
 
 
@@ -672,7 +667,7 @@ def test_mirror_logits_match_quantized_decode(model):
         on, peak_on, batch = _teacher_forced(model, [245, 230, 180], 20, 256)
         assert all(c.float_kv() is not None for c in batch)
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     rel = (mx.abs(on - off).max() / off.std()).item()
     print(f"max |Δlogit| / std, mirror on vs off: {rel:.2e}")
     assert rel < 1e-4
@@ -696,22 +691,22 @@ def test_a_returning_turn_dequantizes_once(model):
         cache = make_q4_prompt_cache(model)
         _prefill(model, cache, history)
         batch = [BatchQ4KVCache.merge([c]) for c in cache]
-        builds = q4cache.MIRROR_COUNTS["builds"]
-        q4cache.set_decode_float_budget(chunk_budget_mb)
+        builds = floats.MIRROR_COUNTS["builds"]
+        floats.set_decode_float_budget(chunk_budget_mb)
         logits = [model(mx.array([new]), cache=batch)[:, -1]]
-        in_chunk = q4cache.MIRROR_COUNTS["builds"] - builds
-        q4cache.set_decode_float_budget(256)
+        in_chunk = floats.MIRROR_COUNTS["builds"] - builds
+        floats.set_decode_float_budget(256)
         for y in (3, 5, 7):
             logits.append(model(mx.array([[y]]), cache=batch)[:, -1])
         mx.eval(logits)
         assert all(c.float_kv() is not None for c in batch)
-        return logits, in_chunk, q4cache.MIRROR_COUNTS["builds"] - builds
+        return logits, in_chunk, floats.MIRROR_COUNTS["builds"] - builds
 
     try:
         logits, in_chunk, total = turn(256)
         ref, ref_in_chunk, ref_total = turn(0)
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     n = len(model.layers)
     assert (in_chunk, total) == (n, n)  # built by the chunk, kept by the decode steps
     assert (ref_in_chunk, ref_total) == (0, n)  # built again by the first decode step
@@ -719,7 +714,7 @@ def test_a_returning_turn_dequantizes_once(model):
     # A full-size chunk of a long prompt attends on a transient copy: no mirror held through a
     # cold prefill (the chunks after it would keep a float copy of the whole history).
     batch = [BatchQ4KVCache.merge([c]) for c in make_q4_prompt_cache(model)]
-    model(mx.array([[1] * q4cache.MIRROR_PREFILL_MAX_QUERIES]), cache=batch)
+    model(mx.array([[1] * floats.MIRROR_PREFILL_MAX_QUERIES]), cache=batch)
     assert all(c.float_kv() is None for c in batch)
 
 
@@ -728,13 +723,13 @@ def test_mirror_budget_bounds_and_drops(model):
     equals the per-sequence reference. A budget that fits the first mirror but not its growth: the
     mirror is dropped at the growth (the batch goes on on 4-bit), and the bytes never exceed it."""
     gc.collect()
-    base = q4cache.decode_float_bytes()
+    base = floats.decode_float_bytes()
     try:
-        q4cache.set_decode_float_budget(0.01)  # 10 KB
+        floats.set_decode_float_budget(0.01)  # 10 KB
         prompts = _prompts(3, 5, 20, seed=4)
         gen = _batch_gen(model)
         out, uids = _run(gen, {0: [(p, 6, make_q4_prompt_cache(model)) for p in prompts]})
-        assert q4cache.decode_float_bytes() == base
+        assert floats.decode_float_bytes() == base
         for p, u in zip(prompts, uids):
             assert out[u][0] == _reference(model, p, 6)[0]
 
@@ -746,36 +741,36 @@ def test_mirror_budget_bounds_and_drops(model):
         y = mx.zeros((3, 1), dtype=mx.int32)
         for _ in range(260):
             mx.eval(model(y, cache=batch))
-            assert q4cache.decode_float_bytes() - base <= 3.5 * 2**20
+            assert floats.decode_float_bytes() - base <= 3.5 * 2**20
         assert batch[0].float_kv() is None and batch[1].float_kv() is not None
         _check_mirror(batch[1])
         assert batch[0].size() == 245 + 4 + 260
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     with pytest.raises(ValueError, match="decode_float_mb"):
-        q4cache.set_decode_float_budget(-1)
+        floats.set_decode_float_budget(-1)
     with pytest.raises(ValueError, match="decode_float_mb"):
-        q4cache.set_decode_float_budget("fast")
-    assert q4cache.decode_float_budget_bytes() == q4cache.DECODE_FLOAT_AUTO_MB * 2**20  # CPU default
+        floats.set_decode_float_budget("fast")
+    assert floats.decode_float_budget_bytes() == floats.DECODE_FLOAT_AUTO_MB * 2**20  # CPU default
     del batch
     gc.collect()
-    assert q4cache.decode_float_bytes() == base
+    assert floats.decode_float_bytes() == base
 
 
 def test_mirror_accounting_returns_to_zero(model):
     """Through mlx-lm's BatchGenerator (extract of each finished row, filter, and the batch list
     cleared when the last one finishes): the mirror bytes go back to where they started."""
     gc.collect()
-    base = q4cache.decode_float_bytes()
+    base = floats.decode_float_bytes()
     try:
-        q4cache.set_decode_float_budget(256)
+        floats.set_decode_float_budget(256)
         gen = _batch_gen(model)
         peak = []
         orig_next = gen.next
 
         def next_():
             r = orig_next()
-            peak.append(q4cache.decode_float_bytes() - base)
+            peak.append(floats.decode_float_bytes() - base)
             return r
 
         gen.next = next_
@@ -785,6 +780,6 @@ def test_mirror_accounting_returns_to_zero(model):
         assert max(peak) > 0
         assert all(isinstance(c, Q4KVCache) for u in uids for c in out[u][2])
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     gc.collect()
-    assert q4cache.decode_float_bytes() == base
+    assert floats.decode_float_bytes() == base

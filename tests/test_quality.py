@@ -157,7 +157,7 @@ def test_hadamard_and_fake_quantize():
 def test_simulated_4bit_matches_the_served_cache(tiny_llama):
     """A prefill through the simulation gives the served Q4KVCache's logits (on the CPU the served
     cache attends multi-token chunks on the same dequantized values)."""
-    from vllm_mlx_persist.q4cache import install_attention_fix
+    from vllm_mlx_persist.caches.attention import install_attention_fix
 
     install_attention_fix()
     tokens = list(range(5, 69))

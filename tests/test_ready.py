@@ -7,7 +7,7 @@ import asyncio
 import time
 from concurrent.futures import Future
 
-from vllm_mlx_persist.backend import when_all, with_deadline
+from vllm_mlx_persist.futures import when_all, with_deadline
 
 
 def test_when_all_waits_for_every_future_then_the_next_stage():

@@ -20,7 +20,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_mlx_persist.store import BlockData, DiskStore, Manifest, encode_block
+from vllm_mlx_persist.store import DiskStore
+
+try:
+    from vllm_mlx_persist.disk_format import BlockData, Manifest, encode_block
+except ImportError:  # OLD_BUILD_SCRIPT imports this module against builds from before disk_format.py
+    from vllm_mlx_persist.store import BlockData, Manifest, encode_block
 
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 
@@ -737,15 +742,15 @@ def test_two_remote_format_versions_coexist(server, fp, tiers, monkeypatch):
 
 
 def test_the_remote_version_pins_what_its_keyspace_holds():
-    """A tripwire: keyspace r2 holds store FORMAT_VERSION 1 blocks checked by crc32 or sha256, and
+    """A tripwire: keyspace r2 holds disk_format FORMAT_VERSION 1 blocks checked by crc32 or sha256, and
     every r2 reader accepts exactly those. A build that writes anything else must bump
     REMOTE_FORMAT_VERSION (docs/fleet.md, Versions), or it deletes, or is deleted by, its peers."""
     import vllm_mlx_persist.remote as remote
-    from vllm_mlx_persist import store
+    from vllm_mlx_persist import disk_format
 
     raw = encode_block(chain("f" * 64, "t", 1)[0])
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
-    assert (store.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
+    assert (disk_format.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
     assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
 
 
@@ -891,7 +896,7 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
         assert load_secret(str(f), {}) == SECRET
     assert "open to other users" in caplog.text and SECRET.decode() not in caplog.text
     # the backend's options: a file path (a secret inline is refused, naming the ways to give one)
-    from vllm_mlx_persist.backend import parse_options
+    from vllm_mlx_persist.options import parse_options
 
     assert parse_options({"remote_secret_file": "~/s"})["remote_secret_file"] == os.path.expanduser("~/s")
     with pytest.raises(ValueError, match="remote_secret_file.*VLLM_MLX_PERSIST_FLEET_SECRET"):

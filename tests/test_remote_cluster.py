@@ -23,7 +23,7 @@ import redis.cluster  # noqa: E402
 
 from test_remote import SECRET, SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
 from vllm_mlx_persist.remote import REMOTE_FORMAT_VERSION, RemoteTier  # noqa: E402
-from vllm_mlx_persist.store import Manifest, encode_block  # noqa: E402
+from vllm_mlx_persist.disk_format import Manifest, encode_block  # noqa: E402
 
 NODE_TIMEOUT_MS = 2000
 

@@ -11,7 +11,7 @@ from mlx_lm.models.deepseek_v2 import DeepseekV2YarnRotaryEmbedding
 from mlx_lm.models.internlm2 import DynamicNTKScalingRoPE
 from mlx_lm.models.rope_utils import initialize_rope
 
-from vllm_mlx_persist.q4cache import layer_kinds
+from vllm_mlx_persist.caches.kinds import layer_kinds
 from vllm_mlx_persist.rope_shift import (
     RopeParams,
     identity_error,

@@ -151,7 +151,8 @@ def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_pat
     """A spliced turn is stored under the agent's amortized namespace, as a fork of its source: only
     amortize lookups of the agent see it, it survives a restart, and erasing the agent or a forget
     edit erases it too; it is not listed as an agent."""
-    from vllm_mlx_persist.kv_edit import FORGET, amortized_namespace
+    from vllm_mlx_persist.kv_edit import FORGET
+    from vllm_mlx_persist.namespace import amortized_namespace
 
     pool = make_pool(model, tmp_path)
     codec = ModelCodec.for_model(model)
@@ -201,7 +202,8 @@ def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_pat
 def test_a_splice_in_flight_during_a_forget_is_not_stored(model, tmp_path):
     """A forget edit erases the agent's spliced histories; an amortize request that looked up before
     it and finishes after it must not store its spliced turn (it may hold the forgotten content)."""
-    from vllm_mlx_persist.kv_edit import FORGET, amortized_namespace
+    from vllm_mlx_persist.kv_edit import FORGET
+    from vllm_mlx_persist.namespace import amortized_namespace
 
     pool = make_pool(model, tmp_path)
     head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)

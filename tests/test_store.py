@@ -17,17 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vllm_mlx_persist import disk_format
 from vllm_mlx_persist import store as store_mod
-from vllm_mlx_persist.store import (
-    FORMAT_VERSION,
-    BlockData,
-    CacheDirLock,
-    DiskStore,
-    Manifest,
-    ModelMismatchError,
-    StoreError,
-    StoreWriteError,
-)
+from vllm_mlx_persist.disk_format import FORMAT_VERSION, BlockData, Manifest, agent_key
+from vllm_mlx_persist.store import CacheDirLock, DiskStore, ModelMismatchError, StoreError, StoreWriteError
 
 REPO = Path(__file__).resolve().parents[1]
 FP = "ab" * 32
@@ -219,7 +212,7 @@ def test_agent_key_is_hashed_and_paths_stay_inside(tmp_path):
     s = open_store(root)
     evil = ["../../etc", "../../../../tmp/pwned", "/abs/path", "a/b", "..", "x\x00y", "é" * 128]
     for ns in evil:
-        key = s.agent_key(ns)
+        key = agent_key(ns)
         assert key != ns and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
         s.write_manifest(Manifest(ns, [], 0, 1.0))
         assert s.read_manifest(ns).namespace == ns
@@ -286,8 +279,8 @@ def _as_sha256(raw: bytes) -> bytes:
     names = sorted(n for n in header if n != "__metadata__")
     tensors = [(n, header[n]["dtype"], header[n]["shape"], memoryview(data)[slice(*header[n]["data_offsets"])])
                for n in names]
-    meta["checksum"] = store_mod._block_checksum(meta["block_id"], int(meta["n_tokens"]),
-                                                 json.loads(meta["dtypes"]), tensors)
+    meta["checksum"] = disk_format.block_sha256(meta["block_id"], int(meta["n_tokens"]),
+                                              json.loads(meta["dtypes"]), tensors)
     return _join(header, data)
 
 
@@ -303,7 +296,7 @@ def test_blocks_written_with_sha256_are_still_read(tmp_path):
     such (a flipped data byte is still caught); a checksum of no known kind is a bad file."""
     s = open_store(tmp_path)
     blk, other = make_block(21), make_block(22)
-    raw = _as_sha256(store_mod.encode_block(blk))
+    raw = _as_sha256(disk_format.encode_block(blk))
     assert _split(raw)[0]["__metadata__"]["checksum"].startswith("sha256:")
     _put(s, blk, raw)
     assert_same(blk, s.read_block(blk.block_id))
@@ -312,7 +305,7 @@ def test_blocks_written_with_sha256_are_still_read(tmp_path):
     data[header["0.k.q"]["data_offsets"][0] + 3] ^= 0x01
     p = _put(s, blk, _join(header, bytes(data)))
     assert s.read_block(blk.block_id) is None and not p.exists()
-    header, data = _split(store_mod.encode_block(other))
+    header, data = _split(disk_format.encode_block(other))
     header["__metadata__"]["checksum"] = "md5:" + "0" * 32
     _put(s, other, _join(header, data))
     assert s.read_block(other.block_id) is None
@@ -325,7 +318,7 @@ def test_swapped_tensor_offsets_are_caught(tmp_path, checksum):
     data exactly; the checksum (it covers the offsets, or the data in name order) catches it."""
     s = open_store(tmp_path)
     blk = make_block(23)
-    raw = store_mod.encode_block(blk)
+    raw = disk_format.encode_block(blk)
     raw = _as_sha256(raw) if checksum == "sha256" else raw
     header, data = _split(raw)
     a, b = header["0.k.q"], header["0.v.q"]
@@ -362,9 +355,9 @@ def test_garbage_and_empty_block_files(tmp_path):
 def test_block_from_other_format_version_is_a_miss(tmp_path, monkeypatch):
     s = open_store(tmp_path)
     blk = make_block(11)
-    monkeypatch.setattr(store_mod, "FORMAT_VERSION", 2)
+    monkeypatch.setattr(disk_format, "FORMAT_VERSION", 2)
     s.write_block(blk)
-    monkeypatch.setattr(store_mod, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(disk_format, "FORMAT_VERSION", 1)
     assert s.read_block(blk.block_id) is None
     assert len(quarantined(s)) == 1
 
@@ -463,7 +456,8 @@ def test_full_disk_raises_store_write_error_and_leaves_nothing(tmp_path):
         import numpy as np
         sys.path.insert(0, {str(REPO / 'tests')!r})
         from test_store import make_block, open_store
-        from vllm_mlx_persist.store import Manifest, StoreWriteError
+        from vllm_mlx_persist.disk_format import Manifest
+        from vllm_mlx_persist.store import StoreWriteError
         from pathlib import Path
         s = open_store(Path({str(tmp_path)!r}))
         big, small = make_block(20, n_tokens=2048, layers=4), make_block(21, n_tokens=4, layers=1)
@@ -884,7 +878,7 @@ def test_oversized_block_is_refused_before_its_data_is_read(tmp_path, monkeypatc
     assert read_sizes == []  # refused on fstat alone
     with pytest.raises(StoreWriteError, match="block cap"):  # and never written beyond what can be read
         s.write_block(make_block(44))
-    s.max_block_bytes = store_mod.MAX_BLOCK_BYTES
+    s.max_block_bytes = disk_format.MAX_BLOCK_BYTES
 
     s.write_block(blk)
     with open(path, "r+b") as f:
@@ -900,7 +894,7 @@ def test_oversized_manifest_is_quarantined_unread_and_never_written(tmp_path, mo
     s.write_manifest(Manifest("big", ["ab" * 32] * 10, 2560, 1.0))
     s.write_manifest(Manifest("small", [], 0, 1.0))
     with open(s.manifest_path("big"), "r+b") as f:
-        f.truncate(store_mod.MAX_MANIFEST_BYTES + 1)  # sparse
+        f.truncate(disk_format.MAX_MANIFEST_BYTES + 1)  # sparse
     assert [m.namespace for m in s.list_manifests()] == ["small"]
     assert len(quarantined(s)) == 1
     monkeypatch.setattr(store_mod, "MAX_MANIFEST_BYTES", 1000)

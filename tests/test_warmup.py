@@ -49,7 +49,7 @@ def test_warmup_runs_at_startup_and_caches_nothing(tmp_path: Path):
 
 
 def test_warmup_option_is_checked():
-    from vllm_mlx_persist.backend import parse_options
+    from vllm_mlx_persist.options import parse_options
 
     assert parse_options({})["warmup"] is True
     assert parse_options({"warmup": False})["warmup"] is False

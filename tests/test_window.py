@@ -29,10 +29,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.caches import ModelCodec, floats
 from vllm_mlx_persist.caches.codec import WIN_FROM
-from vllm_mlx_persist.q4cache import BatchQ4KVCache, Q4KVCache, install_attention_fix
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 
 WINDOW = 16
@@ -238,7 +238,7 @@ def _contract(budget_mb: float) -> list:
     """merge (different lengths and starts) / decode across drops / extend (an empty side, a side
     with its own mirror, one without) / trim / filter / a right-padded chunk longer than the window
     in which one row ends early / deepcopy / state, each checked against what the rows were fed."""
-    q4cache.set_decode_float_budget(budget_mb)
+    floats.set_decode_float_budget(budget_mb)
     on = budget_mb > 0
     mx.random.seed(5)
     rows = Rows()
@@ -348,7 +348,7 @@ def test_batch_contract_with_window():
         with_mirror = _contract(256)
         without = _contract(0)
     finally:
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
     for x, y in zip(with_mirror, without):
         assert (x.offset, x.start) == (y.offset, y.start)
         assert all(mx.array_equal(p, q).item() for p, q in zip(x.keys + x.values, y.keys + y.values))

@@ -21,7 +21,7 @@ import pytest
 
 from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.pool import BlockPool
-from vllm_mlx_persist.q4cache import install_attention_fix
+from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.store import DiskStore
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 

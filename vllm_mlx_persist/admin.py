@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 
+from .namespace import validate_agent_id
 
 PAGE_DEFAULT, PAGE_MAX = 100, 1000  # agents per GET /v1/agents reply: every response has a bound
 
@@ -29,8 +30,8 @@ def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
 
 
-def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[[Any, str], str]) -> APIRouter:
-    """Routes over the backend `get_backend()` returns; `validate_id` checks path agent ids."""
+def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
+    """Routes over the backend `get_backend()` returns."""
     router = APIRouter()
 
     def pool_or_error():
@@ -43,7 +44,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
     def agent_and_pool(agent_id: str):
         """(pool, error response): a 400 for a malformed id, a 503 without a running backend."""
         try:
-            validate_id(agent_id, "the URL path")
+            validate_agent_id(agent_id, "the URL path")
         except ValueError as e:
             return None, _error(400, str(e))
         return pool_or_error()
@@ -55,7 +56,7 @@ def make_router(get_backend: Callable[[], Optional[Any]], validate_id: Callable[
             return err
         if after is not None:
             try:
-                validate_id(after, "`after`")
+                validate_agent_id(after, "`after`")
             except ValueError as e:
                 return _error(400, str(e))
         agents, more = await asyncio.to_thread(pool.list_agents, limit, after)

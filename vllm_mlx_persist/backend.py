@@ -1,191 +1,50 @@
 """The `persist_q4` cache backend: the contract vllm-mlx's scheduler calls (see patches/).
 
-Thin on purpose: options, start-up checks and logging here; the cache math lives in `q4cache`,
-blocks and tiers in `pool`, files in `store`.
+Thin on purpose: it wires the parts together at start-up and forwards each call of the contract.
+Its options live in `options`, its one-line start-up refusals in `refusal`, its warm-up in
+`warmup`, and `futures` builds what `ready()` returns; the cache classes and attention are in
+`caches/`, blocks and tiers in `pool`, files in `store`, span directives in `kv_edit` / `amortize`
+/ `splice`. The factory runs on the event-loop thread at start-up; `fetch`, `store`, `load` and the
+pool's first build on the worker; `prefetch` and `ready` on the event loop; `get_stats` on the HTTP
+thread (it never builds the pool).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import os
-import threading
 import time
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
-from urllib.parse import urlsplit
 
 from .amortize import ModelSplicing
 from .caches import ModelCodec
-from .identity import model_fingerprint
-from .kv_edit import AMORTIZE, FORGET, parse_option as parse_kv_edit
-from .kv_edit import report as kv_edit_report
-from .kv_edit import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of, split_mode
-from .match_decode import MatchDecoder
-from .pool import READ_TIMEOUT_S, BlockPool
-from .q4cache import (
-    DEQUANT_MIN_QUERIES,
+from .caches.attention import install_attention_fix
+from .caches.floats import (
     CARRY_COUNTS,
     MIRROR_COUNTS,
-    PREFILL_ATTENTION_MODES,
     carry_float_budget_bytes,
     carry_float_bytes,
     decode_float_budget_bytes,
     decode_float_bytes,
-    install_attention_fix,
     set_carry_float_budget,
     set_decode_float_budget,
     set_prefill_attention,
 )
-from .store import FORMAT_VERSION, CacheDirLock, DiskStore, StoreError
+from .disk_format import FORMAT_VERSION
+from .futures import when_all, with_deadline
+from .identity import model_fingerprint
+from .kv_edit import AMORTIZE, FORGET
+from .kv_edit import report as kv_edit_report
+from .match_decode import MatchDecoder
+from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of, edit_mode, split_namespace
+from .options import parse_options
+from .pool import READ_TIMEOUT_S, BlockPool
+from .refusal import refuse
+from .store import CacheDirLock, DiskStore, StoreError
+from .warmup import warm_up
 
 log = logging.getLogger("vllm_mlx_persist")
-
-DEFAULTS: dict[str, Any] = {
-    "cache_dir": None,  # default: $XDG_CACHE_HOME/vllm-mlx-persist, else ~/.cache/vllm-mlx-persist
-    "hot_mb": 2048.0,  # hot-tier budget: bytes of 4-bit blocks kept in memory
-    "bits": 4,
-    "group_size": 64,
-    "block_size": 256,
-    "durable_writes": True,  # a turn's blocks are on disk before its response completes
-    "disk_mb": 16384.0,  # disk-tier budget for the whole cache root (see docs/operations.md)
-    "ttl_hours": None,  # erase agents unused for this long (None: never)
-    "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
-    "prefill_attention": "auto",  # see q4cache.set_prefill_attention
-    "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
-    "carry_float_mb": "auto",  # float copies carried to agents' next turns, MB (auto: 1024 on a CPU, 0 on a GPU)
-    "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
-    "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
-    "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
-    "restore": True,  # at start-up, read the most recently used agents' blocks up to hot_mb (in the background)
-    # The fleet tier (docs/fleet.md): Redis shared by several servers; None: off.
-    "remote_url": None,  # redis://[user:password@]host:6379/0, rediss://... (TLS), unix:///path.sock
-    "remote_cluster": False,  # remote_url is a node of a Redis Cluster (its client discovers the rest)
-    "remote_timeout_s": 2.0,  # longest one Redis read may take
-    "remote_wait_s": 3.0,  # longest a request waits for its agent's fetch from Redis; then it goes on
-    "remote_queue_mb": 1024.0,  # block data waiting for upload, at most (then uploads are dropped)
-    "remote_fetch_mb": 16.0,  # block data asked for in one pipelined Redis round trip, about
-    "remote_block_ttl_hours": 168.0,  # blocks expire in Redis unless used (refreshed on every use)
-    "remote_manifest_ttl_hours": 720.0,  # also how long an erasure's tombstone holds (docs/fleet.md)
-    # A file holding the fleet's shared secret (or env VLLM_MLX_PERSIST_FLEET_SECRET; never inline,
-    # where it would show in the command line): every value in Redis then carries an HMAC.
-    "remote_secret_file": None,
-    "kv_edit": None,  # span directives: {"enabled": true, "max_rotations": 4} (kv_edit.parse_option)
-}
-
-FORK_SEPARATOR = "\0fork:"  # cache_namespace "child\0fork:parent" (agent ids never contain NUL)
-
-
-def split_namespace(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """(agent, fork parent or None) from a request's cache_namespace (see plugin.py); an edit
-    mode riding along (kv_edit.py) is left out: `edit_mode` reads it."""
-    namespace = split_mode(namespace)[0]
-    if namespace is None or FORK_SEPARATOR not in namespace:
-        return namespace, None
-    agent, _, parent = namespace.partition(FORK_SEPARATOR)
-    return agent, parent
-
-
-def edit_mode(namespace: Optional[str]) -> Optional[str]:
-    """The span-directive mode a request's cache_namespace carries (None: exact)."""
-    return split_mode(namespace)[1]
-
-
-# Warm-up at start-up (see PersistQ4Backend.warm_up): one prefill chunk on the dequantized path
-# (>= DEQUANT_MIN_QUERIES queries), then a few batched decode steps on the quantized one.
-WARMUP_TOKENS = max(16, 2 * DEQUANT_MIN_QUERIES)
-WARMUP_STEPS = 3
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "vllm-mlx-persist"
-
-
-def parse_options(options: Optional[dict]) -> dict[str, Any]:
-    """Merge user options over DEFAULTS; unknown keys and bad values raise ValueError."""
-    options = dict(options or {})
-    unknown = sorted(set(options) - set(DEFAULTS))
-    if "remote_secret" in unknown:
-        raise ValueError("persist_q4 remote_secret is not taken inline (the command line is visible to every "
-                         "user of the machine): put it in a file named by remote_secret_file, or in the "
-                         "environment variable VLLM_MLX_PERSIST_FLEET_SECRET")
-    if unknown:
-        raise ValueError(f"unknown persist_q4 option(s) {unknown}; known: {sorted(DEFAULTS)}")
-    opts = {**DEFAULTS, **options}
-    try:
-        for key in ("hot_mb", "disk_mb", "write_timeout_s", "remote_timeout_s", "remote_wait_s",
-                    "remote_queue_mb", "remote_fetch_mb", "remote_block_ttl_hours", "remote_manifest_ttl_hours"):
-            opts[key] = float(opts[key])
-        for key in ("bits", "group_size", "block_size", "branches"):
-            opts[key] = int(opts[key])
-        if opts["ttl_hours"] is not None:
-            opts["ttl_hours"] = float(opts["ttl_hours"])
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"bad persist_q4 option value: {e}") from None
-    for key in ("decode_float_mb", "carry_float_mb"):
-        mb = opts[key]
-        if mb == "auto":
-            continue
-        try:
-            mb = float(mb) if not isinstance(mb, bool) else -1.0
-        except (TypeError, ValueError):
-            mb = -1.0
-        if not 0 <= mb < float("inf"):
-            raise ValueError(f"persist_q4 {key} must be \"auto\" or a number of MB >= 0; got {opts[key]!r}")
-        opts[key] = mb
-    if opts["disk_mb"] <= 0 or opts["write_timeout_s"] <= 0 or (opts["ttl_hours"] is not None and opts["ttl_hours"] <= 0):
-        raise ValueError("persist_q4 disk_mb, write_timeout_s and ttl_hours must be > 0")
-    if opts["bits"] not in (2, 3, 4, 5, 6, 8):
-        raise ValueError(f"persist_q4 bits must be one of 2, 3, 4, 5, 6, 8; got {opts['bits']}")
-    if opts["group_size"] not in (32, 64, 128):
-        raise ValueError(f"persist_q4 group_size must be 32, 64 or 128; got {opts['group_size']}")
-    if opts["block_size"] < 16 or opts["hot_mb"] < 0:
-        raise ValueError("persist_q4 block_size must be >= 16 and hot_mb >= 0")
-    if opts["prefill_attention"] not in PREFILL_ATTENTION_MODES:
-        raise ValueError(
-            f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
-            f"got {opts['prefill_attention']!r}"
-        )
-    for key in ("durable_writes", "match_text", "warmup", "restore", "remote_cluster"):
-        if not isinstance(opts[key], bool):
-            raise ValueError(f"persist_q4 {key} must be true or false")
-    if not 1 <= opts["branches"] <= 64:
-        raise ValueError(f"persist_q4 branches must be 1 to 64; got {opts['branches']}")
-    url = opts["remote_url"]
-    if url is not None and (not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://"))):
-        raise ValueError("persist_q4 remote_url must be a redis://, rediss:// or unix:// URL")
-    if opts["remote_cluster"] and url is not None and (
-            url.startswith("unix://") or urlsplit(url).path.strip("/") not in ("", "0")):
-        raise ValueError("persist_q4 remote_cluster needs a redis:// or rediss:// URL of any node, database 0 "
-                         "(a Redis Cluster has no unix sockets and no other databases)")
-    if min(opts["remote_timeout_s"], opts["remote_wait_s"], opts["remote_queue_mb"], opts["remote_fetch_mb"],
-           opts["remote_block_ttl_hours"], opts["remote_manifest_ttl_hours"]) <= 0:
-        raise ValueError("persist_q4 remote_* time-outs, sizes and TTLs must be > 0")
-    secret_file = opts["remote_secret_file"]
-    if secret_file is not None:
-        if not isinstance(secret_file, str) or not secret_file:
-            raise ValueError("persist_q4 remote_secret_file must be the path of a file holding the fleet secret")
-        opts["remote_secret_file"] = os.path.expanduser(secret_file)
-    opts["cache_dir"] = Path(os.path.expanduser(opts["cache_dir"])) if opts["cache_dir"] else default_cache_dir()
-    opts["kv_edit"] = parse_kv_edit(opts["kv_edit"])
-    return opts
-
-
-class _OneLineRefusal(logging.Filter):
-    """uvicorn logs a failed start-up as the whole traceback; for a refusal of ours the message says
-    everything, so that record is reduced to it (other records pass untouched)."""
-
-    def __init__(self, message: str):
-        super().__init__()
-        self.message = message
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.msg
-        if isinstance(msg, str) and msg.startswith("Traceback") and msg.rstrip().endswith(self.message):
-            record.msg, record.args, record.exc_info, record.exc_text = self.message, (), None, None
-        return True
 
 
 def _check_redis_client() -> None:
@@ -194,12 +53,6 @@ def _check_redis_client() -> None:
     except ImportError:
         raise ValueError('persist_q4: remote_url is set but the Redis client is not installed: '
                          'pip install "vllm-mlx-persist[fleet]"') from None
-
-
-def _refuse(e: ValueError) -> ValueError:
-    """Make the start-up failure that `e` causes print as one line; returns `e` to raise."""
-    logging.getLogger("uvicorn.error").addFilter(_OneLineRefusal(str(e).strip()))
-    return e
 
 
 class PersistQ4Backend:
@@ -216,7 +69,7 @@ class PersistQ4Backend:
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True)
         except ValueError as e:
-            raise _refuse(e)
+            raise refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
         set_prefill_attention(opts["prefill_attention"])
         set_decode_float_budget(opts["decode_float_mb"])
@@ -228,7 +81,7 @@ class PersistQ4Backend:
         try:  # here, not with the pool: a second server on the same directory fails at start-up
             self._dir_lock = CacheDirLock(self.cache_dir)
         except (StoreError, OSError) as e:
-            raise _refuse(ValueError(f"persist_q4: {e}")) from None
+            raise refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
         self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
@@ -417,7 +270,7 @@ class PersistQ4Backend:
         """(CacheLookup, [(plan, run tokens used)]) for the splices of a request (one per edit, left to
         right), or the reason it is served as exact. The turn is
         stored as a fork of its source under the agent's spliced namespace of the next generation
-        (kv_edit.amortized_namespace): no request can name it, its ids are seeded apart from any
+        (namespace.amortized_namespace): no request can name it, its ids are seeded apart from any
         honest prefill's, and only amortize requests of the agent look there, so no exact or forget
         lookup, other agent's fork or other server's exact request is ever served spliced K/V.
         A run moved more than `max_rotations` times is re-prefilled (rotation_budget)."""
@@ -545,39 +398,9 @@ class PersistQ4Backend:
         return n
 
     def warm_up(self) -> dict:
-        """Run the model once over a tiny prompt through fresh 4-bit caches, so that the first
-        request after a (re)start does not pay first-use costs (allocations, compiled functions,
-        the quantize / dequantized-prefill / batched-decode kernels): two sequences of
-        WARMUP_TOKENS and one fewer are prefilled in one chunk each (the dequantized path), merged
-        the way BatchGenerator merges them, and decoded WARMUP_STEPS steps (the float decode mirror
-        when its budget allows, else the quantized path).
-        Bounded (a few dozen tokens of KV), stored nowhere, never fatal; returns what it did."""
-        import mlx.core as mx
-        from mlx_lm.generate import _merge_caches
-
-        t0 = time.perf_counter()
-        try:
-            n = WARMUP_TOKENS
-            prompts = [list(range(1, n + 1)), list(range(2, n + 1))]
-            caches = []
-            for p in prompts:
-                cache = self.make_prompt_cache()
-                mx.eval(self.model(mx.array([p]), cache=cache))
-                caches.append(cache)
-            batch = _merge_caches(caches)
-            y = mx.array([[1], [2]])
-            for _ in range(WARMUP_STEPS):
-                y = mx.argmax(self.model(y, cache=batch)[:, -1:, :], axis=-1)
-                mx.eval(y)
-            del caches, batch
-            mx.clear_cache()  # give the warm-up's buffers back: it keeps nothing
-            self.warmup = {"runs": self.warmup.get("runs", 0) + 1, "s": round(time.perf_counter() - t0, 3),
-                           "tokens": sum(map(len, prompts)) + 2 * WARMUP_STEPS}
-            log.info("persist_q4: warm-up ran the 4-bit prefill and batched decode paths in %.2f s",
-                     self.warmup["s"])
-        except Exception as e:  # a model that cannot warm up will say so on its first request
-            self.warmup = {"runs": self.warmup.get("runs", 0), "error": f"{type(e).__name__}: {e}"}
-            log.warning("persist_q4: warm-up failed (%s); serving without it", self.warmup["error"])
+        """Run the model once through fresh 4-bit caches (warmup.py), so that the first request after
+        a (re)start does not pay first-use costs; never fatal; returns what it did (for get_stats)."""
+        self.warmup = warm_up(self.model, self.make_prompt_cache, self.warmup.get("runs", 0))
         return self.warmup
 
     def save(self) -> bool:
@@ -590,56 +413,3 @@ class PersistQ4Backend:
         if self._pool is not None:
             self._pool.close()  # with its fleet tier
         self._dir_lock.release()
-
-
-def when_all(futures: list[Future], then: Optional[Callable[[], Optional[Future]]] = None) -> Optional[Future]:
-    """A future done once every one of `futures` is done (whatever their outcome) and then the one
-    `then()` returns, if any; None when there is nothing left to wait for."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        return then() if then is not None else None
-    out: Future = Future()
-    left, lock = [len(pending)], threading.Lock()
-
-    def finish(_: Any = None) -> None:
-        _resolve(out)
-
-    def one(_: Future) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0]:
-                return
-        try:
-            nxt = then() if then is not None else None
-        except Exception:  # readiness is a hint: never an error
-            nxt = None
-        if nxt is None:
-            finish()
-        else:
-            nxt.add_done_callback(finish)
-
-    for f in pending:
-        f.add_done_callback(one)
-    return out
-
-
-def with_deadline(future: Optional[Future], seconds: float) -> Optional[Future]:
-    """A future done when `future` is, or `seconds` from now, whichever comes first: a timer of the
-    running event loop (ready() is called on it), so no thread waits. Without a loop: `future`."""
-    if future is None:
-        return None
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        return future
-    out: Future = Future()
-    future.add_done_callback(lambda _: _resolve(out))
-    loop.call_later(seconds, _resolve, out)
-    return out
-
-
-def _resolve(future: Future) -> None:
-    try:
-        future.set_result(None)
-    except InvalidStateError:  # the other of two callers got there first
-        pass

@@ -51,7 +51,7 @@ class Run:
 
     arrays: dict
     members: list[Block]  # the hot ones, in chain order
-    # A committed turn's float copies of its 4-bit layers (q4cache.CarriedFloats), for the next
+    # A committed turn's float copies of its 4-bit layers (caches.floats.CarriedFloats), for the next
     # lookup that takes the run whole; bounded by their own budget, never counted in hot_bytes;
     # dropped when the run's first block leaves it (a lookup then never takes it whole).
     floats: Any = None

@@ -4,7 +4,7 @@ A block's id is `sha256(previous id || its token ids)`, the chain seeded with th
 and the agent's namespace, so blocks never match across models or agents. A `Branch` is one
 continuation of an agent's history: its block ids, how many tokens they hold, and its `links`, where
 the chain is (re-)seeded with a namespace (a fork starts on its parent's chain and continues on its
-own), and when it was last used. Manifests (store.Manifest) carry branches in the schema of
+own), and when it was last used. Manifests (disk_format.Manifest) carry branches in the schema of
 docs/disk-format.md. Two servers' branches of one agent are merged by recency (`merge_branches`).
 """
 
@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from .store import BlockData, Manifest
+from .disk_format import BlockData, Manifest
 
 Links = tuple[tuple[int, str], ...]
 

@@ -21,8 +21,8 @@ from .agents import Agents
 from .blocks import Agent, Block, BlockState, BlockTable, Run
 from .caches import ModelCodec
 from .chain import Branch, Chains, Links, common, lcp, manifest_of
+from .disk_format import BlockData
 from .persister import Persister
-from .store import BlockData
 from .supersede import surviving
 
 
@@ -160,7 +160,7 @@ class Commit:
             arrays = self.codec.token_arrays(cache)
             windowed = self.codec.window_names()  # held from a later start, sliced per block instead
             built.run = Run({n: mx.contiguous(a[..., :n_valid, :]) for n, a in arrays.items() if n not in windowed}, [])
-            built.run.floats = self.codec.carry(cache, n_valid)  # for the next turn (q4cache.CarriedFloats)
+            built.run.floats = self.codec.carry(cache, n_valid)  # for the next turn (caches.floats.CarriedFloats)
         whole = built.run.arrays if built.run is not None else None
         for s in plan.steps:
             end = s.start + len(s.tokens)

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 from .chain import Branch, cut_branch
 from .remote import RemoteManifest, RemoteTier
-from .store import BlockData, Manifest
+from .disk_format import BlockData, Manifest
 
 if TYPE_CHECKING:  # the pool builds its Fleet (BlockPool(fleet=...)): no import at run time
     from .pool import BlockPool

@@ -1,5 +1,5 @@
-"""Span directives' request side (issue #21): the edit mode a client declares, how it rides to the
-backend, the server option, and the `usage.kv_edit` report. No MLX: plugin.py imports it.
+"""Span directives' request side (issue #21): the edit mode a client declares, the server option, and
+the `usage.kv_edit` report. No MLX: plugin.py imports it.
 
 A client sends its edited messages as usual (the prompt stays the source of truth) and declares how
 the server may treat the stored history they no longer match:
@@ -11,7 +11,8 @@ the server may treat the stored history they no longer match:
 * none: today's exact behaviour.
 
 The mode comes from the `X-KV-Edit` header, else `metadata.kv_edit`; it needs an agent id. It rides in
-the cache namespace after a NUL (agent ids never contain one): `agent[\\0fork:parent]\\0edit:mode`.
+the cache namespace after a NUL (agent ids never contain one): `agent[\\0fork:parent]\\0edit:mode`,
+and spliced histories are stored under `agent\\0amortized:g`; namespace.py defines both encodings.
 """
 
 from __future__ import annotations
@@ -21,10 +22,6 @@ from typing import Any, Mapping, Optional
 HEADER = "x-kv-edit"
 AMORTIZE, FORGET = "amortize", "forget"
 MODES = (AMORTIZE, FORGET)
-EDIT_SEPARATOR = "\0edit:"
-# A spliced history is stored as a fork of its agent under an internal namespace no request can
-# name (agent ids never contain NUL): generation g holds K/V rotated up to g times.
-AMORTIZED_SEPARATOR = "\0amortized:"
 # Why an amortize request was served otherwise (usage.kv_edit.fallback).
 FALLBACKS = ("disabled", "no_history", "no_edit", "recurrent_state", "unsupported_positions", "no_realignment",
              "unaligned", "stub_too_long", "rotation_budget", "splice_not_built", "unreadable")
@@ -46,30 +43,6 @@ def resolve_mode(request: Any, headers: Optional[Mapping[str, str]]) -> Optional
         raise ValueError(f"{source} must be one of {', '.join(MODES)} (or exact); got {shown!r}")
     mode = value.strip().lower()
     return None if mode == "exact" else mode
-
-
-def with_mode(namespace: str, mode: Optional[str]) -> str:
-    """The namespace carrying `mode` (unchanged without one)."""
-    return namespace if mode is None else f"{namespace}{EDIT_SEPARATOR}{mode}"
-
-
-def split_mode(namespace: Optional[str]) -> tuple[Optional[str], Optional[str]]:
-    """(namespace without the mode, mode or None)."""
-    if namespace is None or EDIT_SEPARATOR not in namespace:
-        return namespace, None
-    rest, _, mode = namespace.rpartition(EDIT_SEPARATOR)
-    return rest, (mode if mode in MODES else None)
-
-
-def amortized_namespace(agent: str, generation: int) -> str:
-    """Where an agent's spliced histories of `generation` (rotations per token, at most) are stored."""
-    return f"{agent}{AMORTIZED_SEPARATOR}{generation}"
-
-
-def amortized_of(namespace: str) -> Optional[tuple[str, int]]:
-    """(agent, generation) of an amortized namespace, else None."""
-    agent, sep, gen = namespace.rpartition(AMORTIZED_SEPARATOR)
-    return (agent, int(gen)) if sep and gen.isdigit() else None
 
 
 def parse_option(value: Any) -> dict[str, Any]:

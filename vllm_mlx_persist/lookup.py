@@ -19,8 +19,8 @@ from .blocks import Agent, Block, BlockState, BlockTable, Run
 from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .chain import Branch, Chains, common, lcp
+from .disk_format import BlockData
 from .reads import Reads, read_result
-from .store import BlockData
 from .text_match import TEXT_MATCH_MAX_REALIGN, TEXT_MATCH_WINDOW, align
 
 log = logging.getLogger("vllm_mlx_persist.pool")

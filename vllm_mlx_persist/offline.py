@@ -14,18 +14,17 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from .store import CacheDirLock, DiskStore, Manifest, StoreError, _MODEL_DIR_RE, erase_agent_files
+from .disk_format import Manifest
+from .store import CacheDirLock, DiskStore, StoreError, erase_agent_files, model_dirs
 
 
 def _model_stores(root: Path) -> Iterator[DiskStore]:
     """Every model directory under the root that can be opened (others are reported and skipped)."""
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if entry.is_dir(follow_symlinks=False) and _MODEL_DIR_RE.fullmatch(entry.name) \
-                and os.path.exists(os.path.join(entry.path, "model.json")):
-            try:
-                yield DiskStore.open_existing(Path(entry.path))
-            except StoreError as e:
-                print(f"skipped: {e}", file=sys.stderr)
+    for path in model_dirs(root):
+        try:
+            yield DiskStore.open_existing(path)
+        except StoreError as e:
+            print(f"skipped: {e}", file=sys.stderr)
 
 
 def _describe(store: DiskStore, m: Manifest) -> dict:
@@ -73,9 +72,7 @@ def _run(args: argparse.Namespace, root: Path) -> int:
         print(f"removed {removed} unreferenced block file(s) in {len(stores)} model director(ies)")
         return 0
     if args.action == "rm":  # under every model directory, those of other disk formats too
-        dirs = sorted(e.path for e in os.scandir(root) if e.is_dir(follow_symlinks=False)
-                      and _MODEL_DIR_RE.fullmatch(e.name) and os.path.exists(os.path.join(e.path, "model.json")))
-        erased = [Path(d).name for d in dirs if erase_agent_files(Path(d), args.agent_id) >= 0]
+        erased = [d.name for d in model_dirs(root) if erase_agent_files(d, args.agent_id) >= 0]
         if not erased:
             print(f"no agent {args.agent_id!r} under {root}", file=sys.stderr)
             return 1

@@ -29,7 +29,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from .store import BlockData, DiskStore, Manifest
+from .disk_format import BlockData, Manifest
+from .store import DiskStore
 
 log = logging.getLogger("vllm_mlx_persist.persister")
 

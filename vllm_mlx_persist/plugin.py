@@ -3,44 +3,30 @@ vllm_mlx/plugins.py, added by the patch series in patches/vllm-mlx-0.6.0): the `
 (`vllm_mlx_cache_backends`), the agent id of a request (`vllm_mlx_cache_namespace`) and the agent admin
 API (`vllm_mlx_api_routers`). This module imports neither vllm-mlx nor MLX, and it must import without
 the series applied (it only needs pluggy), so the marker is created here rather than imported from
-`vllm_mlx.plugins`.
+`vllm_mlx.plugins`. What an agent id may be and how a fork rides in the namespace: `namespace.py`.
+State: the registry of live backends (a WeakSet; the factory adds on the engine's thread, the hooks
+read on the HTTP event loop).
 """
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
 import pluggy
 
-from .kv_edit import resolve_mode, with_mode
+from .kv_edit import resolve_mode
+from .namespace import join_namespace, validate_agent_id
+from .refusal import refuse
 
 hookimpl = pluggy.HookimplMarker("vllm_mlx")
 
 BACKEND_NAME = "persist_q4"
 AGENT_ID_HEADER = "x-agent-id"
 FORK_HEADER = "x-agent-fork-from"
-FORK_SEPARATOR = "\0fork:"  # must equal backend.FORK_SEPARATOR (not imported: no MLX here)
-MAX_AGENT_ID_LEN = 128
-_AGENT_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
 # Backends this plugin created in this process: the namespace hook starts their disk reads as a
 # request arrives, and the admin routes find them here (backend.py never imports this module).
 _LIVE_BACKENDS: "weakref.WeakSet[Any]" = weakref.WeakSet()
-
-
-def validate_agent_id(agent_id: Any, source: str) -> str:
-    """Return `agent_id` if it is a well-formed agent id, else raise ValueError naming `source`."""
-    if not isinstance(agent_id, str):
-        raise ValueError(f"agent id from {source} must be a string, got {type(agent_id).__name__}")
-    if not 1 <= len(agent_id) <= MAX_AGENT_ID_LEN:
-        raise ValueError(f"agent id from {source} must be 1 to {MAX_AGENT_ID_LEN} characters long")
-    if not _AGENT_ID_RE.fullmatch(agent_id):
-        raise ValueError(
-            f"agent id from {source} may only contain letters, digits and . _ : @ - "
-            f"and must start with a letter or digit: {agent_id[:40]!r}"
-        )
-    return agent_id
 
 
 def resolve_agent_id(request: Any, headers: Mapping[str, str]) -> Optional[str]:
@@ -91,12 +77,12 @@ def check_scheduler_config(config: Any) -> None:
 
 def create_backend(**kwargs: Any) -> Any:
     """The `persist_q4` factory vllm-mlx calls: refuses the built-in cache options it replaces."""
-    from .backend import PersistQ4Backend, _refuse
+    from .backend import PersistQ4Backend
 
     try:
         check_scheduler_config(kwargs.get("config"))
     except ValueError as e:
-        raise _refuse(e) from None
+        raise refuse(e) from None
     backend = PersistQ4Backend(**kwargs)
     _LIVE_BACKENDS.add(backend)
     return backend
@@ -118,7 +104,7 @@ def vllm_mlx_api_routers() -> Any:
     """The agent admin API (mounted behind --api-key)."""
     from .admin import make_router
 
-    return make_router(live_backend, validate_agent_id)
+    return make_router(live_backend)
 
 
 @hookimpl
@@ -142,6 +128,5 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
     if mode is not None and agent_id is None:
         raise ValueError(f"a span directive (X-KV-Edit or metadata.kv_edit: {mode}) needs an agent id "
                          "(X-Agent-ID, metadata.agent_id or prompt_cache_key): it edits that agent's history")
-    # One string reaches the backend; agent ids cannot contain NUL, so the fork parent and the edit
-    # mode ride along.
-    return with_mode(agent_id if parent is None else f"{agent_id}{FORK_SEPARATOR}{parent}", mode)
+    # One string reaches the backend; the fork parent and the edit mode ride along (namespace.py).
+    return join_namespace(agent_id, parent, mode) if agent_id is not None else None

@@ -38,14 +38,16 @@ from .agents import ANON_PREFIX, Agents
 from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
 from .caches.codec import WIN_FROM
+from .caches.kinds import Q4
 from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
 from .commit import Commit
-from .kv_edit import AMORTIZE, AMORTIZED_SEPARATOR, FORGET
+from .disk_format import BlockData, Manifest
+from .kv_edit import AMORTIZE, FORGET
 from .lookup import Lookup, Match, whole_run
+from .namespace import AMORTIZED_SEPARATOR
 from .persister import Persister
-from .q4cache import Q4
 from .reads import Reads
-from .store import BlockData, DiskStore, Manifest
+from .store import DiskStore
 from .supersede import edit_point, superseded_block, surviving
 
 log = logging.getLogger("vllm_mlx_persist.pool")
@@ -361,7 +363,7 @@ class BlockPool:
             return self._amortized_names(namespace)
 
     def _amortized_names(self, namespace: str) -> list[str]:
-        """(lock held) The agent's spliced histories known here (kv_edit.amortized_namespace)."""
+        """(lock held) The agent's spliced histories known here (namespace.amortized_namespace)."""
         prefix = namespace + AMORTIZED_SEPARATOR
         return sorted(n for n in self.agents.registry if n.startswith(prefix))
 

@@ -5,7 +5,7 @@ Owns the reader threads, the restore thread and the reads waiting for their look
   `budget` bytes of results nobody has taken yet, each for at most PREFETCH_TTL_S;
 - the restore (`restore`: after a restart, the most recently used agents' blocks) holds what fits
   `room()`, the hot tier's free bytes, and reads only while `idle()` says no request is served.
-Results are numpy (store.BlockData); nothing here touches MLX or the pool's state.
+Results are numpy (disk_format.BlockData); nothing here touches MLX or the pool's state.
 Threads: every method from any thread; one small lock of its own, never held across I/O or a wait.
 Lock order: the pool's lock, then this one (never the other way).
 """
@@ -19,7 +19,8 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional, Sequence
 
-from .store import BlockData, DiskStore
+from .disk_format import BlockData
+from .store import DiskStore
 
 PREFETCH_TTL_S = 60.0  # read-ahead results nobody took (a rejected request) expire
 RESTORE_IDLE_S = 0.2  # the restore reads only when no request is served and none came this recently

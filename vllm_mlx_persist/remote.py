@@ -71,8 +71,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from .chain import branches_of, manifest_of, merge_branches, same_branches
-from .store import (_BLOCK_FORMAT, FORMAT_VERSION, BadBlockError, BlockData, Manifest, _check_block_id,
-                    _check_branches, _check_era, decode_block, encode_block)
+from .disk_format import (BLOCK_FORMAT, FORMAT_VERSION, BlockData, FormatError, Manifest, agent_key,
+                          block_metadata, canonical_json, check_block_id, check_branches, check_era, decode_block,
+                          encode_block, header_length)
 
 logger = logging.getLogger("vllm_mlx_persist.remote")
 
@@ -81,9 +82,9 @@ logger = logging.getLogger("vllm_mlx_persist.remote")
 # only its own, so builds of different versions sharing one Redis never see each other's values.
 # Rule (docs/fleet.md, "Versions"): a build may write into keyspace rN only what every build that
 # reads rN accepts; any change an older reader of rN would refuse (a new block checksum kind or
-# store.FORMAT_VERSION, a manifest field it cannot ignore, another tag or MAC layout) bumps it.
+# disk_format.FORMAT_VERSION, a manifest field it cannot ignore, another tag or MAC layout) bumps it.
 REMOTE_FORMAT_VERSION = 2
-# The block checksum kinds every r2 reader verifies (store.decode_block): the only ones r2 may hold.
+# The block checksum kinds every r2 reader verifies (disk_format.decode_block): the only ones r2 may hold.
 BLOCK_CHECKSUM_KINDS = ("crc32", "sha256")
 
 # The fleet's shared secret, from this environment variable or a file (backend option
@@ -320,10 +321,6 @@ def _block_nbytes(b: Union[BlockData, bytes]) -> int:
     return int(b.tokens.nbytes) + sum(int(a.nbytes) for a in b.arrays.values())
 
 
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
 def _content(m: Manifest) -> set:
     """A manifest's branches as a set of (block ids, tokens), recency and order aside."""
     return {(tuple(br.block_ids), br.n_tokens) for br in branches_of(m)}
@@ -334,14 +331,11 @@ def _newer_block(data: Any) -> Optional[str]:
     a version or with a checksum kind this build does not know (a value not ours to judge, so not
     to delete); None for anything else (damaged: its header does not parse or its checks fail)."""
     try:
-        hlen = int.from_bytes(data[:8], "little")
-        if not 0 < hlen <= min(len(data) - 8, 16 << 20):
-            return None
-        meta = json.loads(bytes(data[8 : 8 + hlen]))["__metadata__"]
+        meta = block_metadata(data[8 : 8 + header_length(data[:8], len(data))])
         fmt, version, checksum = meta["format"], meta["format_version"], meta["checksum"]
-    except (ValueError, TypeError, KeyError, IndexError, RecursionError):
+    except (FormatError, KeyError):
         return None
-    if fmt != _BLOCK_FORMAT or not isinstance(version, str) or not isinstance(checksum, str):
+    if fmt != BLOCK_FORMAT or not isinstance(version, str) or not isinstance(checksum, str):
         return None
     if version != str(FORMAT_VERSION) and version.isdigit():
         return f"block format version {version}"
@@ -354,7 +348,7 @@ def _newer_block(data: Any) -> Optional[str]:
 def _agent_key(namespace: str) -> str:
     if not isinstance(namespace, str) or not namespace:
         raise ValueError("agent id (namespace) must be a non-empty string")
-    return hashlib.sha256(namespace.encode("utf-8")).hexdigest()
+    return agent_key(namespace)
 
 
 def _import_redis():
@@ -502,8 +496,8 @@ class RemoteTier:
         self._model_key = self._prefix + "model"
         model = {"format": _MODEL_FORMAT, "remote_version": REMOTE_FORMAT_VERSION, "format_version": FORMAT_VERSION,
                  "fingerprint": fingerprint, "auth": self._tagger.kind}
-        model["tag"] = self._tagger.tag(b"model", self._model_key, [_canonical(model)]).decode()
-        self._model_value = _canonical(model)
+        model["tag"] = self._tagger.tag(b"model", self._model_key, [canonical_json(model)]).decode()
+        self._model_value = canonical_json(model)
         self._model_ok = False
         self._disabled: Optional[str] = None  # why the tier refuses to run (another model's keys)
         self._warned: set[str] = set()  # kinds of refusal already logged at WARNING
@@ -587,7 +581,7 @@ class RemoteTier:
     # ---- keys -----------------------------------------------------------------------------------
 
     def block_key(self, block_id: str) -> str:
-        return self._prefix + "b:" + _check_block_id(block_id)
+        return self._prefix + "b:" + check_block_id(block_id)
 
     def manifest_key(self, namespace: str) -> str:
         return self._prefix + "a:" + _agent_key(namespace)
@@ -650,7 +644,7 @@ class RemoteTier:
                               ident=cur.ident, seen=seen, era=era, erasure=erasure, outdated=not era and bool(mine))
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
-        """The block, verified exactly as a disk block (store.decode_block), and its MAC with a
+        """The block, verified exactly as a disk block (disk_format.decode_block), and its MAC with a
         secret; None when absent, refused (damaged, another block's, or without a valid MAC: deleted
         from Redis if unchanged), of a format this build cannot read (left alone) or unreachable in time."""
         got = self.get_blocks([block_id])
@@ -710,7 +704,7 @@ class RemoteTier:
             return None
         try:
             block = decode_block(data, block_id)
-        except BadBlockError as e:
+        except FormatError as e:
             newer = _newer_block(data)
             if newer is not None:
                 self._count("foreign")
@@ -799,9 +793,9 @@ class RemoteTier:
         (docs/fleet.md, "Which update wins")."""
         _agent_key(manifest.namespace)
         for b in manifest.block_ids:
-            _check_block_id(b)
+            check_block_id(b)
         if manifest.branches is not None:
-            _check_branches(manifest.branches, set(manifest.block_ids))
+            check_branches(manifest.branches, set(manifest.block_ids))
         blocks = dict(blocks or {})
         nbytes = sum(_block_nbytes(b) for b in blocks.values())
         with self._cond:
@@ -847,7 +841,7 @@ class RemoteTier:
         the agent on another server that still names one reads a miss there. False if not queued."""
         ids = list(block_ids)
         for b in ids:
-            _check_block_id(b)
+            check_block_id(b)
         if not ids:
             return True
         with self._cond:
@@ -956,7 +950,7 @@ class RemoteTier:
         """Start-up: this server's copy of the agent on its disk follows erasure `era` (its local
         manifest says so). Ignored when this tier already knows an era for the agent (it is newer)."""
         if era:
-            _check_era(era)
+            check_era(era)
             with self._lock:
                 st = self._agent(namespace)
                 if not st.era:
@@ -1077,7 +1071,7 @@ class RemoteTier:
             tag = d.pop("tag").encode()
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
             return "missing"
-        return self._tagger.check(tag, b"model", self._model_key, [_canonical(d)])
+        return self._tagger.check(tag, b"model", self._model_key, [canonical_json(d)])
 
     def _judge_manifest(self, key: str, values: Sequence[Optional[bytes]]) -> _Current:
         """A manifest key's fields (_FIELDS, as HMGET returns them), judged."""
@@ -1096,7 +1090,7 @@ class RemoteTier:
                            (d or b"").decode("ascii"), body)
             if not cur.ident or e not in (b"0", b"1") or (not erased and body is None):
                 raise ValueError("missing fields")
-            _check_era(cur.ident)  # a tombstone's id becomes an era, stamped in local manifests
+            check_era(cur.ident)  # a tombstone's id becomes an era, stamped in local manifests
         except (TypeError, ValueError) as err:
             return _Current("refused", raw_id, why=f"malformed ({err})")
         return cur
@@ -1129,7 +1123,7 @@ class RemoteTier:
         try:
             d = json.loads(body)
             checksum = d.pop("checksum")
-            if checksum != "sha256:" + hashlib.sha256(_canonical(d)).hexdigest():
+            if checksum != "sha256:" + hashlib.sha256(canonical_json(d)).hexdigest():
                 raise ValueError("checksum mismatch")
             if d.get("format") != _MANIFEST_FORMAT or d.get("format_version") != FORMAT_VERSION:
                 raise ValueError(f"format {d.get('format')!r} version {d.get('format_version')!r}")
@@ -1141,15 +1135,15 @@ class RemoteTier:
             if not isinstance(ids, list) or not isinstance(n, int) or not isinstance(ts, (int, float)):
                 raise ValueError("malformed fields")
             for b in ids:
-                _check_block_id(b)
+                check_block_id(b)
             branches = d.get("branches")  # absent: one plain chain (and every older server's manifest)
             if branches is not None:
-                _check_branches(branches, set(ids))
+                check_branches(branches, set(ids))
                 if branches[-1]["n_tokens"] != n:
                     raise ValueError("n_tokens is not the newest branch's")
             era = d.get("era")  # absent: a history that never met an erasure (and every older server's)
             if era is not None:
-                _check_era(era)
+                check_era(era)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("fleet: refused a manifest from Redis: %s", e)
             return None
@@ -1165,8 +1159,8 @@ class RemoteTier:
         era = m.era if era is None else era
         if era:  # optional too: every r2 reader before it ignores it (docs/fleet.md, Versions)
             d["era"] = era
-        d["checksum"] = "sha256:" + hashlib.sha256(_canonical(d)).hexdigest()
-        return _canonical(d)
+        d["checksum"] = "sha256:" + hashlib.sha256(canonical_json(d)).hexdigest()
+        return canonical_json(d)
 
     # ---- internals: the writer thread ---------------------------------------------------------------
 
@@ -1406,7 +1400,7 @@ class RemoteTier:
         what servers from before last uses compute)."""
         text = "\n".join(m.block_ids)
         if m.branches is not None:
-            text += "\n" + _canonical([{k: v for k, v in br.items() if k != "last_used"}
+            text += "\n" + canonical_json([{k: v for k, v in br.items() if k != "last_used"}
                                         for br in m.branches]).decode()
         return hashlib.sha256(text.encode()).hexdigest()
 
@@ -1438,7 +1432,7 @@ class RemoteTier:
         raw = bytes(data)
         try:
             decode_block(raw, block_id)
-        except BadBlockError as e:
+        except FormatError as e:
             logger.warning("fleet: local block %s is damaged (%s); not uploaded", block_id, e)
             return None
         return raw

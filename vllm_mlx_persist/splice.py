@@ -17,7 +17,8 @@ from .amortize import Splice
 from .caches import ModelCodec
 from mlx_lm.models.cache import CacheList, KVCache
 
-from .q4cache import FULL, Q4, Q4KVCache
+from .caches.kinds import FULL, Q4
+from .caches.q4 import Q4KVCache
 from .rope_shift import LayerShift, shift_arrays
 
 _PARTS = ("q", "s", "b")

@@ -1,17 +1,19 @@
-"""Disk tier: content-addressed block files and per-agent manifests, durable and self-checking.
+"""Disk tier: the I/O of content-addressed block files and per-agent manifests, durable and self-checking.
 
-Runs on writer/prefetch threads, so it only sees numpy arrays and bytes: no MLX here.
-Layout, file formats and the durability protocol are described in docs/disk-format.md.
+Owns the files under a cache root: atomic durable writes (tmp, fsync, rename, directory fsync),
+reads that refuse anything but a regular file within its size cap, quarantine, GC, erasure, and the
+root's lock. What the bytes mean is `disk_format`'s. A `DiskStore` is used by the persister thread
+(writes, GC, erasure), the reader threads (block and manifest reads) and the worker at start-up;
+its counters are under its own lock. numpy and bytes only: no MLX here. The durability protocol is
+described in docs/disk-format.md.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -19,29 +21,18 @@ import stat
 import threading
 import time
 import uuid
-import zlib
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import numpy as np
+from .disk_format import (AGENTS_DIR, BLOCK_ID_RE, BLOCK_SUFFIX, BLOCKS_DIR, DIR_NAME_RE, FORMAT_VERSION,
+                          MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, MAX_MODEL_JSON_BYTES, MODEL_DIR_RE, MODEL_JSON,
+                          QUARANTINE_DIR, TMP_DIR, BlockData, Manifest, block_chunks, block_metadata,
+                          block_relpath, canonical_json, decode_block, decode_manifest, decode_model_json,
+                          described_size, encode_manifest, encode_model_json, header_length, lenient_block_ids,
+                          manifest_name, MANIFEST_SUFFIX, FormatError)
 
 logger = logging.getLogger("vllm_mlx_persist.store")
 
-FORMAT_VERSION = 1
-
-_MODEL_FORMAT = "vllm-mlx-persist.model"
-_BLOCK_FORMAT = "vllm-mlx-persist.block"
-_MANIFEST_FORMAT = "vllm-mlx-persist.manifest"
-_TOKENS = "tokens"
-_BLOCK_SUFFIX = ".safetensors"
-_MAX_HEADER = 16 << 20
-# Size caps checked (from fstat) before a file is read: anything larger is quarantined unread.
-# A real block is a few MiB to tens of MiB (64 layers x 8 heads x 256 tokens x head_dim 128 is 18 MiB).
-MAX_BLOCK_BYTES = 1 << 30
-MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
-MAX_ERA_CHARS = 128  # a manifest's era: the fleet tier's tombstone id (16 hex digits as written)
-_MAX_MODEL_JSON = 1 << 20
 # Never follow a symlink, never block on a FIFO or device: the file type is checked after opening.
 _O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
            | getattr(os, "O_NOFOLLOW", 0))
@@ -54,19 +45,7 @@ _DIR_MODE, _FILE_MODE = 0o700, 0o600
 QUARANTINE_KEEP_S = 7 * 86400.0
 QUARANTINE_KEEP_FILES = 256
 
-_BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
-_DIR_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
-_MODEL_DIR_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{31}")
 _TMP_RE = re.compile(r"[a-z]+\.(\d+)\.[0-9a-f]{32}\.tmp")
-
-# numpy dtype <-> safetensors dtype code (little-endian only)
-_NP_TO_ST = {
-    np.dtype(np.bool_): "BOOL", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
-    np.dtype("<u2"): "U16", np.dtype("<i2"): "I16", np.dtype("<f2"): "F16",
-    np.dtype("<u4"): "U32", np.dtype("<i4"): "I32", np.dtype("<f4"): "F32",
-    np.dtype("<u8"): "U64", np.dtype("<i8"): "I64", np.dtype("<f8"): "F64",
-}
-_ST_TO_NP = {v: k for k, v in _NP_TO_ST.items()}
 
 
 class StoreError(Exception):
@@ -88,42 +67,8 @@ class _BadFile(Exception):
     """Internal: a file failed its checks; carries the reason for the quarantine log."""
 
 
-@dataclass
-class BlockData:
-    block_id: str
-    tokens: np.ndarray  # int32 (n,)
-    arrays: dict[str, np.ndarray]  # 16-bit floats arrive as uint16 views; real dtype in `dtypes`
-    dtypes: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def nbytes(self) -> int:
-        return self.tokens.nbytes + sum(a.nbytes for a in self.arrays.values())
-
-
-@dataclass
-class Manifest:
-    namespace: str
-    block_ids: list[str]
-    n_tokens: int
-    updated_at: float
-    pinned: bool = False  # exempt from hot-tier eviction, the disk budget and the TTL
-    # The agent's branches, least recently used first, when it has more than one plain chain:
-    # [{"block_ids": [...], "n_tokens": n, "links": [[block index, namespace], ...], "last_used": t}]
-    # (last_used optional: absent, the manifest's updated_at; chain.branches_of). None: one
-    # branch, `block_ids` itself, seeded with the namespace. `block_ids` always lists every block
-    # the manifest names (what the disk budget, GC and erasure count).
-    branches: Optional[list] = None
-    # The erasure the agent's history follows (docs/fleet.md, Erasure): the id of the fleet tier's
-    # tombstone it was started on; None: it never met one. Optional, like `pinned` and `branches`.
-    era: Optional[str] = None
-
-
 # ---------------------------------------------------------------------------------------------
 # Small helpers
-
-
-def _canonical(obj: Any) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
 
 
 def _fsync(fd: int) -> None:
@@ -161,10 +106,6 @@ def _write_all(fd: int, data: memoryview) -> None:
     while len(data):
         n = os.write(fd, data)
         data = data[n:]
-
-
-def _bytes_view(a: np.ndarray) -> memoryview:
-    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")
 
 
 def _open_regular(path: Path) -> tuple[int, int]:
@@ -224,48 +165,6 @@ def _remove_files(paths: list[str], what: str, directory: Path) -> int:
     if removed:
         logger.info("removed %d %s from %s", removed, what, directory)
     return removed
-
-
-def _check_block_id(block_id: str) -> str:
-    if not isinstance(block_id, str) or not _BLOCK_ID_RE.fullmatch(block_id):
-        raise ValueError(f"block id must be 2 to 128 lowercase hex digits, got {block_id!r:.80}")
-    return block_id
-
-
-def _prepare_array(name: str, a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a)
-    if a.dtype.byteorder == ">":
-        a = a.astype(a.dtype.newbyteorder("<"))
-    if a.dtype not in _NP_TO_ST:
-        raise ValueError(f"array {name!r}: dtype {a.dtype} cannot be stored (view 16-bit floats as uint16)")
-    return np.ascontiguousarray(a)
-
-
-def _block_checksum(block_id: str, n_tokens: int, dtypes: dict[str, str],
-                    tensors: list[tuple[str, str, list[int], memoryview]]) -> str:
-    """sha256 over a canonical descriptor (id, n_tokens, dtypes, names/dtypes/shapes) then the data
-    of every tensor in name order: covers tokens, arrays and everything the header says about them.
-    What blocks written before the crc32 check carry; read, no longer written."""
-    h = hashlib.sha256()
-    desc = {"block_id": block_id, "n_tokens": n_tokens, "dtypes": dtypes,
-            "tensors": [[n, d, s] for n, d, s, _ in tensors]}
-    h.update(_canonical(desc))
-    for _, _, _, data in tensors:
-        h.update(data)
-    return "sha256:" + h.hexdigest()
-
-
-def _block_crc32(block_id: str, n_tokens: int, dtypes: dict[str, str],
-                 tensors: list[tuple[str, str, list[int], tuple[int, int]]], data: list[memoryview]) -> str:
-    """crc32 over a canonical descriptor (id, n_tokens, dtypes, names/dtypes/shapes/data offsets)
-    then the data section as laid out in the file: one pass over contiguous bytes, 2.4x sha256's
-    speed on the bench CPU, and zlib releases the GIL for it, so parallel readers verify in parallel."""
-    desc = {"block_id": block_id, "n_tokens": n_tokens, "dtypes": dtypes,
-            "tensors": [[n, d, s, list(o)] for n, d, s, o in tensors]}
-    crc = zlib.crc32(_canonical(desc))
-    for chunk in data:
-        crc = zlib.crc32(chunk, crc)
-    return f"crc32:{crc:08x}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -350,15 +249,15 @@ class DiskStore:
     """
 
     def __init__(self, root: Path, fingerprint: str, model_info: dict, format_info: dict):
-        if not isinstance(fingerprint, str) or len(fingerprint) < 32 or not _DIR_NAME_RE.fullmatch(fingerprint[:32]):
+        if not isinstance(fingerprint, str) or len(fingerprint) < 32 or not DIR_NAME_RE.fullmatch(fingerprint[:32]):
             raise ValueError("fingerprint must be a string of at least 32 characters from [A-Za-z0-9._-]")
         self.root = Path(root)
         self.fingerprint = fingerprint
         self.model_dir = self.dir = self.root / fingerprint[:32]
-        self.blocks_dir = self.dir / "blocks"
-        self.agents_dir = self.dir / "agents"
-        self.quarantine_dir = self.dir / "quarantine"
-        self.tmp_dir = self.dir / "tmp"
+        self.blocks_dir = self.dir / BLOCKS_DIR
+        self.agents_dir = self.dir / AGENTS_DIR
+        self.quarantine_dir = self.dir / QUARANTINE_DIR
+        self.tmp_dir = self.dir / TMP_DIR
         self.max_block_bytes = MAX_BLOCK_BYTES
         self._lock = threading.Lock()
         # Directories this process created whose own entry (in their parent) is not known durable yet:
@@ -387,7 +286,7 @@ class DiskStore:
             if not d.exists():
                 d.mkdir(mode=_DIR_MODE, exist_ok=True)
                 _fsync_dir(self.dir)
-        path = self.dir / "model.json"
+        path = self.dir / MODEL_JSON
         try:
             raw = self._read_model_json(path)
         except _BadFile as e:
@@ -396,18 +295,16 @@ class DiskStore:
                 f"Remove {self.dir} to start this model's cache afresh."
             ) from None
         if raw is None:
-            info = {"format": _MODEL_FORMAT, "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                    "model_info": model_info, "format_info": format_info, "created_at": time.time()}
-            body = json.dumps(info, sort_keys=True, indent=1, default=str).encode()
+            body = encode_model_json(self.fingerprint, model_info, format_info, time.time())
             try:
                 self._atomic_write(path, [memoryview(body)], "model")
             except StoreWriteError as e:
                 raise StoreError(f"cannot write {path}: {e}") from e
             return
         try:
-            info = json.loads(raw)
+            info = decode_model_json(raw)
             theirs_fp, theirs_v = info["fingerprint"], info["format_version"]
-        except (ValueError, KeyError, TypeError, RecursionError) as e:
+        except ValueError as e:
             raise StoreError(
                 f"{path} is unreadable ({e}); cannot tell which model this cache belongs to. "
                 f"Remove {self.dir} to start this model's cache afresh."
@@ -423,7 +320,7 @@ class DiskStore:
                 f"cache directory {self.dir} has disk format version {theirs_v!r}; this build reads "
                 f"version {FORMAT_VERSION}. Remove the directory (or use another cache root) to rebuild it."
             )
-        if _canonical(info.get("format_info")) != _canonical(json.loads(json.dumps(format_info, default=str))):
+        if canonical_json(info.get("format_info")) != canonical_json(json.loads(json.dumps(format_info, default=str))):
             logger.warning("%s: format_info differs from the one recorded (%s); fingerprint matches, continuing",
                            self.dir, info.get("format_info"))
 
@@ -435,8 +332,8 @@ class DiskStore:
         except FileNotFoundError:
             return None
         try:
-            if size > _MAX_MODEL_JSON:
-                raise _BadFile(f"{size} bytes, over the {_MAX_MODEL_JSON}-byte cap")
+            if size > MAX_MODEL_JSON_BYTES:
+                raise _BadFile(f"{size} bytes, over the {MAX_MODEL_JSON_BYTES}-byte cap")
             return bytes(_read_exact(fd, size))
         finally:
             os.close(fd)
@@ -444,18 +341,10 @@ class DiskStore:
     # -- paths, tmp files, quarantine ------------------------------------------------------
 
     def block_path(self, block_id: str) -> Path:
-        _check_block_id(block_id)
-        return self.blocks_dir / block_id[:2] / f"{block_id}{_BLOCK_SUFFIX}"
-
-    @staticmethod
-    def agent_key(namespace: str) -> str:
-        """File-name key of an agent: sha256 of the namespace, hex (ids never become paths)."""
-        if not isinstance(namespace, str):
-            raise TypeError("namespace must be a str")
-        return hashlib.sha256(namespace.encode("utf-8")).hexdigest()
+        return self.blocks_dir / block_relpath(block_id)
 
     def manifest_path(self, namespace: str) -> Path:
-        return self.agents_dir / f"{self.agent_key(namespace)}.json"
+        return self.agents_dir / manifest_name(namespace)
 
     def _tmp_path(self, kind: str) -> Path:
         return self.tmp_dir / f"{kind}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
@@ -586,7 +475,7 @@ class DiskStore:
         "Valid copy" is checked cheaply: its header has this format version, id and checksum and the
         file has the expected size (the data is verified on read).
         """
-        chunks, checksum, total = _encode_block(block)
+        chunks, checksum, total = block_chunks(block)
         path = self.block_path(block.block_id)
         if total > self.max_block_bytes:  # could never be read back
             with self._lock:
@@ -627,12 +516,9 @@ class DiskStore:
         try:
             if size != total:
                 return False
-            n = int.from_bytes(_read_exact(fd, 8), "little")
-            if n > _MAX_HEADER or 8 + n > size:
-                return False
-            meta = json.loads(bytes(_read_exact(fd, n, 8))).get("__metadata__", {})
+            meta = block_metadata(_read_exact(fd, header_length(_read_exact(fd, 8), size), 8))
             return meta.get("format_version") == str(FORMAT_VERSION) and meta.get("checksum") == checksum
-        except (OSError, ValueError, AttributeError, RecursionError, _BadFile):
+        except (OSError, ValueError, _BadFile):
             return False
         finally:
             os.close(fd)
@@ -662,7 +548,7 @@ class DiskStore:
             try:
                 _check_block_size(fd, size, self.max_block_bytes)  # before reading the data
                 _FAULT and _FAULT("read")
-                block = _parse_block(_read_exact(fd, size), block_id)
+                block = decode_block(_read_exact(fd, size), block_id)
             except OSError as e:  # the device failed (EIO...), not the bytes: a miss, the file is kept
                 logger.warning("cannot read %s: %s", path, e)
                 with self._lock:
@@ -705,31 +591,16 @@ class DiskStore:
             except OSError:
                 continue
             for f in files:
-                if f.name.endswith(_BLOCK_SUFFIX):
-                    bid = f.name[: -len(_BLOCK_SUFFIX)]
-                    if _BLOCK_ID_RE.fullmatch(bid) and bid[:2] == shard.name:
+                if f.name.endswith(BLOCK_SUFFIX):
+                    bid = f.name[: -len(BLOCK_SUFFIX)]
+                    if BLOCK_ID_RE.fullmatch(bid) and bid[:2] == shard.name:
                         yield bid
 
     # -- manifests ---------------------------------------------------------------------------
 
     def write_manifest(self, m: Manifest) -> None:
         """Write an agent's manifest durably. Write the blocks it names first."""
-        if not isinstance(m.namespace, str) or not m.namespace:
-            raise ValueError("manifest namespace must be a non-empty string")
-        for b in m.block_ids:
-            _check_block_id(b)
-        body = {"format": _MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "namespace": m.namespace,
-                "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens), "updated_at": float(m.updated_at)}
-        if m.pinned:  # optional field: manifests of unpinned agents read the same as before
-            body["pinned"] = True
-        if m.branches is not None:  # optional too: agents that never branch or fork read as before
-            _check_branches(m.branches, set(m.block_ids))
-            body["branches"] = m.branches
-        if m.era is not None:  # optional too: absent for every history that never met an erasure
-            _check_era(m.era)
-            body["era"] = m.era
-        body["checksum"] = "sha256:" + hashlib.sha256(_canonical(body)).hexdigest()
-        data = json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
+        data = encode_manifest(m)
         if len(data) > MAX_MANIFEST_BYTES:  # could never be read back
             raise StoreWriteError(errno.EFBIG, f"manifest of {len(m.block_ids)} blocks is {len(data)} bytes, "
                                   f"over the {MAX_MANIFEST_BYTES}-byte manifest cap", str(self.manifest_path(m.namespace)))
@@ -757,8 +628,8 @@ class DiskStore:
                 if size > MAX_MANIFEST_BYTES:
                     raise _BadFile(f"{size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest cap")
                 _FAULT and _FAULT("read")
-                m = _parse_manifest(bytes(_read_exact(fd, size)))
-                if path.name != f"{self.agent_key(m.namespace)}.json":
+                m = decode_manifest(bytes(_read_exact(fd, size)))
+                if path.name != manifest_name(m.namespace):
                     raise _BadFile(f"file name does not match its namespace {m.namespace[:64]!r}")
                 if namespace is not None and m.namespace != namespace:
                     raise _BadFile("namespace mismatch")
@@ -874,17 +745,10 @@ class DiskStore:
         """(path, bytes, last modified) of the other model/format directories under the root,
         oldest first: what a disk budget reclaims before any agent of this model."""
         out = []
-        try:
-            entries = list(os.scandir(self.root))
-        except OSError:
-            return out
-        for e in entries:
-            if e.name == self.dir.name or not _MODEL_DIR_RE.fullmatch(e.name):
-                continue
-            if not e.is_dir(follow_symlinks=False) or not os.path.exists(os.path.join(e.path, "model.json")):
-                continue
-            total, newest = _tree_usage(Path(e.path)) if sizes else (0, 0.0)
-            out.append((Path(e.path), total, newest))
+        for path in model_dirs(self.root):
+            if path.name != self.dir.name:
+                total, newest = _tree_usage(path) if sizes else (0, 0.0)
+                out.append((path, total, newest))
         return sorted(out, key=lambda t: t[2])
 
     @classmethod
@@ -892,7 +756,7 @@ class DiskStore:
         """Open a model directory from what its model.json records (offline tools: no model loaded)."""
         model_dir = Path(model_dir)
         try:
-            info = json.loads((model_dir / "model.json").read_bytes())
+            info = json.loads((model_dir / MODEL_JSON).read_bytes())
             return cls(model_dir.parent, info["fingerprint"], info.get("model_info") or {},
                        info.get("format_info") or {})
         except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
@@ -922,7 +786,7 @@ class DiskStore:
 
     def disk_bytes(self) -> int:
         """Bytes of every file in this model directory (blocks, manifests, tmp, quarantine)."""
-        model = (self.dir / "model.json")
+        model = (self.dir / MODEL_JSON)
         base = model.stat().st_size if model.exists() else 0
         return base + sum(b for _, b in self._usage().values())
 
@@ -951,14 +815,14 @@ def erase_agent_files(model_dir: Path, namespace: str) -> int:
     a manifest that cannot be read names nothing. Returns the bytes freed, or -1 when the agent has
     no manifest there. Nothing else may write the directory meanwhile (its server's persister
     thread, or the root's lock held offline)."""
-    agents_dir, blocks_dir = Path(model_dir) / "agents", Path(model_dir) / "blocks"
-    target = agents_dir / f"{DiskStore.agent_key(namespace)}.json"
+    agents_dir, blocks_dir = Path(model_dir) / AGENTS_DIR, Path(model_dir) / BLOCKS_DIR
+    target = agents_dir / manifest_name(namespace)
     mine = _lenient_block_ids(target)
     if mine is None:
         return -1
     others: set[str] = set()
     try:
-        names = [e.name for e in os.scandir(agents_dir) if e.name.endswith(".json") and e.name != target.name]
+        names = [e.name for e in os.scandir(agents_dir) if e.name.endswith(MANIFEST_SUFFIX) and e.name != target.name]
     except OSError:
         names = []
     for name in names:
@@ -974,7 +838,7 @@ def erase_agent_files(model_dir: Path, namespace: str) -> int:
         shutil.rmtree(target, ignore_errors=True)
     shards = set()
     for bid in mine - others:
-        path = blocks_dir / bid[:2] / f"{bid}{_BLOCK_SUFFIX}"
+        path = blocks_dir / block_relpath(bid)
         try:
             size = os.lstat(path).st_size
             os.unlink(path)
@@ -1000,10 +864,8 @@ def _lenient_block_ids(path: Path) -> Optional[set[str]]:
     except (OSError, _BadFile):
         return set() if os.path.lexists(path) else None
     try:
-        body = json.loads(bytes(_read_exact(fd, min(size, MAX_MANIFEST_BYTES))))
-        ids = body.get("block_ids") if isinstance(body, dict) else None
-        return {b for b in ids if isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b)} if isinstance(ids, list) else set()
-    except (OSError, ValueError, RecursionError):
+        return lenient_block_ids(bytes(_read_exact(fd, min(size, MAX_MANIFEST_BYTES))))
+    except OSError:
         return set()
     finally:
         os.close(fd)
@@ -1023,72 +885,21 @@ def _tree_usage(path: Path) -> tuple[int, float]:
     return total, newest
 
 
-# ---------------------------------------------------------------------------------------------
-# Block encoding (pure functions, shared by the disk tier and the fleet tier in remote.py)
-
-
-class BadBlockError(ValueError):
-    """Bytes that are not a valid block file for the requested id (decode_block)."""
-
-
-def _encode_block(block: BlockData) -> tuple[list[memoryview], str, int]:
-    """The block file as (chunks, checksum, total size), straight from the arrays' buffers."""
-    block_id = _check_block_id(block.block_id)
-    tokens = _prepare_array(_TOKENS, block.tokens)
-    if tokens.dtype != np.int32 or tokens.ndim != 1:
-        raise ValueError(f"block {block_id}: tokens must be 1-D int32, got {tokens.dtype} {tokens.shape}")
-    if _TOKENS in block.arrays:
-        raise ValueError(f"block {block_id}: array name {_TOKENS!r} is reserved")
-    unknown = set(block.dtypes) - set(block.arrays)
-    if unknown:
-        raise ValueError(f"block {block_id}: dtypes names arrays it does not have: {sorted(unknown)}")
-    arrays = {n: _prepare_array(n, a) for n, a in block.arrays.items()}
-    arrays[_TOKENS] = tokens
-    dtypes = {str(k): str(v) for k, v in block.dtypes.items()}
-    n_tokens = int(tokens.shape[0])
-
-    views = {n: _bytes_view(a) for n, a in arrays.items()}
-    # Data section: larger item sizes first so every tensor stays aligned to its item size.
-    order = sorted(arrays, key=lambda n: (-arrays[n].dtype.itemsize, n))
-    header: dict[str, Any] = {"__metadata__": {
-        "format": _BLOCK_FORMAT, "format_version": str(FORMAT_VERSION), "block_id": block_id,
-        "n_tokens": str(n_tokens), "dtypes": json.dumps(dtypes, sort_keys=True)}}
-    off = 0
-    for n in order:
-        size = len(views[n])
-        header[n] = {"dtype": _NP_TO_ST[arrays[n].dtype], "shape": list(arrays[n].shape),
-                     "data_offsets": [off, off + size]}
-        off += size
-    tensors = [(n, header[n]["dtype"], header[n]["shape"], tuple(header[n]["data_offsets"])) for n in sorted(arrays)]
-    checksum = _block_crc32(block_id, n_tokens, dtypes, tensors, [views[n] for n in order])
-    header["__metadata__"]["checksum"] = checksum
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hbytes += b" " * (-(8 + len(hbytes)) % 8)  # data starts 8-byte aligned
-    chunks = [memoryview(len(hbytes).to_bytes(8, "little")), memoryview(hbytes)] + [views[n] for n in order]
-    return chunks, checksum, 8 + len(hbytes) + off
-
-
-def encode_block(block: BlockData) -> bytes:
-    """The exact bytes write_block puts in the block's file."""
-    return b"".join(_encode_block(block)[0])
-
-
-def decode_block(buf: bytes | bytearray, block_id: str) -> BlockData:
-    """Parse and fully verify a block file's bytes, exactly as read_block does; BadBlockError if
-    they are not a valid block `block_id`. Arrays are views of `buf` (read-only when it is bytes)."""
+def model_dirs(root: Path) -> list[Path]:
+    """The model directories of a cache root (named as one, holding a model.json), by name, of any
+    model or disk-format version; none when the root cannot be listed."""
     try:
-        return _parse_block(buf, block_id)
-    except _BadFile as e:
-        raise BadBlockError(str(e)) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Parsing (pure functions: raise _BadFile on anything unexpected)
+        entries = list(os.scandir(root))
+    except OSError:
+        return []
+    return sorted(Path(e.path) for e in entries
+                  if MODEL_DIR_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
+                  and os.path.exists(os.path.join(e.path, MODEL_JSON)))
 
 
 def _reason(e: Exception) -> str:
     """Quarantine reason for an exception raised while checking a file."""
-    if isinstance(e, (_BadFile, OSError)):
+    if isinstance(e, (_BadFile, FormatError, OSError)):
         return str(e) or type(e).__name__
     return f"{type(e).__name__}: {e}"[:300]
 
@@ -1098,144 +909,7 @@ def _check_block_size(fd: int, size: int, cap: int) -> None:
     reading only the header: an oversized or padded file is refused before its data is read."""
     if size > cap:
         raise _BadFile(f"{size} bytes, over the {cap}-byte block cap")
-    if size < 8:
-        raise _BadFile(f"truncated: {size} bytes")
-    hlen = int.from_bytes(_read_exact(fd, 8), "little")
-    if hlen > _MAX_HEADER or 8 + hlen > size:
-        raise _BadFile(f"header length {hlen} does not fit a {size}-byte file")
-    try:
-        header = json.loads(bytes(_read_exact(fd, hlen, 8)))
-        data_len = max((int(t["data_offsets"][1]) for n, t in header.items() if n != "__metadata__"), default=0)
-    except (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError) as e:
-        raise _BadFile(f"bad header: {type(e).__name__}: {e}"[:300]) from None
-    if 8 + hlen + data_len != size:
-        raise _BadFile(f"the header describes a {8 + hlen + data_len}-byte file, the file has {size} bytes")
-
-
-def _parse_block(buf: bytes | bytearray, block_id: str) -> BlockData:
-    size = len(buf)
-    if size < 8:
-        raise _BadFile(f"truncated: {size} bytes")
-    hlen = int.from_bytes(buf[:8], "little")
-    if hlen > _MAX_HEADER or 8 + hlen > size:
-        raise _BadFile(f"header length {hlen} does not fit a {size}-byte file")
-    try:
-        header = json.loads(bytes(buf[8:8 + hlen]))
-        meta = header.pop("__metadata__")
-        if not isinstance(meta, dict):
-            raise TypeError("__metadata__ is not an object")
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
-        raise _BadFile(f"bad header: {e}") from None
-    if meta.get("format") != _BLOCK_FORMAT or meta.get("format_version") != str(FORMAT_VERSION):
-        raise _BadFile(f"format {meta.get('format')!r} version {meta.get('format_version')!r}, "
-                       f"expected {_BLOCK_FORMAT!r} version {FORMAT_VERSION}")
-    if meta.get("block_id") != block_id:
-        raise _BadFile(f"file holds block {str(meta.get('block_id'))[:80]!r}, not {block_id!r}")
-    try:
-        n_tokens = int(meta["n_tokens"])
-        dtypes = json.loads(meta["dtypes"])
-        checksum = meta["checksum"]
-        if not isinstance(dtypes, dict) or not all(isinstance(v, str) for v in dtypes.values()):
-            raise TypeError("dtypes is not a name -> str map")
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise _BadFile(f"bad metadata: {e}") from None
-
-    data_start = 8 + hlen
-    data_len = size - data_start
-    base = memoryview(buf)[data_start:]
-    spans, tensors, arrays = [], [], {}  # tensors: (name, dtype, shape, data view, offsets)
-    for name in sorted(header):
-        t = header[name]
-        try:
-            dt = _ST_TO_NP[t["dtype"]]
-            shape = [int(s) for s in t["shape"]]
-            begin, end = (int(x) for x in t["data_offsets"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise _BadFile(f"tensor {name!r}: bad entry ({e})") from None
-        if any(s < 0 for s in shape) or not 0 <= begin <= end <= data_len:
-            raise _BadFile(f"tensor {name!r}: offsets {begin}..{end} outside the {data_len}-byte data")
-        if end - begin != math.prod(shape) * dt.itemsize:
-            raise _BadFile(f"tensor {name!r}: {end - begin} bytes for shape {shape} {dt}")
-        spans.append((begin, end))
-        view = base[begin:end]
-        tensors.append((name, t["dtype"], shape, view, (begin, end)))
-        arrays[name] = np.frombuffer(view, dtype=dt).reshape(shape) if end > begin else np.zeros(shape, dt)
-    # The data section must be covered exactly, without holes or overlaps (as safetensors requires).
-    pos = 0
-    for begin, end in sorted(spans):
-        if begin != pos:
-            raise _BadFile("tensor data has holes or overlaps")
-        pos = end
-    if pos != data_len:
-        raise _BadFile(f"data section is {data_len} bytes, tensors cover {pos}")
-    if not isinstance(checksum, str) or not checksum.startswith(("crc32:", "sha256:")):
-        raise _BadFile(f"unknown checksum {str(checksum)[:40]!r}")
-    if checksum.startswith("crc32:"):
-        computed = _block_crc32(block_id, n_tokens, dtypes, [(n, d, s, o) for n, d, s, _, o in tensors], [base])
-    else:  # written by an earlier build
-        computed = _block_checksum(block_id, n_tokens, dtypes, [(n, d, s, v) for n, d, s, v, _ in tensors])
-    if computed != checksum:
-        raise _BadFile("checksum mismatch")
-    tokens = arrays.pop(_TOKENS, None)
-    if tokens is None or tokens.dtype != np.int32 or tokens.shape != (n_tokens,):
-        raise _BadFile("missing or malformed tokens")
-    if set(dtypes) - set(arrays):
-        raise _BadFile("dtypes names missing arrays")
-    return BlockData(block_id=block_id, tokens=tokens, arrays=arrays, dtypes=dtypes)
-
-
-def _parse_manifest(raw: bytes) -> Manifest:
-    try:
-        body = json.loads(raw)
-        if not isinstance(body, dict):
-            raise TypeError("not an object")
-        checksum = body.pop("checksum")
-    except (ValueError, KeyError, TypeError, RecursionError) as e:
-        raise _BadFile(f"bad manifest: {e}") from None
-    if body.get("format") != _MANIFEST_FORMAT or body.get("format_version") != FORMAT_VERSION:
-        raise _BadFile(f"manifest format {body.get('format')!r} version {body.get('format_version')!r}")
-    if checksum != "sha256:" + hashlib.sha256(_canonical(body)).hexdigest():
-        raise _BadFile("checksum mismatch")
-    ns, ids, n, ts = body.get("namespace"), body.get("block_ids"), body.get("n_tokens"), body.get("updated_at")
-    pinned = body.get("pinned", False)
-    if (not isinstance(ns, str) or not isinstance(ids, list) or not isinstance(n, int)
-            or not isinstance(ts, (int, float)) or not isinstance(pinned, bool)
-            or not all(isinstance(b, str) and _BLOCK_ID_RE.fullmatch(b) for b in ids)):
-        raise _BadFile("malformed manifest fields")
-    branches = body.get("branches")
-    if branches is not None:
-        try:
-            _check_branches(branches, set(ids))
-        except ValueError as e:
-            raise _BadFile(str(e)) from None
-    era = body.get("era")
-    if era is not None:
-        try:
-            _check_era(era)
-        except ValueError as e:
-            raise _BadFile(str(e)) from None
-    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned,
-                    branches=branches, era=era)
-
-
-def _check_era(era: Any) -> None:
-    """Raise ValueError unless `era` is a tombstone id as a manifest may carry it."""
-    if not isinstance(era, str) or not 0 < len(era) <= MAX_ERA_CHARS or not era.isascii() or not era.isprintable():
-        raise ValueError("malformed manifest era")
-
-
-def _check_branches(branches: Any, named: set) -> None:
-    """Raise ValueError unless `branches` is a well-formed list of branches over `named` blocks."""
-    if not isinstance(branches, list) or not branches:
-        raise ValueError("manifest branches must be a non-empty list")
-    for br in branches:
-        ids, n, links = (br.get("block_ids"), br.get("n_tokens"), br.get("links")) if isinstance(br, dict) else (None,) * 3
-        if (not isinstance(ids, list) or not all(isinstance(b, str) and b in named for b in ids)
-                or not isinstance(n, int) or n < 0 or not isinstance(links, list) or not links
-                or not all(isinstance(l, list) and len(l) == 2 and isinstance(l[0], int) and isinstance(l[1], str)
-                           for l in links)
-                or links[0][0] != 0 or [l[0] for l in links] != sorted({l[0] for l in links})):
-            raise ValueError("malformed manifest branch")
-        used = br.get("last_used", 0.0)  # optional: absent in manifests written before it existed
-        if isinstance(used, bool) or not isinstance(used, (int, float)) or not math.isfinite(used):
-            raise ValueError("malformed manifest branch: last_used")
+    hlen = header_length(_read_exact(fd, min(size, 8)), size)
+    described = described_size(hlen, _read_exact(fd, hlen, 8))
+    if described != size:
+        raise _BadFile(f"the header describes a {described}-byte file, the file has {size} bytes")

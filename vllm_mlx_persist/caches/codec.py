@@ -33,8 +33,10 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache
 
-from ..q4cache import FULL, LIST, Q4, STATE, CarriedFloats, Q4KVCache, carry_floats, layer_kinds, layer_windows
+from .floats import CarriedFloats, carry_floats
+from .kinds import FULL, LIST, Q4, STATE, layer_kinds, layer_windows
 from .latent import LATENT_BITS, dequantize_latent, quantize_latent
+from .q4 import Q4KVCache
 from .recurrent import StateCache
 
 Arrays = dict  # name -> mx.array
@@ -316,7 +318,7 @@ class ModelCodec:
     def carry(self, cache: list, n: int) -> Optional[CarriedFloats]:
         """The float copies of a stored turn's first n positions, for its next turn: the plain 4-bit
         layers' `Q4KVCache.floats` (what the turn's batch mirror held), kept within the carry
-        budget (`q4cache.carry_floats`); None when there are none or they do not fit. All layers
+        budget (`floats.carry_floats`); None when there are none or they do not fit. All layers
         or none: a layer without would dequantize its history anyway."""
         layers = {}
         for l, (c, k) in enumerate(zip(cache, self.kinds)):

@@ -384,7 +384,7 @@ def measure_checksums(size_mb: int = 64, threads: int = 2) -> dict:
 def _random_q4_cache(n_layers: int, n_kv: int, head_dim: int, n: int, seed: int) -> list:
     import mlx.core as mx
 
-    from ..q4cache import Q4KVCache
+    from ..caches.q4 import Q4KVCache
 
     mx.random.seed(seed)
     caches = []
@@ -402,7 +402,8 @@ def section_reload(ctx: "Ctx") -> dict:
     import mlx.core as mx
 
     from ..pool import BlockPool
-    from ..store import FORMAT_VERSION, DiskStore
+    from ..disk_format import FORMAT_VERSION
+    from ..store import DiskStore
 
     plan = ctx.plan
     cfg = json.loads((ctx.model / "config.json").read_text())

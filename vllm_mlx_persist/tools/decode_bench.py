@@ -22,9 +22,10 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
+from ..caches import floats
+from ..caches.attention import install_attention_fix
+from ..caches.q4 import BatchQ4KVCache, Q4KVCache
 from .models import SIZES, build_model
-from .. import q4cache
-from ..q4cache import BatchQ4KVCache, Q4KVCache, install_attention_fix
 
 _ROW_STAGGER = 7  # row i is i * 7 tokens shorter than row 0: a left-padded batch
 
@@ -109,9 +110,9 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
     mc = BatchQ4KVCache(pads, bits, group_size)  # with the float decode mirror
     mc.update_and_fetch(k, v)
     mx.eval(fc.keys, [x for x in qc.keys], [x for x in mc.keys])
-    q4cache.set_decode_float_budget(1 << 20)
+    floats.set_decode_float_budget(1 << 20)
     mc.update_and_fetch(nk, nv)  # a decode step: builds the mirror
-    q4cache.set_decode_float_budget(0)  # qc stays without one
+    floats.set_decode_float_budget(0)  # qc stays without one
 
     def upd(c):
         def f():
@@ -137,7 +138,7 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
                                              mx.dequantize(*qv, group_size=group_size, bits=bits)), n),
         "sdpa on dequantized": _time_ops(lambda: mx.fast.scaled_dot_product_attention(q, dk, dv, scale=0.125, mask=mask), n),
     }
-    q4cache.set_decode_float_budget("auto")
+    floats.set_decode_float_budget("auto")
     return {k: round(v) for k, v in out.items()}
 
 
@@ -176,9 +177,9 @@ def main(argv: list[str] | None = None) -> int:
             for rep in range(a.reps):
                 order = systems[rep % 3:] + systems[:rep % 3]  # rotate who goes first
                 for name, cls, mb in order:
-                    q4cache.set_decode_float_budget(mb)
+                    floats.set_decode_float_budget(mb)
                     got[name].append(_decode(model, _merge(rows[name], cls), B, a.steps))
-            q4cache.set_decode_float_budget("auto")
+            floats.set_decode_float_budget("auto")
             col = lambda k, i: [r[i] for r in got[k]]
             ratio = lambda k, i: [f / x for f, x in zip(col("f", i), col(k, i))]
             med = lambda xs: statistics.median(xs) * 1e3

@@ -53,10 +53,10 @@ from mlx_lm.generate import BatchGenerator, _merge_caches
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.caches import ModelCodec, floats
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.pool import BlockPool
-from vllm_mlx_persist.q4cache import Q4KVCache, install_attention_fix
 from vllm_mlx_persist.store import DiskStore
 from vllm_mlx_persist.tools.models import SIZES, build_model
 
@@ -153,8 +153,7 @@ class Q4System:
 
     @staticmethod
     def _carry(mb: Any) -> None:
-        if hasattr(q4cache, "set_carry_float_budget"):  # absent before the carry (another checkout)
-            q4cache.set_carry_float_budget(mb)
+        floats.set_carry_float_budget(mb)
 
     def turn(self, prompt: list[int], max_tokens: int) -> dict:
         self._carry(self.carry_mb)
@@ -373,7 +372,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     systems = a.systems.split(",")
     model, _ = build_model("llama", a.size)
     install_attention_fix()
-    q4cache.set_decode_float_budget(a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb))
+    floats.set_decode_float_budget(a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb))
     vocab = model.args.vocab_size
     print(f"model llama/{a.size}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
           f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}")
@@ -432,7 +431,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             del made
             mx.clear_cache()
     print("load average %.2f %.2f %.2f" % os.getloadavg())
-    print(f"\nmirrors {q4cache.MIRROR_COUNTS}, carried {getattr(q4cache, 'CARRY_COUNTS', None)}")
+    print(f"\nmirrors {floats.MIRROR_COUNTS}, carried {floats.CARRY_COUNTS}")
     if a.profile:
         print("\nStages of one turn, serialized (ms):\n")
         print("| context | system | " + " | ".join(STAGES) + " |")

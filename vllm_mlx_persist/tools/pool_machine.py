@@ -49,8 +49,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from .. import faults, store as store_mod
+from ..caches.q4 import Q4KVCache
 from ..pool import BlockPool
-from ..q4cache import Q4KVCache
 from ..store import DiskStore
 
 OP_TIMEOUT_S = 60.0  # any pool operation slower than this is a hang

@@ -287,7 +287,7 @@ def agreement(model: Any, prompts: Sequence[Sequence[int]], cfg: MeasureConfig,
 # latents in 4 or 8 bits) are measured with a float cache whose every new key and value is first
 # sent through mx.quantize and mx.dequantize: attention then sees exactly the values a quantized
 # cache would hold. On the CPU the served `Q4KVCache` attends multi-token chunks on the same
-# dequantized values (`q4cache.set_prefill_attention`), so the simulated "4-bit, group 64" row
+# dequantized values (`floats.set_prefill_attention`), so the simulated "4-bit, group 64" row
 # reproduces the served one's perplexity (checked in the report); one-token decode steps differ
 # only in float rounding (the served cache multiplies by the packed values directly).
 
@@ -390,7 +390,7 @@ def sim_factory(key: QSpec | None, value: QSpec | None, latent: bool = False,
     for every layer the persist_q4 backend quantizes (plain and sliding attention), or with
     `latent`, for every MLA latent layer instead (keys = the latent, values = the rope key).
     `key_scales[l]`: layer l's per-channel key scales for the "scaled" transform."""
-    from ..q4cache import FULL, Q4, layer_kinds
+    from ..caches.kinds import FULL, Q4, layer_kinds
 
     cls = _sim_cache_class()
 
@@ -740,7 +740,7 @@ def _latent_cache_classes() -> tuple[type, type]:
 
 def per_turn_latent_format(name: str, label: str, bits: int) -> KVFormat:
     """A deepseek_v3 row: `PerTurnLatentCache(bits)` on every latent layer."""
-    from ..q4cache import FULL as FULL_KIND, layer_kinds
+    from ..caches.kinds import FULL as FULL_KIND, layer_kinds
 
     PerTurn, _ = _latent_cache_classes()
 
@@ -1429,7 +1429,7 @@ def main(argv: Sequence[str]) -> int:
 
     from mlx_lm import load
 
-    from ..q4cache import install_attention_fix
+    from ..caches.attention import install_attention_fix
 
     install_attention_fix()  # what the persist_q4 backend installs: needed for batched GQA masks
     tokenizer, _ = load_tokenizer((QUICK_CONFIG if quick else DEFAULT_CONFIG).size.vocab)

@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from ..store import BlockData, DiskStore, Manifest, StoreError
+from ..disk_format import BlockData, Manifest
+from ..store import DiskStore, StoreError
 
 FP = "c0" * 32
 _MODULE = "vllm_mlx_persist.tools.reliability"  # not __name__: that is __main__ under -m

@@ -12,7 +12,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from ..plugin import MAX_AGENT_ID_LEN, validate_agent_id
+from ..namespace import MAX_AGENT_ID_LEN, validate_agent_id
 from .corpus import CorpusError, document
 
 LIFECYCLES = ("permanent", "ephemeral")

@@ -27,8 +27,9 @@ import mlx.core as mx
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from vllm_mlx_persist import q4cache
-from vllm_mlx_persist.q4cache import Q4KVCache, install_attention_fix
+from vllm_mlx_persist.caches import floats
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.tools.models import SIZES, build_model
 
 SYSTEMS = ("mlx-lm", "q4-linear", "q4-window")
@@ -121,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         size: dict[str, tuple] = {}
         for rep in range(a.reps):
             for s in systems[rep % len(systems):] + systems[: rep % len(systems)]:  # rotate who goes first
-                q4cache.set_decode_float_budget(mirror if s != "mlx-lm" else 0)
+                floats.set_decode_float_budget(mirror if s != "mlx-lm" else 0)
                 batch = _merge_caches([rows[s]])
                 got[s].append(_decode(model, batch, a.steps))
                 size[s] = _nbytes(batch)
                 del batch
-        q4cache.set_decode_float_budget("auto")
+        floats.set_decode_float_budget("auto")
         med = lambda s, i: statistics.median(r[i] for r in got[s])
         for s in systems:
             line = f"| {T} | {s} | {med(s, 0) * 1e3:.1f} | {med(s, 1) * 1e3:.1f} | {1 / med(s, 1):.2f} | "

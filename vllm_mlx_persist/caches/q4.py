@@ -1,4 +1,4 @@
-"""Quantized KV caches that mlx-lm's BatchGenerator can batch without dequantizing.
+"""The 4-bit KV cache classes: quantized caches mlx-lm's BatchGenerator can batch without dequantizing.
 
 `Q4KVCache` is the per-sequence cache (a `QuantizedKVCache` with `size()` and `merge()`);
 `BatchQ4KVCache` implements the batch-cache contract of mlx-lm's `BatchKVCache` over the three
@@ -6,17 +6,11 @@ quantized components (packed uint32, scales, biases). mlx quantizes along the he
 so every token is quantized on its own: padding, rolling and slicing along the sequence axis are
 exact, and a token quantizes the same way however the prompt was chunked or batched.
 
-Models pick mlx-lm's quantized attention path by duck typing (`hasattr(cache, "bits")`), which has
-a mask-broadcasting bug under grouped-query attention with a batched mask; `install_attention_fix`
-replaces it with ours (see patches/README.md) and, on the CPU, routes multi-token chunks (prefill) through
-the fast SDPA on a transient dequantized copy of the layer's K/V (`set_prefill_attention`).
-
-On the CPU, a `BatchQ4KVCache` also keeps a bounded float *decode mirror*: the dequantized values of
-its 4-bit K/V, built on its first decode step or short prefill chunk, on which attention runs with the fast
-float SDPA (`set_decode_float_budget`).
-
-Attention on a `BatchQ4KVCache` runs row by row on each row's own keys (`batch_attention`), so a
-sequence's logits are bit-identical alone and batched, whatever its companions.
+Attention on them is `caches.attention`'s (the dispatch fix). `caches.floats` decides when it runs
+on float copies of the K/V and bounds those copies: the *decode mirror* a `BatchQ4KVCache` keeps on
+the CPU, and the floats a `Q4KVCache` carries from one turn to the agent's next. `caches.kinds`
+decides which layers get these classes. Cache objects are built, updated and read on the worker
+thread only (MLX work).
 
 Sliding-window layers (`window=w` on both classes; `caches.ModelCodec(bounded=True)` sets it from
 the layer's mlx-lm `RotatingKVCache`) hold only their window. The storage stays linear and
@@ -52,49 +46,29 @@ What a window cache holds, for building blocks on it (positions are logical toke
 from __future__ import annotations
 
 import copy
-import sys
-import threading
-import weakref
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import base as _mlx_base
 from mlx_lm.models.base import create_causal_mask
-from mlx_lm.models.cache import (
-    ArraysCache,
-    CacheList,
-    KVCache,
-    RotatingKVCache,
-    QuantizedKVCache,
-    _BaseCache,
-    dynamic_roll,
-    make_prompt_cache,
+from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
+
+from .floats import (
+    DEQUANT_MIN_QUERIES,
+    MIRROR_COUNTS,
+    MIRROR_PREFILL_MAX_QUERIES,
+    carry_float_budget_bytes,
+    decode_float_budget_bytes,
+    decode_float_bytes,
+    dequantize_for,
+    track_mirror,
 )
+from .kinds import Q4, UnsupportedModelError, layer_kinds, layer_windows, model_type_of
 
 QTuple = tuple  # (packed uint32, scales, biases), each (B, n_kv_heads, T, ·)
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-
-# Models (mlx-lm 0.31.3) whose attention reads what `update_and_fetch` returns with something other
-# than the shared `base.scaled_dot_product_attention` dispatcher, so (packed, scales, biases)
-# tuples would crash them or be misread.
-_OWN_ATTENTION = "its attention computes the scores itself instead of using the shared SDPA"
-_BYPASS_DISPATCHER = {
-    "gemma2": _OWN_ATTENTION,
-    "olmo": _OWN_ATTENTION,
-    "plamo2": "its attention calls mx.fast.scaled_dot_product_attention directly",
-    "gemma3n": "its layers share K/V across layers through the cache objects",
-    "recurrent_gemma": "its attention reads the rotating cache's ring layout",
-}
-# Multi-head latent attention (MLA): the model multiplies the cached latent and rope key directly
-# (`q_pe @ k_pe.T`, `q_nope @ kv_latent.T`), so no quantized op reads them: those layers keep
-# mlx-lm's own full-precision KVCache (model dtype), persisted as is.
-MLA_MODEL_TYPES = {"deepseek_v3", "deepseek_v32", "glm4_moe_lite", "kimi_linear", "longcat_flash"}
-
-# Layer kinds (see vllm_mlx_persist/caches): what the cache of one layer is and how blocks hold it.
-Q4, FULL, STATE, LIST = "q4", "full", "state", "list"
 
 
 def _check_format(bits: int, group_size: int) -> None:
@@ -323,154 +297,6 @@ class Q4KVCache(QuantizedKVCache):
         return _qnbytes(self.keys) + _qnbytes(self.values)
 
 
-# ---- float decode mirror --------------------------------------------------------------------------
-#
-# mlx's CPU `quantized_matmul(transpose=True)` costs ~3x a float matmul of the same shape (see
-# docs/performance.md), so on the CPU a batch cache in prefill or decode keeps beside its 4-bit K/V a float
-# copy holding exactly `dequantize(packed)` (every token, each new token included) and
-# attention runs on that copy with mx.fast.scaled_dot_product_attention: 4-bit KV numerics, float
-# speed. Storage, blocks, disk and everything `extract` returns stay 4-bit.
-#
-# Accounting rule: a mirror's bytes count against the process-wide budget for exactly as long as
-# the BatchQ4KVCache holding it is alive and keeps it. Each operation that creates, grows, shrinks
-# (filter), moves (extend) or drops a mirror checks the budget explicitly before allocating; the
-# bytes in use are the sum over the live mirrors, kept in a WeakSet, so a batch cache that mlx-lm
-# simply lets go of (it clears its cache list when the last sequence finishes) releases its share
-# when it is freed, without a __del__. A mirror that would not fit is dropped (or never built) and
-# that cache decodes on the 4-bit matmuls as before; never an error.
-
-DECODE_FLOAT_AUTO_MB = 1024  # "auto" on a CPU; 0 (off) on a GPU, where quantized attention is fast
-_decode_float_mb: Any = "auto"
-_MIRRORS: "weakref.WeakSet[BatchQ4KVCache]" = weakref.WeakSet()
-_MIRRORS_LOCK = threading.Lock()  # get_stats reads the set from the HTTP thread
-# Mirrors built (by dequantizing), started from carried floats (no dequantization; see
-# CarriedFloats), and not built or dropped because the budget was full (for get_stats).
-MIRROR_COUNTS = {"builds": 0, "carried": 0, "refused": 0}
-
-
-def set_decode_float_budget(mb: Any) -> None:
-    """Process-wide budget for float decode mirrors, in MB: a number >= 0 (0: off) or "auto"
-    (DECODE_FLOAT_AUTO_MB when MLX's default device is the CPU, else 0). Existing mirrors are kept;
-    the budget applies to the next build or growth."""
-    global _decode_float_mb
-    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
-        raise ValueError(f"decode_float_mb must be \"auto\" or a number >= 0; got {mb!r}")
-    _decode_float_mb = mb
-
-
-def decode_float_budget_bytes() -> int:
-    """The budget `set_decode_float_budget` resolves to on the current default device."""
-    mb = _decode_float_mb
-    if mb == "auto":
-        mb = DECODE_FLOAT_AUTO_MB if mx.default_device().type == mx.DeviceType.cpu else 0
-    return int(mb * 2**20)
-
-
-def decode_float_bytes() -> int:
-    """Bytes held by the float decode mirrors of all live batch caches."""
-    with _MIRRORS_LOCK:
-        caches = list(_MIRRORS)
-    return sum(c.mirror_nbytes for c in caches)
-
-
-# ---- float copies carried between turns ----------------------------------------------------------
-#
-# A returning agent's turn used to dequantize its whole history, every layer, for its first prefill
-# chunk (the mirror build above): on the CPU that cost more than the two float copies vllm-mlx's
-# default cache makes of the same history (docs/performance.md, "A hot turn of a long agent"). The
-# mirror a turn ends with already holds those values, so the pool keeps it, as views, beside the
-# turn's 4-bit blocks (`CarriedFloats`, held by the committed run), and the agent's next turn starts
-# its batch mirror from it. Exactly `dequantize(packed)`: hot and reloaded turns attend on the same
-# values. Bounded by a process-wide budget of its own; least recently used copies go first, and a
-# copy lives no longer than the run of hot blocks that holds it.
-
-CARRY_FLOAT_AUTO_MB = 1024  # "auto" on a CPU; 0 (off) on a GPU, like the decode mirror
-_carry_float_mb: Any = "auto"
-_CARRIED: "weakref.WeakValueDictionary[int, CarriedFloats]" = weakref.WeakValueDictionary()
-_CARRY_LOCK = threading.Lock()
-_carry_clock = 0
-# Copies kept, used by a lookup, dropped for a newer one, and not kept because they did not fit.
-CARRY_COUNTS = {"kept": 0, "used": 0, "evicted": 0, "refused": 0}
-
-
-def set_carry_float_budget(mb: Any) -> None:
-    """Process-wide budget for float copies carried between turns, in MB: a number >= 0 (0: off)
-    or "auto" (CARRY_FLOAT_AUTO_MB when MLX's default device is the CPU, else 0). Applies to the
-    next copy kept; a smaller budget drops the least recently used copies then."""
-    global _carry_float_mb
-    if mb != "auto" and (isinstance(mb, bool) or not isinstance(mb, (int, float)) or not mb >= 0):
-        raise ValueError(f"carry_float_mb must be \"auto\" or a number >= 0; got {mb!r}")
-    _carry_float_mb = mb
-
-
-def carry_float_budget_bytes() -> int:
-    """The budget `set_carry_float_budget` resolves to on the current default device."""
-    mb = _carry_float_mb
-    if mb == "auto":
-        mb = CARRY_FLOAT_AUTO_MB if mx.default_device().type == mx.DeviceType.cpu else 0
-    return int(mb * 2**20)
-
-
-def carry_float_bytes() -> int:
-    """Bytes of the float copies carried between turns that are alive."""
-    with _CARRY_LOCK:
-        return sum(c.nbytes for c in _CARRIED.values())
-
-
-class CarriedFloats:
-    """Per 4-bit layer, float (keys, values) of a stored turn's positions [0, n): exactly the
-    dequantized values of its 4-bit K/V (the turn's float mirror, as views). Kept by whoever holds
-    the turn's 4-bit arrays (the pool's committed run); `take` gives them to the next turn's
-    caches. Dropped when evicted for a newer copy or when its holder goes."""
-
-    def __init__(self, layers: dict[int, tuple[mx.array, mx.array]], n: int):
-        self.layers: Optional[dict[int, tuple[mx.array, mx.array]]] = layers
-        self.n = n
-        self.nbytes = sum(k.nbytes + v.nbytes for k, v in layers.values())
-        self.used = 0
-
-    def take(self, n: int) -> Optional[dict[int, tuple[mx.array, mx.array]]]:
-        """Views of positions [0, n) per layer (n <= self.n), or None once evicted."""
-        global _carry_clock
-        with _CARRY_LOCK:
-            layers = self.layers
-            if layers is None or n > self.n:
-                return None
-            _carry_clock += 1
-            self.used = _carry_clock
-            CARRY_COUNTS["used"] += 1
-        return {l: (k[..., :n, :], v[..., :n, :]) for l, (k, v) in layers.items()}
-
-
-def carry_floats(layers: dict[int, tuple[mx.array, mx.array]], n: int) -> Optional[CarriedFloats]:
-    """Keep float copies of a stored turn's first n positions within the budget, dropping the least
-    recently used others to make room; None when they cannot fit (or there are none)."""
-    global _carry_clock
-    if not layers:
-        return None
-    layers = {l: (k[..., :n, :], v[..., :n, :]) for l, (k, v) in layers.items()}
-    carried = CarriedFloats(layers, n)
-    budget = carry_float_budget_bytes()
-    with _CARRY_LOCK:
-        if carried.nbytes > budget:
-            CARRY_COUNTS["refused"] += 1
-            return None
-        live = sorted(_CARRIED.values(), key=lambda c: c.used)
-        used = sum(c.nbytes for c in live)
-        for old in live:
-            if used + carried.nbytes <= budget:
-                break
-            used -= old.nbytes
-            old.layers = None
-            _CARRIED.pop(id(old), None)
-            CARRY_COUNTS["evicted"] += 1
-        _carry_clock += 1
-        carried.used = _carry_clock
-        _CARRIED[id(carried)] = carried
-        CARRY_COUNTS["kept"] += 1
-    return carried
-
-
 class BatchQ4KVCache(_BaseCache):
     """Batched quantized KV cache: `BatchKVCache`'s contract over (packed, scales, biases).
 
@@ -530,7 +356,7 @@ class BatchQ4KVCache(_BaseCache):
         self._idx += S - drop
         if self._mirror is not None:
             self._mirror_write(prev, cap, qk, qv, drop)
-        elif S < DEQUANT_MIN_QUERIES or (S < MIRROR_PREFILL_MAX_QUERIES and _dequantize_for(S)):
+        elif S < DEQUANT_MIN_QUERIES or (S < MIRROR_PREFILL_MAX_QUERIES and dequantize_for(S)):
             # decode, or a short prefill chunk (a returning agent's new text, a prompt's last chunk)
             # whose attention would dequantize all of the layer's K/V anyway: dequantize once into
             # the mirror, which the chunk's attention reads and the decode steps keep (such a turn
@@ -555,11 +381,7 @@ class BatchQ4KVCache(_BaseCache):
 
     def _set_mirror(self, mirror: Optional[tuple]) -> None:
         self._mirror = mirror
-        with _MIRRORS_LOCK:
-            if mirror is None:
-                _MIRRORS.discard(self)
-            else:
-                _MIRRORS.add(self)
+        track_mirror(self, mirror is not None)
 
     def _float_bytes(self, B: int, T: int, like: Optional["BatchQ4KVCache"] = None) -> int:
         """Bytes of a float mirror of B rows and T tokens (K and V, the scales' dtype)."""
@@ -573,7 +395,7 @@ class BatchQ4KVCache(_BaseCache):
         budget = decode_float_budget_bytes()
         return budget > 0 and decode_float_bytes() - released + nbytes <= budget
 
-    def _dequantize(self, q: QTuple) -> mx.array:
+    def dequantize(self, q: QTuple) -> mx.array:
         if q[0].size == 0:  # mx.dequantize cannot reshape an empty array
             B, H, T, P = q[0].shape
             return mx.zeros((B, H, T, P * 32 // self.bits), dtype=q[1].dtype)
@@ -584,7 +406,7 @@ class BatchQ4KVCache(_BaseCache):
             return
         B, _, cap, _ = self.keys[0].shape
         if self._mirror_fits(self._float_bytes(B, cap)):
-            self._set_mirror((self._dequantize(self.keys), self._dequantize(self.values)))
+            self._set_mirror((self.dequantize(self.keys), self.dequantize(self.values)))
             MIRROR_COUNTS["builds"] += 1
             self._mirror_refused = False
         elif not self._mirror_refused:
@@ -607,10 +429,10 @@ class BatchQ4KVCache(_BaseCache):
         if all(a.shape == b.shape for a, b in zip(qk, qv)):
             # K and V in one call: mx.dequantize costs ~150 us per call on the CPU whatever its
             # size (a composite of several ops), and it is elementwise, so the values are the same.
-            both = self._dequantize(tuple(mx.concatenate([a, b]) for a, b in zip(qk, qv)))
+            both = self.dequantize(tuple(mx.concatenate([a, b]) for a, b in zip(qk, qv)))
             dk, dv = both[: fk.shape[0]], both[fk.shape[0] :]
         else:
-            dk, dv = self._dequantize(qk), self._dequantize(qv)
+            dk, dv = self.dequantize(qk), self.dequantize(qv)
         fk[..., prev - drop : self._idx, :] = dk
         fv[..., prev - drop : self._idx, :] = dv
 
@@ -781,7 +603,7 @@ class BatchQ4KVCache(_BaseCache):
                 k, v = _alloc(like.keys, Bc, 0), _alloc(like.values, Bc, 0)
                 f = None
             if mirrored and f is None:
-                f = (like._dequantize(k), like._dequantize(v))
+                f = (like.dequantize(k), like.dequantize(v))
             left = max_idx - c._idx
             right = max_size - k[0].shape[2] - left
             if right < 0:
@@ -906,7 +728,7 @@ class BatchQ4KVCache(_BaseCache):
             if n == 0:
                 continue
             if f is None:
-                f = (self._dequantize(_qslice(c.keys, n)), self._dequantize(_qslice(c.values, n)))
+                f = (self.dequantize(_qslice(c.keys, n)), self.dequantize(_qslice(c.values, n)))
             for dst, x in zip(mirror, f):
                 dst[i : i + 1, :, p : p + n] = x[..., :n, :]
         self._set_mirror(mirror)
@@ -931,363 +753,6 @@ class BatchQ4KVCache(_BaseCache):
         return _qnbytes(self.keys) + _qnbytes(self.values) + self.mirror_nbytes
 
 
-# ---- attention fix -------------------------------------------------------------------------------
-
-
-# mlx's CPU `quantized_matmul` has no BLAS path: its cost grows linearly with the number of query
-# rows, so a 2048-token prefill chunk over 4k cached tokens takes ~5x as long as the fast SDPA on the
-# dequantized K/V (measured in docs/design.md). From this many queries per step on, dequantizing the
-# layer's K/V (a temporary freed right after the op; the cache itself stays quantized) is cheaper.
-DEQUANT_MIN_QUERIES = 4
-# Prefill chunks shorter than this build the float mirror (see BatchQ4KVCache.update_and_fetch);
-# vllm-mlx's prefill chunks are 2048 tokens, so only a prompt's last chunk or a short one does.
-MIRROR_PREFILL_MAX_QUERIES = 512
-PREFILL_ATTENTION_MODES = ("auto", "quantized", "dequantized")
-_prefill_attention = "auto"
-
-
-def set_prefill_attention(mode: str) -> None:
-    """How attention reads 4-bit K/V for chunks of >= DEQUANT_MIN_QUERIES queries.
-
-    "quantized": always mlx's quantized matmuls. "dequantized": dequantize the layer's K/V for the
-    op, then the fast SDPA. "auto" (default): dequantized on the CPU, quantized on a GPU. Decode
-    steps (fewer queries) always use the quantized matmuls.
-    """
-    global _prefill_attention
-    if mode not in PREFILL_ATTENTION_MODES:
-        raise ValueError(f"prefill_attention must be one of {PREFILL_ATTENTION_MODES}; got {mode!r}")
-    _prefill_attention = mode
-
-
-def _dequantize_for(n_queries: int) -> bool:
-    if n_queries < DEQUANT_MIN_QUERIES or _prefill_attention == "quantized":
-        return False
-    return _prefill_attention == "dequantized" or mx.default_device().type == mx.DeviceType.cpu
-
-
-def _gqa_mask(mask: Any, B: int, n_kv: int, n_rep: int) -> Any:
-    """A mask for (B, n_kv, n_rep, L, T) scores, from mlx-lm's (L, T) or 4-D (B|1, 1|n_q, L, T)."""
-    if not isinstance(mask, mx.array) or mask.ndim != 4:
-        return mask
-    if mask.shape[1] == 1:
-        return mx.expand_dims(mask, -3)
-    return mask.reshape(mask.shape[0], n_kv, n_rep, *mask.shape[2:])
-
-
-def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits):
-    """mlx-lm's quantized SDPA with the GQA mask broadcast right (batched and per-head masks) and
-    optional attention sinks: one extra logit per query head that joins the softmax and contributes
-    no value (what mx.fast.scaled_dot_product_attention does with sinks).
-
-    Grouped-query attention without broadcasting the packed K/V: the n_rep query heads of a KV head
-    become n_rep * L rows of one quantized matmul against that head's K/V (mlx-lm expands the K/V to
-    5-D instead, which mlx's CPU kernels handle 10-25% slower; same arithmetic, same result)."""
-    B, n_q, L, D = queries.shape
-    n_kv = q_keys[0].shape[-3]
-    n_rep = n_q // n_kv
-    queries = (queries * scale).reshape(B, n_kv, n_rep * L, D)
-    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
-    T = scores.shape[-1]
-    scores = scores.reshape(B, n_kv, n_rep, L, T)
-    if isinstance(mask, str):
-        mask = mx.arange(T - L, T)[:, None] >= mx.arange(T)[None]
-    mask = _gqa_mask(mask, B, n_kv, n_rep)
-    if mask is not None:
-        if mask.dtype == mx.bool_:
-            scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
-        else:
-            scores = scores + mask
-    if sinks is None:
-        probs = mx.softmax(scores, axis=-1, precise=True)
-    else:
-        sink = sinks.astype(scores.dtype).reshape(n_kv, n_rep, 1, 1)
-        sink = mx.broadcast_to(sink, scores.shape[:-1] + (1,))
-        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)[..., 1:]
-    probs = probs.reshape(B, n_kv, n_rep * L, T)
-    out = mx.quantized_matmul(probs, *q_values, transpose=False, group_size=group_size, bits=bits)
-    return out.reshape(B, n_q, L, out.shape[-1])
-
-
-def _make_fixed(original):
-    def quantized_scaled_dot_product_attention(
-        queries: mx.array,
-        q_keys: tuple[mx.array, mx.array, mx.array],
-        q_values: tuple[mx.array, mx.array, mx.array],
-        scale: float,
-        mask: Optional[mx.array],
-        group_size: int = 64,
-        bits: int = 8,
-        sinks: Optional[mx.array] = None,
-    ) -> mx.array:
-        if _dequantize_for(queries.shape[2]):
-            keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
-            values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
-            return mx.fast.scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=mask, sinks=sinks
-            )
-        # Always ours, not mlx-lm's: it takes sinks and per-head masks (mlx-lm 0.32 still
-        # mis-broadcasts those), fixes 0.31's batched GQA mask, and is faster on the CPU.
-        return _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits)
-
-    quantized_scaled_dot_product_attention._vllm_mlx_persist_original = original
-    return quantized_scaled_dot_product_attention
-
-
-def _row_mask(mask: Any, b: int, B: int, n: int, start: int, end: int) -> Any:
-    """Row b's part of a batch mask: its `n` real queries against its keys [start, end)."""
-    if not isinstance(mask, mx.array):
-        return mask  # None or "causal": the same meaning on the row's own keys
-    if mask.ndim == 4 and mask.shape[0] == B and B > 1:
-        mask = mask[b : b + 1]
-    if mask.shape[-1] > 1:
-        mask = mask[..., start:end]
-    return mask[..., :n, :] if mask.ndim >= 2 and mask.shape[-2] > 1 else mask
-
-
-def _attend_row(queries, keys: QTuple, values: QTuple, mirror, cache: "BatchQ4KVCache", n_batch: int,
-                scale: float, mask: Any, sinks: Any, row=lambda x: x) -> mx.array:
-    """Attention of one row's real queries on its own keys (`row` slices them out of the batch's
-    K/V, packed or mirrored): the same ops whatever the batch.
-
-    The kernel is chosen from the row's query count, not the batch chunk's (a row's short tail
-    batched with a long chunk gets the kernel it gets alone): the float SDPA on the dequantized K/V
-    (the mirror, or a transient copy: the same values) for chunks the CPU dequantizes and for
-    decode-sized rows when there is a mirror, or would be one (`n_batch` too long to build it);
-    else mlx's quantized matmuls."""
-    n = queries.shape[2]
-    use_float = _dequantize_for(n) or (n < DEQUANT_MIN_QUERIES and (
-        mirror is not None or (n_batch >= DEQUANT_MIN_QUERIES and decode_float_budget_bytes() > 0)))
-    if not use_float:
-        kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
-        return _mlx_base.quantized_scaled_dot_product_attention(
-            queries, tuple(map(row, keys)), tuple(map(row, values)), scale=scale, mask=mask,
-            group_size=cache.group_size, bits=cache.bits, **kw
-        )
-    if mirror is None:
-        fk, fv = cache._dequantize(tuple(map(row, keys))), cache._dequantize(tuple(map(row, values)))
-    else:
-        fk, fv = row(mirror[0]), row(mirror[1])
-    return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
-
-
-def batch_attention(queries: mx.array, keys: QTuple, values: QTuple, cache: "BatchQ4KVCache",
-                    scale: float, mask: Any, sinks: Any = None) -> mx.array:
-    """Attention on a `BatchQ4KVCache`, batch-invariant: each row attends with its real queries on
-    its own keys only (no left padding, no right-padded queries), so its result is bit for bit what
-    it is with no companions. Attending on the padded batch at once changes the float rounding on
-    BLAS kernels whose sums depend on the reduction's length and alignment (OpenBLAS: the value
-    matmul's sum over the keys, the score matmul's row count): logits ~1e-6 apart, a different
-    greedy token wherever the top two are that close (docs/design.md, "Batch invariance")."""
-    B, _, L, _ = queries.shape
-    end = cache.size()
-    mirror = cache.float_kv()
-    starts = cache.left_padding.tolist()
-    reals = cache.real_queries(L, end - L)
-    window = cache.window
-    if B == 1 and starts[0] == 0 and reals[0] == L and (window is None or end - L < window):
-        return _attend_row(queries, keys, values, mirror, cache, L, scale, mask, sinks)
-    outs = []
-    for b, (start, n) in enumerate(zip(starts, reals)):
-        if n == 0:  # a row whose prompt ended in an earlier chunk of this call: padding only
-            outs.append(None)
-            continue
-        stop = end - (L - n)
-        if window is not None:
-            # Only the keys the row's first query can see: the same keys alone and batched,
-            # whatever each cache has dropped so far.
-            start = max(start, stop - n - (window - 1))
-        out = _attend_row(
-            queries[b : b + 1, :, :n], keys, values, mirror, cache, L, scale,
-            _row_mask(mask, b, B, n, start, stop), sinks, row=lambda x: x[b : b + 1, :, start:stop, :],
-        )
-        outs.append(out if n == L else mx.pad(out, [(0, 0), (0, 0), (0, L - n), (0, 0)]))
-    if B == 1 and outs[0] is not None:  # one row whose first keys were dropped or sliced off
-        return outs[0]
-    like = next(o for o in outs if o is not None)
-    zeros = mx.zeros_like(like)
-    return mx.concatenate([zeros if o is None else o for o in outs], axis=0)
-
-
-def _make_dispatcher(original):
-    """base.scaled_dot_product_attention, with quantized caches going to our quantized SDPA, which
-    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches to
-    `batch_attention` (per row, on the float decode mirror when there is one)."""
-
-    def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        if isinstance(cache, BatchQ4KVCache):
-            return batch_attention(queries, keys, values, cache, scale, mask, sinks)
-        if hasattr(cache, "bits"):
-            kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
-            return _mlx_base.quantized_scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=mask,
-                group_size=cache.group_size, bits=cache.bits, **kw,
-            )
-        return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
-
-    scaled_dot_product_attention._vllm_mlx_persist_original = original
-    return scaled_dot_product_attention
-
-
-def mask_needs_fix(qsdpa=None) -> bool:
-    """Whether mlx-lm's quantized SDPA mis-broadcasts a batched (B, 1, L, T) mask under GQA.
-
-    mlx-lm 0.31.3 does (shape error for B != n_kv_heads, silently wrong for B == n_kv_heads);
-    0.32.x fixed it upstream, and wrapping the fixed function again crashes batched decode. Probed
-    on tiny arrays (B == n_kv_heads, the silent case) against the dequantized reference, not by version.
-    """
-    qsdpa = qsdpa or getattr(
-        _mlx_base.quantized_scaled_dot_product_attention, "_vllm_mlx_persist_original",
-        _mlx_base.quantized_scaled_dot_product_attention,
-    )
-    B, n_q, n_kv, L, T, D = 2, 4, 2, 1, 4, 64
-    q = mx.arange(B * n_q * L * D, dtype=mx.float32).reshape(B, n_q, L, D) % 7 / 7
-    kv = mx.arange(B * n_kv * T * D, dtype=mx.float32).reshape(B, n_kv, T, D) % 5 / 5
-    qk = mx.quantize(kv, group_size=64, bits=8)
-    qv = mx.quantize(kv[..., ::-1], group_size=64, bits=8)
-    mask = mx.array([[True, True, True, True], [False, False, False, True]]).reshape(B, 1, L, T)
-    deq = lambda x: mx.repeat(mx.dequantize(*x, group_size=64, bits=8), n_q // n_kv, axis=1)
-    want = mx.fast.scaled_dot_product_attention(q, deq(qk), deq(qv), scale=0.125, mask=mask)
-    try:
-        got = qsdpa(mx.array(q), qk, qv, scale=0.125, mask=mask, group_size=64, bits=8)
-        return mx.abs(got - want).max().item() > 1e-3
-    except ValueError:
-        return True
-
-
-def _model_modules():
-    return [m for name, m in list(sys.modules.items()) if name.startswith("mlx_lm.models.") and m is not None]
-
-
-def install_attention_fix() -> None:
-    """Patch mlx-lm's quantized SDPA (idempotent) with ours: batched and per-head GQA masks (mlx-lm
-    0.31 mis-broadcasts them, see `mask_needs_fix`), dequantized prefill on the CPU, attention sinks,
-    and a GQA layout that mlx's CPU kernels run faster.
-
-    `base.quantized_scaled_dot_product_attention` is looked up as a module global at call time.
-    The dispatcher `scaled_dot_product_attention` is imported by name into each model module, so it
-    is replaced in base and in every loaded mlx_lm.models module that bound it (call this after
-    loading the model).
-    """
-    current = _mlx_base.quantized_scaled_dot_product_attention
-    if not hasattr(current, "_vllm_mlx_persist_original"):
-        _mlx_base.quantized_scaled_dot_product_attention = _make_fixed(current)
-    dispatcher = _mlx_base.scaled_dot_product_attention
-    original = getattr(dispatcher, "_vllm_mlx_persist_original", dispatcher)
-    if dispatcher is original:
-        dispatcher = _make_dispatcher(original)
-        _mlx_base.scaled_dot_product_attention = dispatcher
-    for m in _model_modules():
-        if getattr(m, "scaled_dot_product_attention", None) is original:
-            m.scaled_dot_product_attention = dispatcher
-
-
-def uninstall_attention_fix() -> None:
-    """Undo `install_attention_fix` (for tests)."""
-    current = _mlx_base.quantized_scaled_dot_product_attention
-    original = getattr(current, "_vllm_mlx_persist_original", None)
-    if original is not None:
-        _mlx_base.quantized_scaled_dot_product_attention = original
-    dispatcher = _mlx_base.scaled_dot_product_attention
-    original = getattr(dispatcher, "_vllm_mlx_persist_original", None)
-    if original is not None:
-        for m in _model_modules():
-            if getattr(m, "scaled_dot_product_attention", None) is dispatcher:
-                m.scaled_dot_product_attention = original
-
-
-# ---- model support -------------------------------------------------------------------------------
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot run on a batched quantized KV cache."""
-
-
-def _model_type(model: nn.Module) -> str:
-    args = getattr(model, "args", None)
-    model_type = getattr(model, "model_type", None) or getattr(args, "model_type", None)
-    return str(model_type or type(model).__module__)
-
-
-def _head_dims(model: nn.Module) -> dict[str, int]:
-    """Key/value head dimensions from the model args (what the cache quantizes along)."""
-    args = getattr(model, "args", None)
-    if args is None:
-        return {}
-    nope, rope = getattr(args, "qk_nope_head_dim", None), getattr(args, "qk_rope_head_dim", None)
-    if nope is not None and rope is not None:
-        dims = {"key head_dim": nope + rope}
-        v = getattr(args, "v_head_dim", None)
-        if v is not None:
-            dims["value head_dim"] = v
-        return dims
-    head_dim = getattr(args, "head_dim", None)
-    model_type = getattr(args, "model_type", "")
-    if head_dim is None or model_type == "qwen2":  # qwen2 ignores args.head_dim
-        hidden = getattr(args, "hidden_size", None)
-        heads = getattr(args, "num_attention_heads", None)
-        if not hidden or not heads:
-            return {}
-        head_dim = hidden // heads
-    return {"head_dim": head_dim}
-
-
-def layer_kinds(model: nn.Module, group_size: int) -> list:
-    """Per layer, the cache kind persist_q4 gives it; raise `UnsupportedModelError` for a model
-    that cannot run on it, with the model type and the reason.
-
-    Q4: plain attention (`KVCache`) and sliding-window attention (`RotatingKVCache`, keep 0; every
-    such model asks for its mask with `window_size`, `layer_windows` gives the window). FULL: MLA
-    layers' `KVCache`. STATE: `ArraysCache` (SSM / linear attention). (LIST, [kinds]): a `CacheList`.
-    """
-    model_type = _model_type(model)
-
-    def refuse(reason: str):
-        raise UnsupportedModelError(
-            f"model type {model_type!r} cannot use the persist_q4 cache: {reason}"
-        )
-
-    if model_type in _BYPASS_DISPATCHER:
-        refuse(_BYPASS_DISPATCHER[model_type])
-    try:
-        caches = make_prompt_cache(model)
-    except Exception as e:  # a model whose make_cache fails is not one we can serve either
-        refuse(f"could not build its prompt cache ({type(e).__name__}: {e})")
-    mla = model_type in MLA_MODEL_TYPES
-
-    def kind(i: int, c) -> Any:
-        if type(c) is KVCache:
-            return FULL if mla else Q4
-        if type(c) is RotatingKVCache and not mla:
-            if c.keep:
-                refuse(f"layer {i} uses a RotatingKVCache that keeps {c.keep} tokens")
-            return Q4
-        if type(c) is ArraysCache:
-            return STATE
-        if type(c) is CacheList:
-            sub = [kind(i, s) for s in c.caches]
-            if any(k != FULL for k in sub):
-                refuse(f"layer {i} uses a CacheList of {[type(s).__name__ for s in c.caches]}")
-            return (LIST, sub)
-        refuse(f"layer {i} uses a {type(c).__name__}, which persist_q4 does not batch")
-
-    kinds = [kind(i, c) for i, c in enumerate(caches)]
-    if Q4 in kinds:
-        for name, dim in _head_dims(model).items():
-            if dim % group_size != 0:
-                refuse(f"{name} {dim} is not a multiple of the quantization group size {group_size}")
-    return kinds
-
-
-def layer_windows(model: nn.Module) -> dict[int, int]:
-    """Layer -> window of each sliding-window layer (its mlx-lm cache is a `RotatingKVCache`)."""
-    return {l: c.max_size for l, c in enumerate(make_prompt_cache(model)) if type(c) is RotatingKVCache}
-
-
-def check_model_supported(model: nn.Module, group_size: int) -> None:
-    """Raise `UnsupportedModelError` unless persist_q4 can serve the model (see `layer_kinds`)."""
-    layer_kinds(model, group_size)
-
-
 def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64,
                          bounded: bool = False) -> list[Q4KVCache]:
     """One fresh `Q4KVCache` per layer, for models whose layers are all of the Q4 kind (plain and
@@ -1297,7 +762,7 @@ def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64,
     kinds = layer_kinds(model, group_size)
     if any(k != Q4 for k in kinds):
         raise UnsupportedModelError(
-            f"model type {_model_type(model)!r} has non-attention or latent layers; use caches.ModelCodec"
+            f"model type {model_type_of(model)!r} has non-attention or latent layers; use caches.ModelCodec"
         )
     windows = layer_windows(model) if bounded else {}
     return [Q4KVCache(group_size=group_size, bits=bits, window=windows.get(l)) for l in range(len(kinds))]
