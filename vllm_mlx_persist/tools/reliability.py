@@ -697,7 +697,10 @@ def _report_state_machine(r: dict) -> list[str]:
             f"(seeds {r['seeds'][0]['seed']}-{r['seeds'][-1]['seed']}; the second of every four with the fleet).", "",
             "Shrunk failures found while the campaign was built, each fixed and kept as a test: a shorter turn after a "
             "restart lost to the fleet sync (tests/test_state_machine.py), the fork + hot budget + restart hang and "
-            "the others of tests/test_compose.py."]
+            "the others of tests/test_compose.py. Found by earlier full runs of this campaign (2026-11-25), fixed, "
+            "kept as tests: an unpin that left the hot tier over hot_mb until the next request (seed 30, "
+            "tests/test_compose.py), and a fork served the first token of a parent history erased through the other "
+            "server, because only the child was synced before the lookup (seed 17, tests/test_state_machine.py)."]
 
 
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
