@@ -146,3 +146,46 @@ def test_a_long_gemma_agent_holds_its_window_and_resumes_after_sigkill(tmp_path)
         assert chat.cached[-1] >= chat.prompt_tokens[-2], (chat.cached, chat.prompt_tokens, srv.log_tail())
     finally:
         srv.stop()
+
+
+def test_mla_latents_packed_in_8_bits_resume_exactly_after_sigkill(tmp_path):
+    """`latent_bits: 8` (issue #24 item 5): an MLA model's blocks hold its latents in 8 bits. A second
+    turn reuses the first; a server SIGKILLed between turns answers exactly as one never killed
+    (hot and reloaded blocks are the same packed bytes), and the agent costs fewer bytes than with
+    latents in the model's dtype."""
+    model = build_model_dir(tmp_path / "model", arch="deepseek_v3", size="tiny")
+    packed = {**OPTIONS, "latent_bits": 8}
+    reference, plain = Chat("alice"), Chat("alice")
+    with Server(model, tmp_path / "ref", options=packed) as ref:
+        for turn in range(3):
+            reference.turn(ref, turn)
+        packed_bytes = ref.get_json("/v1/agents/alice")["bytes_hot"]
+    with Server(model, tmp_path / "plain", options=OPTIONS) as srv:
+        for turn in range(3):
+            plain.turn(srv, turn)
+        plain_bytes = srv.get_json("/v1/agents/alice")["bytes_hot"]
+    assert reference.cached[0] == 0 and all(
+        reference.prompt_tokens[t - 1] <= reference.cached[t] < reference.prompt_tokens[t] for t in (1, 2))
+    assert packed_bytes < 0.5 * plain_bytes, (packed_bytes, plain_bytes)
+
+    chat = Chat("alice")
+    srv = Server(model, tmp_path / "home", options=packed).start()
+    try:
+        chat.turn(srv, 0)
+        srv.restart(signal.SIGKILL)
+        chat.turn(srv, 1)
+        srv.restart(signal.SIGKILL)
+        chat.turn(srv, 2)
+        assert chat.outputs == reference.outputs, srv.log_tail()
+        assert chat.cached == reference.cached, srv.log_tail()
+    finally:
+        srv.stop()
+
+
+def test_latent_bits_is_checked(tmp_path):
+    from vllm_mlx_persist.options import parse_options
+
+    assert parse_options({"latent_bits": 4})["latent_bits"] == 4
+    for bad in (3, True, "8"):
+        with pytest.raises(ValueError, match="latent_bits"):
+            parse_options({"latent_bits": bad})

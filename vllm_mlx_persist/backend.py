@@ -67,7 +67,8 @@ class PersistQ4Backend:
                 from .remote import load_secret
                 self._remote_secret = load_secret(opts["remote_secret_file"])
             # Refuses, naming the model type and the reason, the few models that cannot work.
-            self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True)
+            self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True,
+                                              latent_bits=opts["latent_bits"])
         except ValueError as e:
             raise refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
@@ -109,6 +110,8 @@ class PersistQ4Backend:
                 "group_size": self.group_size,
                 "block_size": opts["block_size"],
             }
+            if opts["latent_bits"] is not None:  # other blocks: kept apart (another model directory)
+                cache_format["latent_bits"] = opts["latent_bits"]
             self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
             n_layers = self.codec.n_layers
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)

@@ -20,6 +20,7 @@ DEFAULTS: dict[str, Any] = {
     "hot_mb": 2048.0,  # hot-tier budget: bytes of 4-bit blocks kept in memory
     "bits": 4,
     "group_size": 64,
+    "latent_bits": None,  # MLA latents in blocks: None (the model's dtype), 8 or 4 bits (caches/latent.py)
     "block_size": 256,
     "durable_writes": True,  # a turn's blocks are on disk before its response completes
     "disk_mb": 16384.0,  # disk-tier budget for the whole cache root (see docs/operations.md)
@@ -93,6 +94,8 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"persist_q4 group_size must be 32, 64 or 128; got {opts['group_size']}")
     if opts["block_size"] < 16 or opts["hot_mb"] < 0:
         raise ValueError("persist_q4 block_size must be >= 16 and hot_mb >= 0")
+    if opts["latent_bits"] not in (None, 4, 8) or isinstance(opts["latent_bits"], bool):
+        raise ValueError(f"persist_q4 latent_bits must be null, 4 or 8; got {opts['latent_bits']!r}")
     if opts["prefill_attention"] not in PREFILL_ATTENTION_MODES:
         raise ValueError(
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
