@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .blocks import Agent, Block, BlockState, BlockTable
+from .blocks import Agent, BlockState, BlockTable
 from .chain import cut_branch, lcp
 
 log = logging.getLogger("vllm_mlx_persist.pool")

@@ -10,7 +10,6 @@ Worker thread only (MLX).
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
