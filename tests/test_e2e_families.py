@@ -46,6 +46,23 @@ def _alone_and_batched(srv: Server) -> tuple[list, list]:
     return alone, batched
 
 
+def _killed_between_turns_answers_as(reference: Chat, model, home, options: dict) -> None:
+    """Alice's three turns on a server SIGKILLed between turns: the same replies and cached counts
+    as `reference` (a server never killed)."""
+    chat = Chat("alice")
+    srv = Server(model, home, options=options).start()
+    try:
+        chat.turn(srv, 0)
+        srv.restart(signal.SIGKILL)
+        chat.turn(srv, 1)
+        srv.restart(signal.SIGKILL)
+        chat.turn(srv, 2)
+        assert chat.outputs == reference.outputs, srv.log_tail()
+        assert chat.cached == reference.cached, srv.log_tail()
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_family_end_to_end(arch, tmp_path):
     model = build_model_dir(tmp_path / "model", arch=arch, size="tiny")
@@ -63,18 +80,7 @@ def test_family_end_to_end(arch, tmp_path):
             reference.cached, reference.prompt_tokens, log)
     assert batched == alone, log
 
-    chat = Chat("alice")
-    srv = Server(model, tmp_path / "home", options=OPTIONS).start()
-    try:
-        chat.turn(srv, 0)
-        srv.restart(signal.SIGKILL)
-        chat.turn(srv, 1)
-        srv.restart(signal.SIGKILL)
-        chat.turn(srv, 2)
-        assert chat.outputs == reference.outputs, srv.log_tail()
-        assert chat.cached == reference.cached, srv.log_tail()
-    finally:
-        srv.stop()
+    _killed_between_turns_answers_as(reference, model, tmp_path / "home", OPTIONS)
 
 
 @pytest.mark.parametrize("decode_float_mb", ["auto", 0])
@@ -168,18 +174,7 @@ def test_mla_latents_packed_in_8_bits_resume_exactly_after_sigkill(tmp_path):
         reference.prompt_tokens[t - 1] <= reference.cached[t] < reference.prompt_tokens[t] for t in (1, 2))
     assert packed_bytes < 0.5 * plain_bytes, (packed_bytes, plain_bytes)
 
-    chat = Chat("alice")
-    srv = Server(model, tmp_path / "home", options=packed).start()
-    try:
-        chat.turn(srv, 0)
-        srv.restart(signal.SIGKILL)
-        chat.turn(srv, 1)
-        srv.restart(signal.SIGKILL)
-        chat.turn(srv, 2)
-        assert chat.outputs == reference.outputs, srv.log_tail()
-        assert chat.cached == reference.cached, srv.log_tail()
-    finally:
-        srv.stop()
+    _killed_between_turns_answers_as(reference, model, tmp_path / "home", packed)
 
 
 def test_latent_bits_is_checked(tmp_path):

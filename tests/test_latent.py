@@ -4,8 +4,6 @@ deepseek_v3 model, turn after turn, with the live cache staying float."""
 
 from __future__ import annotations
 
-import random
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -16,6 +14,8 @@ from vllm_mlx_persist.caches.latent import dequantize_latent, latent_group, quan
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+
+from test_families import _logits, _prompt  # the same vocabulary (512)
 
 BLOCK = 16
 SIZE = Size(**{**SIZES["tiny"].__dict__, "vocab": 512})
@@ -50,17 +50,6 @@ def test_quantizer_error_bound_and_idempotence(bits, dtype):
 def deepseek():
     model, _ = build_model("deepseek_v3", SIZE, seed=0)
     return model
-
-
-def _prompt(n, seed):
-    rng = random.Random(seed)
-    return [rng.randrange(5, SIZE.vocab) for _ in range(n)]
-
-
-def _logits(model, cache, tokens):
-    out = model(mx.array([tokens]), cache=cache)[0, -1]
-    mx.eval(out)
-    return out
 
 
 def _pool(codec, root, fp="d" * 64):

@@ -6,6 +6,7 @@ here; `vllm-mlx-persist reliability --campaigns state_machine` runs it long."""
 from __future__ import annotations
 
 import os
+from typing import Callable, Optional
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,6 +27,21 @@ if not Redis.available():
 
 
 # ---- sequences the machine found, shrunk by Hypothesis, kept as explicit examples ----------------------
+
+
+def replay(steps: list[tuple[str, dict]], check: Optional[Callable[[FleetMachine], None]] = None) -> None:
+    """Run `steps` (rule name, arguments) on a FleetMachine with the invariants after every step, as
+    Hypothesis ran them; then `check(state)`."""
+    state = FleetMachine()
+    try:
+        for rule, args in steps:
+            getattr(state, rule)(**args)
+            state.consistent()
+            state.disk_within_budget_and_clean()
+        if check is not None:
+            check(state)
+    finally:
+        state.teardown()
 
 
 @pytest.mark.skipif(not Redis.available(), reason="no redis-server")
@@ -76,14 +92,7 @@ def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_tur
                           b=[26, 30, 25, 30, 37, 38, 24, 8, 26, 20, 25, 20, 32, 30], pick=3)),
         ("restart", {}),  # checks that every acknowledged turn is reused whole
     ]
-    state = FleetMachine()
-    try:
-        for rule, args in steps:  # with the invariants after every step, as Hypothesis ran them
-            getattr(state, rule)(**args)
-            state.consistent()
-            state.disk_within_budget_and_clean()
-    finally:
-        state.teardown()
+    replay(steps)
 
 
 @pytest.mark.skipif(not Redis.available(), reason="no redis-server")
@@ -92,18 +101,11 @@ def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_t
     of the tombstone, before B synced. B never saw the tombstone: its next sync merged its erased copy
     with the new history and served from it. Now the new history says which erasure it follows (its
     era), and B, whose copy follows none, erases it before it takes that history (docs/fleet.md, Erasure)."""
-    state = FleetMachine()
-    try:
-        for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
-                           ("fleet_turn", dict(agent="a", new=[39])),
-                           ("erase", dict(agent="a")),
-                           ("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
-                           ("fleet_turn", dict(agent="a", new=[39, 20]))]:
-            getattr(state, rule)(**args)
-            state.consistent()
-            state.disk_within_budget_and_clean()
-    finally:
-        state.teardown()
+    replay([("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
+            ("fleet_turn", dict(agent="a", new=[39])),
+            ("erase", dict(agent="a")),
+            ("turn", dict(agent="a", pick=0, cut=0.0, new=[20])),
+            ("fleet_turn", dict(agent="a", new=[39, 20]))])
 
 
 @pytest.mark.skipif(not Redis.available(), reason="no redis-server")
@@ -111,23 +113,18 @@ def test_a_turn_after_an_erasure_survives_a_restart_of_the_server_that_erased():
     """A erased agent a and served a new turn of it, a history of the erasure's era. After a restart A
     must still know that era (its local manifest carries it): else the history in Redis reads as a
     newer era than A's copy, and A erases its own copy (and fetches back what Redis holds of it)."""
-    state = FleetMachine()
-    try:
-        for rule, args in [("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21])),
-                           ("erase", dict(agent="a")),
-                           ("turn", dict(agent="a", pick=0, cut=0.0, new=[22, 23, 24])),
-                           ("restart", {}),  # checks that every acknowledged turn is reused whole
-                           ("fleet_turn", dict(agent="a", new=[25])),
-                           ("turn", dict(agent="a", pick=0, cut=1.0, new=[26]))]:
-            getattr(state, rule)(**args)
-            state.consistent()
-            state.disk_within_budget_and_clean()
+    def check(state: FleetMachine) -> None:
         assert state.pool.fleet.counts["erased_from_fleet"] == 0  # A's copy was of the era in Redis
         # B held no copy: it still acts on the erasure once (so a fetch of an older era still running
         # cannot be saved), then takes the history
         assert state.other.fleet.counts["erased_from_fleet"] == 1
-    finally:
-        state.teardown()
+
+    replay([("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21])),
+            ("erase", dict(agent="a")),
+            ("turn", dict(agent="a", pick=0, cut=0.0, new=[22, 23, 24])),
+            ("restart", {}),  # checks that every acknowledged turn is reused whole
+            ("fleet_turn", dict(agent="a", new=[25])),
+            ("turn", dict(agent="a", pick=0, cut=1.0, new=[26]))], check)
 
 
 @pytest.mark.skipif(not Redis.available(), reason="no redis-server")
@@ -135,12 +132,6 @@ def test_a_fork_does_not_read_a_parent_erased_through_another_server():
     """b was erased through the other server; this one still held b's history when d forked from
     b. The lookup synced only the child, so d was served the first token of b's erased history
     (found by the state_machine campaign, seed 17): a fork's parent is synced too."""
-    state = FleetMachine()
-    try:
-        for rule, args in [("turn", dict(agent="b", pick=0, cut=1.0, new=[8, 35, 25, 37, 20, 21, 22, 23, 24])),
-                           ("fleet_erase", dict(agent="b")),
-                           ("fork", dict(child="d", parent="b", pick=0, cut=1.0, new=[8, 35, 25, 30, 7, 8]))]:
-            getattr(state, rule)(**args)
-            state.consistent()
-    finally:
-        state.teardown()
+    replay([("turn", dict(agent="b", pick=0, cut=1.0, new=[8, 35, 25, 37, 20, 21, 22, 23, 24])),
+            ("fleet_erase", dict(agent="b")),
+            ("fork", dict(child="d", parent="b", pick=0, cut=1.0, new=[8, 35, 25, 30, 7, 8]))])
