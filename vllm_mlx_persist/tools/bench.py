@@ -49,7 +49,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from .bench_kit import (COMMON_ARGS, FAMILIES, FAMILY_TURNS, FIXED_REPLY, LABELS, MB, QUICK, STATES, SYSTEMS,
                         Conversation, Ctx, Plan, Prompts, Session, _turn_record, at_once, cache_paths, classify,
@@ -1284,6 +1284,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _family_list(arg: str, known: Sequence[str], what: str) -> list[str]:
+    """The comma-separated families of a --families-style option; SystemExit naming unknown ones."""
+    archs = [a.strip() for a in arg.split(",") if a.strip()]
+    bad = set(archs) - set(known)
+    if bad:
+        raise SystemExit(f"unknown {what} {sorted(bad)}; choose from {', '.join(known)}")
+    return archs
+
+
 def build_plan(args: argparse.Namespace) -> Plan:
     plan = dataclasses.replace(QUICK) if args.quick else Plan()
     if args.model_size:
@@ -1319,20 +1328,14 @@ def build_plan(args: argparse.Namespace) -> Plan:
     if args.reload_sizes:
         plan.reload_sizes = [int(x) for x in args.reload_sizes.split(",")]
     if args.families:
-        plan.family_archs = [a.strip() for a in args.families.split(",") if a.strip()]
-        bad = set(plan.family_archs) - set(FAMILIES)
-        if bad:
-            raise SystemExit(f"unknown families {sorted(bad)}; choose from {', '.join(FAMILIES)}")
+        plan.family_archs = _family_list(args.families, FAMILIES, "families")
     if args.family_size:
         plan.family_size = args.family_size
     if args.family_tokens is not None:
         plan.family_tokens = args.family_tokens
     plan.fanout_nofork = args.fanout_nofork
     if args.capacity_families:
-        plan.capacity_archs = [a.strip() for a in args.capacity_families.split(",") if a.strip()]
-        bad = set(plan.capacity_archs) - set(CAPACITY_FAMILIES)
-        if bad:
-            raise SystemExit(f"unknown capacity families {sorted(bad)}; choose from {', '.join(CAPACITY_FAMILIES)}")
+        plan.capacity_archs = _family_list(args.capacity_families, CAPACITY_FAMILIES, "capacity families")
     if args.capacity_contexts:
         plan.capacity_contexts = [int(x) for x in args.capacity_contexts.split(",")]
     if args.capacity_scale is not None:
