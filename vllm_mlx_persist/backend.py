@@ -17,7 +17,8 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from .amortize import ModelSplicing
+from . import rotations
+from .amortize import ModelSplicing, Splice
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
 from .caches.floats import (
@@ -41,6 +42,7 @@ from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of, e
 from .options import parse_options
 from .pool import READ_TIMEOUT_S, BlockPool
 from .refusal import refuse
+from .rotations import Segments, clip
 from .store import CacheDirLock, DiskStore, StoreError
 from .warmup import warm_up
 
@@ -236,76 +238,93 @@ class PersistQ4Backend:
                 except Exception as e:  # a model the probe cannot drive is never spliced
                     self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
                 log.info("persist_q4: amortize on this model: %s", self._splicing)
-            src, gen, honest = self._source(m)
+            src, gen, honest, counts = self._source(m)
             if gen:  # the lookup reused a spliced history: this turn continues it, there
-                request._vmp_store_as = (src, None, False)
+                request._vmp_store_as = (src, None, False, clip(counts, m.num_tokens))
             plans = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
-            done = None if isinstance(plans, str) else self._splice(request, m, plans, src, gen)
+            done, used, over = (plans, [], 0) if isinstance(plans, str) else self._splice(request, m, plans, src, counts)
             reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
-            if isinstance(done, tuple):
-                lookup, used = done
+            if not isinstance(done, str):
                 report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
                 report["plan"] = [{"stub_tokens": p.stub, "run_tokens": n, "delta": p.delta} for p, n in used]
+                report["over_budget_tokens"] = over
                 request.cache_usage = {"kv_edit": report}
                 log.info("[persist_q4] kv_edit %s", report)
-                return lookup
-            why = plans if done is None else done
+                return done
             report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused,
-                                    fallback=None if reused > 0 and why == "no_edit" else why)
+                                    fallback=None if reused > 0 and done == "no_edit" else done)
+            if over:
+                report["over_budget_tokens"] = over
         request.cache_usage = {"kv_edit": report}
         log.info("[persist_q4] kv_edit %s", report)
         return None
 
-    def _source(self, m: Any) -> tuple[Optional[str], int, int]:
-        """(namespace, generation, honest tokens) of an amortize lookup's source: the agent's own
-        history (generation 0, every reused token honest) or one of its spliced histories (only the
-        tokens before its first spliced block are honest)."""
+    def _source(self, m: Any) -> tuple[Optional[str], int, int, Segments]:
+        """(namespace, generation, honest tokens, rotation counts) of an amortize lookup's source: the
+        agent's own history (generation 0, every reused token honest, none rotated) or one of its
+        spliced histories (only the tokens before its first spliced block are honest)."""
         if m.source is None:
-            return None, 0, m.num_tokens
+            return None, 0, m.num_tokens, ()
         agent, branch = m.source
         am = amortized_of(agent.namespace)
         if am is None:
-            return agent.namespace, 0, m.num_tokens
-        first = next((i for i, ns in branch.links if AMORTIZED_SEPARATOR in ns), 0)
-        return agent.namespace, am[1], min(m.num_tokens, first * self.opts["block_size"])
+            return agent.namespace, 0, m.num_tokens, ()
+        first = next((i for i, ns in branch.links if AMORTIZED_SEPARATOR in ns), 0) * self.opts["block_size"]
+        counts = branch.rotations or rotations.legacy(am[1], first, branch.n_tokens)
+        return agent.namespace, am[1], min(m.num_tokens, first), counts
 
-    def _splice(self, request: Any, m: Any, plans: list, src: Optional[str], gen: int) -> Any:
-        """(CacheLookup, [(plan, run tokens used)]) for the splices of a request (one per edit, left to
-        right), or the reason it is served as exact. The turn is
-        stored as a fork of its source under the agent's spliced namespace of the next generation
-        (namespace.amortized_namespace): no request can name it, its ids are seeded apart from any
-        honest prefill's, and only amortize requests of the agent look there, so no exact or forget
-        lookup, other agent's fork or other server's exact request is ever served spliced K/V.
-        A run moved more than `max_rotations` times is re-prefilled (rotation_budget)."""
+    def _splice(self, request: Any, m: Any, plans: list, src: Optional[str], counts: Segments,
+                ) -> tuple[Any, list, int]:
+        """(CacheLookup, [(piece, run tokens)], run tokens over the rotation budget) for the splices of
+        a request (one per edit, left to right), or (the reason it is served as exact, [], over).
+
+        A run's tokens already rotated `max_rotations` times (`counts`, per token) are re-prefilled
+        instead of moved: the run is cut into the pieces that may move (rotations.pieces). The turn
+        is stored as a fork of its source under the agent's spliced namespace whose generation is
+        the highest count the new history holds (namespace.amortized_namespace): no request can
+        name it, its ids are seeded apart from any honest prefill's, and only amortize requests of
+        the agent look there, so no exact or forget lookup, other agent's fork or other server's
+        exact request is ever served spliced K/V."""
         from vllm_mlx.cache_backend import CacheLookup
 
         from . import splice
 
         prompt = list(request.prompt_token_ids)
         if not splice.supported(self.codec) or m.prompt is not None:
-            return "splice_not_built"  # windows, latent-packed MLA, text-matched prompts: not spliced yet
-        if gen + 1 > self.opts["kv_edit"]["max_rotations"]:
-            return "rotation_budget"
-        runs, used = [], []
+            return "splice_not_built", [], 0  # windows, latent-packed MLA, text-matched prompts: not spliced yet
+        opts = self.opts["kv_edit"]
+        pieces: list[Splice] = []
+        over = 0
         for plan in plans:
             n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
-            if n_run < self.opts["kv_edit"]["min_run_tokens"]:
+            if n_run < opts["min_run_tokens"]:
                 break  # the rest of the prompt is prefilled
-            run = self.pool.run_arrays(m.source, plan.src, plan.src + n_run)
+            got, late = rotations.split_run(counts, plan.src, n_run, opts["max_rotations"], opts["min_run_tokens"])
+            over += late
+            for off, k in got:  # what lies between pieces (stubs, over-budget stretches) is prefilled
+                end = pieces[-1].at + pieces[-1].length if pieces else plan.exact
+                pieces.append(Splice(end, plan.at + off, plan.src + off, k))
+        if not pieces:
+            return ("rotation_budget" if over else "no_realignment"), [], over
+        runs = []
+        for piece in pieces:
+            run = self.pool.run_arrays(m.source, piece.src, piece.src + piece.length)
             if run is None:
-                return "unreadable"
-            runs.append((plan, run))
-            used.append((plan, n_run))
-        if not runs:
-            return "no_realignment"
+                return "unreadable", [], over
+            runs.append((piece, run))
         cache = m.cache if m.cache is not None else self.codec.make_cache()
         cache, n = splice.apply_all(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
                                     runs)
-        agent = split_namespace(getattr(request, "cache_namespace", None))[0]
-        request._vmp_store_as = (amortized_namespace(agent, gen + 1), src, True)
+        new = rotations.normalize(clip(counts, m.num_tokens) + tuple(
+            seg for p in pieces for seg in rotations.moved(counts, p.src, p.length, p.at, p.delta)))
+        target = amortized_namespace(split_namespace(getattr(request, "cache_namespace", None))[0],
+                                     max(1, rotations.peak(new)))
+        # The same generation as its source: a new branch of it, continuing its chain.
+        request._vmp_store_as = (target, None if target == src else src, True, new)
         self.pool.stats["kv_edit_splices"] += 1
-        cached = m.num_tokens + sum(k for _, k in used)
-        return CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached), used
+        cached = m.num_tokens + sum(p.length for p in pieces)
+        return (CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached),
+                [(p, p.length) for p in pieces], over)
 
     def prefetch(self, namespace: str) -> None:
         """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
@@ -351,10 +370,11 @@ class PersistQ4Backend:
         try:
             namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
             spliced = False
+            counts = ()
             if getattr(request, "_vmp_store_as", None) is not None:  # a spliced history (see _splice)
-                namespace, parent, spliced = request._vmp_store_as
+                namespace, parent, spliced, counts = request._vmp_store_as
             n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),
-                                                fork_from=parent, spliced=spliced)
+                                                fork_from=parent, spliced=spliced, rotations=counts)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False

@@ -18,6 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .disk_format import BlockData, Manifest
+from .rotations import Segments, clip, decode, encode
 
 Links = tuple[tuple[int, str], ...]
 
@@ -32,6 +33,8 @@ class Branch:
     child adds can never collide with what the parent or a sibling adds after the same prefix.
     `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds);
     it orders two servers' branches when their histories are merged (`merge_branches`).
+    `rotations`: how many times its tokens' keys were rotated by splices (rotations.py; a spliced
+    history's only).
     A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
@@ -39,6 +42,7 @@ class Branch:
     n_tokens: int
     links: Links
     last_used: float = 0.0
+    rotations: Segments = ()
 
 
 def chain_seed(fingerprint: str, namespace: str) -> str:
@@ -68,8 +72,9 @@ def chain_prev(prev: Optional[str], i: int, at: dict, fingerprint: str) -> Optio
 
 def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
     """`branch` without block i and the blocks after it."""
-    return Branch(branch.block_ids[:i], min(branch.n_tokens, i * block_size),
-                  tuple(l for l in branch.links if l[0] < i) or branch.links[:1], branch.last_used)
+    n = min(branch.n_tokens, i * block_size)
+    return Branch(branch.block_ids[:i], n, tuple(l for l in branch.links if l[0] < i) or branch.links[:1],
+                  branch.last_used, clip(branch.rotations, n))
 
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -197,8 +202,8 @@ def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
 
 def same_branches(a: Sequence[Branch], b: Sequence[Branch]) -> bool:
     """Whether two branch lists are equal, in order, last uses included."""
-    return [(br.block_ids, br.n_tokens, br.links, br.last_used) for br in a] == [
-        (br.block_ids, br.n_tokens, br.links, br.last_used) for br in b]
+    return [(br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations) for br in a] == [
+        (br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations) for br in b]
 
 
 def branches_of(m: Manifest) -> list[Branch]:
@@ -206,10 +211,14 @@ def branches_of(m: Manifest) -> list[Branch]:
     branch without `last_used` (a plain manifest's, or one written before it existed) counts as
     used when the manifest was written."""
     listed = m.branches or [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}]
-    return [Branch(list(b["block_ids"]), b["n_tokens"],
-                   tuple((int(i), ns) for i, ns in b.get("links") or [(0, m.namespace)]),
-                   float(b.get("last_used", m.updated_at)))
-            for b in listed]
+    return [branch_of(b, m.namespace, m.updated_at) for b in listed]
+
+
+def branch_of(entry: dict, namespace: str, updated_at: float) -> Branch:
+    """A Branch from a manifest's branch entry (disk or Redis; checked by disk_format.check_branches)."""
+    return Branch(list(entry["block_ids"]), entry["n_tokens"],
+                  tuple((int(i), ns) for i, ns in entry.get("links") or [(0, namespace)]),
+                  float(entry.get("last_used", updated_at)), decode(entry.get("rotations", [])))
 
 
 def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None) -> Manifest:
@@ -217,10 +226,10 @@ def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optio
     are more than one plain chain (so manifests of agents that never fork or branch read as before;
     such a branch's last use is then read back as `now`)."""
     ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
-    plain = len(branches) == 1 and branches[0].links == ((0, namespace),)
+    plain = len(branches) == 1 and branches[0].links == ((0, namespace),) and not branches[0].rotations
     listed = None if plain else [
         {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links],
-         "last_used": float(br.last_used)}
+         "last_used": float(br.last_used), **({"rotations": encode(br.rotations)} if br.rotations else {})}
         for br in branches]
     return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
                     time.time() if now is None else now, pinned, branches=listed)

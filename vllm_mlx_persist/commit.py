@@ -22,6 +22,7 @@ from .caches import ModelCodec
 from .chain import Branch, Chains, Links, common, lcp, manifest_of
 from .disk_format import BlockData
 from .persister import Persister
+from .rotations import Segments, clip
 from .supersede import surviving
 
 
@@ -48,6 +49,7 @@ class Plan:
     # Hot blocks left alone in a run the "same" steps leave (another branch's): copied out, so the
     # old run's arrays (a whole earlier history) are freed instead of pinned by a few blocks.
     compact: list[tuple[Block, dict]] = field(default_factory=list)
+    rotations: Segments = ()  # the turn's rotation counts (a spliced history's; rotations.py)
 
 
 @dataclass
@@ -71,9 +73,11 @@ class Commit:
 
     # ---- plan (lock held) -----------------------------------------------------------------------
 
-    def plan(self, agent: Agent, tokens: list[int], fork_from: Optional[str], reused: int, epoch: int) -> Plan:
+    def plan(self, agent: Agent, tokens: list[int], fork_from: Optional[str], reused: int, epoch: int,
+             rotations: Segments = ()) -> Plan:
         """`reused`: the tokens the request's lookup took from this agent's blocks; the cache holds
-        them bit for bit, so the blocks holding only those become views of it too."""
+        them bit for bit, so the blocks holding only those become views of it too. `rotations`: the
+        branch's rotation counts (a spliced history's)."""
         links = self._links_for(agent, tokens, fork_from)
         ids = self.chains.ids(links, tokens)
         steps = []
@@ -91,7 +95,7 @@ class Commit:
                 steps.append(Step(start, chunk, bid, block, "same", block.layers))
             else:
                 steps.append(Step(start, chunk, bid, block, "keep"))
-        plan = Plan(agent, tokens, links, ids, steps, epoch)
+        plan = Plan(agent, tokens, links, ids, steps, epoch, rotations=clip(rotations, len(tokens)))
         if self.codec.has_state:
             plan.old_hot = self._hot_prefixes(agent, tokens)
         moving = {s.block_id for s in steps if s.what == "same"}
@@ -226,7 +230,7 @@ class Commit:
             left = surviving(kept, drop)
             self.stats["branches_superseded"] += len(kept) - len(left)
             kept = left
-        kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent)))
+        kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent), plan.rotations))
         if len(kept) > limit:
             self.stats["branches_evicted"] += len(kept) - limit
             kept = kept[-limit:]

@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .chain import Branch, cut_branch
+from .chain import Branch, branch_of, cut_branch
 from .remote import RemoteManifest, RemoteTier
 from .disk_format import BlockData, Manifest
 
@@ -242,9 +242,7 @@ class Fleet:
     def _branches(self, rm: RemoteManifest) -> list[Branch]:
         """The manifest's branches, least recently used first (at most the pool's `branches`, the
         most recent); one without a last use counts as used when the manifest was written."""
-        return [Branch(list(e["block_ids"]), e["n_tokens"], tuple((int(i), ns) for i, ns in e["links"]),
-                       float(e.get("last_used", rm.updated_at)))
-                for e in rm.branches[-self.pool.max_branches:]]
+        return [branch_of(e, rm.namespace, rm.updated_at) for e in rm.branches[-self.pool.max_branches:]]
 
     def _fetch(self, rm: RemoteManifest, remote: list[Branch]) -> tuple[list[Branch], list[BlockData], bool]:
         """Fetch what the local disk lacks of the manifest's branches (`remote`; newest first: it

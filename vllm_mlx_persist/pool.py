@@ -47,6 +47,7 @@ from .lookup import Lookup, Match, whole_run
 from .namespace import AMORTIZED_SEPARATOR
 from .persister import Persister
 from .reads import Reads
+from .rotations import Segments
 from .store import DiskStore
 from .supersede import edit_point, superseded_block, surviving
 
@@ -408,10 +409,11 @@ class BlockPool:
     # ---- commit ---------------------------------------------------------------------------------
 
     def commit(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-               request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False) -> int:
+               request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False,
+               rotations: Segments = ()) -> int:
         """`commit_async`, then (with durable writes) wait up to `write_timeout_s` for the disk.
         Returns the number of tokens now cached."""
-        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from, spliced)
+        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from, spliced, rotations)
         if future is not None and self.durable_writes:
             try:
                 if not future.result(self.write_timeout_s):
@@ -422,7 +424,7 @@ class BlockPool:
 
     def commit_async(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
                      request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False,
-                     ) -> tuple[int, Optional[Future]]:
+                     rotations: Segments = ()) -> tuple[int, Optional[Future]]:
         """Make `namespace`'s cache cover `tokens` (prompt + output) from an extracted cache.
 
         The cache must cover `tokens`, or all but the last (generated, never fed back) token;
@@ -434,7 +436,7 @@ class BlockPool:
         persister, which never makes this thread wait (a full write queue drops the save, counted;
         the blocks stay unsaved in memory and the agent's next save writes them). Returns (tokens
         now cached, the save's future: True once the turn is durable, False if it failed; None
-        when nothing is written).
+        when nothing is written). `spliced`, `rotations`: a spliced history's turn (backend._splice).
         """
         n_valid = self.codec.length(cache)
         if not 0 <= len(tokens) - n_valid <= 1:
@@ -460,7 +462,7 @@ class BlockPool:
                     agent = self.agents.get(namespace) or Agent(namespace)
                 # A spliced cache holds no stored block bit for bit (its lookup was another agent's).
                 reused = inflight[2] if inflight and not spliced else 0
-                plan = self.committer.plan(agent, tokens, fork_from, reused, self.epoch)
+                plan = self.committer.plan(agent, tokens, fork_from, reused, self.epoch, rotations)
             built = self.committer.build(plan, cache)  # MLX, no lock
             with self._lock:
                 if inflight is not None and inflight[1]:

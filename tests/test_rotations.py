@@ -1,0 +1,193 @@
+"""Per-token rotation counts (issue #21): the pure bookkeeping (rotations.py), its manifest form, and
+the backend in process on a real model: a run whose tokens reached `max_rotations` is re-prefilled
+while the rest of it is still spliced, the counts persist across a restart, and no stored token is
+ever rotated more than the cap."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import mlx.core as mx
+import pytest
+
+from vllm_mlx_persist import rotations as rot
+from vllm_mlx_persist.chain import Branch, branches_of, manifest_of
+from vllm_mlx_persist.disk_format import check_branches
+from vllm_mlx_persist.namespace import amortized_of
+from vllm_mlx_persist.tools.models import build_model_dir
+
+
+def test_counts_pieces_and_moves():
+    segs = rot.normalize([(10, 20, 1), (20, 30, 1), (40, 50, 2), (5, 5, 3), (60, 70, 0)])
+    assert segs == ((10, 30, 1), (40, 50, 2))
+    assert rot.counts(segs, 8, 12) == [0, 0, 1, 1]
+    assert rot.peak(segs) == 2 and rot.peak(()) == 0
+    assert rot.clip(segs, 45) == ((10, 30, 1), (40, 45, 2)) and rot.clip(segs, 10) == ()
+    # cap 2: tokens 40-49 (count 2) stay out; stretches shorter than min_run too.
+    assert rot.pieces(segs, 0, 60, cap=2, min_run=4) == [(0, 40), (50, 10)]
+    assert rot.pieces(segs, 0, 60, cap=1, min_run=4) == [(0, 10), (30, 10), (50, 10)]
+    assert rot.pieces(segs, 0, 60, cap=0, min_run=1) == []
+    assert rot.pieces(segs, 28, 14, cap=1, min_run=4) == [(2, 10)]
+    assert rot.split_run(segs, 0, 60, 2, 4) == ([(0, 40), (50, 10)], 10)
+    # Moving [10, 45) to 100: one more each; Δ = 0 requantizes nothing, so no more.
+    assert rot.moved(segs, 10, 35, 100, delta=90) == ((100, 120, 2), (120, 130, 1), (130, 135, 3))
+    assert rot.moved(segs, 10, 35, 10, delta=0) == ((10, 30, 1), (40, 45, 2))
+    assert rot.legacy(3, 64, 100) == ((64, 100, 3),) and rot.legacy(0, 64, 100) == () == rot.legacy(2, None, 9)
+    assert rot.decode(rot.encode(segs)) == segs
+
+
+def test_rotations_travel_in_the_manifest_and_bad_ones_are_refused():
+    ns = "a\0amortized:2"
+    br = Branch(["b" * 64, "c" * 64], 60, ((0, "a"), (1, ns)), 5.0, ((32, 40, 1), (40, 60, 2)))
+    m = manifest_of(ns, [br], pinned=False, now=7.0)
+    check_branches(m.branches, set(m.block_ids))
+    assert branches_of(m) == [br]
+    # A branch without rotations on its own chain is a plain manifest, as before.
+    assert manifest_of("a", [Branch(["b" * 64], 30, ((0, "a"),))], False).branches is None
+    for bad in ([[40, 32, 1]], [[0, 61, 1]], [[0, 10, 0]], [[0, 10, 1], [5, 20, 1]], [[0, 10]], "x", [[0.0, 1, 1]]):
+        entry = dict(m.branches[0], rotations=bad)
+        with pytest.raises(ValueError, match="rotations"):
+            check_branches([entry], set(m.block_ids))
+
+
+# ---- the backend, in process -------------------------------------------------------------------
+
+WORDS = "the agent reads a file then runs the tests and looks at what failed before it edits".split()
+
+
+def _text(tag: str, n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return f"{tag}: " + " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def _tool(seed: int) -> str:
+    rng = random.Random(seed)
+    return "tool output: " + " ".join(f"x{rng.randrange(10**6)}" for _ in range(30))
+
+
+STUB = {"role": "user", "content": "tool output: (truncated)"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return build_model_dir(tmp_path_factory.mktemp("models") / "llama", arch="llama", size="tiny", seed=0)
+
+
+class Agent:
+    """One agent's turns through an in-process backend: fetch, prefill what the cache lacks, store."""
+
+    def __init__(self, model_dir: Path, cache_dir: Path, max_rotations: int):
+        from mlx_lm import load
+
+        from vllm_mlx_persist.backend import PersistQ4Backend
+
+        self.model, self.tok = load(str(model_dir))
+        self.backend = PersistQ4Backend(model=self.model, tokenizer=self.tok, options={
+            "block_size": 16, "hot_mb": 64, "match_text": False, "cache_dir": str(cache_dir), "warmup": False,
+            "kv_edit": {"enabled": True, "max_rotations": max_rotations, "min_run_tokens": 8}})
+        self.backend.load()
+        self.n = 0
+
+    def turn(self, messages: list[dict], mode: str | None) -> dict:
+        ids = list(self.tok.encode(self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+                                   add_special_tokens=False))
+        self.n += 1
+        ns = "ag" + ("" if mode is None else f"\0edit:{mode}")
+        req = SimpleNamespace(prompt_token_ids=ids, cache_namespace=ns, request_id=f"r{self.n}")
+        hit = self.backend.fetch(req)
+        cache = hit.cache if hit is not None else self.backend.make_prompt_cache()
+        done = hit.num_tokens if hit is not None else 0
+        mx.eval(self.model(mx.array([ids[done:]]), cache=cache))
+        self.last = (ids, cache)
+        durable = self.backend.store(req, ids, cache)
+        if hasattr(durable, "result"):
+            assert durable.result(60)
+        self.backend.on_request_finished(req, False)
+        return getattr(req, "cache_usage", {}).get("kv_edit", {})
+
+    def layer0_keys_off_cold(self) -> float:
+        """How far the last turn's layer-0 keys (which depend only on token and position) lie from a
+        cold 4-bit prefill's, in quantization steps of the cold one (<= 2: equal to 4-bit precision)."""
+        ids, cache = self.last
+        cold = self.backend.make_prompt_cache()
+        mx.eval(self.model(mx.array([ids]), cache=cold))
+        codec = self.backend.codec
+        got, ref = codec.token_arrays(cache), codec.token_arrays(cold)
+        deq = lambda a: mx.dequantize(*(a[f"0.k.{p}"] for p in "qsb"), codec.group_size, codec.bits)  # noqa: E731
+        step = mx.abs(ref["0.k.s"].astype(mx.float32)).max().item()
+        return mx.abs(deq(got) - deq(ref)).max().item() / step
+
+    def spliced(self) -> dict[int, list[Branch]]:
+        pool = self.backend.loaded_pool
+        return {amortized_of(ns)[1]: list(pool.agents.get(ns).branches)
+                for ns in pool._amortized_names_locked("ag")}
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def test_a_run_past_the_cap_is_re_prefilled_and_the_rest_still_spliced(model_dir, tmp_path):
+    """max_rotations 1. Splice 1 moves m2..m4 (count 1). The spliced history then grows by m5, m6
+    (count 0). Removing m3 makes a run m4 (count 1: over the cap) + m5, m6 (count 0): m4 is
+    re-prefilled, m5 onwards spliced, and the new history (peak 1) goes into the same generation.
+    Under per-generation counting this request would have been served exact (rotation_budget)."""
+    a = Agent(model_dir, tmp_path / "cache", max_rotations=1)
+    try:
+        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool(2)},
+                {"role": "user", "content": _text("then", 24, 3)}, {"role": "assistant", "content": _tool(4)},
+                {"role": "user", "content": _text("more", 24, 5)}]
+        assert a.turn(msgs, None) == {}
+        first = a.turn([msgs[0], STUB] + msgs[2:], "amortize")
+        assert first["applied"] and first["over_budget_tokens"] == 0 and len(first["plan"]) == 1, first
+        grown = [msgs[0], STUB] + msgs[2:] + [{"role": "assistant", "content": _text("ok", 20, 6)},
+                                             {"role": "user", "content": _text("next", 24, 7)}]
+        cont = a.turn(grown, "amortize")
+        assert cont["applied"] and cont["fallback"] is None and "plan" not in cont, cont  # read back, no new splice
+        [(g, [br])] = a.spliced().items()
+        assert g == 1 and rot.peak(br.rotations) == 1
+        moved = br.rotations
+
+        edited = grown[:3] + [STUB] + grown[4:]  # m3 (a tool output) goes: m4 has count 1, m5 and m6 count 0
+        second = a.turn(edited, "amortize")
+        assert second["applied"] is True and second["fallback"] is None, second
+        # Prefilled before the first piece: the stub (as long as splice 1's) and m4, over the cap.
+        over = second["over_budget_tokens"]
+        assert 0 < over < sum(e - s for s, e, _ in moved), second
+        assert second["plan"][0]["stub_tokens"] == first["plan"][0]["stub_tokens"] + over
+        assert second["recomputed_tokens"] == second["plan"][0]["stub_tokens"] + 1  # + the token always left
+        assert a.layer0_keys_off_cold() <= 2  # the re-prefilled stretch and the moved piece both in place
+        spliced = a.spliced()
+        assert list(spliced) == [1], spliced  # peak 1: the same generation, a new branch of it
+        for branches in spliced.values():
+            for br in branches:
+                assert rot.peak(br.rotations) <= 1 and br.rotations[-1][1] <= br.n_tokens
+        newest = max(spliced[1], key=lambda b: b.last_used)
+        assert newest.rotations != moved and rot.peak(newest.rotations) == 1
+        before = {g: [(b.block_ids, b.rotations) for b in brs] for g, brs in spliced.items()}
+    finally:
+        a.close()
+    b = Agent(model_dir, tmp_path / "cache", max_rotations=1)  # a restart reads the counts back
+    try:
+        assert {g: [(br.block_ids, br.rotations) for br in brs] for g, brs in b.spliced().items()} == before
+    finally:
+        b.close()
+
+
+def test_every_token_at_the_cap_is_served_exact_with_the_reason(model_dir, tmp_path):
+    a = Agent(model_dir, tmp_path / "cache", max_rotations=1)
+    try:
+        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool(2)},
+                {"role": "user", "content": _text("then", 24, 3)}, {"role": "assistant", "content": _tool(4)},
+                {"role": "user", "content": _text("more", 24, 5)}]
+        a.turn(msgs, None)
+        assert a.turn([msgs[0], STUB] + msgs[2:], "amortize")["applied"]
+        # Removing m3 too: the run (m4) was moved once already and nothing after it is stored.
+        again = a.turn([msgs[0], STUB, msgs[2], STUB, msgs[4]], "amortize")
+        assert again["fallback"] == "rotation_budget" and again["over_budget_tokens"] > 0, again
+        assert again["spliced_tokens"] > 0  # the spliced history's prefix was read back, nothing moved
+        for brs in a.spliced().values():
+            assert all(rot.peak(br.rotations) <= 1 for br in brs)
+    finally:
+        a.close()
