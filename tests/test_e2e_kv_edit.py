@@ -114,6 +114,17 @@ def test_modes_are_checked(model, tmp_path):
             stream_options={"include_usage": True}, extra_headers={"X-Agent-ID": "a", "X-KV-Edit": "forget"}))
         usage = next(c.usage for c in chunks if c.usage is not None).model_dump()
         assert usage["kv_edit"]["mode"] == "forget"
+        # The Responses API: metadata.kv_edit, streamed and not; a bad mode is a 400 there too.
+        r = oc.responses.create(model=srv.model, input=msgs, max_output_tokens=4, temperature=0.0,
+                                metadata={"agent_id": "a", "kv_edit": "amortize"})
+        assert r.usage.model_dump()["kv_edit"]["mode"] == "amortize"
+        with oc.responses.stream(model=srv.model, input=msgs, max_output_tokens=4, temperature=0.0,
+                                 metadata={"agent_id": "a", "kv_edit": "forget"}) as stream:
+            done = stream.get_final_response()
+        assert done.usage.model_dump()["kv_edit"]["mode"] == "forget"
+        with pytest.raises(openai.BadRequestError):
+            oc.responses.create(model=srv.model, input=msgs, max_output_tokens=4,
+                                metadata={"agent_id": "a", "kv_edit": "rewrite"})
         # No mode: today's usage, without a kv_edit object.
         _, usage = _chat(srv, msgs, "a")
         assert "kv_edit" not in usage
@@ -352,3 +363,42 @@ def test_amortize_switched_off_is_exact(model, tmp_path):
         assert usage["prompt_tokens_details"]["cached_tokens"] == report["exact_prefix_tokens"]
         assert text == _chat(srv, stubbed, "off-cold")[0]
         assert len(_agent(srv, "off")["branches"]) >= 2  # stored as the agent's own (exact) turn
+
+
+def test_concurrent_edits_of_one_agent_stay_honest(model, tmp_path):
+    """Two amortize edits and a forget edit of one agent at once, with another agent's turn: every
+    request is answered with a consistent report; afterwards an exact request of each edited
+    conversation answers what a cold agent answers (no spliced K/V leaked into an honest history,
+    whichever order the edits committed in), and after a SIGKILL restart the amortize edit is served
+    again with a consistent report."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    home = tmp_path / "home"
+    with Server(model, home, options=OPTIONS) as srv:
+        history = [{"role": "user", "content": _text("task", 30, 3)}]
+        for content in (_tool_output(9), _text("then", 30, 5), _tool_output(11), _text("and", 30, 12)):
+            reply, _ = _chat(srv, history, "cc")
+            history += [{"role": "assistant", "content": reply}, {"role": "user", "content": content}]
+        stub = {"role": "user", "content": "tool output: (truncated)"}
+        ask = {"role": "user", "content": _text("next", 12, 4)}
+        edits = {"amortize-1": (history[:2] + [stub] + history[3:] + [ask], "amortize"),
+                 "amortize-2": (history[:6] + [stub] + history[7:] + [ask], "amortize"),
+                 "forget-1": (history[:2] + [stub] + history[3:] + [ask, ask], "forget")}
+        with ThreadPoolExecutor(4) as ex:
+            futures = {name: ex.submit(_chat, srv, msgs, "cc", mode) for name, (msgs, mode) in edits.items()}
+            other = ex.submit(_chat, srv, history, "other")
+            results = {name: f.result() for name, f in futures.items()}
+            other.result()
+        for name, (_, usage) in results.items():
+            report, cached = usage["kv_edit"], usage["prompt_tokens_details"]["cached_tokens"]
+            assert report["mode"] == edits[name][1], report
+            assert cached == report["exact_prefix_tokens"] + report["spliced_tokens"], (name, report, cached)
+            assert report["recomputed_tokens"] == usage["prompt_tokens"] - cached, (name, report)
+        for name, (msgs, _) in edits.items():  # exact requests: only honest K/V, whatever was stored
+            assert _chat(srv, msgs, "cc")[0] == _chat(srv, msgs, f"cold-{name}")[0], (name, srv.log_tail())
+        srv.restart(signal.SIGKILL)
+        _, usage = _chat(srv, edits["amortize-2"][0], "cc", "amortize")
+        report = usage["kv_edit"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == report["exact_prefix_tokens"] + report["spliced_tokens"]
+        with urllib.request.urlopen(srv.url + "/health", timeout=10) as r:
+            assert r.status == 200
