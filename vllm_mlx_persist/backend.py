@@ -283,7 +283,7 @@ class PersistQ4Backend:
 
         prompt = list(request.prompt_token_ids)
         if not splice.supported(self.codec) or m.prompt is not None:
-            return "splice_not_built"  # windows, latent-packed MLA, text-matched prompts: not spliced yet
+            return "splice_not_built"  # text-matched prompts: not spliced yet
         if gen + 1 > self.opts["kv_edit"]["max_rotations"]:
             return "rotation_budget"
         runs, used = [], []
@@ -294,6 +294,11 @@ class PersistQ4Backend:
             run = self.pool.run_arrays(m.source, plan.src, plan.src + n_run)
             if run is None:
                 return "unreadable"
+            n_run = self.codec.run_length(run)  # bounded sliding windows: cut to where theirs is held
+            if n_run < self.opts["kv_edit"]["min_run_tokens"]:
+                if not runs:
+                    return "window_not_held"
+                break
             runs.append((plan, run))
             used.append((plan, n_run))
         if not runs:
