@@ -273,10 +273,38 @@ def _codec_pool(codec, root):
     from vllm_mlx_persist.store import DiskStore
 
     fp, fmt = "s" * 64, {"bits": 4, "group_size": GROUP, "block_size": 16}
+    store = DiskStore(root, fp, {"test": True}, fmt) if root is not None else None
     pool = BlockPool(fingerprint=fp, n_layers=codec.n_layers, bits=4, group_size=GROUP, block_size=16,
-                     hot_bytes=1 << 30, store=DiskStore(root, fp, {"test": True}, fmt), codec=codec)
+                     hot_bytes=1 << 30, store=store, codec=codec)
     pool.load_manifests()
     return pool
+
+
+def _four_turns(model, codec, pool, history, third):
+    """Commit `history` as four turns ending at 40, 70, `third` and its end; the last live cache."""
+    cache = None
+    for upto in (40, 70, third, len(history)):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([history[codec.length(cache):upto]]), cache=cache))
+        assert pool.commit("a", history[:upto], cache) == upto
+    pool.flush()
+    return cache
+
+
+def test_a_run_whose_window_memory_shed_and_no_disk_holds_is_not_spliced():
+    """Without a disk tier, memory keeps sliding arrays only for the window before the branch end: a
+    run ending further back cannot give its window (the backend falls back with window_not_held)."""
+    model, codec = _window_model("gemma3_text")
+    pool = _codec_pool(codec, None)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    _four_turns(model, codec, pool, head + span + tail + msg(40, 6), 110)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    assert codec.run_length(pool.run_arrays(m.source, plan.src, plan.src + plan.length)) == 0
+    assert codec.run_length(pool.run_arrays(m.source, 120, 150)) == 30  # one ending at the branch end is
+    pool.finish("r")
+    pool.close()
 
 
 @pytest.mark.parametrize("arch,tail_len,stub_len", [("gemma3_text", 40, 3), ("gpt_oss", 40, 45), ("gemma3_text", 16, 45)])
@@ -295,12 +323,8 @@ def test_sliding_window_layers_splice_their_last_window(tmp_path, arch, tail_len
         mx.eval(model(mx.array([tokens]), cache=cache))
         return cache
 
-    head, span, tail, more = msg(40, 1), msg(30, 2), msg(tail_len, 3), msg(40, 6)
-    history, cache = head + span + tail + more, None
-    for upto in (40, 70, 70 + tail_len, len(history)):  # four turns, each committed as it ends
-        cache = run_model(history[0 if cache is None else codec.length(cache):upto], cache)
-        assert pool.commit("a", history[:upto], cache) == upto
-    pool.flush()
+    head, span, tail = msg(40, 1), msg(30, 2), msg(tail_len, 3)
+    cache = _four_turns(model, codec, pool, head + span + tail + msg(40, 6), 70 + tail_len)
     prompt = head + msg(stub_len, 4) + tail + msg(6, 5)  # `more` is not in it: the run ends before it
     m = pool.match("a", prompt, "r", edit=AMORTIZE)
     plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)

@@ -163,10 +163,10 @@ class ModelCodec:
 
     def run_length(self, run: Arrays) -> int:
         """Tokens a `run` holds (0 for {})."""
-        for name in sorted(self.token_names() - self.window_names()):
-            return int(run[name].shape[2])
-        name = next((x for x in sorted(self.window_names()) if x in run), None)  # every layer slides
-        return 0 if name is None else self.window_from(run) + int(run[name].shape[2])
+        name = next((x for x in sorted(self.token_names()) if x in run), None)
+        if name is None:
+            return 0
+        return int(run[name].shape[2]) + (self.window_from(run) if name in self.window_names() else 0)
 
     def unpack_latents(self, arrays: Arrays) -> Arrays:
         """`arrays` with latent-packed FULL layers (`latent_bits`) as the float `l.k`, `l.v` the live
