@@ -302,7 +302,7 @@ def test_a_run_whose_window_memory_shed_and_no_disk_holds_is_not_spliced():
     m = pool.match("a", prompt, "r", edit=AMORTIZE)
     plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
     assert codec.run_length(pool.run_arrays(m.source, plan.src, plan.src + plan.length)) == 0
-    assert codec.run_length(pool.run_arrays(m.source, 120, 150)) == 30  # one ending at the branch end is
+    assert codec.run_length(pool.run_arrays(m.source, 120, 150)) == 30  # ending at the branch end: held
     pool.finish("r")
     pool.close()
 
@@ -370,7 +370,7 @@ def test_sliding_window_layers_splice_their_last_window(tmp_path, arch, tail_len
 
 
 def test_a_run_is_cut_to_where_its_sliding_window_is_held():
-    """`ModelCodec.run` on blocks whose sliding arrays were trimmed: the run ends at the furthest
+    """`ModelCodec.splice_run` on blocks whose sliding arrays were trimmed: the run ends at the furthest
     block end whose window (16) the blocks hold, positions before the run counting as held."""
     from vllm_mlx_persist.caches.codec import WIN_FROM
 
@@ -388,17 +388,17 @@ def test_a_run_is_cut_to_where_its_sliding_window_is_held():
         return a
 
     full = block(16)
-    assert codec.run_length(codec.run([(full, 16), (full, 16), (full, 10)], 4)) == 38
+    assert codec.run_length(codec.splice_run([(full, 16), (full, 16), (full, 10)], 4)) == 38
     # The last block holds only its last 8: the end there needs 16 held; the block before ends a window.
     trimmed = [(block(16, 16), 16), (block(16), 16), (block(16, 8), 16)]
-    run = codec.run(trimmed, 4)
+    run = codec.splice_run(trimmed, 4)
     assert codec.run_length(run) == 28 and codec.window_from(run) == 12
     assert run["0.k.q"][0, 0, :, 0].tolist() == list(range(0, 16))  # positions 16..32 of the blocks, as stored
     assert run["1.k.q"].shape[2] == 28
     # Nothing held at a block end with a full window: no run.
-    assert codec.run([(block(16, 16), 16), (block(16, 8), 16)], 4) == {}
+    assert codec.splice_run([(block(16, 16), 16), (block(16, 8), 16)], 4) == {}
     # A run starting inside the held part needs nothing before it.
-    assert codec.run_length(codec.run([(block(16, 16), 16), (block(16, 4), 16)], 20)) == 12
+    assert codec.run_length(codec.splice_run([(block(16, 16), 16), (block(16, 4), 16)], 20)) == 12
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -331,7 +331,7 @@ class BlockPool:
         """The token arrays of stored positions [start, end) of a branch (`Match.source`), read as
         needed (worker: MLX); None if a block cannot be had. Bounded sliding layers: the window
         before the end only, read back from disk where memory shed it, and the run cut to where
-        that window is held (`ModelCodec.run`, `run_length`)."""
+        that window is held (`ModelCodec.splice_run`, `run_length`)."""
         agent, branch = source
         bs = self.block_size
         first = start // bs
@@ -342,7 +342,7 @@ class BlockPool:
         used = [(g, min(len(g.tokens), end - (first + i) * bs)) for i, g in enumerate(got)]
         found = Found(agent, branch, used, False)
         self.lookup_.fill_windows(found)
-        return self.codec.run([(g.layers, n) for g, n in found.used], start - first * bs)
+        return self.codec.splice_run([(g.layers, n) for g, n in found.used], start - first * bs)
 
     def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
         """(lock held) A forget edit: note the first block of the agent's own best branch that holds

@@ -2,11 +2,12 @@
 
 Given the exact prefix's cache (from the pool), the model prefills the stub, and the stored run's
 arrays are appended with their keys moved by Δ (`rope_shift.shift_arrays`: values and MLA latents
-untouched). Spliced here: 4-bit attention layers (`Q4`), sliding-window ones included (each with its
-own RoPE; a bounded one's live cache gets the window before the new end only, which the run gives
-for its last window: `ModelCodec.run`), and MLA layers (`FULL`: the cache's "values" slot holds
-k_pe; `LIST`: deepseek_v32's latent and indexer caches), latent-packed ones too (`latent_bits`: the
-run is dequantized as a reuse would, and only k_pe moves). Recurrent layers are not (`supported`).
+untouched). Spliced here: 4-bit attention layers (`Q4`), sliding-window ones included (each with
+its own RoPE; a bounded one's live cache gets the window before the new end only, which the run
+gives for its last window: `ModelCodec.splice_run`), and MLA layers (`FULL`: the cache's "values"
+slot holds k_pe; `LIST`: deepseek_v32's latent and indexer caches), latent-packed ones too
+(`latent_bits`: the run is dequantized as a reuse would, and only k_pe moves). Recurrent layers are
+not (`supported`).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ class ModelCodec:
             at += n
         return best
 
-    def run(self, used: Sequence[tuple[Arrays, int]], lo: int) -> Arrays:
+    def splice_run(self, used: Sequence[tuple[Arrays, int]], lo: int) -> Arrays:
         """A stored run for a splice (span directives): the token arrays of positions [lo, end) of
         consecutive blocks ((arrays, tokens used of each), the first block starting at position 0).
         Bounded sliding layers need only the window before the run's end (positions before lo come
@@ -162,7 +162,7 @@ class ModelCodec:
         return best
 
     def run_length(self, run: Arrays) -> int:
-        """Tokens a `run` holds (0 for {})."""
+        """Tokens a `splice_run` holds (0 for {})."""
         name = next((x for x in sorted(self.token_names()) if x in run), None)
         if name is None:
             return 0
