@@ -88,8 +88,8 @@ def test_which_models_are_spliced_here():
 
     assert splice.supported(ModelCodec.for_model(build_model("llama", "tiny")[0]))
     assert splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0]))
-    assert not splice.supported(ModelCodec.for_model(build_model("gemma3_text", "tiny")[0], bounded=True))
-    assert not splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0], latent_bits=8))
+    assert splice.supported(ModelCodec.for_model(build_model("gemma3_text", "tiny")[0], bounded=True))
+    assert splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0], latent_bits=8))
     assert not splice.supported(ModelCodec.for_model(build_model("qwen3_next", "tiny")[0]))
 
 
@@ -252,4 +252,196 @@ def test_two_edits_in_one_request(model, tmp_path):
         ref = {k: a[..., p.at:p.at + p.length, :] for k, a in cold.items()}
         assert mx.abs(deq(moved, 0, "k") - deq(ref, 0, "k")).max().item() <= 2 * step
         assert all(mx.array_equal(moved[x], run[x]).item() for x in run if ".v." in x)
+    pool.close()
+
+
+def _window_model(arch):
+    """A 16-token window (blocks of 16): gemma3_text with layer 0 sliding (its own RoPE base), gpt_oss
+    with layer 0 global and layer 1 sliding, so layer 0 checks each kind against a cold prefill."""
+    from vllm_mlx_persist.caches.attention import install_attention_fix
+    from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+
+    size = Size(**{**SIZES["tiny"].__dict__, "sliding_window": 16, "vocab": 512})
+    over = {"layer_types": ["full_attention", "sliding_attention"]} if arch == "gpt_oss" else None
+    model, _ = build_model(arch, size, seed=0, overrides=over)
+    install_attention_fix()
+    return model, ModelCodec.for_model(model, bounded=True)
+
+
+def _codec_pool(codec, root):
+    from vllm_mlx_persist.pool import BlockPool
+    from vllm_mlx_persist.store import DiskStore
+
+    fp, fmt = "s" * 64, {"bits": 4, "group_size": GROUP, "block_size": 16}
+    store = DiskStore(root, fp, {"test": True}, fmt) if root is not None else None
+    pool = BlockPool(fingerprint=fp, n_layers=codec.n_layers, bits=4, group_size=GROUP, block_size=16,
+                     hot_bytes=1 << 30, store=store, codec=codec)
+    pool.load_manifests()
+    return pool
+
+
+def _four_turns(model, codec, pool, history, third):
+    """Commit `history` as four turns ending at 40, 70, `third` and its end; the last live cache."""
+    cache = None
+    for upto in (40, 70, third, len(history)):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([history[codec.length(cache):upto]]), cache=cache))
+        assert pool.commit("a", history[:upto], cache) == upto
+    pool.flush()
+    return cache
+
+
+def test_a_run_whose_window_memory_shed_and_no_disk_holds_is_not_spliced():
+    """Without a disk tier, memory keeps sliding arrays only for the window before the branch end: a
+    run ending further back cannot give its window (the backend falls back with window_not_held)."""
+    model, codec = _window_model("gemma3_text")
+    pool = _codec_pool(codec, None)
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    _four_turns(model, codec, pool, head + span + tail + msg(40, 6), 110)
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    assert codec.run_length(pool.run_arrays(m.source, plan.src, plan.src + plan.length)) == 0
+    assert codec.run_length(pool.run_arrays(m.source, 120, 150)) == 30  # ending at the branch end: held
+    pool.finish("r")
+    pool.close()
+
+
+@pytest.mark.parametrize("arch,tail_len,stub_len",
+                         [("gemma3_text", 40, 3), ("gpt_oss", 40, 45), ("gemma3_text", 16, 45)])
+def test_sliding_window_layers_splice_their_last_window(tmp_path, arch, tail_len, stub_len):
+    """Bounded sliding layers: after the splice each holds the window before the new end, which the
+    run gives (a run longer than the window alone; a shorter one after the stub's window), its keys
+    moved with the layer's own RoPE; global layers hold the prefix as stored and the whole run moved.
+    Layer 0 (sliding in gemma3_text, global in gpt_oss here) equals a cold prefill to 4-bit
+    precision; every layer's run values are the stored bytes. The history goes on after the run, so
+    memory has shed the run's sliding arrays and its window is read back from disk."""
+    model, codec = _window_model(arch)
+    pool = _codec_pool(codec, tmp_path)
+
+    def run_model(tokens, cache=None):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        return cache
+
+    head, span, tail = msg(40, 1), msg(30, 2), msg(tail_len, 3)
+    cache = _four_turns(model, codec, pool, head + span + tail + msg(40, 6), 70 + tail_len)
+    prompt = head + msg(stub_len, 4) + tail + msg(6, 5)  # `more` is not in it: the run ends before it
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    assert plan.length == tail_len + 1 and plan.delta == stub_len - 30  # the next message's start too
+    assert m.num_tokens >= 32  # a bounded model reuses up to where its window is held
+    # Memory keeps sliding arrays for the window before the branch end only: not the run's.
+    bids = [bid for _, bid, _ in pool.chains.walk(m.source[1])]
+    last = (plan.src + plan.length - 1) // 16
+    assert codec.window_from(pool.table.blocks[bids[last]].layers) == 16
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    assert codec.run_length(run) == plan.length
+    verdicts = probe_model(model)
+    spliced, n = splice.apply(model, codec, verdicts, m.cache, m.num_tokens, prompt, plan, run)
+    pool.finish("r")
+    assert n == plan.at + plan.length and codec.is_cache(spliced) and codec.length(spliced) == n
+    (sliding,) = codec.windows
+    assert codec.spans(spliced)[sliding][0] == max(0, n - 16)
+    got = codec.token_arrays(spliced)
+    cold = run_model(prompt[:n])
+    ref = codec.token_arrays(cold)
+    for layer in range(codec.n_layers):
+        lo = codec.spans(spliced)[layer][0]
+        if layer != sliding:  # the exact prefix: byte for byte what was stored
+            for name in (f"{layer}.{x}.{p}" for x in "kv" for p in "qsb"):
+                want = codec.token_arrays(cache)[name][..., :m.num_tokens, :]
+                assert mx.array_equal(got[name][..., :m.num_tokens, :], want).item(), name
+        for p in "qsb":  # the run's values (as far as the layer holds them): untouched
+            held = got[f"{layer}.v.{p}"][..., max(0, plan.at - lo):, :]
+            assert mx.array_equal(held, run[f"{layer}.v.{p}"][..., -held.shape[2]:, :]).item()
+    # Layer 0's keys depend only on token and position: moved (with its own RoPE), a cold prefill's.
+    lo = codec.spans(spliced)[0][0]
+    mine = {k: a[..., max(plan.at, lo) - lo:, :] for k, a in got.items() if k.startswith("0.")}
+    cold0 = {k: a[..., max(plan.at, lo):n, :] for k, a in ref.items() if k.startswith("0.")}
+    step = mx.abs(cold0["0.k.s"].astype(mx.float32)).max().item()
+    assert mx.abs(deq(mine, 0, "k") - deq(cold0, 0, "k")).max().item() <= 2 * step
+    unmoved = {k: a[..., -mine["0.k.q"].shape[2]:, :] for k, a in run.items() if k.startswith("0.")}
+    assert mx.abs(deq(unmoved, 0, "k") - deq(cold0, 0, "k")).max().item() > 4 * step
+    # The model decodes on it as on the cold cache (layer 0's window is equal; layer 1 differs by
+    # the approximation itself, so only finiteness is asserted).
+    logits = model(mx.array([prompt[n:]]), cache=spliced)
+    assert mx.all(mx.isfinite(logits)).item()
+    pool.close()
+
+
+def test_a_run_is_cut_to_where_its_sliding_window_is_held():
+    """`ModelCodec.splice_run` on blocks whose sliding arrays were trimmed: the run ends at the furthest
+    block end whose window (16) the blocks hold, positions before the run counting as held."""
+    from vllm_mlx_persist.caches.codec import WIN_FROM
+
+    codec = ModelCodec([splice.Q4, splice.Q4], windows={0: 16}, bounded=True)
+
+    def block(n, f=0):
+        """n tokens whose sliding layer (0) holds the last n - f; each array holds its positions."""
+        a = {}
+        for layer, lo in ((0, f), (1, 0)):
+            for name in (f"{layer}.{x}.{p}" for x in "kv" for p in "qsb"):
+                if lo < n:
+                    a[name] = mx.broadcast_to(mx.arange(lo, n)[:, None], (n - lo, 8))[None, None]
+        if f:
+            a[WIN_FROM] = mx.array([f], dtype=mx.int32)
+        return a
+
+    full = block(16)
+    assert codec.run_length(codec.splice_run([(full, 16), (full, 16), (full, 10)], 4)) == 38
+    # The last block holds only its last 8: the end there needs 16 held; the block before ends a window.
+    trimmed = [(block(16, 16), 16), (block(16), 16), (block(16, 8), 16)]
+    run = codec.splice_run(trimmed, 4)
+    assert codec.run_length(run) == 28 and codec.window_from(run) == 12
+    assert run["0.k.q"][0, 0, :, 0].tolist() == list(range(0, 16))  # positions 16..32 of the blocks, as stored
+    assert run["1.k.q"].shape[2] == 28
+    # Nothing held at a block end with a full window: no run.
+    assert codec.splice_run([(block(16, 16), 16), (block(16, 8), 16)], 4) == {}
+    # A run starting inside the held part needs nothing before it.
+    assert codec.run_length(codec.splice_run([(block(16, 16), 16), (block(16, 4), 16)], 20)) == 12
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_latent_packed_mla_moves_k_pe_only(tmp_path, bits):
+    """deepseek_v3 with `latent_bits`: the run's packed latent is the stored bytes after the splice
+    (the live float cache re-packs to the same codes), only k_pe moves; layer 0's k_pe then equals a
+    cold prefill's to the packing's precision, and the exact prefix is stored bytes too."""
+    from vllm_mlx_persist.caches.latent import dequantize_latent
+    from vllm_mlx_persist.tools.models import build_model
+
+    model, _ = build_model("deepseek_v3", "tiny")
+    codec = ModelCodec.for_model(model, latent_bits=bits)
+    assert splice.supported(codec)
+    pool = _codec_pool(codec, tmp_path)
+
+    def run_model(tokens, cache=None):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        return cache
+
+    head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
+    stored = head + span + tail
+    assert pool.commit("a", stored, run_model(stored)) == len(stored)
+    packed = codec.token_arrays(pool.match("a", stored + [A], "p").cache)  # the stored bytes
+    pool.finish("p")
+    prompt = head + msg(3, 4) + tail + msg(6, 5)
+    m = pool.match("a", prompt, "r", edit=AMORTIZE)
+    plan = find_splice(m.stored, prompt, lcp(m.stored, prompt), A)
+    run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
+    assert set(run) == codec.token_names() and "0.v.c" in run
+    spliced, n = splice.apply(model, codec, probe_model(model), m.cache, m.num_tokens, prompt, plan, run)
+    pool.finish("r")
+    got = codec.token_arrays(spliced)
+    for name in codec.token_names():
+        assert mx.array_equal(got[name][..., :m.num_tokens, :], packed[name][..., :m.num_tokens, :]).item(), name
+        if ".k." in name:  # the latent: the stored bytes
+            assert mx.array_equal(got[name][..., plan.at:n, :], run[name]).item(), name
+    kpe = lambda arrays, lo, hi: dequantize_latent(*(arrays[f"0.v.{p}"][..., lo:hi, :] for p in "csb"), bits)
+    cold = codec.token_arrays(run_model(prompt[:n]))
+    want = kpe(cold, plan.at, n)
+    step = mx.abs(cold["0.v.s"][..., plan.at:n, :]).max().item()
+    assert mx.abs(kpe(got, plan.at, n) - want).max().item() <= 2 * step
+    assert mx.abs(kpe(run, 0, n - plan.at) - want).max().item() > 4 * step  # unmoved: far off
+    _ = run_model(prompt[n:], spliced)  # the model decodes on it
     pool.close()

@@ -291,9 +291,9 @@ class PersistQ4Backend:
 
         prompt = list(request.prompt_token_ids)
         if not splice.supported(self.codec) or m.prompt is not None:
-            return "splice_not_built", [], 0  # windows, latent-packed MLA, text-matched prompts: not spliced yet
+            return "splice_not_built", [], 0  # text-matched prompts: not spliced yet
         opts = self.opts["kv_edit"]
-        pieces: list[Splice] = []
+        stretches: list[tuple[int, int, int]] = []  # (at, stored at, length): what may move
         over = 0
         for plan in plans:
             n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
@@ -301,17 +301,22 @@ class PersistQ4Backend:
                 break  # the rest of the prompt is prefilled
             got, late = rotations.split_run(counts, plan.src, n_run, opts["max_rotations"], opts["min_run_tokens"])
             over += late
-            for off, k in got:  # what lies between pieces (stubs, over-budget stretches) is prefilled
-                end = pieces[-1].at + pieces[-1].length if pieces else plan.exact
-                pieces.append(Splice(end, plan.at + off, plan.src + off, k))
-        if not pieces:
+            stretches += [(plan.at + off, plan.src + off, k) for off, k in got]
+        if not stretches:
             return ("rotation_budget" if over else "no_realignment"), [], over
-        runs = []
-        for piece in pieces:
-            run = self.pool.run_arrays(m.source, piece.src, piece.src + piece.length)
+        runs, end = [], m.num_tokens
+        for at, stored_at, k in stretches:
+            run = self.pool.run_arrays(m.source, stored_at, stored_at + k)
             if run is None:
                 return "unreadable", [], over
-            runs.append((piece, run))
+            k = self.codec.run_length(run)  # bounded sliding windows: cut to where theirs is held
+            if k >= opts["min_run_tokens"]:  # else prefilled, with what lies before the next piece
+                # a piece's stub: all that is prefilled before it (stubs, over-budget stretches)
+                runs.append((Splice(end, at, stored_at, k), run))
+                end = at + k
+        if not runs:
+            return "window_not_held", [], over
+        pieces = [p for p, _ in runs]
         cache = m.cache if m.cache is not None else self.codec.make_cache()
         cache, n = splice.apply_all(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
                                     runs)

@@ -24,7 +24,7 @@ AMORTIZE, FORGET = "amortize", "forget"
 MODES = (AMORTIZE, FORGET)
 # Why an amortize request was served otherwise (usage.kv_edit.fallback).
 FALLBACKS = ("disabled", "no_history", "no_edit", "recurrent_state", "unsupported_positions", "no_realignment",
-             "unaligned", "stub_too_long", "rotation_budget", "splice_not_built", "unreadable")
+             "unaligned", "stub_too_long", "rotation_budget", "splice_not_built", "unreadable", "window_not_held")
 OPTION_DEFAULTS: dict[str, Any] = {"enabled": True, "max_rotations": 4, "min_run_tokens": 16, "max_stub_tokens": 4096}
 
 

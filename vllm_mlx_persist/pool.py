@@ -43,7 +43,7 @@ from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, sam
 from .commit import Commit
 from .disk_format import BlockData, Manifest
 from .kv_edit import AMORTIZE, FORGET
-from .lookup import Lookup, Match, whole_run
+from .lookup import Found, Lookup, Match, whole_run
 from .namespace import AMORTIZED_SEPARATOR
 from .persister import Persister
 from .reads import Reads
@@ -330,18 +330,20 @@ class BlockPool:
 
     def run_arrays(self, source: tuple, start: int, end: int) -> Optional[dict]:
         """The token arrays of stored positions [start, end) of a branch (`Match.source`), read as
-        needed (worker: MLX); None if a block cannot be had."""
+        needed (worker: MLX); None if a block cannot be had. Bounded sliding layers: the window
+        before the end only, read back from disk where memory shed it, and the run cut to where
+        that window is held (`ModelCodec.splice_run`, `run_length`)."""
         agent, branch = source
         bs = self.block_size
-        steps = list(self.chains.walk(branch))[start // bs: -(-end // bs)]
+        first = start // bs
+        steps = list(self.chains.walk(branch))[first: -(-end // bs)]
         got, ended = self.lookup_.fetch(agent, steps)
         if len(got) < len(steps):
             return None
-        lo = start - (start // bs) * bs
-        names = [n for n in got[0].layers if n not in (WIN_FROM,) and ".ckpt" not in n and not n.startswith("ckpt")]
-        whole = {n: mx.concatenate([g.layers[n] for g in got], axis=2) if len(got) > 1 else got[0].layers[n]
-                 for n in names}
-        return {n: a[..., lo:lo + end - start, :] for n, a in whole.items()}
+        used = [(g, min(len(g.tokens), end - (first + i) * bs)) for i, g in enumerate(got)]
+        found = Found(agent, branch, used, False)
+        self.lookup_.fill_windows(found)
+        return self.codec.splice_run([(g.layers, n) for g, n in found.used], start - first * bs)
 
     def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
         """(lock held) A forget edit: note the first block of the agent's own best branch that holds

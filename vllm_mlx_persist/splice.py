@@ -2,9 +2,12 @@
 
 Given the exact prefix's cache (from the pool), the model prefills the stub, and the stored run's
 arrays are appended with their keys moved by Δ (`rope_shift.shift_arrays`: values and MLA latents
-untouched). Spliced here: linear 4-bit layers (`Q4`, no sliding window) and full-precision MLA
-layers (`FULL`: the cache's "values" slot holds k_pe; `LIST`: deepseek_v32's latent and indexer
-caches), not latent-packed ones; other models are served as exact (`supported` says which).
+untouched). Spliced here: 4-bit attention layers (`Q4`), sliding-window ones included (each with
+its own RoPE; a bounded one's live cache gets the window before the new end only, which the run
+gives for its last window: `ModelCodec.splice_run`), and MLA layers (`FULL`: the cache's "values"
+slot holds k_pe; `LIST`: deepseek_v32's latent and indexer caches), latent-packed ones too
+(`latent_bits`: the run is dequantized as a reuse would, and only k_pe moves). Recurrent layers are
+not (`supported`).
 """
 
 from __future__ import annotations
@@ -26,8 +29,7 @@ _PARTS = ("q", "s", "b")
 
 def supported(codec: ModelCodec) -> bool:
     """Whether this module can splice the codec's caches (see the module docstring)."""
-    kinds_ok = all(k in (Q4, FULL) or (isinstance(k, tuple) and all(x == FULL for x in k[1])) for k in codec.kinds)
-    return kinds_ok and not codec.windows and codec.latent_bits is None
+    return all(k in (Q4, FULL) or (isinstance(k, tuple) and all(x == FULL for x in k[1])) for k in codec.kinds)
 
 
 def _full(c: KVCache, keys: mx.array, values: mx.array, offset: int) -> KVCache:
@@ -52,23 +54,27 @@ def apply(model: Any, codec: ModelCodec, verdicts: Sequence[LayerShift], cache: 
           prompt: Sequence[int], plan: Splice, run: dict) -> tuple[list, int]:
     """The cache for `prompt[:plan.at + n]`: `cache` covers prompt[:covered] (covered <= plan.at);
     the model prefills prompt[covered:plan.at], then the stored run (`run`: a block-style array map
-    of n tokens, stored at plan.src) follows, its keys moved by plan.delta. Returns (cache, tokens)."""
+    of n tokens, stored at plan.src: `BlockPool.run_arrays`) follows, its keys moved by plan.delta.
+    Returns (cache, tokens)."""
     stub = list(prompt[covered:plan.at])
     if stub:
         mx.eval(model(mx.array([stub]), cache=cache))
-    moved = shift_arrays(run, plan.delta, codec.kinds, verdicts, codec.bits, codec.group_size)
-    n = next(iter(moved.values())).shape[2]
+    n = codec.run_length(run)
+    moved = shift_arrays(codec.unpack_latents(run), plan.delta, codec.kinds, verdicts, codec.bits, codec.group_size)
     end = plan.at + n
+    # Bounded sliding layers: a run holding only its last window (win.from > 0) is all they keep.
+    alone = codec.window_from(moved) > 0
     out: list = []
     for layer, (c, kind) in enumerate(zip(cache, codec.kinds)):
         if kind == Q4:
-            held = c.to_arrays() if c.keys is not None else None
+            w = codec.window(layer)
+            held = c.to_arrays() if c.keys is not None and not (alone and w is not None) else None
             parts = []
             for x in ("k", "v"):
                 new = tuple(moved[f"{layer}.{x}.{p}"] for p in _PARTS)
                 old = held[0 if x == "k" else 1] if held is not None else None
                 parts.append(new if old is None else tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, new)))
-            out.append(Q4KVCache.from_arrays(parts[0], parts[1], codec.bits, codec.group_size, offset=end))
+            out.append(Q4KVCache.from_arrays(parts[0], parts[1], codec.bits, codec.group_size, window=w, offset=end))
         elif kind == FULL:
             out.append(_full(c, moved[f"{layer}.k"], moved[f"{layer}.v"], end))
         else:

@@ -117,6 +117,70 @@ class ModelCodec:
             at += n
         return best
 
+    def splice_run(self, used: Sequence[tuple[Arrays, int]], lo: int) -> Arrays:
+        """A stored run for a splice (span directives): the token arrays of positions [lo, end) of
+        consecutive blocks ((arrays, tokens used of each), the first block starting at position 0).
+        Bounded sliding layers need only the window before the run's end (positions before lo come
+        from the live cache the run is appended to), so theirs cover [max(lo, end - w), end)
+        (`win.from`, relative to lo, says where they begin), and end is the furthest block end
+        (or the last) whose window the blocks hold; {} when there is none. `run_length` says how
+        many tokens it holds."""
+        end = sum(n for _, n in used)
+        windowed = self.window_names()
+        if windowed:
+            end = self._run_reach(used, lo)
+            if end <= lo:
+                return {}
+            used = _truncate(used, end)
+        a = max(lo, end - max(self.windows.values())) if windowed else lo
+
+        def cat(name: str, first: int) -> mx.array:
+            pieces, at = [], 0
+            for arrays, n in used:
+                if at + n > first:
+                    f = self.window_from(arrays) if name in windowed else 0  # the array starts at f
+                    pieces.append(arrays[name][..., max(0, first - at) - f : n - f, :])
+                at += n
+            return _concat(pieces)
+
+        out = {name: cat(name, a if name in windowed else lo) for name in self.token_names()}
+        if a > lo:
+            out[WIN_FROM] = mx.array([a - lo], dtype=mx.int32)
+        return out
+
+    def _run_reach(self, used: Sequence[tuple[Arrays, int]], lo: int) -> int:
+        """`window_reach` for a run starting at lo: positions before lo count as held."""
+        w = max(self.windows.values())
+        best = at = stretch = 0  # stretch: where the held positions ending at `at` began
+        for arrays, n in used:
+            f = min(self.window_from(arrays), n)  # the block holds [at + f, at + n)
+            if f > 0:
+                stretch = at + f
+            if f < n and at + n > lo and (stretch <= lo or at + n - stretch >= w):
+                best = at + n
+            at += n
+        return best
+
+    def run_length(self, run: Arrays) -> int:
+        """Tokens a `splice_run` holds (0 for {})."""
+        name = next((x for x in sorted(self.token_names()) if x in run), None)
+        if name is None:
+            return 0
+        return int(run[name].shape[2]) + (self.window_from(run) if name in self.window_names() else 0)
+
+    def unpack_latents(self, arrays: Arrays) -> Arrays:
+        """`arrays` with latent-packed FULL layers (`latent_bits`) as the float `l.k`, `l.v` the live
+        cache holds (dequantized to `latent_dtype`, as `build` does); the same map without the option."""
+        if self.latent_bits is None:
+            return arrays
+        out = dict(arrays)
+        for l, k in enumerate(self.kinds):
+            if k == FULL and f"{l}.k.c" in out:
+                for x in "kv":
+                    parts = [out.pop(f"{l}.{x}.{p}") for p in "csb"]
+                    out[f"{l}.{x}"] = dequantize_latent(*parts, self.latent_bits, self.latent_dtype)
+        return out
+
     # ---- live caches --------------------------------------------------------------------------
 
     def make_cache(self) -> list:
