@@ -325,3 +325,52 @@ def test_a_bad_secret_refuses_start_up_in_one_line(fleet, tmp_path):
     assert "Traceback" not in log, log
     (line,) = [l for l in log.splitlines() if "persist_q4: " in l and "ERROR" in l]
     assert SECRET_ENV in line and "at least 16" in line and short not in log, line
+
+
+def _edit(server: Server, agent: str, messages: list[dict], mode: str) -> dict:
+    """An edited conversation sent with X-KV-Edit; returns its usage."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0.0,
+                                       metadata={"agent_id": agent}, extra_headers={"X-KV-Edit": mode})
+    return r.usage.model_dump()
+
+
+def _spliced_on(server: Server, rds: RedisServer, agent: str) -> tuple[list[dict], dict]:
+    """Three turns of `agent` on `server`, then an amortize edit (its first user message replaced)
+    published to Redis: (the edited messages, the edit's usage.kv_edit)."""
+    conv = Conversation(agent, agent)
+    for _ in range(3):
+        conv.turn(server)
+    msgs = conv.chat.messages
+    edited = msgs[:1] + [{"role": "user", "content": "(removed)"}] + msgs[3:] + [{"role": "user", "content": "go"}]
+    report = _edit(server, agent, edited, "amortize")["kv_edit"]
+    assert report["applied"] and report["plan"], report
+    wait_for(lambda: "body" in manifest(rds, f"{agent}\0amortized:1"), "the spliced history in Redis")
+    return edited, report
+
+
+def test_a_spliced_history_moves_to_another_server(fleet):
+    """A splices an edited conversation (amortize); B's amortize request for it reads A's spliced
+    history back from Redis instead of splicing again; B's exact request never sees it."""
+    rds, a, b = fleet
+    edited, first = _spliced_on(a, rds, "spl")
+    again = _edit(b, "spl", edited, "amortize")
+    report, cached = again["kv_edit"], again["prompt_tokens_details"]["cached_tokens"]
+    assert report["applied"] and "plan" not in report, report  # read back, not spliced again
+    assert cached == again["prompt_tokens"] - 1  # all but the last token: A's spliced turn, stub included
+    assert cached == report["exact_prefix_tokens"] + report["spliced_tokens"]
+    _, cached, _ = Chat("spl").send(b, edited)  # exact: the honest prefix only
+    assert cached <= first["exact_prefix_tokens"] + 1
+
+
+def test_erasing_an_agent_erases_its_spliced_histories_fleet_wide(fleet):
+    """Erasing the agent on B, which never saw its spliced history, removes that history from Redis
+    and from A, where it was made."""
+    rds, a, b = fleet
+    edited, _ = _spliced_on(a, rds, "spl-e")
+    assert call(b, "DELETE", "/v1/agents/spl-e")[0] == 200
+    wait_for(lambda: manifest(rds, "spl-e\0amortized:1").get("e") == b"1", "the spliced history's tombstone")
+    wait_for(lambda: _edit(a, "spl-e", edited, "amortize")["kv_edit"]["fallback"] == "no_history",
+             "A dropping the agent and its spliced history")

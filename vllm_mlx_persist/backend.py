@@ -141,6 +141,7 @@ class PersistQ4Backend:
                 branches=opts["branches"],
                 decode=self._decode if opts["match_text"] else None,
                 fleet=self._fleet_factory() if opts["remote_url"] is not None and store is not None else None,
+                spliced_generations=opts["kv_edit"]["max_rotations"],
             )
             self.fleet = self._pool.fleet
             if opts["remote_url"] is not None and store is None:
@@ -332,13 +333,21 @@ class PersistQ4Backend:
                 [(p, p.length) for p in pieces], over)
 
     def prefetch(self, namespace: str) -> None:
-        """Start reading the agent's cold blocks from disk; any thread (see plugin.py)."""
+        """Start reading the cold blocks a request's lookup needs from disk (and syncing them with the
+        fleet), given its cache namespace (`_lookup_names`); any thread (see plugin.py)."""
         if self._pool is not None:
-            for ns in split_namespace(namespace):
-                if ns is not None:
-                    if self.fleet is not None:
-                        self.fleet.prefetch(ns)
-                    self._pool.prefetch(ns)
+            for ns in self._lookup_names(namespace):
+                if self.fleet is not None:
+                    self.fleet.prefetch(ns)
+                self._pool.prefetch(ns)
+
+    def _lookup_names(self, namespace: Optional[str]) -> list[str]:
+        """The namespaces a request's lookup reads: its agent, the fork parent, and for an amortize
+        request the agent's spliced namespaces (pool.spliced_namespaces)."""
+        names = [ns for ns in split_namespace(namespace) if ns is not None]
+        if names and edit_mode(namespace) == AMORTIZE and self.opts["kv_edit"]["enabled"] and self._pool is not None:
+            names += self._pool.spliced_namespaces(names[0])
+        return names
 
     def ready(self, request: Any) -> Optional[Future]:
         """A future done once the disk reads (and the Redis sync) the request's lookup needs are done,
@@ -347,7 +356,7 @@ class PersistQ4Backend:
         pool = self._pool
         if pool is None:
             return None
-        names = [ns for ns in split_namespace(getattr(request, "cache_namespace", None)) if ns is not None]
+        names = self._lookup_names(getattr(request, "cache_namespace", None))
         if not names:
             return None
         reads = lambda: when_all(pool.pending_reads(names))  # noqa: E731 - after the sync registered its blocks

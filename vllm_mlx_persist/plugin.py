@@ -117,16 +117,17 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
                          "(X-Agent-ID, metadata.agent_id or prompt_cache_key)")
     if parent is not None and parent == agent_id:
         raise ValueError(f"agent {agent_id!r} cannot fork from itself")
-    if agent_id is not None:
-        # The earliest moment we know the agent: start reading its blocks from disk now, so the
-        # worker thread's fetch, which stalls every running sequence while it waits, finds them read.
-        for backend in list(_LIVE_BACKENDS):
-            backend.prefetch(agent_id)
-            if parent is not None:
-                backend.prefetch(parent)
     mode = resolve_mode(request, headers)
     if mode is not None and agent_id is None:
         raise ValueError(f"a span directive (X-KV-Edit or metadata.kv_edit: {mode}) needs an agent id "
                          "(X-Agent-ID, metadata.agent_id or prompt_cache_key): it edits that agent's history")
+    if agent_id is None:
+        return None
     # One string reaches the backend; the fork parent and the edit mode ride along (namespace.py).
-    return join_namespace(agent_id, parent, mode) if agent_id is not None else None
+    namespace = join_namespace(agent_id, parent, mode)
+    # The earliest moment we know the agent: start reading its blocks (its parent's, its spliced
+    # histories') from disk now, so the worker thread's fetch, which stalls every running sequence
+    # while it waits, finds them read.
+    for backend in list(_LIVE_BACKENDS):
+        backend.prefetch(namespace)
+    return namespace

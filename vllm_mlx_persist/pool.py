@@ -44,7 +44,7 @@ from .commit import Commit
 from .disk_format import BlockData, Manifest
 from .kv_edit import AMORTIZE, FORGET
 from .lookup import Found, Lookup, Match, whole_run
-from .namespace import AMORTIZED_SEPARATOR
+from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of
 from .persister import Persister
 from .reads import Reads
 from .rotations import Segments
@@ -85,13 +85,16 @@ class BlockPool:
         read_ahead_bytes: Optional[int] = None,
         fleet: Optional[Callable[["BlockPool"], Any]] = None,
         clock: Callable[[], float] = time.time,
+        spliced_generations: int = 0,
     ):
         """`store`: the disk tier (None: memory only), written by a Persister built here with
         `disk_budget` and `persister_options`. `fleet`: builds the fleet tier's glue for this pool
         (fleet.Fleet), or None. `read_ahead_bytes`: read results waiting for their lookup, at most
         (default: a quarter of the hot budget, at least 64 MB). `clock`: wall-clock time of manifests,
-        last uses and the TTL (a test may move it on)."""
+        last uses and the TTL (a test may move it on). `spliced_generations`: how many spliced
+        namespaces an agent may have (kv_edit.max_rotations; `spliced_namespaces`)."""
         self.clock = clock
+        self.spliced_generations = spliced_generations
         self.fingerprint = fingerprint
         self.n_layers = n_layers
         # Default: every layer plain 4-bit attention (the pool's unit tests build it like that).
@@ -257,6 +260,8 @@ class BlockPool:
             # bounded, and before the lock; a fork's parent too (its copy may be of an erased
             # history), both syncs running at once
             names = [namespace] + ([fork_from] if fork_from and fork_from != namespace else [])
+            if edit == AMORTIZE:  # spliced histories another server made are candidates too
+                names += self.spliced_namespaces(namespace)
             for ns in names[1:]:
                 self.fleet.prefetch(ns)
             for ns in names:
@@ -365,6 +370,14 @@ class BlockPool:
         with self._lock:
             return self._amortized_names(namespace)
 
+    def spliced_namespaces(self, namespace: str) -> list[str]:
+        """Every spliced namespace the agent may have anywhere in the fleet: generations 1 to
+        `spliced_generations` (a generation is the highest rotation count of its histories, at most
+        max_rotations: backend._splice), so servers of one fleet share kv_edit.max_rotations."""
+        if amortized_of(namespace) is not None:
+            return []
+        return [amortized_namespace(namespace, g) for g in range(1, self.spliced_generations + 1)]
+
     def _amortized_names(self, namespace: str) -> list[str]:
         """(lock held) The agent's spliced histories known here (namespace.amortized_namespace)."""
         prefix = namespace + AMORTIZED_SEPARATOR
@@ -373,11 +386,13 @@ class BlockPool:
     def _drop_amortized(self, namespace: str) -> None:
         """(lock held) Erase the agent's spliced histories, here, on disk and in Redis (queued, no
         waiting): a forget edit's removed content may be held by one."""
-        for ns in self._amortized_names(namespace):
+        known = self._amortized_names(namespace)
+        for ns in known:
             self._forget(ns)
             if self.persister is not None:
                 self.persister.erase(ns)
-            if self.fleet is not None:
+        if self.fleet is not None:  # also those only other servers of the fleet made
+            for ns in sorted(set(known) | set(self.spliced_namespaces(namespace))):
                 self.fleet.erase_queued(ns)
 
     def _drop_superseded(self, namespace: str, bids: set[str]) -> None:
@@ -571,8 +586,12 @@ class BlockPool:
         its forks share stay, in memory and on disk, as long as a fork names them. With a fleet
         tier and `fleet_wide`, the agent is then erased from Redis too (queued).
         """
-        for ns in self._amortized_names_locked(namespace):  # its spliced histories go with it
+        known = self._amortized_names_locked(namespace)
+        for ns in known:  # its spliced histories go with it
             self.erase(ns, timeout, fleet_wide)
+        if fleet_wide and self.fleet is not None:  # and those only other servers of the fleet made
+            for ns in set(self.spliced_namespaces(namespace)) - set(known):
+                self.fleet.erase_queued(ns)
         with self._lock:
             known = self._forget(namespace)
             for entry in self._inflight.values():
