@@ -233,3 +233,37 @@ def test_the_server_model_config_sets_clean_up(tok):
     cfg = json.loads(open(f"{path}/tokenizer_config.json").read())
     assert cfg["clean_up_tokenization_spaces"] is True
     assert tok.decode(encode(tok, "x != y")) == "x!= y"
+
+
+def test_an_amortize_edit_is_spliced_onto_a_history_matched_by_text(backend, model, tok):
+    """A reply stored tokenized another way, then a later message replaced (amortize): the lookup
+    matches the reply by text and the splice is planned and executed on the prompt as served (the
+    stored tokens), which feeds the model the client's bytes; the spliced layer-0 keys (token and
+    position only) equal a cold prefill's of that prompt to 4-bit precision."""
+    from types import SimpleNamespace
+
+    from vllm_mlx_persist.amortize import message_anchor
+
+    A = message_anchor(tok)
+    reply = "so the agent keeps its memory"
+    cut = next(i for i in range(1, len(reply)) if encode(tok, reply[:i]) + encode(tok, reply[i:]) != encode(tok, reply))
+    head, tool, tail = [A] + encode(tok, FILL), [A] + encode(tok, "tool output " * 12), [A] + encode(tok, FILL * 2)
+    stored = head + [A] + encode(tok, reply[:cut]) + encode(tok, reply[cut:]) + tool + tail
+    serve(backend, model, "a", stored)
+    client = head + [A] + encode(tok, reply) + [A] + encode(tok, "stub") + tail + encode(tok, "next")
+    req = SimpleNamespace(prompt_token_ids=client, cache_namespace="a\0edit:amortize", request_id="r")
+    hit = backend.fetch(req)
+    report = req.cache_usage["kv_edit"]
+    assert report["applied"] and report["fallback"] is None and report["plan"], report
+    served = hit.prompt_token_ids
+    assert served is not None and fed(tok, served) == fed(tok, client)
+    assert hit.cached_tokens == report["exact_prefix_tokens"] + report["spliced_tokens"]
+    assert report["recomputed_tokens"] == len(served) - hit.cached_tokens
+    codec = backend.codec
+    cold = codec.make_cache()
+    mx.eval(model(mx.array([served[:hit.num_tokens]]), cache=cold))
+    got, ref = codec.token_arrays(hit.cache), codec.token_arrays(cold)
+    deq = lambda a: mx.dequantize(*(a[f"0.k.{p}"] for p in "qsb"), codec.group_size, codec.bits)  # noqa: E731
+    step = mx.abs(ref["0.k.s"].astype(mx.float32)).max().item()
+    assert mx.abs(deq(got) - deq(ref)).max().item() <= 2 * step
+    backend.on_request_finished(req, False)

@@ -227,7 +227,8 @@ class PersistQ4Backend:
     def _report_edit(self, request: Any, mode: str, m: Any) -> Any:
         """`usage.kv_edit` for a request that declared an edit mode (the seam reports
         `request.cache_usage`); for an amortize request the splice allows, the spliced CacheLookup."""
-        n_prompt = len(request.prompt_token_ids)
+        prompt = m.prompt if m.prompt is not None else list(request.prompt_token_ids)  # as it is served
+        n_prompt = len(prompt)
         if mode == FORGET:
             report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
         elif not self.opts["kv_edit"]["enabled"]:
@@ -242,8 +243,9 @@ class PersistQ4Backend:
             src, gen, honest, counts = self._source(m)
             if gen:  # the lookup reused a spliced history: this turn continues it, there
                 request._vmp_store_as = (src, None, False, clip(counts, m.num_tokens))
-            plans = self._splicing.decide(m.stored, request.prompt_token_ids, self.opts["kv_edit"])
-            done, used, over = (plans, [], 0) if isinstance(plans, str) else self._splice(request, m, plans, src, counts)
+            plans = self._splicing.decide(m.stored, prompt, self.opts["kv_edit"])
+            done, used, over = (plans, [], 0) if isinstance(plans, str) else self._splice(request, m, prompt, plans,
+                                                                                          src, counts)
             reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
             if not isinstance(done, str):
                 report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
@@ -274,10 +276,11 @@ class PersistQ4Backend:
         counts = branch.rotations or rotations.legacy(am[1], first, branch.n_tokens)
         return agent.namespace, am[1], min(m.num_tokens, first), counts
 
-    def _splice(self, request: Any, m: Any, plans: list, src: Optional[str], counts: Segments,
+    def _splice(self, request: Any, m: Any, prompt: list[int], plans: list, src: Optional[str], counts: Segments,
                 ) -> tuple[Any, list, int]:
         """(CacheLookup, [(piece, run tokens)], run tokens over the rotation budget) for the splices of
         a request (one per edit, left to right), or (the reason it is served as exact, [], over).
+        `prompt`: as served (the stored tokens where the lookup matched the client's by text).
 
         A run's tokens already rotated `max_rotations` times (`counts`, per token) are re-prefilled
         instead of moved: the run is cut into the pieces that may move (rotations.pieces). The turn
@@ -290,9 +293,8 @@ class PersistQ4Backend:
 
         from . import splice
 
-        prompt = list(request.prompt_token_ids)
-        if not splice.supported(self.codec) or m.prompt is not None:
-            return "splice_not_built", [], 0  # text-matched prompts: not spliced yet
+        if not splice.supported(self.codec):
+            return "splice_not_built", [], 0
         opts = self.opts["kv_edit"]
         stretches: list[tuple[int, int, int]] = []  # (at, stored at, length): what may move
         over = 0
@@ -329,7 +331,9 @@ class PersistQ4Backend:
         request._vmp_store_as = (target, None if target == src else src, True, new)
         self.pool.stats["kv_edit_splices"] += 1
         cached = m.num_tokens + sum(p.length for p in pieces)
-        return (CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached),
+        lookup = CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached,
+                             prompt_token_ids=m.prompt)  # matched by text: served as the stored tokens
+        return (lookup,
                 [(p, p.length) for p in pieces], over)
 
     def prefetch(self, namespace: str) -> None:
