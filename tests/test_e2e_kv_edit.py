@@ -269,8 +269,9 @@ FALLBACK = {"qwen3_next": "recurrent_state", "lfm2": "recurrent_state"}
 OVERRIDES = {"gemma3_text": {"sliding_window": 64}}
 
 
-@pytest.mark.parametrize("arch,latent_bits", [("deepseek_v3", None), ("deepseek_v3", 4), ("qwen3_next", None),
-                                              ("lfm2", None), ("gemma3_text", None), ("gpt_oss", None)])
+@pytest.mark.parametrize("arch,latent_bits", [("deepseek_v3", None), ("deepseek_v3", 4), ("deepseek_v32", None),
+                                              ("qwen3_next", None), ("lfm2", None), ("gemma3_text", None),
+                                              ("gpt_oss", None)])
 def test_families_splice_or_fall_back_with_their_reason(tmp_path, arch, latent_bits):
     """MLA models (latents in full precision or packed in 4 bits) and sliding-window models splice,
     each answering what the in-process splice answers; recurrent hybrids fall back with
