@@ -198,3 +198,21 @@ def test_forget_deletes_the_superseded_blocks_from_the_fleet_tier(model, tmp_pat
         if pool is not None:
             pool.close()
         redis_srv.stop()
+
+
+def test_erasure_and_forget_move_every_spliced_generation_on_even_unknown_ones(model, tmp_path):
+    """An agent's spliced namespaces another server may have made (generations 1..max_rotations)
+    count as erased here too, by an erasure and by a forget edit, though this server never held
+    them: a fleet sync of one that started before compares this version and must not bring it back."""
+    pool = make_pool(model, tmp_path, spliced_generations=3)
+    names = pool.spliced_namespaces("a")
+    assert names == [f"a\0amortized:{g}" for g in (1, 2, 3)] and pool.spliced_namespaces(names[0]) == []
+    before = [pool.agent_version(ns) for ns in names]
+    pool.erase("a")
+    erased = [pool.agent_version(ns) for ns in names]
+    assert all(e[0] > b[0] for e, b in zip(erased, before)), (before, erased)
+    head, span, tail = _history()
+    _turn(pool, model, "a", head + span + tail, "r1")
+    _turn(pool, model, "a", head + tail, "r2", edit=FORGET)
+    assert all(pool.agent_version(ns)[0] > e[0] for ns, e in zip(names, erased))
+    pool.close()

@@ -200,6 +200,7 @@ class PersistQ4Backend:
 
         namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
         mode = edit_mode(getattr(request, "cache_namespace", None))
+        request._vmp_store_as = None  # set again below where this lookup makes the turn a spliced one
         # kv_edit.enabled false: amortize requests are exact ones, spliced histories unseen
         lookup_mode = None if mode == AMORTIZE and not self.opts["kv_edit"]["enabled"] else mode
         t0 = time.perf_counter()

@@ -59,7 +59,8 @@ def parse_option(value: Any) -> dict[str, Any]:
     out = {**OPTION_DEFAULTS, **value}
     if not isinstance(out["enabled"], bool):
         raise ValueError("persist_q4 kv_edit.enabled must be true or false")
-    for key, top in (("max_rotations", 1024), ("min_run_tokens", 1 << 20), ("max_stub_tokens", 1 << 20)):
+    # max_rotations bounds an agent's spliced namespaces, each synced and erased by name (pool.py).
+    for key, top in (("max_rotations", 16), ("min_run_tokens", 1 << 20), ("max_stub_tokens", 1 << 20)):
         n = out[key]
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= top:
             raise ValueError(f"persist_q4 kv_edit.{key} must be an integer from 0 to {top}; got {n!r}")

@@ -299,8 +299,9 @@ class BlockPool:
                     used = replace(found.branch, last_used=self.agents.stamp(agent))
                     del agent.branches[at]
                     agent.branches.append(used)
-            if self.reads is not None:  # read-ahead this lookup did not need
-                self.reads.cancel(list(agent.ids) + (list(parent.ids) if parent is not None else []), restored=False)
+            if self.reads is not None:  # read-ahead this lookup did not need (spliced histories' too)
+                read = {id(a): a for a, _ in candidates if a is not None}
+                self.reads.cancel([b for a in read.values() for b in a.ids], restored=False)
             if agent.listed:
                 self._touch(agent)
             # The blocks this lookup uses are held by it (Got.layers): evicting them or shedding their
@@ -386,13 +387,13 @@ class BlockPool:
     def _drop_amortized(self, namespace: str) -> None:
         """(lock held) Erase the agent's spliced histories, here, on disk and in Redis (queued, no
         waiting): a forget edit's removed content may be held by one."""
-        known = self._amortized_names(namespace)
-        for ns in known:
+        # Those only other servers of the fleet made too: forgotten here even when unknown, so a
+        # sync of one that started before cannot bring it back.
+        for ns in sorted(set(self._amortized_names(namespace)) | set(self.spliced_namespaces(namespace))):
             self._forget(ns)
             if self.persister is not None:
                 self.persister.erase(ns)
-        if self.fleet is not None:  # also those only other servers of the fleet made
-            for ns in sorted(set(known) | set(self.spliced_namespaces(namespace))):
+            if self.fleet is not None:
                 self.fleet.erase_queued(ns)
 
     def _drop_superseded(self, namespace: str, bids: set[str]) -> None:
@@ -589,8 +590,10 @@ class BlockPool:
         known = self._amortized_names_locked(namespace)
         for ns in known:  # its spliced histories go with it
             self.erase(ns, timeout, fleet_wide)
-        if fleet_wide and self.fleet is not None:  # and those only other servers of the fleet made
-            for ns in set(self.spliced_namespaces(namespace)) - set(known):
+        for ns in set(self.spliced_namespaces(namespace)) - set(known):  # and those only other servers made:
+            with self._lock:  # forgotten even unknown, so a sync of one that started before cannot bring it back
+                self._forget(ns)
+            if fleet_wide and self.fleet is not None:
                 self.fleet.erase_queued(ns)
         with self._lock:
             known = self._forget(namespace)

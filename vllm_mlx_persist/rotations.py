@@ -89,7 +89,7 @@ def legacy(generation: int, first_spliced: Optional[int], n_tokens: int) -> Segm
 
 def split_run(segments: Segments, src: int, n: int, cap: int, min_run: int,
               ) -> tuple[list[tuple[int, int]], int]:
-    """`pieces` and the number of the run's tokens left out because they reached `cap`."""
-    cs = counts(segments, src, src + n)
+    """`pieces` and the number of the run's tokens they leave out (those that reached `cap`, and
+    stretches between them shorter than `min_run`)."""
     got = pieces(segments, src, n, cap, min_run)
-    return got, sum(1 for c in cs if c >= cap)
+    return got, n - sum(k for _, k in got)
