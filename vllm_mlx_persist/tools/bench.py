@@ -1294,6 +1294,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--edit-spans", default=None, help="edits: spans in tokens (default 64,256,1024,2048)")
     p.add_argument("--edit-counts", default=None, help="edits: edits per turn (default 1,2,3,4)")
     p.add_argument("--edit-positions", default=None, help="edits: edit positions as fractions (default 0.1,0.5,0.9)")
+    p.add_argument("--edit-sweep-history", type=int, default=None,
+                   help="edits: the history of the TTFT span and edit-count sweeps (default 4096)")
     p.add_argument("--edit-full-grid", action="store_true",
                    help="edits: TTFT over every point of the grid of --edit-histories (not the subset)")
     p.add_argument("--edit-trace-turns", type=int, default=None, help="edits: turns of the truncation trace (default 8)")
@@ -1374,6 +1376,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
             setattr(plan, name, [conv(x) for x in getattr(args, name).split(",")])
     if args.edit_size:
         plan.edit_size = args.edit_size
+    if args.edit_sweep_history is not None:
+        plan.edit_sweep_history = args.edit_sweep_history
     plan.edit_full_grid = args.edit_full_grid
     if args.edit_trace_turns is not None:
         plan.edit_trace_turns = max(1, args.edit_trace_turns)

@@ -227,12 +227,12 @@ def grid(plan: Any, histories: Optional[Sequence[int]] = None) -> list[EditPoint
 
 
 def ttft_points(plan: Any) -> list[EditPoint]:
-    """The TTFT subset: histories x positions at one span and one edit, then at the largest history
-    and the sweep position, every span (one edit) and every edit count (the one span)."""
+    """The TTFT subset: histories x positions at one span and one edit, then at the sweep history
+    and position, every span (one edit) and every edit count (the one span)."""
     if plan.edit_full_grid:
         return grid(plan, plan.edit_histories)
     pts = [EditPoint(h, p, plan.edit_span, 1) for h in plan.edit_histories for p in plan.edit_positions]
-    top, at = max(plan.edit_histories), plan.edit_sweep_position
+    top, at = plan.edit_sweep_history, plan.edit_sweep_position
     pts += [EditPoint(top, at, s, 1) for s in plan.edit_spans]
     pts += [EditPoint(top, at, plan.edit_span, e) for e in plan.edit_counts]
     return [p for p in dict.fromkeys(pts) if p.fits()]

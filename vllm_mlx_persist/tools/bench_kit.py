@@ -120,7 +120,8 @@ class Plan:
     edit_counts: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
     edit_histories: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])  # TTFT
     edit_span: int = 256  # TTFT: the span of the histories x positions points
-    edit_sweep_position: float = 0.1  # TTFT: where the span and count sweeps edit
+    edit_sweep_history: int = 4096  # TTFT: the history of the span and count sweeps
+    edit_sweep_position: float = 0.1  # TTFT: where they edit
     edit_full_grid: bool = False  # TTFT over the whole accounting grid instead of the subset
     edit_trace_turns: int = 8
     edit_trace_tool_tokens: int = 1024
@@ -144,7 +145,7 @@ QUICK = Plan(
     stall_agents=2, stall_history=128, stall_max_tokens=16, stall_after_s=2.0,
     capacity_contexts=[4096], capacity_turns=2,
     edit_size="tiny", edit_grid_histories=[1024, 2048], edit_spans=[64, 256], edit_counts=[1, 2],
-    edit_histories=[512, 1024], edit_span=64, edit_trace_turns=4, edit_trace_tool_tokens=128,
+    edit_histories=[512, 1024], edit_span=64, edit_sweep_history=1024, edit_trace_turns=4, edit_trace_tool_tokens=128,
 )
 
 # ---------------------------------------------------------------------------------------------
