@@ -345,42 +345,59 @@ def section_edits(ctx: Ctx) -> dict:
     trace_ids = [chat.ids(m) for m in trace]
     trace_expected = [None] + [reprefill(a, b, chat.anchor) for a, b in zip(trace_ids, trace_ids[1:])]
     say(f"edits: TTFT at {len(points)} points, trace of {len(trace)} turns, systems {', '.join(systems)}")
-    for server, modes in _servers(systems):
-        home = ctx.work / f"edits-{server}"
-        shutil.rmtree(home, ignore_errors=True)  # vllm-mlx reloads the prefix cache a previous run saved
-        s = Session(server, _server(server, model, home, plan.ttft_cache_mb),
-                    result["events"], "edits")
-        try:
-            s.start("fresh")
-            first = True
-            for p in points:
-                history, edited, expected, at = convs[p.key]
-                for system in modes:
+    # Every server runs for the whole section and the systems take turns at each point (and each
+    # trace turn), so load from other jobs on a shared machine falls on all of them alike.
+    sessions: dict[str, Session] = {}
+    started: list[Session] = []
+    try:
+        for server, modes in _servers(systems):
+            home = ctx.work / f"edits-{server}"
+            shutil.rmtree(home, ignore_errors=True)  # vllm-mlx reloads the prefix cache a previous run saved
+            s = Session(server, _server(server, model, home, plan.ttft_cache_mb), result["events"], "edits")
+            started.append(s)
+            try:
+                s.start("fresh")
+                sessions.update({m: s for m in modes})
+            except Exception as e:
+                section_failed(result["errors"], "edits", server, s, e)
+        first = set()
+        for p in points:
+            history, edited, expected, at = convs[p.key]
+            for system, s in sessions.items():
+                if system in result["errors"]:
+                    continue
+                try:
                     agent = f"edit-{p.slug}-{system}"
                     if system != "no_cache":  # the agent's previous turn: the server stores the unedited history
                         send(s, history, agent, plan.edit_max_tokens, headers=_headers(system))
                     r = _turn(s, edited, agent, plan.edit_max_tokens, system)
-                    rec = _record(r, system=system, point=p.key, **asdict(p), edit_at=at,
-                                  expected=expected[system], first_on_server=first)
-                    first = False
-                    result["samples"].append(rec)
-                    say(f"  {system:<12} {p.key:<18} ttft {r['ttft_s']:7.3f}s prompt {r['prompt_tokens']} "
-                        f"prefilled {rec['prefilled']} (planned {expected[system]})"
-                        + (f" fallback {r['kv_edit']['fallback']}" if r.get("kv_edit") and r["kv_edit"]["fallback"]
-                           else ""))
-            for system in modes:
-                agent = f"edit-trace-{system}"
-                for t, msgs in enumerate(trace, start=1):
-                    r = _turn(s, msgs, agent, plan.edit_max_tokens, system)
-                    exp = trace_expected[t - 1]
-                    rec = _record(r, system=system, turn=t, expected=exp[system] if exp else len(trace_ids[0]))
-                    result["trace"].append(rec)
-                    say(f"  trace {system:<12} turn {t} ttft {r['ttft_s']:7.3f}s prompt {r['prompt_tokens']} "
-                        f"prefilled {rec['prefilled']} (planned {rec['expected']})"
-                        + (f" {r['kv_edit']}" if r.get("kv_edit") and system == "amortize" else ""))
-        except Exception as e:
-            section_failed(result["errors"], "edits", server, s, e)
-        finally:
+                except Exception as e:
+                    section_failed(result["errors"], "edits", system, s, e)
+                    continue
+                rec = _record(r, system=system, point=p.key, **asdict(p), edit_at=at, expected=expected[system],
+                              first_on_server=s.system not in first)
+                first.add(s.system)
+                result["samples"].append(rec)
+                say(f"  {system:<12} {p.key:<18} ttft {r['ttft_s']:7.3f}s prompt {r['prompt_tokens']} "
+                    f"prefilled {rec['prefilled']} (planned {expected[system]})"
+                    + (f" fallback {r['kv_edit']['fallback']}" if r.get("kv_edit") and r["kv_edit"]["fallback"] else ""))
+        for t, msgs in enumerate(trace, start=1):
+            exp = trace_expected[t - 1]
+            for system, s in sessions.items():
+                if system in result["errors"]:
+                    continue
+                try:
+                    r = _turn(s, msgs, f"edit-trace-{system}", plan.edit_max_tokens, system)
+                except Exception as e:
+                    section_failed(result["errors"], "edits", system, s, e)
+                    continue
+                rec = _record(r, system=system, turn=t, expected=exp[system] if exp else len(trace_ids[0]))
+                result["trace"].append(rec)
+                say(f"  trace {system:<12} turn {t} ttft {r['ttft_s']:7.3f}s prompt {r['prompt_tokens']} "
+                    f"prefilled {rec['prefilled']} (planned {rec['expected']})"
+                    + (f" {r['kv_edit']}" if r.get("kv_edit") and system == "amortize" else ""))
+    finally:
+        for s in started:
             s.stop(signal.SIGTERM, "end")
     result["summary"] = summarize(result, points)
     return result
@@ -489,7 +506,9 @@ def md_edits(ed: dict, plan: dict) -> list[str]:
     sm = ed.get("summary", {})
     if sm.get("ttft"):
         L += ["### Time to first token after an edit (real servers)", "",
-              "Per point and system one agent: its previous turn sent the unedited history (stored as in real "
+              "All servers run at once and the systems take turns at each point and trace turn (so load from "
+              "other jobs falls on all alike). Per point and system one agent: its previous turn sent the "
+              "unedited history (stored as in real "
               "use; no cache: not sent), then the edited request is timed (send to first streamed token). "
               "Time in s, with the ratio to persist_q4 exact and to vllm-mlx default; prefilled: the prompt "
               "tokens the server prefilled (amortize: usage.kv_edit.recomputed_tokens, the stub included; the "
