@@ -232,3 +232,93 @@ def test_quick_capacity_section(tmp_path: Path):
     assert (out / "capacity.png").exists()
     md = (out / "bench.md").read_text()
     assert "## Capacity: agents per memory budget" in md and "Gemma-3-12B" in md and "target 1.15x" in md
+
+
+def test_edit_accounting_follows_the_servers_cut():
+    """The edits section's re-prefill accounting on hand-made token lists (anchor 7 starts every
+    message): exact and forget re-prefill after the common prefix, vllm-mlx reuses nothing under 128
+    tokens, and amortize prefills the stub and what the run leaves (the server always keeps the last
+    prompt token to prefill, so a run reaching the end is cut by one)."""
+    from vllm_mlx_persist.tools.bench_edits import VLLM_MIN_PREFIX, reprefill
+
+    def msg(start: int, n: int) -> list[int]:
+        return [7, *range(start, start + n - 1)]
+
+    first, old, third = msg(100, 41), msg(200, 41), msg(300, 41)
+    stub = [7, 900, 901]
+    got = reprefill(first + old + third, first + stub + third, anchor=7)
+    n = 41 + 3 + 41
+    assert got["prompt"] == n and got["exact_prefix"] == 42  # the stub's anchor matches the old message's
+    assert got["exact"] == got["forget"] == n - 42
+    assert got["vllm_default"] == got["no_cache"] == n  # 42 < 128: a miss
+    assert got["plan"] == [{"stub_tokens": 2, "run_tokens": 40, "delta": 44 - 82}] and got["fallback"] is None
+    assert got["amortize"] == 2 + 1  # the stub after its anchor, and the prompt's last token
+
+    long_first = msg(1000, VLLM_MIN_PREFIX + 10)
+    got = reprefill(long_first + old + third, long_first + stub + third, anchor=7)
+    assert got["vllm_default"] == got["exact"] == got["prompt"] - (VLLM_MIN_PREFIX + 11)
+    # no message boundary reappears after the edit: amortize is exact
+    got = reprefill(first + old + third, first + stub + msg(500, 41), anchor=7)
+    assert got["fallback"] == "no_realignment" and got["amortize"] == got["exact"]
+    # without a chat template's message-start token nothing is spliced
+    assert reprefill(first + old + third, first + stub + third, anchor=None)["fallback"] == "unaligned"
+
+
+def test_edit_conversations_and_truncation_policy(tiny_llama_dir):
+    """The section's conversations, rendered with the tiny model's chat template: a grid point stubs
+    whole tool outputs where it says, each edit is one splice moved by the tokens removed so far, and
+    the truncation trace stubs exactly the outputs older than two turns, one more per turn."""
+    from vllm_mlx_persist.tools.bench_edits import (Chat, EditPoint, edit_history, edit_position, edited_turn,
+                                                    reprefill, stub_msg, trace_requests)
+    from vllm_mlx_persist.tools.bench_kit import Prompts
+
+    chat = Chat(Prompts(tiny_llama_dir))
+    assert chat.anchor is not None
+    point = EditPoint(1024, 0.5, 64, 2)
+    history, targets = edit_history(chat, 1, point)
+    assert len(targets) == 2 and all(history[k]["content"].startswith("[tool output") for k in targets)
+    assert all(history[k - 1]["role"] == "assistant" for k in targets) and history[-1]["role"] == "user"
+    assert abs(len(chat.ids(history)) - point.history) < 64
+    assert abs(edit_position(chat, history, targets) - point.history * point.position) < 64
+    for k in targets:
+        assert abs(chat.size(history[k]) - point.span) <= 4
+    edited = edited_turn(history, targets, 2)
+    assert [m for k, m in enumerate(history) if k not in targets] == [m for k, m in enumerate(edited[:-2])
+                                                                      if k not in targets]
+    got = reprefill(chat.ids(history), chat.ids(edited), chat.anchor)
+    removed = [chat.size(history[k]) - chat.size(stub_msg(history[k])) for k in targets]
+    assert [p["delta"] for p in got["plan"]] == [-removed[0], -removed[0] - removed[1]]
+    assert got["amortize"] < got["exact"] and got["exact"] == got["prompt"] - got["exact_prefix"]
+
+    reqs = trace_requests(chat, 3, 5, 48)
+    for t, msgs in enumerate(reqs, start=1):
+        tools = [m for m in msgs if m["content"].startswith("[tool output")]
+        assert len(tools) == t
+        assert [m["content"].endswith("truncated]") for m in tools] == [i <= t - 2 for i in range(1, t + 1)]
+    for t in range(2, 5):  # turn t+1 stubs output t-1 and appends a call and an output
+        got = reprefill(chat.ids(reqs[t - 1]), chat.ids(reqs[t]), chat.anchor)
+        assert len(got["plan"]) == 1 and got["plan"][0]["delta"] < 0 and got["fallback"] is None
+    assert reprefill(chat.ids(reqs[0]), chat.ids(reqs[1]), chat.anchor)["plan"] == []  # turn 2 edits nothing
+
+
+def test_quick_edits_section(tmp_path: Path):
+    """The edits section in quick mode on real servers: every timed request prefills what the planner
+    predicted for its system (amortize: usage.kv_edit; the others: vllm-mlx's scheduler), amortize
+    splices every TTFT point, and the truncation trace splices from turn 3 on."""
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "edits",
+           "--out", str(out), "--work", str(tmp_path / "work")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-4000:]
+    ed = json.loads((out / "bench.json").read_text())["sections"]["edits"]
+    assert ed["errors"] == {}
+    assert ed["summary"]["accounting_mismatches"] == [] and ed["summary"]["accounting_checked"] == len(ed["samples"])
+    amortize = [x for x in ed["samples"] if x["system"] == "amortize"]
+    assert amortize and all(x["kv_edit"]["applied"] and x["prefilled"] < x["prompt_tokens"] // 2 for x in amortize)
+    trace = {x["turn"]: x for x in ed["trace"] if x["system"] == "amortize"}
+    assert trace[1]["kv_edit"]["fallback"] == "no_history"
+    assert all(trace[t]["kv_edit"]["applied"] for t in range(3, len(trace) + 1))
+    assert {x["system"] for x in ed["samples"]} == {"amortize", "forget", "exact", "vllm_default", "no_cache"}
+    assert (out / "edits.png").exists()
+    md = (out / "bench.md").read_text()
+    assert "## Span directives: the turn after an edit" in md and "### Multi-turn trace" in md

@@ -23,6 +23,10 @@ Sections, each selectable with --sections:
 - capacity (bench_capacity.py): agents of 4k/16k/32k tokens per memory budget, per family, persist_q4
   against vllm-mlx's default cache and the bound: analytical from published model shapes, measured
   (per-agent bytes the servers report) on scaled-down models with the same layer pattern.
+- edits (bench_edits.py): span directives (issue #21): prompt tokens re-prefilled after an edit over
+  the whole grid (histories 1k-32k, edit positions, spans, edits per turn; the server's own planner,
+  no model forward), TTFT after an edit on real servers (persist_q4 amortize / forget / exact,
+  vllm-mlx's default cache, no cache) over a subset, and a multi-turn trace with a truncation policy.
 
 Servers are `vllm-mlx serve` subprocesses on a locally built float32 llama model (random weights),
 each with its own HOME, with Debian's OpenBLAS preloaded on Linux. Results go to --out as
@@ -58,11 +62,12 @@ from .bench_kit import (COMMON_ARGS, FAMILIES, FAMILY_TURNS, FIXED_REPLY, LABELS
 from .serving import RssSampler, Server, openblas_path
 
 from .bench_capacity import CAPACITY_FAMILIES, headline_capacity, md_capacity, section_capacity
+from .bench_edits import EDIT_SYSTEMS, headline_edits, md_edits, section_edits
 from .bench_workloads import (headline_workloads, md_concurrency, md_long, md_stall, section_concurrency,
                               section_long, section_stall)
 
 SECTIONS = ("ttft", "agents", "batch", "reload", "families", "fanout", "fleet", "long", "concurrency", "stall",
-            "capacity")
+            "capacity", "edits")
 
 # ---------------------------------------------------------------------------------------------
 # Section: TTFT against context length
@@ -875,6 +880,7 @@ def headline(results: dict) -> dict:
                              for s, v in per.items()} for a, per in fam["summary"].items()}
     h.update(headline_workloads(results))
     h.update(headline_capacity(results))
+    h.update(headline_edits(results))
     fan = results.get("fanout")
     if fan and fan.get("ratios"):
         at = max(fan["ratios"], key=int)
@@ -928,7 +934,7 @@ def render_markdown(res: dict) -> str:
     if "fleet" in res["sections"]:
         L += _md_fleet(res["sections"]["fleet"], plan)
     for name, md in (("long", md_long), ("concurrency", md_concurrency), ("stall", md_stall),
-                     ("capacity", md_capacity)):
+                     ("capacity", md_capacity), ("edits", md_edits)):
         if name in res["sections"]:
             L += md(res["sections"][name], plan)
     errs = {f"{sec}/{s}": e for sec, v in res["sections"].items() if isinstance(v, dict)
@@ -1225,6 +1231,11 @@ def print_summary(res: dict) -> None:
             print(f"  measured {arch:<12} persist_q4 / bound: " + ", ".join(
                 f"{c}: {v['over_bound']}" + ("" if v["target_met"] is None else f" ({'met' if v['target_met'] else 'NOT met'})")
                 for c, v in per.items()))
+    if "edits" in h:
+        print(f"After an edit ({h['edits_at']}): TTFT s / prefilled tokens: " + "; ".join(
+            f"{s} {v['ttft_s']:.2f} / {v['prefilled']}" for s, v in h["edits"].items())
+              + f"; amortize / exact x{h['edits_amortize_over_exact']}, / vllm-mlx default "
+                f"x{h['edits_amortize_over_vllm_default']}")
     print(f"Results: {res['out']}/bench.json, bench.md" + (", *.png" if res.get("plots") else ""))
     for r in res.get("runs") or [res]:
         print(f"Reproduce ({', '.join(r.get('sections') or res['sections'])}): {r['command']}")
@@ -1276,6 +1287,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="capacity: divide windows, block size and contexts by this on the measured models (default 8)")
     p.add_argument("--capacity-turns", type=int, default=None, help="capacity: turns of the grown agent (default 8)")
     p.add_argument("--capacity-budgets", default=None, help="capacity: budgets in GiB, e.g. 16,64")
+    p.add_argument("--edit-size", default=None, help="edits: models.SIZES preset (default small; --quick: tiny)")
+    p.add_argument("--edit-histories", default=None, help="edits: TTFT history lengths (default 1024,2048,4096)")
+    p.add_argument("--edit-grid-histories", default=None,
+                   help="edits: accounting history lengths (default 1024,...,32768)")
+    p.add_argument("--edit-spans", default=None, help="edits: spans in tokens (default 64,256,1024,2048)")
+    p.add_argument("--edit-counts", default=None, help="edits: edits per turn (default 1,2,3,4)")
+    p.add_argument("--edit-positions", default=None, help="edits: edit positions as fractions (default 0.1,0.5,0.9)")
+    p.add_argument("--edit-sweep-history", type=int, default=None,
+                   help="edits: the history of the TTFT span and edit-count sweeps (default 4096)")
+    p.add_argument("--edit-full-grid", action="store_true",
+                   help="edits: TTFT over every point of the grid of --edit-histories (not the subset)")
+    p.add_argument("--edit-trace-turns", type=int, default=None, help="edits: turns of the truncation trace (default 8)")
+    p.add_argument("--edit-systems", default=None, help=f"edits: subset of {','.join(EDIT_SYSTEMS)}")
     p.add_argument("--persist-options", default=None,
                    help='extra persist_q4 options (JSON) for every persist_q4 server, e.g. \'{"decode_float_mb": 0}\'')
     p.add_argument("--merge", action="store_true",
@@ -1346,6 +1370,19 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.capacity_turns = max(1, args.capacity_turns)
     if args.capacity_budgets:
         plan.capacity_budgets_gib = [int(x) for x in args.capacity_budgets.split(",")]
+    for name, conv in (("edit_histories", int), ("edit_grid_histories", int), ("edit_spans", int),
+                       ("edit_counts", int), ("edit_positions", float)):
+        if getattr(args, name):
+            setattr(plan, name, [conv(x) for x in getattr(args, name).split(",")])
+    if args.edit_size:
+        plan.edit_size = args.edit_size
+    if args.edit_sweep_history is not None:
+        plan.edit_sweep_history = args.edit_sweep_history
+    plan.edit_full_grid = args.edit_full_grid
+    if args.edit_trace_turns is not None:
+        plan.edit_trace_turns = max(1, args.edit_trace_turns)
+    if args.edit_systems:
+        plan.edit_systems = _family_list(args.edit_systems, EDIT_SYSTEMS, "edit systems")
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         bad = set(systems) - set(SYSTEMS)
@@ -1387,10 +1424,10 @@ def main(argv: list[str]) -> int:
     from .models import SIZES, build_model_dir
 
     sz = SIZES[plan.model_size]
-    if set(sections) - {"families", "long", "capacity"}:
+    if set(sections) - {"families", "long", "capacity", "edits"}:
         model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
         ctx = Ctx(plan, work, model, Prompts(model))
-    else:  # the families, long and capacity sections build their own models
+    else:  # the families, long, capacity and edits sections build their own models
         ctx = Ctx(plan, work, None, None)
     results: dict = {}
     runners: dict[str, Callable[[Ctx], dict]] = {"ttft": section_ttft, "agents": section_agents,
@@ -1398,7 +1435,7 @@ def main(argv: list[str]) -> int:
                                                  "families": section_families, "fanout": section_fanout,
                                                  "fleet": section_fleet, "long": section_long,
                                                  "concurrency": section_concurrency, "stall": section_stall,
-                                                 "capacity": section_capacity}
+                                                 "capacity": section_capacity, "edits": section_edits}
     failed = False
     previous: dict = {}
     if args.merge and (out / "bench.json").exists():

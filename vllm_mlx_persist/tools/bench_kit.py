@@ -110,6 +110,24 @@ class Plan:
     capacity_size: str = "tiny"
     capacity_max_tokens: int = 8
     capacity_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
+    # edits (bench_edits.py): span directives. Re-prefill accounting over the whole grid (no model
+    # forward); TTFT on real servers over a subset (histories x positions at one span and one edit, a
+    # span sweep and a 1..n edits sweep at the largest history); a multi-turn truncation trace
+    edit_size: str = "small"
+    edit_grid_histories: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192, 16384, 32768])
+    edit_positions: list[float] = field(default_factory=lambda: [0.1, 0.5, 0.9])
+    edit_spans: list[int] = field(default_factory=lambda: [64, 256, 1024, 2048])
+    edit_counts: list[int] = field(default_factory=lambda: [1, 2, 3, 4])
+    edit_histories: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])  # TTFT
+    edit_span: int = 256  # TTFT: the span of the histories x positions points
+    edit_sweep_history: int = 4096  # TTFT: the history of the span and count sweeps
+    edit_sweep_position: float = 0.1  # TTFT: where they edit
+    edit_full_grid: bool = False  # TTFT over the whole accounting grid instead of the subset
+    edit_trace_turns: int = 8
+    edit_trace_tool_tokens: int = 1024
+    edit_max_tokens: int = 4
+    edit_systems: list[str] = field(default_factory=lambda: ["amortize", "forget", "exact", "vllm_default",
+                                                             "no_cache"])
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -126,6 +144,8 @@ QUICK = Plan(
     long_size="tiny", long_contexts=[1024, 2048], conc_contexts=[256], conc_max_tokens=16, stall_tokens=1024,
     stall_agents=2, stall_history=128, stall_max_tokens=16, stall_after_s=2.0,
     capacity_contexts=[4096], capacity_turns=2,
+    edit_size="tiny", edit_grid_histories=[1024, 2048], edit_spans=[64, 256], edit_counts=[1, 2],
+    edit_histories=[512, 1024], edit_span=64, edit_sweep_history=1024, edit_trace_turns=4, edit_trace_tool_tokens=128,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -425,12 +445,14 @@ def classify(log: str, agent: Optional[str]) -> tuple[str, int]:
 
 
 def send(session: Session, messages: list[dict], agent: Optional[str], max_tokens: int,
-         client: Any = None, classify_log: bool = True, metadata: Optional[dict] = None) -> dict:
-    """One streamed chat turn. TTFT = send to first non-empty content chunk."""
+         client: Any = None, classify_log: bool = True, metadata: Optional[dict] = None,
+         headers: Optional[dict] = None) -> dict:
+    """One streamed chat turn. TTFT = send to first non-empty content chunk. `headers`: extra request
+    headers (e.g. X-KV-Edit); `usage.kv_edit`, when the server reports one, comes back as `kv_edit`."""
     srv = session.server
     pos = srv.log_path.stat().st_size if classify_log else 0
     client = client or session.client
-    headers = {"X-Agent-ID": agent} if agent else None
+    headers = {**({"X-Agent-ID": agent} if agent else {}), **(headers or {})} or None
     t0 = time.perf_counter()
     stream = client.chat.completions.create(
         model=srv.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
@@ -458,6 +480,7 @@ def send(session: Session, messages: list[dict], agent: Optional[str], max_token
     }
     details = getattr(usage, "prompt_tokens_details", None)
     out["usage_cached_tokens"] = getattr(details, "cached_tokens", None) if details else None
+    out["kv_edit"] = usage.model_dump().get("kv_edit") if usage is not None else None
     if classify_log:
         time.sleep(0.05)  # let the log line of the store/lookup reach the file
         with open(srv.log_path, errors="replace") as f:

@@ -7,6 +7,8 @@ from typing import Any
 
 COLORS = {"persist_q4": "tab:blue", "vllm_default": "tab:orange", "vllm_q4_ssd": "tab:green",
           "persist_q4_nofork": "tab:purple"}
+EDIT_STYLE = {"amortize": ("tab:blue", "o"), "forget": ("tab:purple", "v"), "exact": ("tab:cyan", "s"),
+              "vllm_default": ("tab:orange", "^"), "no_cache": ("black", "x")}
 STATE_STYLE = {
     "cold": ("black", "-", "o", "cold"),
     "hot": ("tab:green", "-", "s", "hot (in memory)"),
@@ -40,7 +42,7 @@ def write_plots(res: dict, out: Path) -> list[str]:
     written = []
     for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
                      ("families", plot_families), ("fanout", plot_fanout),
-                     ("stall", plot_stall), ("capacity", plot_capacity)):
+                     ("stall", plot_stall), ("capacity", plot_capacity), ("edits", plot_edits)):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
@@ -308,5 +310,75 @@ def plot_capacity(plt: Any, cap: dict, res: dict):
         ax.axis("off")
     fig.suptitle(f"Agents per {budget} GiB of cache memory, published shapes (bfloat16), persist_q4 vs vllm-mlx's "
                  "default cache vs the bound", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_edits(plt: Any, ed: dict, res: dict):
+    """Span directives: re-prefilled tokens against history (accounting), TTFT after an edit against
+    history (real servers), and TTFT per turn of the truncation trace."""
+    acc, sm = ed.get("accounting") or [], ed.get("summary") or {}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
+    systems = [s for s in EDIT_STYLE if s in ed.get("systems", {})]
+    if acc:
+        ax = axes[0]
+        span = 256 if any(a["span"] == 256 for a in acc) else min(a["span"] for a in acc)
+        for pos, ls in zip(sorted({a["position"] for a in acc})[:2], ("-", "--")):
+            rs = sorted((a for a in acc if a["span"] == span and a["edits"] == 1 and a["position"] == pos),
+                        key=lambda a: a["history"])
+            for s in systems:
+                if s == "forget":  # the same as exact
+                    continue
+                color, marker = EDIT_STYLE[s]
+                ax.plot([a["history"] for a in rs], [max(1, a[s]) for a in rs], ls=ls, marker=marker, color=color,
+                        label=f"{'exact / forget' if s == 'exact' else s}, edit at {round(pos * 100)}%")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("history tokens")
+        ax.set_ylabel("prompt tokens re-prefilled")
+        ax.set_title(f"Re-prefilled tokens per edit (planner; span {span}, one edit)", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=6)
+    rows = list((sm.get("ttft") or {}).values())
+    if rows:
+        ax = axes[1]
+        pos = min(r["point"]["position"] for r in rows)
+        spans = [r["point"]["span"] for r in rows if r["point"]["position"] == pos and r["point"]["edits"] == 1]
+        span = max(set(spans), key=spans.count)  # the span the histories x positions points share
+        rs = sorted((r for r in rows if r["point"]["position"] == pos and r["point"]["edits"] == 1
+                     and r["point"]["span"] == span), key=lambda r: r["point"]["history"])
+        for s in systems:
+            pts = [(r["point"]["history"], r["systems"][s]["ttft_s"]) for r in rs if s in r["systems"]]
+            if pts:
+                color, marker = EDIT_STYLE[s]
+                ax.plot(*zip(*pts), marker=marker, color=color, label=s)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([r["point"]["history"] for r in rs])
+        ax.set_xticklabels([f"{r['point']['history'] // 1024}k" if r["point"]["history"] >= 1024 else
+                            str(r["point"]["history"]) for r in rs])
+        ax.set_xlabel("history tokens")
+        ax.set_ylabel("TTFT after the edit, s")
+        ax.set_title(f"TTFT after an edit at {round(pos * 100)}% (span {span}), real servers", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    trace = sm.get("trace") or {}
+    if trace:
+        ax = axes[2]
+        turns = sorted(trace, key=int)
+        for s in systems:
+            pts = [(int(t), trace[t][s]["ttft_s"]) for t in turns if s in trace[t]]
+            if pts:
+                color, marker = EDIT_STYLE[s]
+                ax.plot(*zip(*pts), marker=marker, color=color, label=s)
+        ax.set_yscale("log")
+        ax.set_xlabel("turn (from turn 3: one more output stubbed + one appended)")
+        ax.set_ylabel("TTFT, s")
+        ax.set_title("Multi-turn trace, outputs older than two turns stubbed", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    m = ed.get("model", {})
+    fig.suptitle(f"Span directives, {m.get('size')} model ({m.get('layers')} layers, hidden {m.get('hidden')}, "
+                 f"float32), {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
     fig.tight_layout()
     return fig
