@@ -86,10 +86,16 @@ def test_recall_probe_wiring(setup):
     assert keys and values and all(tok.decode([v]).startswith(" ") for v in values)
     T = tokens(90, 7)
     A, F, B = T[:30], T[30:50], T[50:90]
-    fact = sd.Fact((keys[0], keys[1]), values[0], (277,), (202,))
-    got = sd.recall(setup, A, F, B, fact, F + fact.tokens)  # the "stub" is the span: nothing removed
+    rng = np.random.default_rng(0)
+    fact = sd.kv_fact(rng, keys, values, (277,), (202,))
+    assert fact.tokens[-3:] == (277, *fact.targets, 202) and fact.probe == fact.tokens[:-2]
+    copy = sd.copy_fact(rng, np.arange(100, 200))
+    assert copy.probe + copy.targets == copy.tokens and len(copy.targets) == 4
+    got = sd.recall(setup, A, F, B, fact, F + list(fact.tokens))  # the "stub" is the span: nothing removed
     assert set(got) == set(sd.CONDITIONS)
     assert all(lp <= 0 and 1 <= rank <= 1024 for lp, rank in got.values())
     assert got["amortize"][0] == pytest.approx(got["unedited"][0], abs=1e-3)
     assert got["forget"][0] == pytest.approx(got["unedited"][0], abs=1e-3)
     assert not math.isclose(got["control"][0], got["unedited"][0], abs_tol=1e-3)
+    got = sd.recall(setup, A, F, B, copy, F + list(copy.tokens))
+    assert got["amortize"][0] == pytest.approx(got["unedited"][0], abs=1e-3)

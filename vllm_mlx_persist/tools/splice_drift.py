@@ -14,7 +14,8 @@ Paths on the edited prompt P = T[:i] + r + T[j:]:
 Measured over the eval region: mean KL(ref || path), the NLL of the true tokens and top-1 agreement
 with the ref, for refs `cold`, `splice` and `unedited`; chained splices (the stub edited again g
 times, the run's keys re-rotated and, at 4 bits, requantized each time); and a recall probe in the
-spirit of the Leyline paper's §4.1 (a fact at the end of the removed span, asked for after the run).
+spirit of the Leyline paper's §4.1 (a fact at the end of the removed span, asked for after the run:
+`KEY = VALUE` lines and copied held-out tokens).
 Writes splice_drift.{json,md,png}. Tools only: the server never imports this.
 """
 
@@ -214,20 +215,28 @@ def chain_paths(s: Setup, T: Sequence[int], i: int, span: int, stubs: Sequence[S
 
 @dataclass(frozen=True)
 class Fact:
-    """`key = value` as code: fact tokens go at the end of the removed span, the probe after the run."""
+    """What the removed span ends with (`tokens`), what the prompt asks after the run (`probe`) and
+    the answer scored (`targets`, teacher-forced after the probe)."""
 
-    key: tuple[int, ...]
-    value: int
-    eq: tuple[int, ...]
-    nl: tuple[int, ...]
+    tokens: tuple[int, ...]
+    probe: tuple[int, ...]
+    targets: tuple[int, ...]
 
-    @property
-    def tokens(self) -> list[int]:
-        return [*self.nl, *self.key, *self.eq, self.value, *self.nl]
 
-    @property
-    def probe(self) -> list[int]:
-        return [*self.nl, *self.key, *self.eq]
+def kv_fact(rng: np.random.Generator, keys: Sequence[int], values: Sequence[int], eq: Sequence[int],
+            nl: Sequence[int]) -> Fact:
+    """`KEY = VALUE` on a line of its own (KEY: two random identifier pieces), asked as `KEY =`."""
+    key = [int(k) for k in rng.choice(keys, 2)]
+    value = int(rng.choice(values))
+    return Fact((*nl, *key, *eq, value, *nl), (*nl, *key, *eq), (value,))
+
+
+def copy_fact(rng: np.random.Generator, tokens: np.ndarray, n: int = 8, k: int = 4) -> Fact:
+    """n + k held-out tokens from elsewhere; asked with their first n, the next k scored (the model
+    has only to copy them from context)."""
+    a = int(rng.integers(0, len(tokens) - n - k))
+    line = tuple(int(t) for t in tokens[a:a + n + k])
+    return Fact(line, line[:n], line[n:])
 
 
 def fact_vocab(tokenizer: Any) -> tuple[list[int], list[int]]:
@@ -240,7 +249,8 @@ def fact_vocab(tokenizer: Any) -> tuple[list[int], list[int]]:
 
 def recall(s: Setup, A: Sequence[int], F: Sequence[int], B: Sequence[int], fact: Fact,
            stub: Sequence[int]) -> dict[str, tuple[float, int]]:
-    """(log P(value), rank of value among the vocab) after `fact.probe`, per CONDITIONS: the history is
+    """(mean log P of `fact.targets`, rank of the first among the vocab) after `fact.probe`, per
+    CONDITIONS: the history is
     A + F + fact + B (the fact ends the removed span F + fact, B is the run); the edit replaces the
     span by `stub`. unedited: a 4-bit prefill of the history; amortize: the server's splice of B
     (4-bit; `amortize_float` on float K/V); forget: a 4-bit prefill of the edited prompt; control:
@@ -248,7 +258,7 @@ def recall(s: Setup, A: Sequence[int], F: Sequence[int], B: Sequence[int], fact:
     import mlx.core as mx
 
     A, F, B, stub = list(A), list(F), list(B), list(stub)
-    T = A + F + fact.tokens + B
+    T = A + F + list(fact.tokens) + B
     P = A + stub + B
     i, j, at = len(A), len(A) + len(F) + len(fact.tokens), len(A) + len(stub)
     caches = {
@@ -260,8 +270,9 @@ def recall(s: Setup, A: Sequence[int], F: Sequence[int], B: Sequence[int], fact:
     }
     out = {}
     for k, c in caches.items():
-        lp = logprobs(s.model, c, fact.probe)[-1]
-        out[k] = (lp[fact.value].item(), 1 + int(mx.sum(lp > lp[fact.value]).item()))
+        lp = logprobs(s.model, c, [*fact.probe, *fact.targets[:-1]])[len(fact.probe) - 1:]
+        got = mx.take_along_axis(lp, mx.array(fact.targets)[:, None], axis=-1)
+        out[k] = (got.mean().item(), 1 + int(mx.sum(lp[0] > got[0]).item()))
     return out
 
 
@@ -342,23 +353,24 @@ def run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
     nl = tuple(tokenizer.encode("\n", add_special_tokens=False).ids)
     stub = tokenizer.encode(STUB_TEXT, add_special_tokens=False).ids
     res["recall"] = []
-    for L in cfg.fact_runs:
-        trials = []
-        for f in range(cfg.facts):
-            T = wins[f % len(wins)]
-            fact = Fact(tuple(int(k) for k in rng.choice(keys, 2)), int(rng.choice(values)), eq, nl)
-            A, F = T[:cfg.prefix], T[cfg.prefix:cfg.prefix + cfg.fact_span]
-            B = T[cfg.prefix + cfg.fact_span:cfg.prefix + cfg.fact_span + L]
-            trials.append(recall(s, A, F, B, fact, stub))
-        row = {"run": L, "facts": cfg.facts, "conditions": {}}
-        for c in CONDITIONS:
-            lp = [t[c][0] for t in trials]
-            rank = np.array([t[c][1] for t in trials])
-            row["conditions"][c] = {"logp": _mean_sem(lp), "median_rank": float(np.median(rank)),
-                                    "top1": float(np.mean(rank == 1)), "top10": float(np.mean(rank <= 10))}
-        res["recall"].append(row)
-        log(f"recall, run {L}: " + ", ".join(
-            f"{c} logP {v['logp']['mean']:.2f} top1 {100 * v['top1']:.0f}%" for c, v in row["conditions"].items()))
+    for kind in ("kv", "copy"):
+        for L in cfg.fact_runs:
+            trials = []
+            for f in range(cfg.facts):
+                T = wins[f % len(wins)]
+                fact = kv_fact(rng, keys, values, eq, nl) if kind == "kv" else copy_fact(rng, tokens)
+                A, F = T[:cfg.prefix], T[cfg.prefix:cfg.prefix + cfg.fact_span]
+                B = T[cfg.prefix + cfg.fact_span:cfg.prefix + cfg.fact_span + L]
+                trials.append(recall(s, A, F, B, fact, stub))
+            row = {"fact": kind, "run": L, "facts": cfg.facts, "conditions": {}}
+            for c in CONDITIONS:
+                lp = [t[c][0] for t in trials]
+                rank = np.array([t[c][1] for t in trials])
+                row["conditions"][c] = {"logp": _mean_sem(lp), "median_rank": float(np.median(rank)),
+                                        "top1": float(np.mean(rank == 1)), "top10": float(np.mean(rank <= 10))}
+            res["recall"].append(row)
+            log(f"recall, {kind}, run {L}: " + ", ".join(
+                f"{c} logP {v['logp']['mean']:.2f} top1 {100 * v['top1']:.0f}%" for c, v in row["conditions"].items()))
     res["recall_candidates"] = len(values)
     res["recall_chance_logp"] = -math.log(tokenizer.get_vocab_size())
     res["seconds"]["recall"] = time.perf_counter() - t0
@@ -402,14 +414,15 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines += ["", "Against the float splice and the unedited prompt; the brief's check is "
               f"KL(float splice ‖ 4-bit splice) within {BRIEF_RATIO}x KL(cold float ‖ cold 4-bit):", "",
               "| span → stub (Δ) | KL(splice ‖ splice_q4) | KL(cold ‖ cold_q4) | ratio | top-1 vs splice | "
-              "KL(unedited ‖ splice_q4) | KL(unedited ‖ cold) |", "|---|---:|---:|---:|---:|---:|---:|"]
+              "KL(unedited ‖ splice_q4) | KL(unedited ‖ splice) | KL(unedited ‖ cold) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for e in r["edits"]:
         vs = e["vs"]
         lines.append(f"| {e['span']} → {e['stub']} ({e['delta']:+d}) | {_kl(vs['splice']['splice_q4']['kl'])} | "
                      f"{_kl(vs['cold']['cold_q4']['kl'])} | "
                      f"{e['brief_ratio']:.2f} ({'within' if e['brief_ratio'] <= BRIEF_RATIO else 'over'}) | "
                      f"{_pm(vs['splice']['splice_q4']['top1'], '.1f', 100)}% | "
-                     f"{_kl(vs['unedited']['splice_q4']['kl'])} | {_kl(vs['unedited']['cold']['kl'])} |")
+                     f"{_kl(vs['unedited']['splice_q4']['kl'])} | {_kl(vs['unedited']['splice']['kl'])} | "
+                     f"{_kl(vs['unedited']['cold']['kl'])} |")
     lines += ["", f"## Chained splices (span {cfg['chain_span']}, the stub edited again each generation)", "",
               "| g | stub (Δ) | KL(cold ‖ splice_q4) | KL(cold ‖ splice) | KL(cold ‖ cold_q4) | "
               "KL(splice ‖ splice_q4) | top-1 splice_q4 vs cold | layer-0 key error: splice_q4 | cold_q4 |",
@@ -420,15 +433,18 @@ def render_markdown(r: dict[str, Any]) -> str:
                      f"{_kl(c['splice_q4_vs_splice']['kl'])} | {_pm(c['splice_q4_vs_cold']['top1'], '.1f', 100)}% | "
                      f"{_pm(c['key_error']['splice_q4'], '.4f')} | {_pm(c['key_error']['cold_q4'], '.4f')} |")
     lines += ["", "## Recall probe", "",
-              f"A fact `KEY = VALUE` ends the removed {cfg['fact_span']}-token span, the edit replaces the span by "
-              f"`{STUB_TEXT.strip()}`, and after the run the prompt asks `KEY =`: log P(VALUE) and its rank "
-              f"in the vocabulary. KEY is two random identifier pieces, VALUE one of {r['recall_candidates']} "
-              f"space-led identifier tokens; {cfg['facts']} random facts per run length. Uniform over the "
-              f"vocabulary: log P = {r['recall_chance_logp']:.2f}.", "",
-              "| run | condition | log P(value) | median rank | top-1 | top-10 |", "|---:|---|---:|---:|---:|---:|"]
+              f"A fact ends the removed {cfg['fact_span']}-token span, the edit replaces the span by "
+              f"`{STUB_TEXT.strip()}`, and after the run the prompt asks for it. `kv`: a line `KEY = VALUE` "
+              f"(KEY two random identifier pieces, VALUE one of {r['recall_candidates']} space-led identifier "
+              "tokens), asked as `KEY =`, VALUE scored. `copy`: 12 held-out tokens from elsewhere, asked with "
+              "their first 8, the next 4 scored (mean log P; rank and top-k of the first). "
+              f"{cfg['facts']} random facts per row. Uniform over the vocabulary: log P = "
+              f"{r['recall_chance_logp']:.2f}.", "",
+              "| fact | run | condition | log P(answer) | median rank | top-1 | top-10 |",
+              "|---|---:|---|---:|---:|---:|---:|"]
     for row in r["recall"]:
         for c, v in row["conditions"].items():
-            lines.append(f"| {row['run']} | {c} | {_pm(v['logp'], '.2f')} | {v['median_rank']:.0f} | "
+            lines.append(f"| {row['fact']} | {row['run']} | {c} | {_pm(v['logp'], '.2f')} | {v['median_rank']:.0f} | "
                          f"{100 * v['top1']:.0f}% | {100 * v['top10']:.0f}% |")
     lines += ["", "Conditions: unedited = the 4-bit history with the fact; amortize = the server's 4-bit splice "
               "(amortize_float: the same on float K/V); forget = a 4-bit prefill of the edited prompt; "
@@ -458,7 +474,8 @@ def plot(r: dict[str, Any], path: Path) -> None:
     for k, row in enumerate(r["recall"]):
         xs = np.arange(len(CONDITIONS)) + k * width
         v = [row["conditions"][cnd]["logp"] for cnd in CONDITIONS]
-        c.bar(xs, [x["mean"] for x in v], width, yerr=[x["sem"] for x in v], capsize=3, label=f"run {row['run']}")
+        c.bar(xs, [x["mean"] for x in v], width, yerr=[x["sem"] for x in v], capsize=3,
+              label=f"{row['fact']}, run {row['run']}")
     c.axhline(r["recall_chance_logp"], color="gray", ls="--", lw=1, label="uniform over the vocabulary")
     c.set_xticks(np.arange(len(CONDITIONS)) + width * (len(r["recall"]) - 1) / 2, CONDITIONS, fontsize=8)
     c.set(ylabel="log P(value)", title="recall probe")
