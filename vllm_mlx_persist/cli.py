@@ -9,7 +9,8 @@ import sys
 
 # Subcommands that own their options: everything after the name goes to that module's main().
 ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
-          "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize"}
+          "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize",
+          "splice-drift": "tools.splice_drift"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
     sub.add_parser("agents", help="list, show, erase (rm) agents or gc a cache root offline", add_help=False)
     sub.add_parser("reliability", help="crash-point and fuzzed-file campaigns on the real store", add_help=False)
+    sub.add_parser("splice-drift", help="drift and recall of amortize's splice on the trained quality model",
+                   add_help=False)
     sub.add_parser("scenario", help="run a multi-agent scenario against a server", add_help=False)
     sub.add_parser("retokenize-stats", help="measure re-tokenization misses over multi-turn chats", add_help=False)
 
