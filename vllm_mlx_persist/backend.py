@@ -93,7 +93,7 @@ class PersistQ4Backend:
         # the engine admits a request once its blocks are read (ready()), waiting at most this long
         self.ready_timeout_s = READ_TIMEOUT_S + (opts["remote_wait_s"] if opts.get("remote_url") else 0.0)
         self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
-        self._splicing: Optional[ModelSplicing] = None  # probed on the first amortize request (worker)
+        self._splicing: Optional[ModelSplicing] = None  # probed at load (worker; _probe_splicing)
         self.closed = False
 
     @property
@@ -235,12 +235,7 @@ class PersistQ4Backend:
         elif not self.opts["kv_edit"]["enabled"]:
             report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled")
         else:
-            if self._splicing is None:
-                try:
-                    self._splicing = ModelSplicing.probe(self.model, self.tokenizer, self.codec.has_state)
-                except Exception as e:  # a model the probe cannot drive is never spliced
-                    self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
-                log.info("persist_q4: amortize on this model: %s", self._splicing)
+            self._probe_splicing()
             src, gen, honest, counts = self._source(m)
             if gen:  # the lookup reused a spliced history: this turn continues it, there
                 request._vmp_store_as = (src, None, False, clip(counts, m.num_tokens))
@@ -262,6 +257,17 @@ class PersistQ4Backend:
         request.cache_usage = {"kv_edit": report}
         log.info("[persist_q4] kv_edit %s", report)
         return None
+
+    def _probe_splicing(self) -> None:
+        """(worker) What this model allows a splice (`ModelSplicing.probe`: the layers' own attention
+        at a few positions, tens of ms), once: at load, or at the first amortize request."""
+        if self._splicing is not None:
+            return
+        try:
+            self._splicing = ModelSplicing.probe(self.model, self.tokenizer, self.codec.has_state)
+        except Exception as e:  # a model the probe cannot drive is never spliced
+            self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
+        log.info("persist_q4: amortize on this model: %s", self._splicing)
 
     def _source(self, m: Any) -> tuple[Optional[str], int, int, Segments]:
         """(namespace, generation, honest tokens, rotation counts) of an amortize lookup's source: the
@@ -437,6 +443,8 @@ class PersistQ4Backend:
         log.info("persist_q4: %d agents on disk", n)
         if self.opts["warmup"]:
             self.warm_up()
+        if self.opts["kv_edit"]["enabled"]:
+            self._probe_splicing()  # so the first amortize request does not pay it
         return n
 
     def warm_up(self) -> dict:

@@ -513,8 +513,7 @@ def md_edits(ed: dict, plan: dict) -> list[str]:
               "Time in s, with the ratio to persist_q4 exact and to vllm-mlx default; prefilled: the prompt "
               "tokens the server prefilled (amortize: usage.kv_edit.recomputed_tokens, the stub included; the "
               "others: vllm-mlx's scheduler's `tokens_to_prefill`, which counts an exact hit vllm-mlx discards as "
-              "a full prefill). The first request on the persist_q4 server (the first amortize row) also pays the "
-              "one-time rotation probe. "
+              "a full prefill). "
               f"Every timed request is also an accounting check: {sm['accounting_checked']} checked, "
               f"{len(sm['accounting_mismatches'])} differ from the planner's prediction"
               + (": " + "; ".join(sm["accounting_mismatches"][:8]) if sm["accounting_mismatches"] else "") + ".", "",
