@@ -3,7 +3,7 @@
 A reference model of what every agent should hold is driven against the real pool, persister and
 store on disk (and, with a redis-server at hand, a second pool sharing it as the fleet tier). Rules:
 turns (growing or diverging histories), forks, two requests of one agent at once (branches), turns
-whose history is re-tokenized (matched by text), anonymous requests, erasure, pin and unpin, hot and
+whose history is re-tokenized (matched by text), forget edits (span directives), anonymous requests, erasure, pin and unpin, hot and
 disk budget changes, the TTL with a clock moved on, restart (close and reopen), crash (the disk fails
 with writes queued, then close), and on the second pool: turns synced from the fleet and erasures.
 Invariants after every step:
@@ -50,6 +50,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from .. import faults, store as store_mod
 from ..caches.q4 import Q4KVCache
+from ..kv_edit import FORGET
 from ..pool import BlockPool
 from ..store import DiskStore
 
@@ -259,12 +260,12 @@ class PoolMachine(RuleBasedStateMachine):
         return seq[: int(len(seq) * cut)]
 
     def _serve(self, pool: BlockPool, agent: Optional[str], prompt: list[int], fork_from: Optional[str] = None,
-               durable: bool = True) -> tuple[int, list[int]]:
+               durable: bool = True, edit: Optional[str] = None) -> tuple[int, list[int]]:
         """One request through `pool`: look up, check what was served, commit the whole prompt (the
         stored tokens when matched by text). Returns (tokens reused, the tokens committed)."""
         self.rid += 1
         rid = f"r{self.rid}"
-        m = watchdog(pool.match, agent, prompt, rid, fork_from)
+        m = watchdog(pool.match, agent, prompt, rid, fork_from, edit=edit)
         served = m.prompt if m.prompt is not None else prompt
         assert decode(served) == decode(prompt), f"served {served} for {prompt}: not the client's text"
         n = m.num_tokens
@@ -314,6 +315,14 @@ class PoolMachine(RuleBasedStateMachine):
         """A turn: one of the agent's histories cut somewhere (all of it: the conversation goes on),
         then new tokens."""
         self._serve(self.pool, agent, self._history(agent, pick, cut) + new)
+
+    @rule(agent=names, pick=st.integers(0, 99), cut=st.floats(0.0, 0.9), new=words)
+    def forget_edit(self, agent: str, pick: int, cut: float, new: list[int]) -> None:
+        """A span directive `forget`: one of the agent's histories cut and continued otherwise; the
+        branches holding what it drops leave the agent, memory and disk (supersede.py). The edit may
+        supersede the acknowledged turn, so only its own turn is owed afterwards."""
+        self.acked[agent] = None
+        self._serve(self.pool, agent, self._history(agent, pick, cut) + new, edit=FORGET)
 
     @rule(child=names, parent=names, pick=st.integers(0, 99), cut=st.floats(0.3, 1.0), new=words)
     def fork(self, child: str, parent: str, pick: int, cut: float, new: list[int]) -> None:
