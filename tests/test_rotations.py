@@ -5,7 +5,6 @@ ever rotated more than the cap."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ from vllm_mlx_persist import rotations as rot
 from vllm_mlx_persist.chain import Branch, branches_of, manifest_of
 from vllm_mlx_persist.disk_format import check_branches
 from vllm_mlx_persist.namespace import amortized_of
+from test_e2e_kv_edit import _text, _tool_output
 from vllm_mlx_persist.tools.models import build_model_dir
 
 
@@ -53,19 +53,6 @@ def test_rotations_travel_in_the_manifest_and_bad_ones_are_refused():
 
 
 # ---- the backend, in process -------------------------------------------------------------------
-
-WORDS = "the agent reads a file then runs the tests and looks at what failed before it edits".split()
-
-
-def _text(tag: str, n: int, seed: int) -> str:
-    rng = random.Random(seed)
-    return f"{tag}: " + " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-def _tool(seed: int) -> str:
-    rng = random.Random(seed)
-    return "tool output: " + " ".join(f"x{rng.randrange(10**6)}" for _ in range(30))
-
 
 STUB = {"role": "user", "content": "tool output: (truncated)"}
 
@@ -135,8 +122,8 @@ def test_a_run_past_the_cap_is_re_prefilled_and_the_rest_still_spliced(model_dir
     Under per-generation counting this request would have been served exact (rotation_budget)."""
     a = Agent(model_dir, tmp_path / "cache", max_rotations=1)
     try:
-        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool(2)},
-                {"role": "user", "content": _text("then", 24, 3)}, {"role": "assistant", "content": _tool(4)},
+        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool_output(2)},
+                {"role": "user", "content": _text("then", 24, 3)}, {"role": "assistant", "content": _tool_output(4)},
                 {"role": "user", "content": _text("more", 24, 5)}]
         assert a.turn(msgs, None) == {}
         first = a.turn([msgs[0], STUB] + msgs[2:], "amortize")
@@ -178,8 +165,8 @@ def test_a_run_past_the_cap_is_re_prefilled_and_the_rest_still_spliced(model_dir
 def test_every_token_at_the_cap_is_served_exact_with_the_reason(model_dir, tmp_path):
     a = Agent(model_dir, tmp_path / "cache", max_rotations=1)
     try:
-        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool(2)},
-                {"role": "user", "content": _text("then", 24, 3)}, {"role": "assistant", "content": _tool(4)},
+        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool_output(2)},
+                {"role": "user", "content": _text("then", 24, 3)}, {"role": "assistant", "content": _tool_output(4)},
                 {"role": "user", "content": _text("more", 24, 5)}]
         a.turn(msgs, None)
         assert a.turn([msgs[0], STUB] + msgs[2:], "amortize")["applied"]

@@ -32,6 +32,15 @@ def model():
     return m
 
 
+def _runner(model, codec):
+    """run(tokens, cache=None): the model over `tokens` into `cache` (a fresh one of the codec's)."""
+    def run(tokens, cache=None):
+        cache = cache if cache is not None else codec.make_cache()
+        mx.eval(model(mx.array([tokens]), cache=cache))
+        return cache
+    return run
+
+
 def deq(arrays, layer, x):
     return mx.dequantize(*(arrays[f"{layer}.{x}.{p}"] for p in "qsb"), GROUP, 4)
 
@@ -113,10 +122,7 @@ def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
     pool = BlockPool(fingerprint=fp, n_layers=codec.n_layers, bits=4, group_size=GROUP, block_size=16,
                      hot_bytes=1 << 30, store=DiskStore(tmp_path, fp, {"test": True}, fmt), codec=codec)
 
-    def run_model(tokens, cache=None):
-        cache = cache if cache is not None else codec.make_cache()
-        mx.eval(model(mx.array([tokens]), cache=cache))
-        return cache
+    run_model = _runner(model, codec)
 
     head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
     stored = head + span + tail
@@ -319,10 +325,7 @@ def test_sliding_window_layers_splice_their_last_window(tmp_path, arch, tail_len
     model, codec = _window_model(arch)
     pool = _codec_pool(codec, tmp_path)
 
-    def run_model(tokens, cache=None):
-        cache = cache if cache is not None else codec.make_cache()
-        mx.eval(model(mx.array([tokens]), cache=cache))
-        return cache
+    run_model = _runner(model, codec)
 
     head, span, tail = msg(40, 1), msg(30, 2), msg(tail_len, 3)
     cache = _four_turns(model, codec, pool, head + span + tail + msg(40, 6), 70 + tail_len)
@@ -415,10 +418,7 @@ def test_latent_packed_mla_moves_k_pe_only(tmp_path, bits):
     assert splice.supported(codec)
     pool = _codec_pool(codec, tmp_path)
 
-    def run_model(tokens, cache=None):
-        cache = cache if cache is not None else codec.make_cache()
-        mx.eval(model(mx.array([tokens]), cache=cache))
-        return cache
+    run_model = _runner(model, codec)
 
     head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
     stored = head + span + tail

@@ -27,6 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+from .chain import lcp
+
 MIN_RUN_TOKENS = 16
 MAX_STUB_TOKENS = 4096
 
@@ -48,14 +50,6 @@ class Splice:
     @property
     def stub(self) -> int:
         return self.at - self.exact
-
-
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def find_splice(stored: Sequence[int], prompt: Sequence[int], exact: int, anchor: Optional[int],
@@ -84,7 +78,7 @@ def _next_run(stored: Sequence[int], prompt: Sequence[int], p_from: int, s_from:
     for at in targets:
         best: Optional[Splice] = None
         for src in sources:
-            length = _lcp(stored[src:], prompt[at:])
+            length = lcp(stored[src:], prompt[at:])
             if length >= min_run and (best is None or length > best.length):
                 best = Splice(p_from, at, src, length)
         if best is not None:
@@ -128,7 +122,7 @@ def message_anchor(tokenizer: Any) -> Optional[int]:
         return None
     # The second message starts where the two renderings part (after the first message's end); its
     # first token, if special and starting the first message too, starts every message.
-    k = _lcp(a, b)
+    k = lcp(a, b)
     start = b[k] if k < len(b) else None
     return start if start in special and start in a else None
 
@@ -172,7 +166,7 @@ class ModelSplicing:
     def decide(self, stored: Optional[Sequence[int]], prompt: Sequence[int], options: dict,
                ) -> Union[list[Splice], str]:
         """`decide` for this model (`options`: the backend's kv_edit option)."""
-        exact = _lcp(stored or (), prompt)
+        exact = lcp(stored or (), prompt)
         return decide(stored, prompt, exact, self.anchor, recurrent=self.recurrent, refused_layer=self.refused_layer,
                       min_run=options.get("min_run_tokens", MIN_RUN_TOKENS),
                       max_stub=options.get("max_stub_tokens", MAX_STUB_TOKENS))

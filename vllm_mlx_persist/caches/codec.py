@@ -117,6 +117,17 @@ class ModelCodec:
             at += n
         return best
 
+    def _gather(self, used: Sequence[tuple[Arrays, int]], name: str, lo: int, windowed: bool) -> mx.array:
+        """Positions [lo, end of `used`) of array `name` across consecutive blocks ((arrays, tokens used
+        of each), the first at position 0); a windowed block's array starts at its `window_from`."""
+        pieces, at = [], 0
+        for arrays, n in used:
+            if at + n > lo:
+                f = self.window_from(arrays) if windowed else 0
+                pieces.append(arrays[name][..., max(0, lo - at) - f : n - f, :])
+            at += n
+        return _concat(pieces)
+
     def splice_run(self, used: Sequence[tuple[Arrays, int]], lo: int) -> Arrays:
         """A stored run for a splice (span directives): the token arrays of positions [lo, end) of
         consecutive blocks ((arrays, tokens used of each), the first block starting at position 0).
@@ -133,17 +144,8 @@ class ModelCodec:
                 return {}
             used = _truncate(used, end)
         a = max(lo, end - max(self.windows.values())) if windowed else lo
-
-        def cat(name: str, first: int) -> mx.array:
-            pieces, at = [], 0
-            for arrays, n in used:
-                if at + n > first:
-                    f = self.window_from(arrays) if name in windowed else 0  # the array starts at f
-                    pieces.append(arrays[name][..., max(0, first - at) - f : n - f, :])
-                at += n
-            return _concat(pieces)
-
-        out = {name: cat(name, a if name in windowed else lo) for name in self.token_names()}
+        out = {name: self._gather(used, name, a if name in windowed else lo, name in windowed)
+               for name in self.token_names()}
         if a > lo:
             out[WIN_FROM] = mx.array([a - lo], dtype=mx.int32)
         return out
@@ -346,13 +348,7 @@ class ModelCodec:
             """Positions [lo, covered) of `name` (held: window_reach saw to it)."""
             if whole is not None and name in whole:
                 return whole[name][..., lo:covered, :]
-            pieces, at = [], 0
-            for arrays, n in used:
-                if at + n > lo:
-                    f = self.window_from(arrays) if name in windowed else 0  # the array starts at f
-                    pieces.append(arrays[name][..., max(0, lo - at) - f : n - f, :])
-                at += n
-            return _concat(pieces)
+            return self._gather(used, name, lo, name in windowed)
 
         cache, si = [], 0
         for l, k in enumerate(self.kinds):

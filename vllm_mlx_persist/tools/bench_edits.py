@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .. import chain
 from ..amortize import ModelSplicing, Splice, message_anchor
 from ..kv_edit import OPTION_DEFAULTS
 from .bench_kit import (COMMON_ARGS, FIXED_REPLY, Ctx, Prompts, Session, make_server, say, section_failed,
@@ -182,21 +183,13 @@ def trace_requests(chat: Chat, seed: int, turns: int, tool_tokens: int) -> list[
 # Accounting
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def reprefill(stored: Sequence[int], prompt: Sequence[int], anchor: Optional[int],
               options: Optional[dict] = None) -> dict:
     """Prompt tokens each system prefills when `prompt` follows a turn that stored `stored`.
     amortize: the server's plan (ModelSplicing.decide) and its cut of each run (backend._splice: a
     token is always left to prefill; a run cut under min_run_tokens ends the splices)."""
     opts = {**OPTION_DEFAULTS, **(options or {})}
-    n, lcp = len(prompt), _lcp(stored, prompt)
+    n, lcp = len(prompt), chain.lcp(stored, prompt)
     exact = min(lcp, n - 1)
     out: dict[str, Any] = {"prompt": n, "stored": len(stored), "exact_prefix": exact, "exact": n - exact,
                            "forget": n - exact, "vllm_default": n - lcp if lcp >= VLLM_MIN_PREFIX else n,
