@@ -200,19 +200,37 @@ def test_forget_deletes_the_superseded_blocks_from_the_fleet_tier(model, tmp_pat
         redis_srv.stop()
 
 
-def test_erasure_and_forget_move_every_spliced_generation_on_even_unknown_ones(model, tmp_path):
-    """An agent's spliced namespaces another server may have made (generations 1..max_rotations)
-    count as erased here too, by an erasure and by a forget edit, though this server never held
-    them: a fleet sync of one that started before compares this version and must not bring it back."""
-    pool = make_pool(model, tmp_path, spliced_generations=3)
-    names = pool.spliced_namespaces("a")
-    assert names == [f"a\0amortized:{g}" for g in (1, 2, 3)] and pool.spliced_namespaces(names[0]) == []
-    before = [pool.agent_version(ns) for ns in names]
-    pool.erase("a")
-    erased = [pool.agent_version(ns) for ns in names]
-    assert all(e[0] > b[0] for e, b in zip(erased, before)), (before, erased)
+def test_a_forget_leaves_its_removal_in_the_record_and_only_what_it_removed(model, tmp_path):
+    """A forget that removes content keeps a removal record in the agent's record (what a merge with
+    another server's older copy applies: chain.Removal), on disk across a restart; an older copy of
+    the superseded branch is refused by it, a newer one (a client that sent the content again) is
+    not. A forget that removes nothing (the prompt extends the history) changes nothing: no removal
+    record and no write."""
+    from vllm_mlx_persist.chain import surviving_removals
+
+    pool = make_pool(model, tmp_path)
     head, span, tail = _history()
     _turn(pool, model, "a", head + span + tail, "r1")
+    old = pool.agent("a").branches[-1]
+    saves = pool.persister.counts["saves"]
+    _turn(pool, model, "a", old_tokens(pool, old) + tokens(5, seed=9), "r0", edit=FORGET)  # extends: nothing removed
+    assert pool.agent("a").removals == () and pool.stats["branches_superseded"] == 0
+    assert pool.persister.counts["saves"] == saves + 1  # the turn's own save only
+    old = pool.agent("a").branches[-1]
     _turn(pool, model, "a", head + tail, "r2", edit=FORGET)
-    assert all(pool.agent_version(ns)[0] > e[0] for ns, e in zip(names, erased))
+    (removal,) = pool.agent("a").removals
+    assert removal.block in old.block_ids and removal.removes(old, lambda b: None)
+    assert surviving_removals([old], [removal], 0.0, lambda b: None) == []
+    from dataclasses import replace
+    newer = replace(old, last_used=removal.at + 1)  # sent again after the forget: stays
+    assert surviving_removals([newer], [removal], 0.0, lambda b: None) == [newer]
+    pool.flush()
     pool.close()
+    again = make_pool(model, tmp_path)
+    assert again.agent("a").removals == (removal,)
+    again.close()
+
+
+def old_tokens(pool, branch):
+    """The tokens a branch holds (its blocks', read back)."""
+    return [t for b in branch.block_ids for t in pool.store.read_block(b).tokens.tolist()]

@@ -1,5 +1,5 @@
 """Span directives' request side (vllm_mlx_persist/kv_edit.py): the declared mode, its 400s, how it
-rides in the cache namespace next to a fork parent, and the kv_edit server option."""
+rides in the request's route next to a fork parent, and the kv_edit server option."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_mlx_persist import kv_edit
-from vllm_mlx_persist.namespace import edit_mode, split_namespace
+from vllm_mlx_persist.namespace import Route
 from vllm_mlx_persist.options import parse_options
 from vllm_mlx_persist.plugin import vllm_mlx_cache_namespace
 
@@ -37,14 +37,17 @@ def test_a_bad_mode_is_refused_naming_the_modes(headers, metadata):
         kv_edit.resolve_mode(_req(**metadata), headers)
 
 
-def test_the_namespace_carries_agent_fork_and_mode():
+def test_the_route_carries_agent_fork_and_mode():
     ns = vllm_mlx_cache_namespace(_req(agent_id="kid", fork_from="mom"), {"x-kv-edit": "forget"}, "/v1/chat/completions")
     assert ns == "kid\0fork:mom\0edit:forget"
-    assert split_namespace(ns) == ("kid", "mom") and edit_mode(ns) == "forget"
+    assert Route.parse(ns) == Route("kid", "mom", "forget")
     ns = vllm_mlx_cache_namespace(_req(agent_id="a"), {"x-kv-edit": "amortize"}, "/v1/messages")
-    assert split_namespace(ns) == ("a", None) and edit_mode(ns) == "amortize"
+    assert Route.parse(ns) == Route("a", None, "amortize")
     plain = vllm_mlx_cache_namespace(_req(agent_id="a"), {}, "/v1/messages")
-    assert plain == "a" and edit_mode(plain) is None  # no mode: exactly today's namespace
+    assert plain == "a" and Route.parse(plain) == Route("a")  # no fork, no mode: the agent id itself
+    assert Route.parse(None) == Route() and Route().encode() is None  # anonymous
+    for route in (Route("a", "b", "amortize"), Route("a", None, "forget"), Route("a", "b")):
+        assert Route.parse(route.encode()) == route
 
 
 def test_a_mode_without_an_agent_is_400():

@@ -14,7 +14,7 @@ import pytest
 from vllm_mlx_persist import rotations as rot
 from vllm_mlx_persist.chain import Branch, branches_of, manifest_of
 from vllm_mlx_persist.disk_format import check_branches
-from vllm_mlx_persist.namespace import amortized_of
+from vllm_mlx_persist.namespace import spliced_seed
 from test_e2e_kv_edit import _text, _tool_output
 from vllm_mlx_persist.tools.models import build_model_dir
 
@@ -39,9 +39,8 @@ def test_counts_pieces_and_moves():
 
 
 def test_rotations_travel_in_the_manifest_and_bad_ones_are_refused():
-    ns = "a\0amortized:2"
-    br = Branch(["b" * 64, "c" * 64], 60, ((0, "a"), (1, ns)), 5.0, ((32, 40, 1), (40, 60, 2)))
-    m = manifest_of(ns, [br], pinned=False, now=7.0)
+    br = Branch(["b" * 64, "c" * 64], 60, ((0, "a"), (1, spliced_seed("a", 2))), 5.0, ((32, 40, 1), (40, 60, 2)), 2)
+    m = manifest_of("a", [br], pinned=False, now=7.0)
     check_branches(m.branches, set(m.block_ids))
     assert branches_of(m) == [br]
     # A branch without rotations on its own chain is a plain manifest, as before.
@@ -107,9 +106,12 @@ class Agent:
         return mx.abs(deq(got) - deq(ref)).max().item() / step
 
     def spliced(self) -> dict[int, list[Branch]]:
-        pool = self.backend.loaded_pool
-        return {amortized_of(ns)[1]: list(pool.agents.get(ns).branches)
-                for ns in pool._amortized_names_locked("ag")}
+        """The agent's spliced branches by generation (its record's)."""
+        out: dict[int, list[Branch]] = {}
+        for br in self.backend.loaded_pool.agent("ag").branches:
+            if br.spliced:
+                out.setdefault(br.generation, []).append(br)
+        return out
 
     def close(self) -> None:
         self.backend.close()

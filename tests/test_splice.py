@@ -154,11 +154,10 @@ def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
 
 
 def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_path):
-    """A spliced turn is stored under the agent's amortized namespace, as a fork of its source: only
-    amortize lookups of the agent see it, it survives a restart, and erasing the agent or a forget
-    edit erases it too; it is not listed as an agent."""
+    """A spliced turn is a branch of the agent's own record, of its generation: only amortize lookups
+    of the agent see it (not its exact requests, not a fork that did not opt in), it survives a
+    restart, and a forget edit or erasing the agent removes it with the rest of the record."""
     from vllm_mlx_persist.kv_edit import FORGET
-    from vllm_mlx_persist.namespace import amortized_namespace
 
     pool = make_pool(model, tmp_path)
     codec = ModelCodec.for_model(model)
@@ -172,16 +171,18 @@ def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_pat
     run = pool.run_arrays(m.source, plan.src, plan.src + plan.length)
     spliced, n = splice.apply(model, codec, probe_model(model), m.cache, m.num_tokens, prompt, plan, run)
     spliced, _ = prefill(model, prompt[n:], spliced)
-    ns = amortized_namespace("a", 1)
-    assert pool.commit(ns, prompt, spliced, "r", fork_from="a", spliced=True) == len(prompt)
+    assert pool.commit("a", prompt, spliced, "r", generation=1) == len(prompt)
     pool.finish("r")
+    assert [br.generation for br in pool.agent("a").branches] == [0, 1]
     later = prompt + msg(5, 6)
     assert pool.match("a", later).num_tokens == m.num_tokens  # exact: the honest prefix only
     assert pool.match("b", later, fork_from="a").num_tokens <= m.num_tokens  # a fork that did not opt in
     hit = pool.match("a", later, "r2", edit=AMORTIZE)
-    assert hit.num_tokens == len(prompt) and hit.source[0].namespace == ns
+    assert hit.num_tokens == len(prompt) and hit.source[1].generation == 1
     pool.finish("r2")
     assert [i["id"] for i in pool.list_agents(10)[0]] == ["a"]
+    info = pool.agent_info("a")
+    assert info["spliced_branches"] == [{"tokens": len(prompt), "generation": 1}] and info["tokens"] == len(stored)
     pool.flush()
     pool.close()
 
@@ -192,44 +193,56 @@ def test_spliced_histories_are_kept_apart_and_go_with_their_agent(model, tmp_pat
         assert mx.array_equal(x, y).item()
     again.finish("r3")
     forgot = head + msg(9, 7)
-    again.match("a", forgot, "r4", edit=FORGET)  # a forget edit erases spliced copies
+    again.match("a", forgot, "r4", edit=FORGET)  # a forget edit drops spliced copies
     again.commit("a", forgot, prefill(model, forgot)[0], "r4")
     again.finish("r4")
-    assert again.agent(ns) is None
+    assert not any(br.spliced for br in again.agent("a").branches)
     again.flush()
     again.close()
     third = make_pool(model, tmp_path)
-    assert third.agent(ns) is None and third.agent("a") is not None
-    third.commit(ns, prompt, spliced, fork_from="a", spliced=True)
-    assert third.erase("a") and third.agent(ns) is None  # erasing the agent erases them
+    assert not any(br.spliced for br in third.agent("a").branches) and third.agent("a").spliced_cleared > 0
+    third.match("a", later, "r5", edit=AMORTIZE)
+    assert third.commit("a", prompt, spliced, "r5", generation=1) == len(prompt)
+    third.finish("r5")
+    assert third.erase("a") and third.agent("a") is None  # erasing the agent erases all of it
     third.close()
+    assert not list((tmp_path / "cache").rglob("agents/*.json"))
 
 
 def test_a_splice_in_flight_during_a_forget_is_not_stored(model, tmp_path):
-    """A forget edit erases the agent's spliced histories; an amortize request that looked up before
+    """A forget edit drops the agent's spliced histories; an amortize request that looked up before
     it and finishes after it must not store its spliced turn (it may hold the forgotten content)."""
     from vllm_mlx_persist.kv_edit import FORGET
-    from vllm_mlx_persist.namespace import amortized_namespace
 
     pool = make_pool(model, tmp_path)
     head, span, tail = msg(40, 1), msg(30, 2), msg(40, 3)
     stored = head + span + tail
     pool.commit("a", stored, prefill(model, stored)[0])
-    ns = amortized_namespace("a", 1)
     prompt = head + msg(3, 4) + tail + msg(6, 5)
     cache = prefill(model, prompt)[0]
-    pool.commit(ns, prompt, cache, fork_from="a", spliced=True)  # an earlier splice, stored
+    pool.commit("a", prompt, cache, generation=1)  # an earlier splice, stored
     pool.match("a", prompt + msg(4, 8), "slow", edit=AMORTIZE)  # a splice request in flight
-    pool.match("a", head + msg(9, 7), "forget", edit=FORGET)  # meanwhile a forget erases spliced copies
-    pool.finish("forget")
-    assert pool.agent(ns) is None
-    assert pool.commit(ns, prompt, cache, "slow", fork_from="a", spliced=True) == 0
-    assert pool.agent(ns) is None
+    pool.match("a", head + msg(9, 7), "forget", edit=FORGET)  # meanwhile a forget drops spliced copies
+    pool.finish("forget")  # its turn was not stored: every branch it superseded goes, here all of them
+    assert pool.agent("a") is None
+    assert pool.commit("a", prompt, cache, "slow", generation=1) == 0
+    assert pool.agent("a") is None
     pool.finish("slow")
+    pool.commit("a", stored, prefill(model, stored)[0])
+    pool.commit("a", prompt, cache, generation=1)
+    pool.match("a", prompt + msg(4, 8), "slow2", edit=AMORTIZE)
+    pool.match("a", stored + msg(2, 9), "forget2", edit=FORGET)  # removes nothing of the honest history...
+    pool.commit("a", stored + msg(2, 9), prefill(model, stored + msg(2, 9))[0], "forget2")
+    pool.finish("forget2")
+    assert any(br.spliced for br in pool.agent("a").branches)  # ...so the spliced one stays, and may grow
+    assert pool.commit("a", prompt + msg(4, 8), prefill(model, prompt + msg(4, 8))[0], "slow2", generation=1) > 0
+    pool.finish("slow2")
+    pool.match("a", head + msg(9, 7), "forget3", edit=FORGET)
+    pool.commit("a", head + msg(9, 7), prefill(model, head + msg(9, 7))[0], "forget3")
+    pool.finish("forget3")
+    assert not any(br.spliced for br in pool.agent("a").branches)
     pool.match("a", prompt, "later", edit=AMORTIZE)  # a request after the forget may splice again
-    assert pool.commit(ns, prompt, cache, "later", fork_from="a", spliced=True) == len(prompt)
-    pool.finish("later")
-    pool.close()
+    assert pool.commit("a", prompt, cache, "later", generation=1) == len(prompt)
 
 
 def test_two_edits_in_one_request(model, tmp_path):

@@ -8,6 +8,8 @@
     DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown)
     PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL
     DELETE /v1/agents/{id}/pin     unpin
+    PUT    /v1/agents/{id}/forkable     other agents may fork it (whatever the fork_policy, but "none")
+    DELETE /v1/agents/{id}/forkable     no other agent may fork it (requests naming it as parent get 403)
 
 vllm-mlx mounts the router behind `--api-key`. Handlers run the pool's calls in a thread: they take the
 pool's lock and wait for the disk, which must never block the event loop.
@@ -87,6 +89,22 @@ def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
         if not await asyncio.to_thread(pool.set_pinned, agent_id, pinned):
             return _error(404, f"no agent {agent_id!r}")
         return {"id": agent_id, "pinned": pinned}
+
+    async def forkable(agent_id: str, value: bool):
+        pool, err = agent_and_pool(agent_id)
+        if err:
+            return err
+        if not await asyncio.to_thread(pool.set_forkable, agent_id, value):
+            return _error(404, f"no agent {agent_id!r}")
+        return {"id": agent_id, "forkable": value}
+
+    @router.put("/v1/agents/{agent_id}/forkable")
+    async def allow_forks(agent_id: str):
+        return await forkable(agent_id, True)
+
+    @router.delete("/v1/agents/{agent_id}/forkable")
+    async def refuse_forks(agent_id: str):
+        return await forkable(agent_id, False)
 
     @router.put("/v1/agents/{agent_id}/pin")
     async def pin_agent(agent_id: str):

@@ -38,7 +38,7 @@ from .identity import model_fingerprint
 from .kv_edit import AMORTIZE, FORGET
 from .kv_edit import report as kv_edit_report
 from .match_decode import MatchDecoder
-from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of, edit_mode, split_namespace
+from .namespace import Route, spliced_seed
 from .options import parse_options
 from .pool import READ_TIMEOUT_S, BlockPool
 from .refusal import refuse
@@ -141,7 +141,8 @@ class PersistQ4Backend:
                 branches=opts["branches"],
                 decode=self._decode if opts["match_text"] else None,
                 fleet=self._fleet_factory() if opts["remote_url"] is not None and store is not None else None,
-                spliced_generations=opts["kv_edit"]["max_rotations"],
+                removal_ttl_s=opts["remote_manifest_ttl_hours"] * 3600.0,
+                fork_policy=opts["fork_policy"],
             )
             self.fleet = self._pool.fleet
             if opts["remote_url"] is not None and store is None:
@@ -198,8 +199,8 @@ class PersistQ4Backend:
         """Longest reusable prefix of the request's prompt in its agent's namespace."""
         from vllm_mlx.cache_backend import CacheLookup
 
-        namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
-        mode = edit_mode(getattr(request, "cache_namespace", None))
+        route = route_of(request)
+        namespace, parent, mode = route.agent, route.fork_from, route.edit
         request._vmp_store_as = None  # set again below where this lookup makes the turn a spliced one
         # kv_edit.enabled false: amortize requests are exact ones, spliced histories unseen
         lookup_mode = None if mode == AMORTIZE and not self.opts["kv_edit"]["enabled"] else mode
@@ -236,12 +237,12 @@ class PersistQ4Backend:
             report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled")
         else:
             self._probe_splicing()
-            src, gen, honest, counts = self._source(m)
-            if gen:  # the lookup reused a spliced history: this turn continues it, there
-                request._vmp_store_as = (src, None, False, clip(counts, m.num_tokens))
+            gen, honest, counts = self._source(m)
+            if gen:  # the lookup reused a spliced history: this turn continues it, in its generation
+                request._vmp_store_as = (gen, clip(counts, m.num_tokens))
             plans = self._splicing.decide(m.stored, prompt, self.opts["kv_edit"])
             done, used, over = (plans, [], 0) if isinstance(plans, str) else self._splice(request, m, prompt, plans,
-                                                                                          src, counts)
+                                                                                          counts)
             reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
             if not isinstance(done, str):
                 report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
@@ -269,21 +270,22 @@ class PersistQ4Backend:
             self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
         log.info("persist_q4: amortize on this model: %s", self._splicing)
 
-    def _source(self, m: Any) -> tuple[Optional[str], int, int, Segments]:
-        """(namespace, generation, honest tokens, rotation counts) of an amortize lookup's source: the
-        agent's own history (generation 0, every reused token honest, none rotated) or one of its
-        spliced histories (only the tokens before its first spliced block are honest)."""
+    def _source(self, m: Any) -> tuple[int, int, Segments]:
+        """(generation, honest tokens, rotation counts) of an amortize lookup's source: one of the
+        agent's honest branches (generation 0, every reused token honest, none rotated) or one of its
+        spliced ones (only the tokens before its first spliced block are honest: where its chain
+        begins the seed of a spliced generation)."""
         if m.source is None:
-            return None, 0, m.num_tokens, ()
+            return 0, m.num_tokens, ()
         agent, branch = m.source
-        am = amortized_of(agent.namespace)
-        if am is None:
-            return agent.namespace, 0, m.num_tokens, ()
-        first = next((i for i, ns in branch.links if AMORTIZED_SEPARATOR in ns), 0) * self.opts["block_size"]
-        counts = branch.rotations or rotations.legacy(am[1], first, branch.n_tokens)
-        return agent.namespace, am[1], min(m.num_tokens, first), counts
+        if not branch.spliced:
+            return 0, m.num_tokens, ()
+        seeds = {spliced_seed(agent.namespace, g) for g in range(1, branch.generation + 1)}
+        first = next((i for i, seed in branch.links if seed in seeds), 0) * self.opts["block_size"]
+        counts = branch.rotations or rotations.legacy(branch.generation, first, branch.n_tokens)
+        return branch.generation, min(m.num_tokens, first), counts
 
-    def _splice(self, request: Any, m: Any, prompt: list[int], plans: list, src: Optional[str], counts: Segments,
+    def _splice(self, request: Any, m: Any, prompt: list[int], plans: list, counts: Segments,
                 ) -> tuple[Any, list, int]:
         """(CacheLookup, [(piece, run tokens)], run tokens over the rotation budget) for the splices of
         a request (one per edit, left to right), or (the reason it is served as exact, [], over).
@@ -291,11 +293,11 @@ class PersistQ4Backend:
 
         A run's tokens already rotated `max_rotations` times (`counts`, per token) are re-prefilled
         instead of moved: the run is cut into the pieces that may move (rotations.pieces). The turn
-        is stored as a fork of its source under the agent's spliced namespace whose generation is
-        the highest count the new history holds (namespace.amortized_namespace): no request can
-        name it, its ids are seeded apart from any honest prefill's, and only amortize requests of
-        the agent look there, so no exact or forget lookup, other agent's fork or other server's
-        exact request is ever served spliced K/V."""
+        is stored as a branch of the agent whose generation is the highest count the new history
+        holds (chain.Branch.generation): its ids are seeded apart from any honest prefill's
+        (namespace.spliced_seed), and only amortize requests of the agent are served from it, so no
+        exact or forget lookup, other agent's fork or other server's exact request is ever served
+        spliced K/V."""
         from vllm_mlx.cache_backend import CacheLookup
 
         from . import splice
@@ -332,10 +334,7 @@ class PersistQ4Backend:
                                     runs)
         new = rotations.normalize(clip(counts, m.num_tokens) + tuple(
             seg for p in pieces for seg in rotations.moved(counts, p.src, p.length, p.at, p.delta)))
-        target = amortized_namespace(split_namespace(getattr(request, "cache_namespace", None))[0],
-                                     max(1, rotations.peak(new)))
-        # The same generation as its source: a new branch of it, continuing its chain.
-        request._vmp_store_as = (target, None if target == src else src, True, new)
+        request._vmp_store_as = (max(1, rotations.peak(new)), new)
         self.pool.stats["kv_edit_splices"] += 1
         cached = m.num_tokens + sum(p.length for p in pieces)
         lookup = CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached,
@@ -343,22 +342,22 @@ class PersistQ4Backend:
         return (lookup,
                 [(p, p.length) for p in pieces], over)
 
-    def prefetch(self, namespace: str) -> None:
+    def prefetch(self, route: Route) -> None:
         """Start reading the cold blocks a request's lookup needs from disk (and syncing them with the
-        fleet), given its cache namespace (`_lookup_names`); any thread (see plugin.py)."""
+        fleet): its agent's and its fork parent's; any thread (see plugin.py)."""
         if self._pool is not None:
-            for ns in self._lookup_names(namespace):
+            for ns in _lookup_names(route):
                 if self.fleet is not None:
                     self.fleet.prefetch(ns)
                 self._pool.prefetch(ns)
 
-    def _lookup_names(self, namespace: Optional[str]) -> list[str]:
-        """The namespaces a request's lookup reads: its agent, the fork parent, and for an amortize
-        request the agent's spliced namespaces (pool.spliced_namespaces)."""
-        names = [ns for ns in split_namespace(namespace) if ns is not None]
-        if names and edit_mode(namespace) == AMORTIZE and self.opts["kv_edit"]["enabled"] and self._pool is not None:
-            names += self._pool.spliced_namespaces(names[0])
-        return names
+    def may_fork(self, parent: str) -> bool:
+        """Whether a request may fork `parent` (the `fork_policy` option and the parent's setting);
+        any thread, no I/O. Before the pool exists only an open policy allows it."""
+        pool = self._pool
+        if pool is None:
+            return self.opts["fork_policy"] == "open"
+        return pool.may_fork(parent)
 
     def ready(self, request: Any) -> Optional[Future]:
         """A future done once the disk reads (and the Redis sync) the request's lookup needs are done,
@@ -367,7 +366,7 @@ class PersistQ4Backend:
         pool = self._pool
         if pool is None:
             return None
-        names = self._lookup_names(getattr(request, "cache_namespace", None))
+        names = _lookup_names(route_of(request))
         if not names:
             return None
         reads = lambda: when_all(pool.pending_reads(names))  # noqa: E731 - after the sync registered its blocks
@@ -393,13 +392,10 @@ class PersistQ4Backend:
         if not self.validate(cache or []):
             return False
         try:
-            namespace, parent = split_namespace(getattr(request, "cache_namespace", None))
-            spliced = False
-            counts = ()
-            if getattr(request, "_vmp_store_as", None) is not None:  # a spliced history (see _splice)
-                namespace, parent, spliced, counts = request._vmp_store_as
-            n, durable = self.pool.commit_async(namespace, token_ids, cache, getattr(request, "request_id", None),
-                                                fork_from=parent, spliced=spliced, rotations=counts)
+            route = route_of(request)
+            generation, counts = getattr(request, "_vmp_store_as", None) or (0, ())  # a spliced turn (_splice)
+            n, durable = self.pool.commit_async(route.agent, token_ids, cache, getattr(request, "request_id", None),
+                                                fork_from=route.fork_from, generation=generation, rotations=counts)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
             log.exception("persist_q4: storing the cache of request %s failed", getattr(request, "request_id", "?"))
             return False
@@ -463,3 +459,20 @@ class PersistQ4Backend:
         if self._pool is not None:
             self._pool.close()  # with its fleet tier
         self._dir_lock.release()
+
+
+def route_of(request: Any) -> Route:
+    """A request's route, parsed once from the cache_namespace the seam carries (kept on the request)."""
+    route = getattr(request, "_vmp_route", None)
+    if route is None:
+        route = Route.parse(getattr(request, "cache_namespace", None))
+        try:
+            request._vmp_route = route
+        except AttributeError:  # a request object without a __dict__: parsed again next time
+            pass
+    return route
+
+
+def _lookup_names(route: Route) -> list[str]:
+    """The agents a request's lookup reads: its own, and the parent it forks from."""
+    return [ns for ns in (route.agent, route.fork_from) if ns is not None]

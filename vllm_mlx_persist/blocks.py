@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .chain import Branch
+from .chain import Branch, Removal
 
 
 class BlockState(enum.Enum):
@@ -59,7 +59,11 @@ class Run:
 
 @dataclass(eq=False)
 class Agent:
-    namespace: str
+    """One agent's record: everything it owns, so that erasure, pins, budgets, the TTL, listing, the
+    offline tools and the fleet act on all of it. Its branches are its honest histories and its
+    spliced ones (`Branch.generation`); forks are links in branches, never other agents."""
+
+    namespace: str  # the agent id (anonymous entries: a key no agent id can be)
     branches: list[Branch] = field(default_factory=list)  # least recently used first
     ids: dict = field(default_factory=dict)  # every block id its branches name, newest branch first
     hot_bytes: int = 0  # bytes of the hot blocks it owns (Block.owner)
@@ -67,15 +71,25 @@ class Agent:
     last_used: float = field(default_factory=time.time)
     persistent: bool = True  # anonymous entries live in memory only
     listed: bool = False  # in the agent registry (agents.Agents); counted in BlockTable.hot_agents
+    forkable: Optional[bool] = None  # may others fork it (None: the server's fork_policy decides)
+    removals: tuple[Removal, ...] = ()  # content forget edits removed (chain.Removal), newest last
+    spliced_cleared: float = 0.0  # spliced branches used at or before this were dropped by a forget
 
     @property
     def block_ids(self) -> list[str]:
-        """The most recently used branch's block ids."""
-        return self.branches[-1].block_ids if self.branches else []
+        """The most recently used honest branch's block ids."""
+        honest = self.honest
+        return honest[-1].block_ids if honest else []
 
     @property
     def n_tokens(self) -> int:
-        return self.branches[-1].n_tokens if self.branches else 0
+        honest = self.honest
+        return honest[-1].n_tokens if honest else 0
+
+    @property
+    def honest(self) -> list[Branch]:
+        """The branches every token of which was prefilled (not spliced), least recently used first."""
+        return [br for br in self.branches if not br.spliced]
 
 
 class BlockTable:

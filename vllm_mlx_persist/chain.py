@@ -34,7 +34,10 @@ class Branch:
     `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds);
     it orders two servers' branches when their histories are merged (`merge_branches`).
     `rotations`: how many times its tokens' keys were rotated by splices (rotations.py; a spliced
-    history's only).
+    history's only). `generation`: 0 for a history every token of which was prefilled; g >= 1 for
+    a spliced history (span directives), g being the most times any of its tokens' keys were
+    rotated. Only amortize requests of the agent are served from a spliced branch, and its blocks
+    from the first splice on chain from `namespace.spliced_seed(agent, g)`, apart from any honest id.
     A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
@@ -43,6 +46,72 @@ class Branch:
     links: Links
     last_used: float = 0.0
     rotations: Segments = ()
+    generation: int = 0
+
+    @property
+    def spliced(self) -> bool:
+        return self.generation > 0
+
+
+@dataclass(frozen=True)
+class Removal:
+    """Content a forget edit removed from an agent's history, kept in the agent's record so that no
+    older copy of it (another server's, or Redis's) is merged back: every branch used at or before
+    `at` that names `block` (the first block holding removed content), or whose block `index`
+    follows `prev` (None: the first block) and begins with `tail` (set when `block` was a partial
+    tail: a copy that grew it has another id), holds removed content and goes. `at`: the remover's
+    clock, so a turn that sends the content again after the forget (a client's new history) stays."""
+
+    block: str
+    index: int
+    prev: Optional[str]
+    tail: tuple[int, ...]
+    at: float
+
+    def removes(self, br: Branch, tokens_of: Callable[[str], Optional[Sequence[int]]]) -> bool:
+        """Whether `br` holds this removal's content (`tokens_of`: a block's tokens, None when not at
+        hand: then only the id tells)."""
+        if br.last_used > self.at:
+            return False
+        if self.block in br.block_ids:
+            return True
+        i = self.index
+        if not self.tail or len(br.block_ids) <= i or (br.block_ids[i - 1] if i else None) != self.prev:
+            return False
+        tokens = tokens_of(br.block_ids[i])
+        return tokens is not None and tuple(int(t) for t in tokens[: len(self.tail)]) == self.tail
+
+    def to_json(self) -> dict:
+        return {"block": self.block, "index": self.index, "prev": self.prev, "tail": list(self.tail), "at": self.at}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "Removal":
+        return cls(d["block"], int(d["index"]), d.get("prev"), tuple(int(t) for t in d.get("tail", [])), float(d["at"]))
+
+
+def removal_of(branch: Branch, i: int, tokens: Sequence[int], block_size: int, at: float) -> Removal:
+    """The removal record of `branch`'s content from its block `i` on (`tokens`: that block's)."""
+    tail = tuple(int(t) for t in tokens) if len(tokens) < block_size else ()
+    return Removal(branch.block_ids[i], i, branch.block_ids[i - 1] if i else None, tail, at)
+
+
+def merge_removals(a: Sequence[Removal], b: Sequence[Removal], limit: int, since: float) -> tuple[Removal, ...]:
+    """Two agents' removal records as one: one per block (the latest), none from before `since`
+    (expired), at most `limit` (the newest)."""
+    by_block: dict[str, Removal] = {}
+    for r in [*a, *b]:
+        if r.at >= since and (r.block not in by_block or by_block[r.block].at < r.at):
+            by_block[r.block] = r
+    return tuple(sorted(by_block.values(), key=lambda r: r.at)[-limit:]) if limit > 0 else ()
+
+
+def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], spliced_cleared: float,
+                       tokens_of: Callable[[str], Optional[Sequence[int]]]) -> list[Branch]:
+    """`branches` without those holding removed content (`removals`), nor spliced ones used at or
+    before `spliced_cleared` (a forget drops every spliced history: they copy the agent's content)."""
+    return [br for br in branches
+            if not (br.spliced and br.last_used <= spliced_cleared)
+            and not any(r.removes(br, tokens_of) for r in removals)]
 
 
 def chain_seed(fingerprint: str, namespace: str) -> str:
@@ -71,10 +140,11 @@ def chain_prev(prev: Optional[str], i: int, at: dict, fingerprint: str) -> Optio
 
 
 def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
-    """`branch` without block i and the blocks after it."""
+    """`branch` without block i and the blocks after it (a spliced branch keeps its generation: its
+    blocks before the cut may already be spliced ones)."""
     n = min(branch.n_tokens, i * block_size)
     return Branch(branch.block_ids[:i], n, tuple(l for l in branch.links if l[0] < i) or branch.links[:1],
-                  branch.last_used, clip(branch.rotations, n))
+                  branch.last_used, clip(branch.rotations, n), branch.generation)
 
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -182,8 +252,11 @@ def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
     from it would have been); of the rest the `limit` most recently used are kept, whichever list
     they came from. On equal `last_used` a branch of `theirs` counts as the more recent.
     `continued=False`: only a branch another equals goes (a model with bounded sliding windows
-    keeps a continued branch as a place to resume, as its commits do). Pure."""
+    keeps a continued branch as a place to resume, as its commits do). Honest and spliced branches
+    are kept apart: neither ever holds the other, and `limit` bounds each (`limit_branches`). Pure."""
     def held(c: Branch, b: Branch) -> bool:
+        if c.spliced != b.spliced:
+            return False
         return holds(c, b, grew) if continued else (c.block_ids == b.block_ids and c.n_tokens == b.n_tokens)
 
     every = sorted([*mine, *theirs], key=lambda br: br.last_used)  # stable: ties keep mine first
@@ -197,20 +270,29 @@ def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
         if every[j].last_used < b.last_used:
             every[j] = replace(every[j], last_used=b.last_used)
     kept = sorted((br for br, g in zip(every, gone) if not g), key=lambda br: br.last_used)
-    return kept[-limit:] if limit > 0 else []
+    return limit_branches(kept, limit)
+
+
+def limit_branches(branches: Sequence[Branch], limit: int) -> list[Branch]:
+    """The `limit` most recently used honest branches and the `limit` most recently used spliced ones
+    (`branches` least recently used first; their order kept)."""
+    honest = [i for i, br in enumerate(branches) if not br.spliced][-limit:] if limit > 0 else []
+    spliced = [i for i, br in enumerate(branches) if br.spliced][-limit:] if limit > 0 else []
+    keep = set(honest) | set(spliced)
+    return [br for i, br in enumerate(branches) if i in keep]
 
 
 def same_branches(a: Sequence[Branch], b: Sequence[Branch]) -> bool:
     """Whether two branch lists are equal, in order, last uses included."""
-    return [(br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations) for br in a] == [
-        (br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations) for br in b]
+    return [(br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations, br.generation) for br in a] == [
+        (br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations, br.generation) for br in b]
 
 
 def branches_of(m: Manifest) -> list[Branch]:
-    """A manifest's branches, least recently used first (one plain chain when it lists none). A
-    branch without `last_used` (a plain manifest's, or one written before it existed) counts as
-    used when the manifest was written."""
-    listed = m.branches or [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}]
+    """A manifest's branches, least recently used first (one plain chain when it lists none; none for
+    a record that kept only removal records). A branch without `last_used` (a plain manifest's, or
+    one written before it existed) counts as used when the manifest was written."""
+    listed = m.branches if m.branches is not None else [{"block_ids": m.block_ids, "n_tokens": m.n_tokens}]
     return [branch_of(b, m.namespace, m.updated_at) for b in listed]
 
 
@@ -218,18 +300,30 @@ def branch_of(entry: dict, namespace: str, updated_at: float) -> Branch:
     """A Branch from a manifest's branch entry (disk or Redis; checked by disk_format.check_branches)."""
     return Branch(list(entry["block_ids"]), entry["n_tokens"],
                   tuple((int(i), ns) for i, ns in entry.get("links") or [(0, namespace)]),
-                  float(entry.get("last_used", updated_at)), decode(entry.get("rotations", [])))
+                  float(entry.get("last_used", updated_at)), decode(entry.get("rotations", [])),
+                  int(entry.get("generation", 0)))
 
 
-def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None) -> Manifest:
-    """An agent's manifest: every block it names (newest branch first), and its branches when they
-    are more than one plain chain (so manifests of agents that never fork or branch read as before;
-    such a branch's last use is then read back as `now`)."""
+def removals_of(m: Manifest) -> tuple[Removal, ...]:
+    """A manifest's removal records (disk or Redis; checked by disk_format.check_removals)."""
+    return tuple(Removal.from_json(r) for r in m.removals or ())
+
+
+def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None, *,
+                removals: Sequence[Removal] = (), spliced_cleared: float = 0.0,
+                forkable: Optional[bool] = None) -> Manifest:
+    """An agent's manifest: every block it names (newest branch first), its branches when they are
+    more than one plain chain (so manifests of agents that never fork or branch read as before; such
+    a branch's last use is then read back as `now`), and the record's other fields when set."""
     ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
-    plain = len(branches) == 1 and branches[0].links == ((0, namespace),) and not branches[0].rotations
+    plain = (len(branches) == 1 and branches[0].links == ((0, namespace),) and not branches[0].rotations
+             and not branches[0].spliced)
     listed = None if plain else [
         {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links],
-         "last_used": float(br.last_used), **({"rotations": encode(br.rotations)} if br.rotations else {})}
+         "last_used": float(br.last_used), **({"rotations": encode(br.rotations)} if br.rotations else {}),
+         **({"generation": br.generation} if br.generation else {})}
         for br in branches]
     return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
-                    time.time() if now is None else now, pinned, branches=listed)
+                    time.time() if now is None else now, pinned, branches=listed,
+                    removals=[r.to_json() for r in removals] or None,
+                    spliced_cleared=spliced_cleared or None, forkable=forkable)

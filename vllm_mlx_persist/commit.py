@@ -19,11 +19,11 @@ import mlx.core as mx
 from .agents import Agents
 from .blocks import Agent, Block, BlockState, BlockTable, Run
 from .caches import ModelCodec
-from .chain import Branch, Chains, Links, common, lcp, manifest_of
+from .chain import Branch, Chains, Links, common, lcp, limit_branches, manifest_of
 from .disk_format import BlockData
+from .namespace import spliced_seed
 from .persister import Persister
 from .rotations import Segments, clip
-from .supersede import surviving
 
 
 @dataclass
@@ -50,6 +50,7 @@ class Plan:
     # old run's arrays (a whole earlier history) are freed instead of pinned by a few blocks.
     compact: list[tuple[Block, dict]] = field(default_factory=list)
     rotations: Segments = ()  # the turn's rotation counts (a spliced history's; rotations.py)
+    generation: int = 0  # the turn's branch generation (0: honest; chain.Branch)
 
 
 @dataclass
@@ -74,11 +75,11 @@ class Commit:
     # ---- plan (lock held) -----------------------------------------------------------------------
 
     def plan(self, agent: Agent, tokens: list[int], fork_from: Optional[str], reused: int, epoch: int,
-             rotations: Segments = ()) -> Plan:
+             rotations: Segments = (), generation: int = 0) -> Plan:
         """`reused`: the tokens the request's lookup took from this agent's blocks; the cache holds
-        them bit for bit, so the blocks holding only those become views of it too. `rotations`: the
-        branch's rotation counts (a spliced history's)."""
-        links = self._links_for(agent, tokens, fork_from)
+        them bit for bit, so the blocks holding only those become views of it too. `rotations`,
+        `generation`: a spliced history's (kv_edit; 0: an honest turn)."""
+        links = self._links_for(agent, tokens, fork_from, generation)
         ids = self.chains.ids(links, tokens)
         steps = []
         # A block that is missing or only on disk (possibly unreadable) is rebuilt from the cache we
@@ -95,7 +96,8 @@ class Commit:
                 steps.append(Step(start, chunk, bid, block, "same", block.layers))
             else:
                 steps.append(Step(start, chunk, bid, block, "keep"))
-        plan = Plan(agent, tokens, links, ids, steps, epoch, rotations=clip(rotations, len(tokens)))
+        plan = Plan(agent, tokens, links, ids, steps, epoch, rotations=clip(rotations, len(tokens)),
+                    generation=generation)
         if self.codec.has_state:
             plan.old_hot = self._hot_prefixes(agent, tokens)
         moving = {s.block_id for s in steps if s.what == "same"}
@@ -107,27 +109,32 @@ class Commit:
                         and b.block_id not in planned]
         return plan
 
-    def _links_for(self, agent: Agent, tokens: list[int], fork_from: Optional[str]) -> Links:
+    def _links_for(self, agent: Agent, tokens: list[int], fork_from: Optional[str], generation: int = 0) -> Links:
         """How the chain of `tokens` is seeded: along the agent's branch sharing the most blocks
         with it, or the fork parent's if that shares more whole blocks; re-seeded with the agent's
-        namespace where its own blocks begin."""
+        namespace where its own blocks begin, or for a spliced turn of `generation` g with
+        `spliced_seed(agent, g)` where its spliced blocks begin. An honest turn only ever chains on
+        honest branches; a spliced one on any of the agent's branches up to its generation."""
         best: Links = ()
         d = 0
         for br in agent.branches:
+            if br.generation > generation or (generation == 0 and br.spliced):
+                continue
             k = common(self.chains.ids(br.links, tokens), br.block_ids)
             if k > d:
                 best, d = br.links, k
         parent = self.agents.get(fork_from) if fork_from and fork_from != agent.namespace else None
         if parent is not None and agent.persistent:
             full = len(tokens) // self.block_size
-            for br in parent.branches:
+            for br in parent.honest:
                 k = min(common(self.chains.ids(br.links, tokens), br.block_ids),
                         full, br.n_tokens // self.block_size)  # whole blocks only
                 if k > d:
                     best, d = br.links, k
+        seed = spliced_seed(agent.namespace, generation) if generation else agent.namespace
         links = tuple((i, ns) for i, ns in best if i < d)
-        if not links or links[-1][1] != agent.namespace:
-            links += ((d, agent.namespace),)
+        if not links or links[-1][1] != seed:
+            links += ((d, seed),)
         return links
 
     def _hot_prefixes(self, agent: Agent, tokens: list[int]) -> list[tuple[int, int, dict]]:
@@ -208,11 +215,12 @@ class Commit:
                 return True
         return plan.agent.persistent and self.agents.get(plan.agent.namespace) not in (None, plan.agent)
 
-    def install(self, plan: Plan, built: Built, drop: Optional[set[str]] = None) -> tuple[list[str], Optional[Future]]:
+    def install(self, plan: Plan, built: Built,
+                forget: Optional[Callable[[list[Branch]], list[Branch]]] = None) -> tuple[list[str], Optional[Future]]:
         """Name the turn's blocks as the agent's newest branch (branches it continues are replaced by
-        it, branches naming a block of `drop` go: a forget edit superseded them, and beyond `max_branches`
-        the least recently used goes), make the new ones hot and queue the save. Returns (dead block
-        ids, the save's future or None)."""
+        it, `forget` filters the others: a forget edit's, and beyond `max_branches` the least recently
+        used honest or spliced one goes), make the new ones hot and queue the save. Returns (dead
+        block ids, the save's future or None)."""
         agent, tokens = plan.agent, plan.tokens
         before = list(agent.branches)
         if agent.persistent and self.agents.get(agent.namespace) is not agent:
@@ -224,16 +232,16 @@ class Commit:
         # stays while `max_branches` allows, as a place to resume (its tail block holds the window
         # before its end, which the grown tail no longer holds).
         windowed = bool(self.codec.window_names())
-        kept = [br for br in agent.branches if not self.chains.continues(br, tokens)
-                or (windowed and br.n_tokens < len(tokens))]
-        if drop is not None:
-            left = surviving(kept, drop)
-            self.stats["branches_superseded"] += len(kept) - len(left)
-            kept = left
-        kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent), plan.rotations))
-        if len(kept) > limit:
-            self.stats["branches_evicted"] += len(kept) - limit
-            kept = kept[-limit:]
+        # (A spliced turn never replaces an honest branch, nor an honest turn a spliced one.)
+        kept = [br for br in agent.branches if br.spliced != (plan.generation > 0)
+                or not self.chains.continues(br, tokens) or (windowed and br.n_tokens < len(tokens))]
+        if forget is not None:
+            kept = forget(kept)
+        kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent), plan.rotations,
+                           plan.generation))
+        limited = limit_branches(kept, limit)
+        self.stats["branches_evicted"] += len(kept) - len(limited)
+        kept = limited
         dead = self.table.name(agent, kept)
         run = built.run
         for s in plan.steps:

@@ -20,6 +20,13 @@ from typing import Any, Optional
 import numpy as np
 
 FORMAT_VERSION = 1
+# Manifests that hold an agent record's newer fields (spliced branches, removal records, the fork
+# permission, no branch left) are written as version 2, so a build from before the agent record
+# refuses them (it would serve a spliced branch to exact requests); every other manifest is written
+# exactly as version 1. Readers accept both. Blocks and model.json stay version 1 (FORMAT_VERSION is
+# part of the model fingerprint: changing it would start every cache afresh).
+MANIFEST_VERSION = 2
+MANIFEST_VERSIONS = (1, 2)
 
 MODEL_FORMAT = "vllm-mlx-persist.model"
 BLOCK_FORMAT = "vllm-mlx-persist.block"
@@ -38,6 +45,7 @@ MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
 MAX_MODEL_JSON_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20  # a block file's JSON header
 MAX_ERA_CHARS = 128  # a manifest's era: the fleet tier's tombstone id (16 hex digits as written)
+MAX_REMOVALS = 32  # removal records a manifest keeps (the newest; chain.Removal)
 
 BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
 DIR_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
@@ -86,6 +94,20 @@ class Manifest:
     # The erasure the agent's history follows (docs/fleet.md, Erasure): the id of the fleet tier's
     # tombstone it was started on; None: it never met one. Optional, like `pinned` and `branches`.
     era: Optional[str] = None
+    # Version 2 fields (MANIFEST_VERSION), all optional. Branch entries may carry "generation" (a
+    # spliced history's, >= 1). `removals`: content forget edits removed, which a merge with another
+    # server's copy must not bring back: [{"block", "index", "prev", "tail", "at"}] (chain.Removal).
+    # `spliced_cleared`: spliced branches used at or before it are removed too. `forkable`: whether
+    # other agents may fork this one (None: the server's fork_policy decides).
+    removals: Optional[list] = None
+    spliced_cleared: Optional[float] = None
+    forkable: Optional[bool] = None
+
+    @property
+    def record_fields(self) -> bool:
+        """Whether the manifest holds anything only a version-2 reader understands."""
+        return (self.removals is not None or self.spliced_cleared is not None or self.forkable is not None
+                or self.branches == [] or any(br.get("generation", 0) for br in self.branches or ()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,9 +366,10 @@ def check_era(era: Any) -> None:
         raise ValueError("malformed manifest era")
 
 
-def check_branches(branches: Any, named: set) -> None:
-    """Raise ValueError unless `branches` is a well-formed list of branches over `named` blocks."""
-    if not isinstance(branches, list) or not branches:
+def check_branches(branches: Any, named: set, allow_empty: bool = False) -> None:
+    """Raise ValueError unless `branches` is a well-formed list of branches over `named` blocks
+    (`allow_empty`: a version-2 record may have none left, its removal records being what it holds)."""
+    if not isinstance(branches, list) or not (branches or allow_empty):
         raise ValueError("manifest branches must be a non-empty list")
     for br in branches:
         ids, n, links = (br.get("block_ids"), br.get("n_tokens"), br.get("links")) if isinstance(br, dict) else (None,) * 3
@@ -364,6 +387,35 @@ def check_branches(branches: Any, named: set) -> None:
                 isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r) and 0 <= r[0] < r[1] <= n
                 and r[2] >= 1 for r in rotations) or any(a[1] > b[0] for a, b in zip(rotations, rotations[1:])):
             raise ValueError("malformed manifest branch: rotations")
+        generation = br.get("generation", 0)  # optional (version 2): a spliced history's
+        if type(generation) is not int or generation < 0:
+            raise ValueError("malformed manifest branch: generation")
+
+
+def _finite(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def check_removals(removals: Any) -> None:
+    """Raise ValueError unless `removals` is a well-formed list of removal records (chain.Removal)."""
+    if not isinstance(removals, list) or len(removals) > MAX_REMOVALS:
+        raise ValueError("manifest removals must be a list of at most %d records" % MAX_REMOVALS)
+    for r in removals:
+        if (not isinstance(r, dict) or not isinstance(r.get("block"), str) or not BLOCK_ID_RE.fullmatch(r["block"])
+                or type(r.get("index")) is not int or r["index"] < 0 or not _finite(r.get("at"))
+                or not (r.get("prev") is None or (isinstance(r["prev"], str) and BLOCK_ID_RE.fullmatch(r["prev"])))
+                or not isinstance(r.get("tail", []), list) or not all(type(t) is int for t in r.get("tail", []))):
+            raise ValueError("malformed manifest removal record")
+
+
+def _check_record(m: Manifest) -> None:
+    """Raise ValueError unless the version-2 fields of `m` are well formed."""
+    if m.removals is not None:
+        check_removals(m.removals)
+    if m.spliced_cleared is not None and not _finite(m.spliced_cleared):
+        raise ValueError("malformed manifest spliced_cleared")
+    if m.forkable is not None and not isinstance(m.forkable, bool):
+        raise ValueError("malformed manifest forkable")
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -372,16 +424,21 @@ def encode_manifest(m: Manifest) -> bytes:
         raise ValueError("manifest namespace must be a non-empty string")
     for b in m.block_ids:
         check_block_id(b)
-    body = {"format": MANIFEST_FORMAT, "format_version": FORMAT_VERSION, "namespace": m.namespace,
+    v2 = m.record_fields
+    body = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION if v2 else 1, "namespace": m.namespace,
             "block_ids": list(m.block_ids), "n_tokens": int(m.n_tokens), "updated_at": float(m.updated_at)}
     if m.pinned:  # optional field: manifests of unpinned agents read the same as before
         body["pinned"] = True
     if m.branches is not None:  # optional too: agents that never branch or fork read as before
-        check_branches(m.branches, set(m.block_ids))
+        check_branches(m.branches, set(m.block_ids), allow_empty=v2)
         body["branches"] = m.branches
     if m.era is not None:  # optional too: absent for every history that never met an erasure
         check_era(m.era)
         body["era"] = m.era
+    _check_record(m)
+    for name in ("removals", "spliced_cleared", "forkable"):  # version 2, each optional
+        if getattr(m, name) is not None:
+            body[name] = getattr(m, name)
     body["checksum"] = "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
     return json.dumps(body, sort_keys=True, ensure_ascii=True).encode()
 
@@ -395,7 +452,8 @@ def decode_manifest(raw: bytes) -> Manifest:
         checksum = body.pop("checksum")
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise FormatError(f"bad manifest: {e}") from None
-    if body.get("format") != MANIFEST_FORMAT or body.get("format_version") != FORMAT_VERSION:
+    version = body.get("format_version")
+    if body.get("format") != MANIFEST_FORMAT or type(version) is not int or version not in MANIFEST_VERSIONS:
         raise FormatError(f"manifest format {body.get('format')!r} version {body.get('format_version')!r}")
     if checksum != "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest():
         raise FormatError("checksum mismatch")
@@ -407,15 +465,20 @@ def decode_manifest(raw: bytes) -> Manifest:
         raise FormatError("malformed manifest fields")
     branches = body.get("branches")
     era = body.get("era")
+    record = {k: body.get(k) for k in ("removals", "spliced_cleared", "forkable")} if version >= 2 else {}
+    m = Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned,
+                 branches=branches, era=era, **record)
     try:
         if branches is not None:
-            check_branches(branches, set(ids))
+            check_branches(branches, set(ids), allow_empty=version >= 2)
         if era is not None:
             check_era(era)
+        _check_record(m)
+        if m.record_fields and version < 2:  # a version-1 manifest cannot hold spliced branches
+            raise ValueError("a version-2 field in a version-1 manifest")
     except ValueError as e:
         raise FormatError(str(e)) from None
-    return Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned,
-                    branches=branches, era=era)
+    return m
 
 
 def lenient_block_ids(raw: bytes) -> set[str]:

@@ -10,9 +10,9 @@ the server may treat the stored history they no longer match:
   it cannot, served as exact with `applied: false` and the reason (`FALLBACKS`).
 * none: today's exact behaviour.
 
-The mode comes from the `X-KV-Edit` header, else `metadata.kv_edit`; it needs an agent id. It rides in
-the cache namespace after a NUL (agent ids never contain one): `agent[\\0fork:parent]\\0edit:mode`,
-and spliced histories are stored under `agent\\0amortized:g`; namespace.py defines both encodings.
+The mode comes from the `X-KV-Edit` header, else `metadata.kv_edit`; it needs an agent id. It is part
+of the request's route (namespace.Route); spliced histories are branches of the agent's record with
+their rotation generation (chain.Branch.generation).
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .chain import branches_of
 from .disk_format import Manifest
+from .namespace import legacy_spliced
 from .store import CacheDirLock, DiskStore, StoreError, erase_agent_files, model_dirs
 
 
@@ -27,16 +29,39 @@ def _model_stores(root: Path) -> Iterator[DiskStore]:
             print(f"skipped: {e}", file=sys.stderr)
 
 
-def _describe(store: DiskStore, m: Manifest) -> dict:
+def _describe(store: DiskStore, m: Manifest, legacy: list[Manifest]) -> dict:
+    """One agent's row: its record's manifest `m` and the spliced histories an earlier layout kept in
+    manifests of their own (`legacy`; a server moves them into the record when it next loads)."""
+    branches = [br for x in [m, *legacy] for br in branches_of(x)]
+    honest = [br for br in branches_of(m) if not br.spliced]
+    blocks = {b for x in [m, *legacy] for b in x.block_ids}
     return {
         "id": m.namespace,
         "model_dir": store.dir.name,
-        "tokens": m.n_tokens,
-        "blocks": len(m.block_ids),
-        "bytes_disk": sum(store.block_file_size(b) for b in m.block_ids),
+        "tokens": honest[-1].n_tokens if honest else 0,
+        "branches": len(honest),
+        "spliced_branches": len(branches) - len(honest),
+        "blocks": len(blocks),
+        "bytes_disk": sum(store.block_file_size(b) for b in blocks),
         "pinned": m.pinned,
-        "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.updated_at)),
+        "last_used": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(max(x.updated_at for x in [m, *legacy]))),
     }
+
+
+def _records(store: DiskStore) -> list[tuple[Manifest, list[Manifest]]]:
+    """The agents of a model directory: each record's manifest with its spliced histories of the
+    earlier layout (an agent known only through those gets an empty record)."""
+    own: dict[str, Manifest] = {}
+    old: dict[str, list[Manifest]] = {}
+    for m in store.list_manifests():
+        spliced = legacy_spliced(m.namespace)
+        if spliced is None:
+            own[m.namespace] = m
+        else:
+            old.setdefault(spliced[0], []).append(m)
+    for name in old.keys() - own.keys():
+        own[name] = Manifest(name, [], 0, max(m.updated_at for m in old[name]), branches=[])
+    return [(own[name], old.get(name, [])) for name in sorted(own)]
 
 
 def main(argv: list[str]) -> int:
@@ -78,7 +103,7 @@ def _run(args: argparse.Namespace, root: Path) -> int:
             return 1
         print(f"erased {args.agent_id!r} from {len(erased)} model director(ies)")
         return 0
-    rows = [_describe(s, m) for s in stores for m in s.list_manifests()
+    rows = [_describe(s, m, old) for s in stores for m, old in _records(s)
             if args.action == "list" or m.namespace == args.agent_id]
     if args.action == "show" and not rows:
         print(f"no agent {args.agent_id!r} under {root}", file=sys.stderr)
@@ -86,7 +111,8 @@ def _run(args: argparse.Namespace, root: Path) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        cols = ["id", "model_dir", "tokens", "blocks", "bytes_disk", "pinned", "last_used"]
+        cols = ["id", "model_dir", "tokens", "branches", "spliced_branches", "blocks", "bytes_disk", "pinned",
+                "last_used"]
         print("\t".join(cols))
         for r in rows:
             print("\t".join(str(r[c]) for c in cols))

@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 from .caches.floats import PREFILL_ATTENTION_MODES
 from .kv_edit import parse_option as parse_kv_edit
 
+FORK_POLICIES = ("open", "listed", "none")
+
 DEFAULTS: dict[str, Any] = {
     "cache_dir": None,  # default: $XDG_CACHE_HOME/vllm-mlx-persist, else ~/.cache/vllm-mlx-persist
     "hot_mb": 2048.0,  # hot-tier budget: bytes of 4-bit blocks kept in memory
@@ -30,6 +32,10 @@ DEFAULTS: dict[str, Any] = {
     "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
     "carry_float_mb": "auto",  # float copies carried to agents' next turns, MB (auto: 1024 on a CPU, 0 on a GPU)
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
+    # Which agents a request may fork (read through X-Agent-Fork-From / metadata.fork_from): "open"
+    # (any agent, but those set not forkable through the admin API), "listed" (only those set
+    # forkable), "none". A refused fork is answered 403 (docs/operations.md, Forks).
+    "fork_policy": "open",
     "match_text": True,  # reuse past tokens that differ but decode to the same text (re-tokenized replies)
     "warmup": True,  # run the model once at start-up (PersistQ4Backend.warm_up)
     "restore": True,  # at start-up, read the most recently used agents' blocks up to hot_mb (in the background)
@@ -104,6 +110,8 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
     for key in ("durable_writes", "match_text", "warmup", "restore", "remote_cluster"):
         if not isinstance(opts[key], bool):
             raise ValueError(f"persist_q4 {key} must be true or false")
+    if opts["fork_policy"] not in FORK_POLICIES:
+        raise ValueError(f"persist_q4 fork_policy must be one of {', '.join(FORK_POLICIES)}; got {opts['fork_policy']!r}")
     if not 1 <= opts["branches"] <= 64:
         raise ValueError(f"persist_q4 branches must be 1 to 64; got {opts['branches']}")
     url = opts["remote_url"]

@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional
 import pluggy
 
 from .kv_edit import resolve_mode
-from .namespace import join_namespace, validate_agent_id
+from .namespace import Route, validate_agent_id
 from .refusal import refuse
 
 hookimpl = pluggy.HookimplMarker("vllm_mlx")
@@ -107,9 +107,14 @@ def vllm_mlx_api_routers() -> Any:
     return make_router(live_backend)
 
 
+class ForkRefused(PermissionError):
+    """A fork the server's fork_policy (or the parent's own setting) does not allow: HTTP 403."""
+
+
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
-    """A request's agent id, with its fork parent; ValueError (HTTP 400) for a malformed one."""
+    """A request's route (agent id, fork parent, edit mode) as the one string vllm-mlx carries;
+    ValueError (HTTP 400) for a malformed one, PermissionError (HTTP 403) for a fork not allowed."""
     agent_id = resolve_agent_id(request, headers)
     parent = resolve_fork_from(request, headers)
     if parent is not None and agent_id is None:
@@ -123,11 +128,16 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
                          "(X-Agent-ID, metadata.agent_id or prompt_cache_key): it edits that agent's history")
     if agent_id is None:
         return None
-    # One string reaches the backend; the fork parent and the edit mode ride along (namespace.py).
-    namespace = join_namespace(agent_id, parent, mode)
-    # The earliest moment we know the agent: start reading its blocks (its parent's, its spliced
-    # histories') from disk now, so the worker thread's fetch, which stalls every running sequence
-    # while it waits, finds them read.
-    for backend in list(_LIVE_BACKENDS):
-        backend.prefetch(namespace)
-    return namespace
+    backends = [b for b in list(_LIVE_BACKENDS) if not getattr(b, "closed", False)]
+    if parent is not None and any(not b.may_fork(parent) for b in backends):
+        # Refused before any lookup, the same way for an unknown parent: nothing about the parent's
+        # history (or existence) reaches the client, through cached_tokens or otherwise.
+        raise ForkRefused(f"agent {agent_id!r} may not fork from {parent!r} on this server (fork_policy)")
+    route = Route(agent_id, parent, mode)
+    # The earliest moment we know the agent: start reading its blocks (and its parent's) from disk
+    # now, so the worker thread's fetch, which stalls every running sequence while it waits, finds
+    # them read.
+    for backend in backends:
+        backend.prefetch(route)
+    # One string reaches the backend (the seam carries it opaquely); it parses it back once.
+    return route.encode()

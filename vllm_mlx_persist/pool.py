@@ -39,12 +39,13 @@ from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .caches.kinds import Q4
-from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, same_branches
+from .chain import (Branch, Chains, Removal, branches_of, cut_branch, limit_branches, manifest_of, merge_branches,
+                    merge_removals, removal_of, removals_of, same_branches)
 from .commit import Commit
-from .disk_format import BlockData, Manifest
+from .disk_format import MAX_REMOVALS, BlockData, Manifest
 from .kv_edit import AMORTIZE, FORGET
 from .lookup import Found, Lookup, Match, whole_run
-from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of
+from .namespace import legacy_spliced, spliced_seed
 from .persister import Persister
 from .reads import Reads
 from .rotations import Segments
@@ -85,16 +86,20 @@ class BlockPool:
         read_ahead_bytes: Optional[int] = None,
         fleet: Optional[Callable[["BlockPool"], Any]] = None,
         clock: Callable[[], float] = time.time,
-        spliced_generations: int = 0,
+        removal_ttl_s: float = 30 * 86400.0,
+        fork_policy: str = "open",
     ):
         """`store`: the disk tier (None: memory only), written by a Persister built here with
         `disk_budget` and `persister_options`. `fleet`: builds the fleet tier's glue for this pool
         (fleet.Fleet), or None. `read_ahead_bytes`: read results waiting for their lookup, at most
         (default: a quarter of the hot budget, at least 64 MB). `clock`: wall-clock time of manifests,
-        last uses and the TTL (a test may move it on). `spliced_generations`: how many spliced
-        namespaces an agent may have (kv_edit.max_rotations; `spliced_namespaces`)."""
+        last uses and the TTL (a test may move it on). `removal_ttl_s`: how long an agent's record
+        keeps a forget's removal records (chain.Removal; at most MAX_REMOVALS of them). `fork_policy`:
+        which agents may be forked ("open": any but those set not forkable; "listed": only those set
+        forkable; "none"); see `may_fork`."""
         self.clock = clock
-        self.spliced_generations = spliced_generations
+        self.removal_ttl_s = removal_ttl_s
+        self.fork_policy = fork_policy
         self.fingerprint = fingerprint
         self.n_layers = n_layers
         # Default: every layer plain 4-bit attention (the pool's unit tests build it like that).
@@ -110,10 +115,10 @@ class BlockPool:
              "text_matches", "tokens_matched_by_text", "commit_replans", "kv_edit_forgets",
              "kv_edit_amortizes", "kv_edit_splices", "branches_superseded"], 0)
         self._lock = threading.RLock()
-        # request id -> [namespace, erased while in flight, tokens reused, epoch at its lookup]
+        # request id -> [namespace, erased while in flight, tokens reused, epoch and clock at its lookup]
         self._inflight: dict[str, list] = {}
         # request id -> (namespace, first superseded blocks) of a forget edit, until its turn commits
-        self._superseding: dict[str, tuple[str, set[str]]] = {}
+        self._superseding: dict[str, tuple[str, dict[str, Removal]]] = {}
         # Bumped whenever another thread than the worker changes agents (erasure, fleet adoption): a
         # commit planned before it is planned again.
         self.epoch = 0
@@ -186,16 +191,43 @@ class BlockPool:
         if self.persister is None:
             return 0
         manifests = sorted(self.persister.load(), key=lambda m: m.updated_at, reverse=True)
+        legacy: dict[str, list[tuple[Manifest, int]]] = {}  # agent -> its spliced histories' old manifests
         with self._lock:
             for m in manifests:
+                old = legacy_spliced(m.namespace)
+                if old is not None:
+                    legacy.setdefault(old[0], []).append((m, old[1]))
+                    continue
                 if self.agents.get(m.namespace) is not None:
                     continue
                 if self.fleet is not None:
                     self.fleet.loaded(m)  # the erasure its history follows survives the restart
-                agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at)
+                agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at, forkable=m.forkable,
+                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0)
                 self.table.name(agent, branches_of(m))
                 self.agents.add(agent, coldest=True)  # disk agents are the coldest
+            for name, old in legacy.items():
+                self._adopt_legacy(name, old)
             return len(self.agents.registry)
+
+    def _adopt_legacy(self, name: str, old: list[tuple[Manifest, int]]) -> None:
+        """(lock held, start-up) Spliced histories stored before the agent record, each as an agent of
+        its own (`name\0amortized:g`): they become the agent's branches of generation g (their ids
+        unchanged: their links name the same seeds), the record is saved with them, and then the old
+        manifests are erased (their blocks stay: the record's manifest names them)."""
+        agent = self.agents.get(name)
+        if agent is None:
+            agent = Agent(name, last_used=max(m.updated_at for m, _ in old))
+            self.agents.add(agent, coldest=True)
+        spliced = [replace(br, generation=g) for m, g in old for br in branches_of(m)]
+        spliced.sort(key=lambda br: br.last_used)
+        branches = limit_branches(agent.branches + spliced, self.max_branches)
+        self.table.name(agent, sorted(branches, key=lambda br: br.last_used))
+        if self.persister is not None:
+            self._save(agent, [], {}, [], [])
+            for m, _ in old:
+                self.persister.erase(m.namespace)
+        log.info("agent %r: %d spliced histories of the earlier layout moved into its record", name, len(old))
 
     def restore_hot_set(self) -> Optional[Future]:
         """After a restart, read the most recently used agents' blocks, in the order they were last
@@ -260,8 +292,6 @@ class BlockPool:
             # bounded, and before the lock; a fork's parent too (its copy may be of an erased
             # history), both syncs running at once
             names = [namespace] + ([fork_from] if fork_from and fork_from != namespace else [])
-            if edit == AMORTIZE:  # spliced histories another server made are candidates too
-                names += self.spliced_namespaces(namespace)
             for ns in names[1:]:
                 self.fleet.prefetch(ns)
             for ns in names:
@@ -269,7 +299,7 @@ class BlockPool:
         prompt = [int(t) for t in prompt]
         with self._lock:
             if request_id is not None and namespace is not None:
-                self._inflight[request_id] = [namespace, False, 0, self.epoch]
+                self._inflight[request_id] = [namespace, False, 0, self.epoch, self.clock()]
                 if self.persister is not None:
                     self.persister.begin_use(namespace)
             agent = self.agents.find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
@@ -279,20 +309,17 @@ class BlockPool:
                 return Match(None, 0, "miss")
             if agent is None:  # a new child: what it reads is counted by its parent until it commits
                 agent = Agent(namespace)
-            candidates = [(agent, br) for br in reversed(agent.branches)]
-            if parent is not None:
-                candidates += [(parent, br) for br in reversed(parent.branches)]
-            if edit == AMORTIZE and namespace is not None:  # only amortize requests see spliced histories
-                for ns in self._amortized_names(namespace):
-                    spliced = self.agents.get(ns)
-                    candidates += [(spliced, br) for br in reversed(spliced.branches)]
+            candidates = [(agent, br) for br in reversed(agent.honest)]
+            if parent is not None:  # a fork never sees its parent's spliced histories
+                candidates += [(parent, br) for br in reversed(parent.honest)]
+            if edit == AMORTIZE:  # only the agent's own amortize requests see its spliced histories
+                candidates += [(agent, br) for br in reversed(agent.branches) if br.spliced]
         found = self.lookup_.best(candidates, prompt)  # the lock is taken and released inside
         superseded = 0
         with self._lock:
             if edit == FORGET and request_id is not None:
                 self.stats["kv_edit_forgets"] += 1
                 superseded = self._supersede(agent, found, prompt, request_id)
-                self._drop_amortized(agent.namespace)  # spliced copies may hold what is forgotten
             if found is not None and found.n and found.src is agent:
                 at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
                 if at is not None:  # now the most recently used
@@ -353,61 +380,51 @@ class BlockPool:
 
     def _supersede(self, agent: Agent, found: Optional[Any], prompt: list[int], request_id: str) -> int:
         """(lock held) A forget edit: note the first block of the agent's own best branch that holds
-        content the prompt no longer has; returns how many of its branches name it."""
+        content the prompt no longer has (and of the branches tied with it), with the removal records
+        the fleet's merges apply (chain.Removal); returns how many of its branches name one. The
+        branches go, with the agent's spliced histories (they may copy what is removed), when the
+        turn commits or the request finishes without committing."""
         if found is None or found.src is not agent:
             return 0
         served = found.prompt if found.prompt is not None else prompt
-        bids = set()
+        bids: dict[str, Removal] = {}
+        now = self.clock()
         for f in [found] + [t for t in found.ties if t.src is agent]:
-            bid = superseded_block(f.branch, edit_point([got.tokens for got, _ in f.used], served), self.block_size)
+            point = edit_point([got.tokens for got, _ in f.used], served)
+            bid = superseded_block(f.branch, point, self.block_size)
             if bid is not None:
-                bids.add(bid)
+                i = point // self.block_size
+                tokens = f.used[i][0].tokens if i < len(f.used) else self.table.blocks[bid].tokens
+                bids[bid] = removal_of(f.branch, i, tokens, self.block_size, now)
         if not bids:
             return 0
         self._superseding[request_id] = (agent.namespace, bids)
         return len(agent.branches) - len(surviving(agent.branches, bids))
 
-    def _amortized_names_locked(self, namespace: str) -> list[str]:
-        with self._lock:
-            return self._amortized_names(namespace)
+    def forget_record(self, agent: Agent, branches: list[Branch], removals: dict[str, Removal]) -> list[Branch]:
+        """(lock held) A forget edit's removals entered in the agent's record: of `branches` (the
+        agent's), those naming a superseded block and every spliced one go (returns those kept), and
+        the removal records stay with the record, bounded (MAX_REMOVALS, `removal_ttl_s`), for the
+        fleet's merges."""
+        now = self.clock()
+        kept = surviving(branches, removals)
+        if any(br.spliced for br in kept):  # spliced copies may hold what is removed
+            agent.spliced_cleared = max(agent.spliced_cleared, now)
+            kept = [br for br in kept if not br.spliced]
+        agent.removals = merge_removals(agent.removals, list(removals.values()), MAX_REMOVALS, now - self.removal_ttl_s)
+        self.stats["branches_superseded"] += len(branches) - len(kept)
+        return kept
 
-    def spliced_namespaces(self, namespace: str) -> list[str]:
-        """Every spliced namespace the agent may have anywhere in the fleet: generations 1 to
-        `spliced_generations` (a generation is the highest rotation count of its histories, at most
-        max_rotations: backend._splice), so servers of one fleet share kv_edit.max_rotations."""
-        if amortized_of(namespace) is not None:
-            return []
-        return [amortized_namespace(namespace, g) for g in range(1, self.spliced_generations + 1)]
-
-    def _amortized_names(self, namespace: str) -> list[str]:
-        """(lock held) The agent's spliced histories known here (namespace.amortized_namespace)."""
-        prefix = namespace + AMORTIZED_SEPARATOR
-        return sorted(n for n in self.agents.registry if n.startswith(prefix))
-
-    def _drop_amortized(self, namespace: str) -> None:
-        """(lock held) Erase the agent's spliced histories, here, on disk and in Redis (queued, no
-        waiting): a forget edit's removed content may be held by one."""
-        # Those only other servers of the fleet made too: forgotten here even when unknown, so a
-        # sync of one that started before cannot bring it back.
-        for ns in sorted(set(self._amortized_names(namespace)) | set(self.spliced_namespaces(namespace))):
-            self._forget(ns)
-            if self.persister is not None:
-                self.persister.erase(ns)
-            if self.fleet is not None:
-                self.fleet.erase_queued(ns)
-
-    def _drop_superseded(self, namespace: str, bids: set[str]) -> None:
-        """(lock held) A forget edit whose turn did not commit: drop the superseded branches now."""
+    def _drop_superseded(self, namespace: str, removals: dict[str, Removal]) -> None:
+        """(lock held) A forget edit whose turn did not commit: drop the superseded branches now, and
+        keep the removal in the record, saved and published like a turn."""
         agent = self.agents.get(namespace)
         if agent is None:
             return
         before = list(agent.branches)
-        kept = surviving(before, bids)
-        if len(kept) == len(before):
-            return
-        self.stats["branches_superseded"] += len(before) - len(kept)
+        kept = self.forget_record(agent, before, removals)
         self.epoch += 1  # commits planned on those blocks plan again
-        if not kept:  # nothing left: the agent goes, locally (its next turn starts a new history)
+        if not kept and self.fleet is None:  # nothing left, nothing to tell: the agent goes, locally
             self._forget(namespace)
             if self.persister is not None:
                 self.persister.erase(namespace)
@@ -427,11 +444,11 @@ class BlockPool:
     # ---- commit ---------------------------------------------------------------------------------
 
     def commit(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-               request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False,
+               request_id: Optional[str] = None, fork_from: Optional[str] = None, generation: int = 0,
                rotations: Segments = ()) -> int:
         """`commit_async`, then (with durable writes) wait up to `write_timeout_s` for the disk.
         Returns the number of tokens now cached."""
-        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from, spliced, rotations)
+        n, future = self.commit_async(namespace, tokens, cache, request_id, fork_from, generation, rotations)
         if future is not None and self.durable_writes:
             try:
                 if not future.result(self.write_timeout_s):
@@ -441,7 +458,7 @@ class BlockPool:
         return n
 
     def commit_async(self, namespace: Optional[str], tokens: Sequence[int], cache: list,
-                     request_id: Optional[str] = None, fork_from: Optional[str] = None, spliced: bool = False,
+                     request_id: Optional[str] = None, fork_from: Optional[str] = None, generation: int = 0,
                      rotations: Segments = ()) -> tuple[int, Optional[Future]]:
         """Make `namespace`'s cache cover `tokens` (prompt + output) from an extracted cache.
 
@@ -454,7 +471,8 @@ class BlockPool:
         persister, which never makes this thread wait (a full write queue drops the save, counted;
         the blocks stay unsaved in memory and the agent's next save writes them). Returns (tokens
         now cached, the save's future: True once the turn is durable, False if it failed; None
-        when nothing is written). `spliced`, `rotations`: a spliced history's turn (backend._splice).
+        when nothing is written). `generation`, `rotations`: a spliced history's turn (kv_edit): the
+        agent's branch of that generation (chain.Branch), never seen by its exact requests.
         """
         n_valid = self.codec.length(cache)
         if not 0 <= len(tokens) - n_valid <= 1:
@@ -466,21 +484,22 @@ class BlockPool:
         if n_valid == 0:
             return 0, None
         with self._lock:  # a forget edit's superseded branches go with this turn (else at finish())
-            drop = self._superseding.get(request_id, (None, None))[1] if request_id is not None else None
+            removals = self._superseding.get(request_id, (None, None))[1] if request_id is not None else None
         for _ in range(COMMIT_ATTEMPTS):
             with self._lock:
                 inflight = self._inflight.get(request_id) if request_id is not None else None
                 if inflight is not None and inflight[1]:
                     return 0, None  # erased while this request ran: its turn must not bring it back
-                if inflight is not None and self._erased.get(namespace, -1) > inflight[3]:
-                    return 0, None  # a spliced history erased since the lookup (a forget): not brought back
                 if namespace is None:
                     agent = self.agents.anonymous_slot(tokens)
                 else:
                     agent = self.agents.get(namespace) or Agent(namespace)
+                if generation and inflight is not None and (agent.spliced_cleared >= inflight[4]
+                                                            or self._erased.get(namespace, -1) > inflight[3]):
+                    return 0, None  # a forget dropped the agent's spliced histories (or all of it) since the lookup
                 # A spliced cache holds no stored block bit for bit (its lookup was another agent's).
-                reused = inflight[2] if inflight and not spliced else 0
-                plan = self.committer.plan(agent, tokens, fork_from, reused, self.epoch, rotations)
+                reused = inflight[2] if inflight and not generation else 0
+                plan = self.committer.plan(agent, tokens, fork_from, reused, self.epoch, rotations, generation)
             built = self.committer.build(plan, cache)  # MLX, no lock
             with self._lock:
                 if inflight is not None and inflight[1]:
@@ -488,8 +507,9 @@ class BlockPool:
                 if self.committer.stale(plan, self.epoch):
                     self.stats["commit_replans"] += 1
                     continue
-                dead, future = self.committer.install(plan, built, drop)
-                if drop is not None:
+                forget = None if removals is None else (lambda kept: self.forget_record(agent, kept, removals))
+                dead, future = self.committer.install(plan, built, forget)
+                if removals is not None:
                     self._superseding.pop(request_id, None)
                     self.epoch += 1  # other commits planned on the superseded blocks plan again
                     self._drop_remote(dead, future)
@@ -502,10 +522,22 @@ class BlockPool:
     def _save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str],
               before: list[Branch]) -> Future:
         """(lock held) Queue the agent's manifest after the blocks it names that are not durable yet
-        (`before`: its branches before the turn, what the fleet tier's put continues). The manifest
-        is dated by the turn's branch's last use, which is what a plain manifest's branch reads back."""
-        manifest = self._stamped(manifest_of(agent.namespace, agent.branches, agent.pinned,
-                                             agent.branches[-1].last_used if agent.branches else self.clock()))
+        (`blocks`, with their numpy copies in `datas`; `before`: its branches before the turn, what
+        the fleet tier's put continues). The manifest is dated by the turn's branch's last use, which
+        is what a plain manifest's branch reads back. A branch naming an unsaved block that neither
+        `blocks` nor a queued save carries (an earlier turn's failed save) is cut before it in the
+        manifest, which never names a block that may not reach the disk; memory keeps it, and the
+        agent's next turn writes it."""
+        carried = {b.block_id for b in blocks}
+
+        def on_disk(bid: str) -> bool:
+            block = self.table.blocks.get(bid)
+            return (block is None or block.state != BlockState.PENDING or bid in carried
+                    or self.persister.saving(bid))
+
+        branches = [br for br in (_cut_at(br, on_disk, self.block_size) for br in agent.branches) if br.block_ids]
+        manifest = self._stamped(self._manifest(agent, branches,
+                                                agent.branches[-1].last_used if agent.branches else self.clock()))
         base = manifest_of(agent.namespace, before, agent.pinned) if before else None
         data = [datas[b.block_id] for b in blocks]
         stats = self.stats
@@ -525,6 +557,12 @@ class BlockPool:
         future = self.persister.save(manifest, data, dead, on_durable)
         future.add_done_callback(count_failure)
         return future
+
+    def _manifest(self, agent: Agent, branches: Optional[list[Branch]] = None, now: Optional[float] = None) -> Manifest:
+        """(lock held) The agent's record as a manifest (chain.manifest_of): its branches (or
+        `branches`), pin, fork permission and removal records."""
+        return manifest_of(agent.namespace, agent.branches if branches is None else branches, agent.pinned, now,
+                           removals=agent.removals, spliced_cleared=agent.spliced_cleared, forkable=agent.forkable)
 
     def _stamped(self, manifest: Manifest) -> Manifest:
         """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md, Erasure)."""
@@ -561,9 +599,13 @@ class BlockPool:
                 "tier": "hot" if hot == n_blocks else ("disk" if hot == 0 else "partial"),
                 "pinned": agent.pinned,
                 "last_used": agent.last_used,
-                "branches": [br.n_tokens for br in reversed(agent.branches)],  # most recent first
+                "branches": [br.n_tokens for br in reversed(agent.honest)],  # most recent first
+                "spliced_branches": [{"tokens": br.n_tokens, "generation": br.generation}
+                                     for br in reversed(agent.branches) if br.spliced],
                 "shared_blocks": sum(1 for b in agent.ids if self.table.refs.get(b, 0) > 1),
-                "forked_from": sorted({ns for br in agent.branches for _, ns in br.links} - {namespace}),
+                "forked_from": sorted({ns for br in agent.honest for _, ns in br.links} - {namespace}),
+                "forkable": self._may_fork_locked(agent),
+                "removals": len(agent.removals),
             }
         if self.fleet is not None:
             info["remote"] = self.fleet.agent_info(namespace)
@@ -574,8 +616,7 @@ class BlockPool:
         """One page of agents ordered by id: up to `limit` whose ids sort after `after`, and whether
         more follow. Id order keeps pages stable while agents are used (recency would reshuffle them)."""
         with self._lock:
-            names = sorted(n for n in self.agents.registry
-                           if (after is None or n > after) and AMORTIZED_SEPARATOR not in n)
+            names = sorted(n for n in self.agents.registry if after is None or n > after)
         page = [i for i in map(self.agent_info, names[:limit]) if i is not None]
         return page, len(names) > limit
 
@@ -583,18 +624,11 @@ class BlockPool:
         """Forget an agent in memory and on disk (durable when this returns), under every model
         directory of the cache root; False if unknown.
 
-        A request of the agent still running when this is called will not store its turn. Blocks
-        its forks share stay, in memory and on disk, as long as a fork names them. With a fleet
-        tier and `fleet_wide`, the agent is then erased from Redis too (queued).
+        The whole record goes: every branch, honest and spliced, its pin and its removal records. A
+        request of the agent still running when this is called will not store its turn. Blocks its
+        forks share stay, in memory and on disk, as long as a fork names them. With a fleet tier and
+        `fleet_wide`, the agent is then erased from Redis too (queued).
         """
-        known = self._amortized_names_locked(namespace)
-        for ns in known:  # its spliced histories go with it
-            self.erase(ns, timeout, fleet_wide)
-        for ns in set(self.spliced_namespaces(namespace)) - set(known):  # and those only other servers made:
-            with self._lock:  # forgotten even unknown, so a sync of one that started before cannot bring it back
-                self._forget(ns)
-            if fleet_wide and self.fleet is not None:
-                self.fleet.erase_queued(ns)
         with self._lock:
             known = self._forget(namespace)
             for entry in self._inflight.values():
@@ -607,6 +641,33 @@ class BlockPool:
         if fleet_wide and self.fleet is not None:  # after the local save jobs: their uploads are queued
             known = self.fleet.erase(namespace) or known
         return known
+
+    def may_fork(self, parent: str) -> bool:
+        """Whether a request may fork `parent` (`fork_policy`, and the parent's own setting). An
+        unknown parent is answered like a known one under the policy, so the answer tells nothing
+        of which agents exist. Any thread, no I/O."""
+        with self._lock:
+            return self._may_fork_locked(self.agents.get(parent))
+
+    def _may_fork_locked(self, agent: Optional[Agent]) -> bool:
+        if self.fork_policy == "none":
+            return False
+        if agent is None or agent.forkable is None:
+            return self.fork_policy == "open"
+        return agent.forkable
+
+    def set_forkable(self, namespace: str, forkable: Optional[bool], timeout: Optional[float] = 60.0) -> bool:
+        """Let other agents fork this one (True), forbid it (False) or leave it to `fork_policy`
+        (None); saved with the record (its manifest). False if the agent is unknown."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            if agent is None:
+                return False
+            agent.forkable = forkable
+            future = self._save(agent, [], {}, [], list(agent.branches)) if self.persister is not None else None
+        if future is not None:
+            future.result(timeout)
+        return True
 
     def set_pinned(self, namespace: str, pinned: bool, timeout: Optional[float] = 60.0) -> bool:
         """Pin (exempt from hot eviction, the disk budget and the TTL) or unpin; False if unknown."""
@@ -829,3 +890,11 @@ class BlockPool:
         if self.persister is not None:
             out.update(self.persister.stats())
         return out
+
+
+def _cut_at(branch: Branch, keep: Callable[[str], bool], block_size: int) -> Branch:
+    """`branch` up to its first block `keep` refuses."""
+    for i, bid in enumerate(branch.block_ids):
+        if not keep(bid):
+            return cut_branch(branch, i, block_size)
+    return branch

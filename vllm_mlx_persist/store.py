@@ -30,6 +30,7 @@ from .disk_format import (AGENTS_DIR, BLOCK_ID_RE, BLOCK_SUFFIX, BLOCKS_DIR, DIR
                           block_relpath, canonical_json, decode_block, decode_manifest, decode_model_json,
                           described_size, encode_manifest, encode_model_json, header_length, lenient_block_ids,
                           manifest_name, MANIFEST_SUFFIX, FormatError)
+from .namespace import LEGACY_GENERATIONS, spliced_seed
 
 logger = logging.getLogger("vllm_mlx_persist.store")
 
@@ -816,26 +817,32 @@ def erase_agent_files(model_dir: Path, namespace: str) -> int:
     no manifest there. Nothing else may write the directory meanwhile (its server's persister
     thread, or the root's lock held offline)."""
     agents_dir, blocks_dir = Path(model_dir) / AGENTS_DIR, Path(model_dir) / BLOCKS_DIR
-    target = agents_dir / manifest_name(namespace)
-    mine = _lenient_block_ids(target)
-    if mine is None:
+    # The agent's record, and its spliced histories as the layout before the record kept them: each
+    # under a manifest of its own (namespace.legacy_spliced), a directory no server has migrated yet.
+    targets = {manifest_name(ns) for ns in [namespace] + [spliced_seed(namespace, g)
+                                                          for g in range(1, LEGACY_GENERATIONS + 1)]}
+    found = {t: _lenient_block_ids(agents_dir / t) for t in targets}
+    found = {t: ids for t, ids in found.items() if ids is not None}
+    if not found:
         return -1
+    mine = set().union(*found.values())
     others: set[str] = set()
     try:
-        names = [e.name for e in os.scandir(agents_dir) if e.name.endswith(MANIFEST_SUFFIX) and e.name != target.name]
+        names = [e.name for e in os.scandir(agents_dir) if e.name.endswith(MANIFEST_SUFFIX) and e.name not in found]
     except OSError:
         names = []
     for name in names:
         others.update(_lenient_block_ids(agents_dir / name) or ())
     freed = 0
-    try:
-        freed += os.lstat(target).st_size
-        os.unlink(target)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # a directory where a manifest should be: moved out of the way, then removed
-        logger.warning("erasing %s: %s", target, e)
-        shutil.rmtree(target, ignore_errors=True)
+    for target in (agents_dir / t for t in found):
+        try:
+            freed += os.lstat(target).st_size
+            os.unlink(target)
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a directory where a manifest should be: moved out of the way, then removed
+            logger.warning("erasing %s: %s", target, e)
+            shutil.rmtree(target, ignore_errors=True)
     shards = set()
     for bid in mine - others:
         path = blocks_dir / block_relpath(bid)
