@@ -136,7 +136,7 @@ def test_agent_moves_to_another_server_with_zero_reprefill(fleet):
     stats = remote(b)
     assert stats["agents_fetched"] >= 1 and stats["blocks_fetched"] >= moved.prompts[1] // BLOCK, stats
     assert stats["refused"] == 0 and stats["authenticated"] and stats["key_id"] == remote(a)["key_id"]
-    assert stats["keyspace"].endswith(f":r2:k{stats['key_id']}:") and SECRET not in json.dumps(stats)
+    assert stats["keyspace"].endswith(f":r3:k{stats['key_id']}:") and SECRET not in json.dumps(stats)
     value = rds.client().get(stats["keyspace"] + "b:" + manifest(rds, "moved")["body"]["block_ids"][0])
     assert value[-40:-32] == b"vmp-hmac"  # the block file, then its MAC
     # B's turn 3 reached Redis too; back on A, turn 4 reuses it (A fetches only B's new blocks)

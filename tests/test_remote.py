@@ -529,7 +529,7 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
         fleet._sync_agent("big")
         assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1
         assert fleet.counts["blocks_fetched"] == 3
-        ((ids, n_tokens, _, _),) = pool.branch_state("big")
+        ((ids, n_tokens, _, _, _),) = pool.branch_state("big")
         assert list(ids) == [x.block_id for x in hist[:3]] and n_tokens == 3 * TOKENS_PER_BLOCK
         assert all(persister.store.has_block(x.block_id) for x in hist[:3])
     finally:
@@ -742,15 +742,16 @@ def test_two_remote_format_versions_coexist(server, fp, tiers, monkeypatch):
 
 
 def test_the_remote_version_pins_what_its_keyspace_holds():
-    """A tripwire: keyspace r2 holds disk_format FORMAT_VERSION 1 blocks checked by crc32 or sha256, and
-    every r2 reader accepts exactly those. A build that writes anything else must bump
-    REMOTE_FORMAT_VERSION (docs/fleet.md, Versions), or it deletes, or is deleted by, its peers."""
+    """A tripwire: keyspace r3 holds disk_format FORMAT_VERSION 1 blocks checked by crc32 or sha256 and
+    agent records (spliced branches, removal records), and every r3 reader accepts exactly those. A
+    build that writes anything else must bump REMOTE_FORMAT_VERSION (docs/fleet.md, Versions), or it
+    deletes, or is deleted by, its peers."""
     import vllm_mlx_persist.remote as remote
     from vllm_mlx_persist import disk_format
 
     raw = encode_block(chain("f" * 64, "t", 1)[0])
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
-    assert (disk_format.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 2), "bump REMOTE_FORMAT_VERSION"
+    assert (disk_format.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 3), "bump REMOTE_FORMAT_VERSION"
     assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
 
 
@@ -1005,9 +1006,11 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
         pool.close()
 
 
-# The last build before eras (r2, like this one): manifests, in Redis and on disk, without `era`.
+# The last build before eras (r2): manifests, in Redis and on disk, without `era`.
 PRE_ERA_BUILD = "8f65fcc"
-PRE_ERA_SCRIPT = """
+# The last build before the agent record (r2): spliced histories as agents of their own.
+PRE_RECORD_BUILD = "0cf79ac"
+OLD_READER_SCRIPT = """
 import json, sys
 from vllm_mlx_persist.remote import RemoteTier
 from vllm_mlx_persist.store import DiskStore
@@ -1022,9 +1025,19 @@ t.close(2)
 """
 
 
+def _old_reader(old: Path, server, fp, root: Path) -> dict:
+    """What an older build (extracted at `old`) reads of agent x in Redis and under the cache `root`."""
+    done = subprocess.run([sys.executable, "-c", OLD_READER_SCRIPT, server.url, fp, str(root),
+                           SECRET.decode(), str(TOKENS_PER_BLOCK)], capture_output=True, text=True, timeout=120,
+                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_a_build_from_before_eras_reads_manifests_that_carry_one(server, fp, tiers, tmp_path):
-    """`era` is an optional field (docs/disk-format.md, Versioning; docs/fleet.md, Versions): the r2
-    build before it reads a manifest carrying one, in Redis and on disk, as it reads any other."""
+    """`era` is an optional field of a version-1 manifest on disk (docs/disk-format.md, Versioning):
+    the build before it reads one carrying it as any other. In Redis the record (r3) is another
+    keyspace (docs/fleet.md, Versions): an r2 build sees nothing of it and refuses nothing."""
     hist = chain(fp, "x", 2)
     a = tiers(server.url, fp, secret=SECRET)
     assert a.erase("x") and a.put(manifest("x", hist), {b.block_id: b for b in hist}) and a.flush(10)
@@ -1035,15 +1048,32 @@ def test_a_build_from_before_eras_reads_manifests_that_carry_one(server, fp, tie
     m.era = a.era("x")
     DiskStore(tmp_path / "cache", fp, {"test": True}, fmt).write_manifest(m)
     on_disk = next((tmp_path / "cache").glob("*/agents/*.json")).read_text()
-    assert json.loads(on_disk)["era"] == a.era("x")
-    old = old_build(tmp_path, PRE_ERA_BUILD, "the build before eras")
-    done = subprocess.run([sys.executable, "-c", PRE_ERA_SCRIPT, server.url, fp, str(tmp_path / "cache"),
-                           SECRET.decode(), str(TOKENS_PER_BLOCK)], capture_output=True, text=True, timeout=120,
-                          cwd=old, env={**os.environ, "PYTHONPATH": str(old)})
-    assert done.returncode == 0, done.stderr[-2000:]
-    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert json.loads(on_disk)["era"] == a.era("x") and json.loads(on_disk)["format_version"] == 1
+    seen = _old_reader(old_build(tmp_path, PRE_ERA_BUILD, "the build before eras"), server, fp, tmp_path / "cache")
     ids = [b.block_id for b in hist]
-    assert seen == {"remote": [ids, 2 * TOKENS_PER_BLOCK, False], "refused": 0, "local": [ids, 2 * TOKENS_PER_BLOCK]}
+    assert seen == {"remote": None, "refused": 0, "local": [ids, 2 * TOKENS_PER_BLOCK]}
+
+
+def test_a_build_from_before_the_agent_record_refuses_a_record_with_spliced_branches(server, fp, tmp_path):
+    """A manifest holding a spliced branch is version 2 on disk: the build before the agent record
+    (which would take it for an honest history and serve it to exact requests) refuses it as a bad
+    file, a cache loss and never spliced K/V served as prefilled. A plain one it still reads."""
+    from vllm_mlx_persist.chain import Branch, manifest_of
+
+    hist = chain(fp, "x", 2)
+    ids = [b.block_id for b in hist]
+    fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+    store = DiskStore(tmp_path / "cache", fp, {"test": True}, fmt)
+    for b in hist:
+        store.write_block(b)
+    plain = Branch(ids, 2 * TOKENS_PER_BLOCK, ((0, "x"),), 1.0)
+    store.write_manifest(manifest_of("x", [plain], False, 1.0))
+    old = old_build(tmp_path, PRE_RECORD_BUILD, "the build before the agent record")
+    assert _old_reader(old, server, fp, tmp_path / "cache")["local"] == [ids, 2 * TOKENS_PER_BLOCK]
+    spliced = Branch(ids, 2 * TOKENS_PER_BLOCK, ((0, "x"), (1, "x\0amortized:1")), 2.0, (), 1)
+    store.write_manifest(manifest_of("x", [plain, spliced], False, 2.0))
+    assert json.loads(next((tmp_path / "cache").glob("*/agents/*.json")).read_text())["format_version"] == 2
+    assert _old_reader(old, server, fp, tmp_path / "cache")["local"] is None
 
 
 def fleet_pool(fp: str, root: Path, make_tier):

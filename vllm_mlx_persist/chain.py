@@ -105,6 +105,16 @@ def merge_removals(a: Sequence[Removal], b: Sequence[Removal], limit: int, since
     return tuple(sorted(by_block.values(), key=lambda r: r.at)[-limit:]) if limit > 0 else ()
 
 
+@dataclass(frozen=True)
+class Copy:
+    """Another copy of an agent's record (the fleet's, in Redis) to merge with this server's: its
+    branches (least recently used first), removal records and spliced_cleared."""
+
+    branches: tuple[Branch, ...]
+    removals: tuple[Removal, ...] = ()
+    spliced_cleared: float = 0.0
+
+
 def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], spliced_cleared: float,
                        tokens_of: Callable[[str], Optional[Sequence[int]]]) -> list[Branch]:
     """`branches` without those holding removed content (`removals`), nor spliced ones used at or

@@ -38,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Callable, Optional
 
-from .chain import Branch, branch_of, cut_branch
+from .chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
 from .remote import RemoteManifest, RemoteTier
 from .disk_format import BlockData, Manifest
 
@@ -218,17 +218,19 @@ class Fleet:
         if rm.outdated:  # from before the erasure this server's copies follow: none of it may come back
             self._count("syncs_outdated")
             return False
-        remote = self._branches(rm)
-        # Every branch there already held here, as recently used: no block is read, and this server
-        # now holds that version (its next put succeeds it).
-        if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version)):
+        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared)
+        tokens = self._tokens(pool.removal_blocks(namespace, remote))  # read ahead: no read under the lock
+        # Every branch there already held here, as recently used, and every removal: no block is
+        # read, and this server now holds that version (its next put succeeds it).
+        if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version), tokens):
             self._count("syncs_unchanged")
             return False
-        branches, blocks, complete = self._fetch(rm, remote)
-        if not branches:
+        branches, blocks, complete = self._fetch(rm, list(remote.branches))
+        if not branches and not remote.removals and not remote.spliced_cleared:
             return False
         version = rm.version if complete else None
-        fut = pool.save_fetched(namespace, branches, blocks, expect, lambda adopted: self._adopted(adopted, version))
+        fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared), blocks,
+                                expect, lambda adopted: self._adopted(adopted, version), tokens)
         with self._lock:
             self.counts["blocks_fetched"] += len(blocks)
         try:
@@ -240,9 +242,22 @@ class Fleet:
         return False
 
     def _branches(self, rm: RemoteManifest) -> list[Branch]:
-        """The manifest's branches, least recently used first (at most the pool's `branches`, the
-        most recent); one without a last use counts as used when the manifest was written."""
-        return [branch_of(e, rm.namespace, rm.updated_at) for e in rm.branches[-self.pool.max_branches:]]
+        """The manifest's branches, least recently used first (at most the pool's `branches` honest
+        ones and as many spliced ones, the most recent), without those its own removal records
+        remove; one without a last use counts as used when the manifest was written."""
+        branches = [branch_of(e, rm.namespace, rm.updated_at) for e in rm.branches]
+        return limit_branches(surviving_removals(branches, rm.removals, rm.spliced_cleared, lambda b: None),
+                              self.pool.max_branches)
+
+    def _tokens(self, block_ids: list[str]) -> dict[str, list[int]]:
+        """The tokens of these local blocks, read from the local disk (a removal's tail needs them)."""
+        out = {}
+        for bid in block_ids:
+            try:
+                out[bid] = self.pool.store.read_block(bid).tokens.tolist()
+            except Exception:  # unreadable: the merge then tells by ids alone
+                continue
+        return out
 
     def _fetch(self, rm: RemoteManifest, remote: list[Branch]) -> tuple[list[Branch], list[BlockData], bool]:
         """Fetch what the local disk lacks of the manifest's branches (`remote`; newest first: it

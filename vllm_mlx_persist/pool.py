@@ -39,8 +39,8 @@ from .blocks import Agent, Block, BlockState, BlockTable
 from .caches import ModelCodec
 from .caches.codec import WIN_FROM
 from .caches.kinds import Q4
-from .chain import (Branch, Chains, Removal, branches_of, cut_branch, limit_branches, manifest_of, merge_branches,
-                    merge_removals, removal_of, removals_of, same_branches)
+from .chain import (Branch, Chains, Copy, Removal, branches_of, cut_branch, limit_branches, manifest_of,
+                    merge_branches, merge_removals, removal_of, removals_of, same_branches, surviving_removals)
 from .commit import Commit
 from .disk_format import MAX_REMOVALS, BlockData, Manifest
 from .kv_edit import AMORTIZE, FORGET
@@ -715,49 +715,83 @@ class BlockPool:
         (the last is the most recent; () when every branch was cut), or None if unknown; any thread."""
         with self._lock:
             agent = self.agents.get(namespace)
-            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links, br.last_used)
-                                                    for br in agent.branches)
+            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links, br.last_used,
+                                                     br.generation) for br in agent.branches)
 
     def agent_version(self, namespace: str) -> tuple:
-        """What `save_fetched` compares: when the agent was last erased, and its branches (their
-        last uses included: a lookup since changes it)."""
+        """What `save_fetched` compares: when the agent was last erased, its branches (their last
+        uses included: a lookup since changes it) and its removal records."""
         with self._lock:
-            return self._erased.get(namespace, 0), self.branch_state(namespace)
+            agent = self.agents.get(namespace)
+            removals = (agent.removals, agent.spliced_cleared) if agent is not None else None
+            return self._erased.get(namespace, 0), self.branch_state(namespace), removals
 
-    def holds(self, namespace: str, expect: tuple, remote: list[Branch], then: Callable[[], None]) -> bool:
-        """Whether the agent is still as `expect` and already holds every branch of `remote` (a
-        history in the fleet tier) as recently used: merging them would change nothing. If so,
-        `then()` runs under the lock (so no erasure comes between; it must not wait). No I/O."""
+    def holds(self, namespace: str, expect: tuple, remote: Copy, then: Callable[[], None],
+              tokens: Optional[dict] = None) -> bool:
+        """Whether the agent is still as `expect` and merging `remote` (a copy of its record in the
+        fleet tier) would change nothing: it holds every branch of it as recently used, and every
+        removal record. If so, `then()` runs under the lock (so no erasure comes between; it must
+        not wait). `tokens`: block id -> tokens read ahead for removal records (`removal_blocks`).
+        No I/O."""
+        if not isinstance(remote, Copy):
+            remote = Copy(tuple(remote))
         with self._lock:
             agent = self.agents.get(namespace)
             if agent is None or self.agent_version(namespace) != expect:
                 return False
-            if not same_branches(self._merge_fetched(agent.branches, remote, {}), agent.branches):
+            branches, removals, cleared = self._merge_fetched(agent, remote, {}, tokens or {})
+            if (not same_branches(branches, agent.branches) or set(removals) != set(agent.removals)
+                    or cleared != agent.spliced_cleared):
                 return False
             then()
             return True
 
-    def save_fetched(self, namespace: str, fetched: list[Branch], blocks: list[BlockData], expect: tuple,
-                     on_done: Callable) -> Optional[Future]:
-        """Save a history fetched from the fleet (`fetched`: its branches, least recently used
-        first; `blocks`: those the local disk lacks) merged with the agent's local branches (see
-        `_merge_fetched`), and once durable make it the agent's branches with COLD blocks, provided
-        the agent is still as `expect` (`agent_version` before the fetch: an erasure since, even of
-        an agent unknown here, refuses it). `on_done(manifest or None)` runs on the persister
-        thread, in order with every other write. None when the agent changed."""
+    def removal_blocks(self, namespace: str, remote: Copy) -> list[str]:
+        """The blocks whose tokens the merge with `remote` needs to tell whether a branch grew a
+        removed partial tail (chain.Removal.tail), that no fetched block nor memory holds: the fleet
+        reads them from the local disk before it merges. Any thread, no I/O."""
+        with self._lock:
+            agent = self.agents.get(namespace)
+            removals = [r for r in (*(agent.removals if agent else ()), *remote.removals) if r.tail]
+            if not removals:
+                return []
+            wanted = set()
+            for br in [*(agent.branches if agent else ()), *remote.branches]:
+                for r in removals:
+                    i = r.index
+                    if len(br.block_ids) > i and (br.block_ids[i - 1] if i else None) == r.prev:
+                        block = self.table.blocks.get(br.block_ids[i])
+                        if block is None or not block.tokens:
+                            wanted.add(br.block_ids[i])
+            return sorted(wanted)
+
+    def save_fetched(self, namespace: str, fetched: Copy, blocks: list[BlockData], expect: tuple,
+                     on_done: Callable, tokens: Optional[dict] = None) -> Optional[Future]:
+        """Save a copy of the agent's record fetched from the fleet (`fetched`: its branches, least
+        recently used first, and removal records; `blocks`: those the local disk lacks) merged with
+        the agent's local record (see `_merge_fetched`), and once durable make it the agent's
+        record with COLD blocks, provided the agent is still as `expect` (`agent_version` before
+        the fetch: an erasure since, even of an agent unknown here, refuses it). `on_done(manifest
+        or None)` runs on the persister thread, in order with every other write. None when the
+        agent changed."""
+        if not isinstance(fetched, Copy):  # a plain list of branches: a copy without removal records
+            fetched = Copy(tuple(fetched))
         with self._lock:  # commits queue their saves under the lock too: the order is the pool's
             if self.persister is None or self.agent_version(namespace) != expect:
                 return None
             agent = self.agents.get(namespace)
             data = {d.block_id: d for d in blocks}
-            branches = self._merge_fetched(agent.branches if agent is not None else [], fetched, data)
-            manifest = self._stamped(manifest_of(namespace, branches, agent is not None and agent.pinned, self.clock()))
+            record = Agent(namespace) if agent is None else agent
+            merged = self._merge_fetched(record, fetched, data, tokens or {})
+            branches, removals, cleared = merged
+            manifest = self._stamped(manifest_of(namespace, branches, record.pinned, self.clock(), removals=removals,
+                                                 spliced_cleared=cleared, forkable=record.forkable))
             named = set(manifest.block_ids)
             blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
             def on_durable() -> None:  # persister thread; on_done must not raise
                 try:
-                    adopted = self._adopt_fetched(namespace, branches, expect)
+                    adopted = self._adopt_fetched(namespace, merged, expect)
                 except Exception:
                     log.exception("agent %r: registering its fetched history failed", namespace)
                     adopted = False
@@ -765,23 +799,31 @@ class BlockPool:
 
             return self.persister.save(manifest, blocks, [], on_durable)
 
-    def _merge_fetched(self, local: list[Branch], fetched: list[Branch], data: dict[str, BlockData]) -> list[Branch]:
-        """(lock held) The agent's branches merged with a fetched history's, by recency
-        (chain.merge_branches): a branch another holds goes, the `branches` most recently used stay,
-        from either side. A partial tail another branch grew is recognised by the tokens at hand
-        (`data`: fetched blocks; blocks in memory), never by a read."""
+    def _merge_fetched(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
+                       ) -> tuple[list[Branch], tuple[Removal, ...], float]:
+        """(lock held) The agent's record merged with a fetched copy: branches by recency
+        (chain.merge_branches: a branch another holds goes, the `branches` most recently used stay,
+        from either side, honest and spliced apart), then every branch either side's removal records
+        remove (chain.surviving_removals: removals win over every older copy). A partial tail
+        another branch grew is recognised by the tokens at hand (`data`: fetched blocks; blocks in
+        memory; `tokens`: read ahead from disk), never by a read."""
         def tokens_of(bid: str) -> Optional[Sequence[int]]:
             got = data.get(bid)
             if got is not None:
                 return got.tokens
             block = self.table.blocks.get(bid)
-            return block.tokens if block is not None and block.tokens else None
+            return block.tokens if block is not None and block.tokens else tokens.get(bid)
 
-        return merge_branches(local, fetched, self.max_branches, lambda c, b: self.chains.grew(c, b, tokens_of),
-                              continued=not self.codec.window_names())
+        removals = merge_removals(agent.removals, fetched.removals, MAX_REMOVALS, self.clock() - self.removal_ttl_s)
+        cleared = max(agent.spliced_cleared, fetched.spliced_cleared)
+        branches = merge_branches(agent.branches, list(fetched.branches), self.max_branches,
+                                  lambda c, b: self.chains.grew(c, b, tokens_of),
+                                  continued=not self.codec.window_names())
+        return surviving_removals(branches, removals, cleared, tokens_of), removals, cleared
 
-    def _adopt_fetched(self, namespace: str, branches: list[Branch], expect: tuple) -> bool:
-        """Give the agent its merged branches with COLD blocks (blocks still hot stay hot)."""
+    def _adopt_fetched(self, namespace: str, merged: tuple, expect: tuple) -> bool:
+        """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
+        branches, removals, cleared = merged
         with self._lock:
             if self.agent_version(namespace) != expect:
                 return False  # a turn, an erasure or a cut since: the pool's own state stands
@@ -789,6 +831,7 @@ class BlockPool:
             if agent is None:
                 agent = Agent(namespace)
                 self.agents.add(agent)
+            agent.removals, agent.spliced_cleared = removals, cleared
             self.table.name(agent, branches)
             self._touch(agent)
             self.epoch += 1

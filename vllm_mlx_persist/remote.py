@@ -70,10 +70,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
-from .chain import branches_of, manifest_of, merge_branches, same_branches
-from .disk_format import (BLOCK_FORMAT, FORMAT_VERSION, BlockData, FormatError, Manifest, agent_key,
-                          block_metadata, canonical_json, check_block_id, check_branches, check_era, decode_block,
-                          encode_block, header_length)
+from .chain import (Removal, branches_of, manifest_of, merge_branches, merge_removals, removals_of,
+                    same_branches, surviving_removals)
+from .disk_format import (BLOCK_FORMAT, FORMAT_VERSION, MAX_REMOVALS, BlockData, FormatError, Manifest, agent_key,
+                          block_metadata, canonical_json, check_block_id, check_branches, check_era, check_removals,
+                          decode_block, encode_block, header_length)
 
 logger = logging.getLogger("vllm_mlx_persist.remote")
 
@@ -83,7 +84,9 @@ logger = logging.getLogger("vllm_mlx_persist.remote")
 # Rule (docs/fleet.md, "Versions"): a build may write into keyspace rN only what every build that
 # reads rN accepts; any change an older reader of rN would refuse (a new block checksum kind or
 # disk_format.FORMAT_VERSION, a manifest field it cannot ignore, another tag or MAC layout) bumps it.
-REMOTE_FORMAT_VERSION = 2
+# r3: a manifest is the agent's whole record, with spliced branches ("generation") and removal records
+# an r2 reader would ignore (serving spliced K/V as honest, merging removed branches back).
+REMOTE_FORMAT_VERSION = 3
 # The block checksum kinds every r2 reader verifies (disk_format.decode_block): the only ones r2 may hold.
 BLOCK_CHECKSUM_KINDS = ("crc32", "sha256")
 
@@ -224,6 +227,8 @@ class RemoteManifest:
     era: str = ""
     erasure: str = ""
     outdated: bool = False
+    removals: tuple[Removal, ...] = ()  # content forget edits removed (chain.Removal): merges apply them
+    spliced_cleared: float = 0.0  # spliced branches used at or before this are removed too
 
 
 @dataclass
@@ -639,9 +644,11 @@ class RemoteTier:
             while len(st.read) > _READ_IDS:
                 del st.read[next(iter(st.read))]
             seen = st.seen_id == cur.ident
-        branches = m.branches or [{"block_ids": list(m.block_ids), "n_tokens": m.n_tokens, "links": [[0, namespace]]}]
+        branches = m.branches if m.branches is not None else [
+            {"block_ids": list(m.block_ids), "n_tokens": m.n_tokens, "links": [[0, namespace]]}]
         return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, cur.version, branches=branches,
-                              ident=cur.ident, seen=seen, era=era, erasure=erasure, outdated=not era and bool(mine))
+                              ident=cur.ident, seen=seen, era=era, erasure=erasure, outdated=not era and bool(mine),
+                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
         """The block, verified exactly as a disk block (disk_format.decode_block), and its MAC with a
@@ -1137,17 +1144,25 @@ class RemoteTier:
             for b in ids:
                 check_block_id(b)
             branches = d.get("branches")  # absent: one plain chain (and every older server's manifest)
+            removals, cleared, forkable = d.get("removals"), d.get("spliced_cleared"), d.get("forkable")
             if branches is not None:
-                check_branches(branches, set(ids))
-                if branches[-1]["n_tokens"] != n:
+                check_branches(branches, set(ids), allow_empty=True)  # a record may keep only removals
+                if (branches[-1]["n_tokens"] if branches else 0) != n:
                     raise ValueError("n_tokens is not the newest branch's")
             era = d.get("era")  # absent: a history that never met an erasure (and every older server's)
             if era is not None:
                 check_era(era)
+            if removals is not None:
+                check_removals(removals)
+            if cleared is not None and (isinstance(cleared, bool) or not isinstance(cleared, (int, float))):
+                raise ValueError("malformed spliced_cleared")
+            if forkable is not None and not isinstance(forkable, bool):
+                raise ValueError("malformed forkable")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("fleet: refused a manifest from Redis: %s", e)
             return None
-        return Manifest(namespace, list(ids), n, float(ts), branches=branches, era=era)
+        return Manifest(namespace, list(ids), n, float(ts), branches=branches, era=era, removals=removals,
+                        spliced_cleared=cleared, forkable=forkable)
 
     def _manifest_body(self, m: Manifest, era: Optional[str] = None) -> bytes:
         """A manifest's body as Redis holds it; `era` (default: the manifest's) the erasure its history follows."""
@@ -1159,6 +1174,9 @@ class RemoteTier:
         era = m.era if era is None else era
         if era:  # optional too: every r2 reader before it ignores it (docs/fleet.md, Versions)
             d["era"] = era
+        for name in ("removals", "spliced_cleared", "forkable"):  # the record's (r3), each optional
+            if getattr(m, name) is not None:
+                d[name] = getattr(m, name)
         d["checksum"] = "sha256:" + hashlib.sha256(canonical_json(d)).hexdigest()
         return canonical_json(d)
 
@@ -1315,7 +1333,7 @@ class RemoteTier:
             outcome, version = self._decide(cur, seen_v, seen_id, digest, p.base_digest, p.era, cur_era)
             value = m  # what is written: the put, or (a concurrent update) the put merged with the current
             if outcome == "merge":
-                value = self._merged(m, theirs)
+                value = self._merged(m, theirs, p.blocks)
                 if value is None:
                     outcome = "kept"
             if outcome not in ("publish", "merge", "outdated"):
@@ -1379,19 +1397,28 @@ class RemoteTier:
             return "publish", cur.version + 1
         return "merge", cur.version + 1
 
-    def _merged(self, m: Manifest, theirs: Optional[Manifest]) -> Optional[Manifest]:
-        """The put's branches merged with the current manifest's (`theirs`, parsed; chain.merge_branches:
-        a branch another holds goes, the `branches` most recently used stay), as a manifest; None
-        when that is the current manifest itself (a late put of turns it already holds). A current
-        body that does not parse (None) is no history to keep: the put as it is."""
+    def _merged(self, m: Manifest, theirs: Optional[Manifest],
+                blocks: Optional[Mapping[str, Union[BlockData, bytes]]] = None) -> Optional[Manifest]:
+        """The put's record merged with the current manifest's (`theirs`, parsed): branches by
+        recency (chain.merge_branches: a branch another holds goes, the `branches` most recently used
+        stay), then what either side's removal records remove goes (removals win; a grown partial
+        tail is told by the tokens of the put's `blocks`), as a manifest; None when that is the
+        current manifest itself (a late put of turns it already holds). A current body that does
+        not parse (None) is no history to keep: the put as it is."""
         if theirs is None:
             return m
         old = branches_of(theirs)
+        removals = merge_removals(removals_of(theirs), removals_of(m), MAX_REMOVALS, 0.0)
+        cleared = max(theirs.spliced_cleared or 0.0, m.spliced_cleared or 0.0)
         merged = merge_branches(old, branches_of(m), self.branches,  # on equal last use, the put's is newer
                                 continued=not self.keep_continued)
-        if same_branches(merged, old):
+        given = {b: d.tokens for b, d in (blocks or {}).items() if isinstance(d, BlockData)}
+        merged = surviving_removals(merged, removals, cleared, given.get)
+        if (same_branches(merged, old) and set(removals) == set(removals_of(theirs))
+                and cleared == (theirs.spliced_cleared or 0.0)):
             return None
-        return manifest_of(m.namespace, merged, m.pinned, max(m.updated_at, theirs.updated_at))
+        return manifest_of(m.namespace, merged, m.pinned, max(m.updated_at, theirs.updated_at), removals=removals,
+                           spliced_cleared=cleared, forkable=m.forkable if m.forkable is not None else theirs.forkable)
 
     @staticmethod
     def _digest(m: Manifest) -> str:
@@ -1402,6 +1429,9 @@ class RemoteTier:
         if m.branches is not None:
             text += "\n" + canonical_json([{k: v for k, v in br.items() if k != "last_used"}
                                         for br in m.branches]).decode()
+        record = {k: getattr(m, k) for k in ("removals", "spliced_cleared", "forkable") if getattr(m, k) is not None}
+        if record:  # what a record holds besides branches is history too (a removal must be published)
+            text += "\n" + canonical_json(record).decode()
         return hashlib.sha256(text.encode()).hexdigest()
 
     def _stale(self, p: _Put, locked: bool = False) -> bool:
