@@ -327,12 +327,12 @@ def test_a_bad_secret_refuses_start_up_in_one_line(fleet, tmp_path):
     assert SECRET_ENV in line and "at least 16" in line and short not in log, line
 
 
-def _edit(server: Server, agent: str, messages: list[dict], mode: str) -> dict:
+def _edit(server: Server, agent: str, messages: list[dict], mode: str, max_tokens: int = 4) -> dict:
     """An edited conversation sent with X-KV-Edit; returns its usage."""
     import openai
 
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
-    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=4, temperature=0.0,
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=max_tokens, temperature=0.0,
                                        metadata={"agent_id": agent}, extra_headers={"X-KV-Edit": mode})
     return r.usage.model_dump()
 
@@ -347,7 +347,8 @@ def _spliced_on(server: Server, rds: RedisServer, agent: str) -> tuple[list[dict
     edited = msgs[:1] + [{"role": "user", "content": "(removed)"}] + msgs[3:] + [{"role": "user", "content": "go"}]
     report = _edit(server, agent, edited, "amortize")["kv_edit"]
     assert report["applied"] and report["plan"], report
-    wait_for(lambda: "body" in manifest(rds, f"{agent}\0amortized:1"), "the spliced history in Redis")
+    wait_for(lambda: any(br.get("generation") for br in manifest(rds, agent).get("body", {}).get("branches", [])),
+             "the spliced history in the agent's record in Redis")
     return edited, report
 
 
@@ -367,10 +368,112 @@ def test_a_spliced_history_moves_to_another_server(fleet):
 
 def test_erasing_an_agent_erases_its_spliced_histories_fleet_wide(fleet):
     """Erasing the agent on B, which never saw its spliced history, removes that history from Redis
-    and from A, where it was made."""
+    and from A, where it was made: it is part of the agent's record, which the tombstone replaces."""
     rds, a, b = fleet
     edited, _ = _spliced_on(a, rds, "spl-e")
     assert call(b, "DELETE", "/v1/agents/spl-e")[0] == 200
-    wait_for(lambda: manifest(rds, "spl-e\0amortized:1").get("e") == b"1", "the spliced history's tombstone")
+    wait_for(lambda: manifest(rds, "spl-e").get("e") == b"1", "the agent's tombstone")
     wait_for(lambda: _edit(a, "spl-e", edited, "amortize")["kv_edit"]["fallback"] == "no_history",
              "A dropping the agent and its spliced history")
+
+
+def _stream_and_drop(server: Server, agent: str, messages: list[dict], mode: str) -> None:
+    """A streamed request with X-KV-Edit that the client drops after its first token (the lookup, and
+    with it the forget's supersede, has happened then)."""
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=300)
+    stream = client.chat.completions.create(model=server.model, messages=messages, max_tokens=2048, temperature=0.0,
+                                            metadata={"agent_id": agent}, extra_headers={"X-KV-Edit": mode},
+                                            stream=True)
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            break
+    stream.close()
+
+
+def _removals(rds: RedisServer, agent: str) -> list:
+    return manifest(rds, agent).get("body", {}).get("removals", [])
+
+
+def test_a_forget_on_one_server_wins_on_every_other(fleet):
+    """Issue #30: A's forget was undone by B, which had synced the agent: B still served the forgotten
+    branch, and B's next put brought it back to Redis and to A. Now the forget's removal record
+    travels with the agent's record and wins in every merge: B, which holds the old history, serves
+    nothing past the edit; B's next turn (of the edited conversation) does not bring it back; and
+    neither server reuses the forgotten history afterwards."""
+    rds, a, b = fleet
+    conv = Conversation("fgt", "fgt")
+    conv.turn(a)
+    conv.turn(a)
+    conv.turn(b)  # B holds the whole history: synced from Redis, then its own turn on it
+    wait_for(lambda: published(rds, "fgt", conv.prompts[2]), "B's turn in Redis")
+    old = conv.chat.messages
+    edited = old[:1] + [{"role": "assistant", "content": "(forgotten)"}] + old[2:] + [
+        {"role": "user", "content": "go on"}]
+    forget = _edit(a, "fgt", edited, "forget")["kv_edit"]
+    assert forget["applied"] and forget["superseded_branches"] >= 1, forget
+    prefix = forget["exact_prefix_tokens"]
+    assert 0 < prefix < conv.prompts[1]
+    wait_for(lambda: _removals(rds, "fgt"), "the forget's removal record in Redis")
+    # B's next turn continues the edited conversation: its put merges with A's record, and the
+    # forgotten branch B still held does not come back
+    _, cached, _ = Chat("fgt").send(b, edited + [{"role": "assistant", "content": "ok"},
+                                                 {"role": "user", "content": "and then"}])
+    assert cached >= prefix
+    removed = {r["block"] for r in _removals(rds, "fgt")}
+    wait_for(lambda: remote(b)["puts_merged"] + remote(b)["puts_published"] > 0 and not any(
+        removed & set(br["block_ids"]) for br in manifest(rds, "fgt")["body"].get("branches", [])),
+        "B's put, without the forgotten branch")
+    # B, which held the old history, serves nothing past the edit point of the old conversation (the
+    # request re-sends the old content: from then on that is a new history of it, which stays)
+    _, cached, _ = Chat("fgt").send(b, old + [{"role": "user", "content": "remember?"}])
+    assert cached <= prefix + 1, (cached, prefix)
+
+
+def test_an_aborted_forget_still_wins_fleet_wide(fleet):
+    """Issue #30: a forget superseding every branch (the first message edited) on a request the client
+    dropped: the agent was dropped locally with no tombstone and no new manifest, and the next request
+    of the old conversation reused it from Redis. Now the record keeps the removal (with no branch
+    left), is published, and neither server serves the forgotten history."""
+    rds, a, b = fleet
+    conv = Conversation("fgt-abort", "fgt-abort")
+    conv.turn(a)
+    conv.turn(a)
+    conv.turn(b)
+    wait_for(lambda: published(rds, "fgt-abort", conv.prompts[2]), "B's turn in Redis")
+    old = conv.chat.messages
+    edited = [{"role": "user", "content": "a different first message"}] + old[1:] + [
+        {"role": "user", "content": "go on"}]
+    _stream_and_drop(a, "fgt-abort", edited, "forget")
+    wait_for(lambda: _removals(rds, "fgt-abort"), "the aborted forget's removal record in Redis", timeout=60)
+    body = manifest(rds, "fgt-abort")["body"]
+    removed = {r["block"] for r in body["removals"]}
+    # nothing of the old history left (the edited request's own turn, if it finished before the
+    # client's drop reached the server, is the only history there may be)
+    assert not removed & set(body["block_ids"]), body
+    # B held the old history: it serves none of it (the template's first tokens at most)
+    _, cached, _ = Chat("fgt-abort").send(b, old + [{"role": "user", "content": "remember?"}])
+    assert cached <= 8, cached
+
+
+def test_a_forget_queues_no_erasure(fleet):
+    """Issue #30: every forget queued erasures for every spliced generation even when the agent never
+    used amortize (3 forgets cost 12 directory fsyncs, 12 queued tier erasures and 4 Redis
+    tombstones). Now a forget changes the agent's record only: each is one turn's save, no agent is
+    erased and no tombstone written. (Each of these forgets removes only the previous reply's tokens,
+    which the client's re-rendered reply does not repeat exactly.)"""
+    rds, a, _ = fleet
+    conv = Conversation("fgt-none", "fgt-none")
+    conv.turn(a)
+    before_remote, before = remote(a), call(a, "GET", "/v1/status")[1]["cache"]
+    for k in range(3):
+        msgs = conv.chat.messages + [{"role": "user", "content": f"more {k}"}]
+        report = _edit(a, "fgt-none", msgs, "forget")["kv_edit"]
+        assert report["applied"] and report["exact_prefix_tokens"] >= conv.prompts[0], report
+        conv.chat.messages = msgs + [{"role": "assistant", "content": "ok"}]
+    after_remote, after = remote(a), call(a, "GET", "/v1/status")[1]["cache"]
+    assert after_remote["erases"] == before_remote["erases"]
+    assert after["agents_erased"] == before["agents_erased"]
+    assert after["saves"] - before["saves"] <= 3  # each turn's own save, nothing else
+    assert manifest(rds, "fgt-none").get("e") != b"1"

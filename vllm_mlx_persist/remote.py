@@ -802,7 +802,7 @@ class RemoteTier:
         for b in manifest.block_ids:
             check_block_id(b)
         if manifest.branches is not None:
-            check_branches(manifest.branches, set(manifest.block_ids))
+            check_branches(manifest.branches, set(manifest.block_ids), allow_empty=manifest.record_fields)
         blocks = dict(blocks or {})
         nbytes = sum(_block_nbytes(b) for b in blocks.values())
         with self._cond:
