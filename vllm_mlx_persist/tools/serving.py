@@ -24,8 +24,9 @@ VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
 
 
 def openblas_path() -> Optional[str]:
-    """Debian's pthread OpenBLAS for this architecture, if installed (Linux only)."""
-    if platform.system() != "Linux":
+    """Debian's pthread OpenBLAS for this architecture, if installed (Linux only) and not turned off
+    (VLLM_MLX_PERSIST_OPENBLAS=0, as ./dev honours it)."""
+    if platform.system() != "Linux" or os.environ.get("VLLM_MLX_PERSIST_OPENBLAS", "1") == "0":
         return None
     path = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libblas.so.3"
     return path if os.path.exists(path) else None
