@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from vllm_mlx_persist.kv_edit import FORGET
-from vllm_mlx_persist.supersede import edit_point, superseded_block
+from vllm_mlx_persist.kv_edit.supersede import edit_point, superseded_block
 from vllm_mlx_persist.chain import Branch
 from test_pool import BLOCK, COLD_HOT_TOL, make_pool, prefill, tokens
 

@@ -359,7 +359,7 @@ def check_branches(branches: Any, named: set) -> None:
         used = br.get("last_used", 0.0)  # optional: absent in manifests written before it existed
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not math.isfinite(used):
             raise ValueError("malformed manifest branch: last_used")
-        rotations = br.get("rotations", [])  # optional: spliced histories only (rotations.py)
+        rotations = br.get("rotations", [])  # optional: spliced histories only (kv_edit/rotations.py)
         if not isinstance(rotations, list) or not all(
                 isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r) and 0 <= r[0] < r[1] <= n
                 and r[2] >= 1 for r in rotations) or any(a[1] > b[0] for a, b in zip(rotations, rotations[1:])):

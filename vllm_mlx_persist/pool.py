@@ -43,13 +43,13 @@ from .chain import Branch, Chains, branches_of, manifest_of, merge_branches, sam
 from .commit import Commit
 from .disk_format import BlockData, Manifest
 from .kv_edit import AMORTIZE, FORGET
+from .kv_edit.rotations import Segments
+from .kv_edit.supersede import edit_point, superseded_block, surviving
 from .lookup import Found, Lookup, Match, whole_run
 from .namespace import AMORTIZED_SEPARATOR, amortized_namespace, amortized_of
 from .persister import Persister
 from .reads import Reads
-from .rotations import Segments
 from .store import DiskStore
-from .supersede import edit_point, superseded_block, surviving
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -253,7 +253,7 @@ class BlockPool:
         At least one prompt token is always left to prefill; recurrent models stop at their last
         state checkpoint. With `request_id`, the request counts as in flight until
         `finish(request_id)`: the disk budget never erases its agent meanwhile. With `edit="forget"`
-        (and a request id), the agent's branches holding what the prompt no longer has (supersede.py)
+        (and a request id), the agent's branches holding what the prompt no longer has (kv_edit/supersede.py)
         are dropped when the turn commits, or when the request finishes without committing.
         """
         if self.fleet is not None and namespace is not None:
@@ -374,7 +374,7 @@ class BlockPool:
     def spliced_namespaces(self, namespace: str) -> list[str]:
         """Every spliced namespace the agent may have anywhere in the fleet: generations 1 to
         `spliced_generations` (a generation is the highest rotation count of its histories, at most
-        max_rotations: backend._splice), so servers of one fleet share kv_edit.max_rotations."""
+        max_rotations: kv_edit.serve), so servers of one fleet share kv_edit.max_rotations."""
         if amortized_of(namespace) is not None:
             return []
         return [amortized_namespace(namespace, g) for g in range(1, self.spliced_generations + 1)]
@@ -454,7 +454,7 @@ class BlockPool:
         persister, which never makes this thread wait (a full write queue drops the save, counted;
         the blocks stay unsaved in memory and the agent's next save writes them). Returns (tokens
         now cached, the save's future: True once the turn is durable, False if it failed; None
-        when nothing is written). `spliced`, `rotations`: a spliced history's turn (backend._splice).
+        when nothing is written). `spliced`, `rotations`: a spliced history's turn (kv_edit.serve).
         """
         n_valid = self.codec.length(cache)
         if not 0 <= len(tokens) - n_valid <= 1:

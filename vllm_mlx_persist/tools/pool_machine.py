@@ -319,7 +319,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(agent=names, pick=st.integers(0, 99), cut=st.floats(0.0, 0.9), new=words)
     def forget_edit(self, agent: str, pick: int, cut: float, new: list[int]) -> None:
         """A span directive `forget`: one of the agent's histories cut and continued otherwise; the
-        branches holding what it drops leave the agent, memory and disk (supersede.py). The edit may
+        branches holding what it drops leave the agent, memory and disk (kv_edit/supersede.py). The edit may
         supersede the acknowledged turn, so only its own turn is owed afterwards."""
         self.acked[agent] = None
         self._serve(self.pool, agent, self._history(agent, pick, cut) + new, edit=FORGET)
