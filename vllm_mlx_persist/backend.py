@@ -45,25 +45,18 @@ from .warmup import warm_up
 log = logging.getLogger("vllm_mlx_persist")
 
 
-def _check_redis_client() -> None:
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        raise ValueError('persist_q4: remote_url is set but the Redis client is not installed: '
-                         'pip install "vllm-mlx-persist[fleet]"') from None
-
-
 class PersistQ4Backend:
     """Per-agent persistent 4-bit prefix cache for vllm-mlx's continuous-batching scheduler."""
 
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
             opts = parse_options(options)
-            self._remote_secret: Optional[bytes] = None  # kept out of opts, which may be shown
+            # The fleet tier's settings (its secret kept out of opts, which may be shown), or None.
+            self.fleet_settings = None
             if opts["remote_url"] is not None:
-                _check_redis_client()
-                from .remote import load_secret
-                self._remote_secret = load_secret(opts["remote_secret_file"])
+                from .fleet import FleetSettings
+
+                self.fleet_settings = FleetSettings.from_options(opts)
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True,
                                               latent_bits=opts["latent_bits"])
@@ -82,7 +75,7 @@ class PersistQ4Backend:
         except (StoreError, OSError) as e:
             raise refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
-        self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set
+        self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set (fleet_settings)
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
         # The engine holds a finished response at most this long for its turn's write (seam contract).
         self.durable_timeout_s = opts["write_timeout_s"]
@@ -137,7 +130,7 @@ class PersistQ4Backend:
                 codec=self.codec,
                 branches=opts["branches"],
                 decode=self._decode if opts["match_text"] else None,
-                fleet=self._fleet_factory() if opts["remote_url"] is not None and store is not None else None,
+                fleet=self._fleet_factory() if self.fleet_settings is not None and store is not None else None,
                 spliced_generations=opts["kv_edit"]["max_rotations"],
             )
             self.fleet = self._pool.fleet
@@ -161,26 +154,15 @@ class PersistQ4Backend:
 
     def _fleet_factory(self) -> Callable[[BlockPool], Any]:
         """What builds the fleet tier's glue for the pool (BlockPool(fleet=...))."""
-        from .fleet import Fleet
-        from .remote import RemoteTier
+        from .fleet import Fleet, RemoteTier
 
-        opts = self.opts
-
-        def tier(**callbacks: Any) -> RemoteTier:
-            return RemoteTier(
-                opts["remote_url"], self.fingerprint,
-                read_timeout_s=opts["remote_timeout_s"],
-                queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
-                fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
-                block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
-                manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
-                cluster=opts["remote_cluster"], secret=self._remote_secret, **callbacks)
+        settings = self.fleet_settings
 
         def build(pool: BlockPool) -> Fleet:
-            fleet = Fleet(pool, tier, wait_s=opts["remote_wait_s"], write_timeout_s=opts["write_timeout_s"])
+            fleet = Fleet(pool, lambda **callbacks: RemoteTier(settings, self.fingerprint, **callbacks))
             t = fleet.tier
             log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", t.url_redacted,
-                     " (Redis Cluster)" if t.cluster else "", opts["remote_wait_s"],
+                     " (Redis Cluster)" if t.cluster else "", settings.wait_s,
                      f"authenticated, key id {t.key_id}" if t.authenticated else "UNAUTHENTICATED")
             return fleet
 

@@ -18,7 +18,8 @@ commits release it for those). Who calls what:
   with the lock released);
 - the persister thread: erasures by the disk budget and TTL, saves becoming durable, fetched
   histories adopted;
-- fleet threads: agent_version, branch_state, save_fetched, erase.
+- fleet threads: what fleet.FleetPool lists (agent_version, holds, save_fetched, erase, prefetch,
+  the disk's blocks, the chain check).
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ class BlockPool:
     ):
         """`store`: the disk tier (None: memory only), written by a Persister built here with
         `disk_budget` and `persister_options`. `fleet`: builds the fleet tier's glue for this pool
-        (fleet.Fleet), or None. `read_ahead_bytes`: read results waiting for their lookup, at most
-        (default: a quarter of the hot budget, at least 64 MB). `clock`: wall-clock time of manifests,
-        last uses and the TTL (a test may move it on). `spliced_generations`: how many spliced
-        namespaces an agent may have (kv_edit.max_rotations; `spliced_namespaces`)."""
+        (fleet.Fleet, which sees the pool as a fleet.FleetPool), or None. `read_ahead_bytes`: read
+        results waiting for their lookup, at most (default: a quarter of the hot budget, at least 64
+        MB). `clock`: wall-clock time of manifests, last uses and the TTL (a test may move it on).
+        `spliced_generations`: how many spliced namespaces an agent may have (kv_edit.max_rotations;
+        `spliced_namespaces`)."""
         self.clock = clock
         self.spliced_generations = spliced_generations
         self.fingerprint = fingerprint
@@ -647,7 +649,29 @@ class BlockPool:
         if self.persister is not None:
             self.persister.quarantine_block(bid, why)
 
-    # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
+    # ---- fleet: what the fleet asks of the pool (fleet.FleetPool; fleet/sync.py) ------------------
+
+    @property
+    def bounded_windows(self) -> bool:
+        """Whether the model has bounded sliding-window layers."""
+        return bool(self.codec.window_names())
+
+    @property
+    def disk_queue_bytes(self) -> Optional[int]:
+        """The disk tier's write queue, in bytes; None without a disk tier."""
+        return self.persister.queue_bytes if self.persister is not None else None
+
+    def has_disk_block(self, block_id: str) -> bool:
+        """Whether the disk holds the block's file (not verified: a read does that)."""
+        return self.store.has_block(block_id)
+
+    def read_disk_block(self, block_id: str) -> Optional[BlockData]:
+        """The block read from disk, verified; None when absent or bad."""
+        return self.store.read_block(block_id)
+
+    def chain_prefix(self, branch: Branch, fetched: dict[str, BlockData]) -> tuple[int, bool]:
+        """`Chains.prefix` of a branch fetched from the fleet, the disk's blocks held."""
+        return self.chains.prefix(branch, fetched, self.store.has_block)
 
     def branch_state(self, namespace: str) -> Optional[tuple]:
         """The agent's branches as ((block ids), tokens, links, last used), least recently used first

@@ -175,11 +175,10 @@ def open_pool(root: Path, *, hot: int, disk: int, clock: Clock, redis_url: Optio
     fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
     fleet = None
     if redis_url is not None:
-        from ..fleet import Fleet
-        from ..remote import RemoteTier
+        from ..fleet import Fleet, FleetSettings, RemoteTier
 
         def fleet(pool: BlockPool) -> Fleet:
-            return Fleet(pool, lambda **cb: RemoteTier(redis_url, FINGERPRINT, **cb), wait_s=10.0)
+            return Fleet(pool, lambda **cb: RemoteTier(FleetSettings(redis_url, wait_s=10.0), FINGERPRINT, **cb))
     pool = BlockPool(fingerprint=FINGERPRINT, n_layers=LAYERS, bits=BITS, group_size=GROUP, block_size=BLOCK,
                      hot_bytes=hot, store=DiskStore(root, FINGERPRINT, {"machine": True}, fmt), disk_budget=disk,
                      persister_options={"ttl_s": TTL_S, "retry_delays": retry_delays},
