@@ -159,7 +159,7 @@ def test_quarantined_files_count_in_the_disk_budget_and_go_first(model, tmp_path
     size = pool.store.write_block(junk)
     pool.store.quarantine_block(junk.block_id, "test")
     assert pool.snapshot()["disk_bytes"] == before + size  # moved aside, still counted
-    pool.persister.disk_budget = before  # the next turn's blocks put it over
+    pool.persister.budget.disk_budget = before  # the next turn's blocks put it over
     serve(pool, model, "a", tokens(40) + tokens(20, seed=1))
     pool.flush()
     s = pool.snapshot()

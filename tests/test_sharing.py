@@ -35,8 +35,8 @@ def check_accounting(pool: BlockPool) -> None:
     assert set(pool.blocks) == set(names)
     if pool.persister is not None:
         pool.flush()
-        disk = Counter(b for a in pool.persister.agents.values() for b in a.block_ids)
-        assert pool.persister.block_refs == dict(disk)
+        disk = Counter(b for a in pool.persister.index.agents.values() for b in a.block_ids)
+        assert pool.persister.index.block_refs == dict(disk)
 
 
 def commit(pool, model, agent, seq, fork_from=None):

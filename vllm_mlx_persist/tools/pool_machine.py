@@ -390,7 +390,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, len(DISK_BUDGETS) - 1))
     def disk_budget(self, i: int) -> None:
-        self.disk = self.pool.persister.disk_budget = DISK_BUDGETS[i]
+        self.disk = self.pool.persister.budget.disk_budget = DISK_BUDGETS[i]
         watchdog(self.pool.persister.sweep().result, OP_TIMEOUT_S)
         self.saved_last = None
 
@@ -503,7 +503,7 @@ class PoolMachine(RuleBasedStateMachine):
         s = pool.snapshot()
         extra = sum(pool.persister.agent_disk_bytes(a) + 2048 for a in self.pinned | {self.saved_last} if a)
         assert s["disk_bytes"] <= self.disk + extra, f"disk bytes {s['disk_bytes']} over {self.disk} + {extra}"
-        named = set(pool.persister.block_refs)
+        named = set(pool.persister.index.block_refs)
         files = set(pool.store.iter_block_ids())
         assert named <= files, f"{len(named - files)} block(s) named by a manifest have no file"
         assert files <= named, f"{len(files - named)} block file(s) no manifest names"
