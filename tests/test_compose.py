@@ -163,7 +163,7 @@ def test_quarantined_files_count_in_the_disk_budget_and_go_first(model, tmp_path
     serve(pool, model, "a", tokens(40) + tokens(20, seed=1))
     pool.flush()
     s = pool.snapshot()
-    assert s["quarantine_removed"] == 1 and pool.store.quarantine_bytes == 0  # reclaimed first
+    assert s["quarantine_removed"] == 1 and pool.store.quarantine.bytes == 0  # reclaimed first
     assert s["budget_erasures"] == 0 and pool.agent("a") is not None  # the agent in use is never erased
     pool.close()
 

@@ -308,7 +308,7 @@ def test_offline_agents_command_lists_shows_erases_and_refuses_a_held_root(model
     import subprocess
     import sys
 
-    from vllm_mlx_persist.store import CacheDirLock
+    from vllm_mlx_persist.cache_root import CacheDirLock
 
     pool = budget_pool(model, tmp_path)
     for name in ("keep", "drop"):

@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from .cache_root import CacheDirLock
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
 from .caches.floats import (
@@ -39,7 +40,7 @@ from .namespace import edit_mode, split_namespace
 from .options import parse_options
 from .pool import READ_TIMEOUT_S, BlockPool
 from .refusal import refuse
-from .store import CacheDirLock, DiskStore, StoreError
+from .store import DiskStore, StoreError
 from .warmup import warm_up
 
 log = logging.getLogger("vllm_mlx_persist")

@@ -46,10 +46,10 @@ class DiskBudget:
         index = self.index
         while True:
             with self._cv:
-                if index.disk_bytes(self.store.quarantine_bytes) <= self.disk_budget:
+                if index.disk_bytes(self.store.quarantine.bytes) <= self.disk_budget:
                     self._blocked_logged = False
                     return
-                quarantined = self.store.quarantine_bytes > 0
+                quarantined = self.store.quarantine.bytes > 0
                 path = victim = None
                 if not quarantined and index.other_dirs:
                     path, size, _ = index.other_dirs.pop(0)
@@ -61,10 +61,10 @@ class DiskBudget:
                             self._blocked_logged = True
                             log.warning("disk budget: %d bytes used of %d, and every agent left is pinned or in "
                                         "use; pinned agents are never erased",
-                                        index.disk_bytes(self.store.quarantine_bytes), self.disk_budget)
+                                        index.disk_bytes(self.store.quarantine.bytes), self.disk_budget)
                         return
             if quarantined:
-                self.counts["quarantine_removed"] += self.store.clear_quarantine()
+                self.counts["quarantine_removed"] += self.store.quarantine.clear()
             elif path is not None:
                 with self._cv:
                     index.other_bytes -= size

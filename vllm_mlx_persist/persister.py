@@ -27,6 +27,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .cache_root import erase_elsewhere, other_model_dirs
 from .disk_budget import SWEEP_INTERVAL_S, DiskBudget
 from .disk_format import BlockData, Manifest
 from .disk_index import DiskAgent, DiskIndex
@@ -107,7 +108,7 @@ class Persister:
         removed = self.store.gc(live)  # unreferenced blocks (e.g. of a crashed turn) and stale temp files
         if removed:
             log.info("removed %d unreferenced block file(s)", removed)
-        others = self.store.other_model_dirs()
+        others = other_model_dirs(self.store.root, self.store.dir.name)
         with self._cv:
             self.index.other_dirs, self.index.other_bytes = others, sum(d[1] for d in others)
         self.budget.sweep()
@@ -190,7 +191,7 @@ class Persister:
         with self._cv:
             return {
                 **self.counts,
-                "disk_bytes": self.index.disk_bytes(self.store.quarantine_bytes),
+                "disk_bytes": self.index.disk_bytes(self.store.quarantine.bytes),
                 "disk_budget_bytes": self.budget.disk_budget,
                 "disk_agents": len(self.index.agents),
                 "disk_blocks": len(self.index.block_sizes),
@@ -416,7 +417,7 @@ class Persister:
             log.info("erased agent %r (%s)", namespace, why)
         self.store.delete_agent(namespace, gone)
         if why == "request":  # the user's erasure: the agent's files under other models' directories too
-            removed, freed = self.store.erase_elsewhere(namespace)
+            removed, freed = erase_elsewhere(self.store.root, self.store.dir.name, namespace)
             if removed:
                 if not on_disk:
                     log.info("erased agent %r (%s, under other models' directories)", namespace, why)
