@@ -3,7 +3,7 @@
 Owns what the bytes mean (docs/disk-format.md): the version and format names, the size caps, block
 id and directory-name rules, the block and manifest records, and pure encode/decode functions that
 check everything a reader must refuse. No I/O and no MLX: the disk tier (`store.py`) reads and
-writes these bytes, the fleet tier (`remote.py`) puts the same block bytes and manifest fields in
+writes these bytes, the fleet tier (`fleet/`) puts the same block bytes and manifest fields in
 Redis, and the offline tools name model directories with the same rules. Stateless, so any thread.
 """
 
