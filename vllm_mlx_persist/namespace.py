@@ -3,7 +3,7 @@
 Owns the one encoding the plugin's namespace hook writes and the backend reads. An agent id is 1 to
 128 characters from `[A-Za-z0-9._:@-]`, starting with a letter or digit, so never NUL: everything
 else rides after a NUL-led separator, `agent[\\0fork:parent][\\0edit:mode]` (a fork's parent, a span
-directive's mode: kv_edit.py). vllm-mlx carries the string opaquely (the seam's `cache_namespace`).
+directive's mode: kv_edit/request.py). vllm-mlx carries the string opaquely (the seam's `cache_namespace`).
 The pool stores an agent's spliced histories under `agent\\0amortized:g`, a namespace no request
 can name. Pure and stateless (no MLX, no vllm-mlx): the plugin, the backend, the pool, the admin
 API and the scenario tool import it from any thread.
