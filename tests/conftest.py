@@ -1,4 +1,5 @@
-"""Shared fixtures: locally built models (once per session) and an isolated HOME for subprocesses."""
+"""Shared fixtures: locally built models (once per run, shared by pytest-xdist's workers) and an isolated
+HOME for subprocesses; the order in which test files are handed to the workers."""
 
 from __future__ import annotations
 
@@ -11,10 +12,31 @@ import pytest
 from vllm_mlx_persist.tools.models import build_model_dir
 
 
+# Test files by their measured cost, most expensive first (`./dev test` hands whole files to its
+# workers in collection order: a long file started last would run alone at the end). Files not
+# listed follow in their usual order. Re-measure with `./dev test --durations=0`.
+SLOWEST_FIRST = (
+    "test_reliability.py", "test_bench.py", "test_e2e_families.py", "test_e2e_interactions.py",
+    "test_quality.py", "test_seam_series.py", "test_e2e_server.py", "test_state_machine.py",
+    "test_seam_cli.py", "test_e2e_kv_edit.py", "test_scenario.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: same order per file
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Callable[..., Path]:
-    """Factory: `model_dir(arch="llama", size="tiny", seed=0)` -> a model dir, built once per session."""
-    root = tmp_path_factory.mktemp("models")
+    """Factory: `model_dir(arch="llama", size="tiny", seed=0)` -> a model dir, built once per run.
+
+    Under pytest-xdist every worker shares one directory (the workers' common base temp): the first
+    to ask builds a model, the others find it built (build_model_dir renames a finished build into
+    place, so a concurrent second build just keeps the first)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    root.mkdir(exist_ok=True)
     built: dict[tuple[str, str, int], Path] = {}
 
     def make(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:

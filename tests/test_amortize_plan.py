@@ -1,11 +1,11 @@
 """Span directives, amortize: where an edited prompt could be spliced onto the stored history, at
-message boundaries, or which fallback applies (vllm_mlx_persist/amortize.py)."""
+message boundaries, or which fallback applies (vllm_mlx_persist/kv_edit/plan.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_mlx_persist.amortize import ModelSplicing, Splice, decide, find_splice, find_splices, message_anchor
+from vllm_mlx_persist.kv_edit.plan import ModelSplicing, Splice, decide, find_splice, find_splices, message_anchor
 from vllm_mlx_persist.tools.models import build_model, build_model_dir
 
 A = 1  # the message-start token in these synthetic conversations

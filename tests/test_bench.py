@@ -1,4 +1,7 @@
-"""Smoke test of `vllm-mlx-persist bench --quick`: real servers, tiny model, structure only (no timings)."""
+"""Smoke test of `vllm-mlx-persist bench --quick`: real servers, tiny models, structure only (no timings).
+
+Every server section runs in one `bench --quick` invocation (a module fixture: one process, one
+scratch directory, so each model is built once), and each test below reads its own section of it."""
 
 from __future__ import annotations
 
@@ -8,21 +11,32 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from vllm_mlx_persist.tools.bench import FAMILY_TURNS, STATES, classify
 
+QUICK_SECTIONS = ("ttft", "reload", "families", "long", "concurrency", "stall", "capacity", "edits")
 
-def test_quick_bench_writes_results(tmp_path: Path):
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "ttft,reload",
-           "--systems", "persist_q4,vllm_default", "--out", str(out), "--work", str(tmp_path / "work"), "--no-plots"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[dict, Path, str]:
+    """(bench.json, the results directory, stdout) of one quick run of every server section."""
+    tmp = tmp_path_factory.mktemp("bench")
+    out = tmp / "results"
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", ",".join(QUICK_SECTIONS),
+           "--systems", "persist_q4,vllm_default", "--families", "gemma3_text", "--long-contexts", "1024",
+           "--out", str(out), "--work", str(tmp / "work")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]
-    assert "vllm-mlx-persist bench --quick" in p.stdout and "Reproduce" in p.stdout
+    return json.loads((out / "bench.json").read_text()), out, p.stdout
 
-    res = json.loads((out / "bench.json").read_text())
+
+def test_quick_bench_writes_results(quick):
+    res, out, stdout = quick
+    assert "vllm-mlx-persist bench --quick" in stdout and "Reproduce" in stdout
     assert {"command", "machine", "plan", "systems", "sections", "headline", "duration_s"} <= set(res)
     assert {"cpu", "cores", "ram_gib", "os", "python", "mlx", "blas"} <= set(res["machine"])
-    assert set(res["sections"]) == {"ttft", "reload"}
+    assert set(res["sections"]) == set(QUICK_SECTIONS)
 
     ttft = res["sections"]["ttft"]
     assert ttft["errors"] == {}
@@ -86,16 +100,11 @@ def test_families_table_from_samples():
     assert "| gemma3_text | vllm_default | 0% (0/334) | 0% (0/389) | 0% (0/446) |" in md
 
 
-def test_quick_families_section_on_gemma3(tmp_path: Path):
+def test_quick_families_section_on_gemma3(quick):
     """The families section on one real family (sliding window): persist_q4 serves turns 2-3 from
     memory and the turn after a SIGKILL from disk, each reusing the whole previous prompt."""
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "families",
-           "--families", "gemma3_text", "--out", str(out), "--work", str(tmp_path / "work"), "--no-plots"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads((out / "bench.json").read_text())
-    assert set(res["sections"]) == {"families"} and res["sections"]["families"]["errors"] == {}
+    res, out, _ = quick
+    assert res["sections"]["families"]["errors"] == {}
     s = res["sections"]["families"]["summary"]["gemma3_text"]
     assert set(s) == {"persist_q4", "vllm_default"}
     turns = s["persist_q4"]["turns"]
@@ -106,15 +115,10 @@ def test_quick_families_section_on_gemma3(tmp_path: Path):
     assert "## Model families" in (out / "bench.md").read_text()
 
 
-def test_quick_workload_sections(tmp_path: Path):
+def test_quick_workload_sections(quick):
     """The seeds' workloads (long contexts, batch 2 vs 1 and staggered arrivals, other agents' tokens
     while a long first turn is written) run on real servers and report what they measured."""
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "long,concurrency,stall",
-           "--long-contexts", "1024", "--out", str(out), "--work", str(tmp_path / "work")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads((out / "bench.json").read_text())
+    res, out, _ = quick
     secs = res["sections"]
     assert all(secs[s]["errors"] == {} for s in ("long", "concurrency", "stall"))
 
@@ -204,15 +208,10 @@ def test_capacity_formulas_on_published_shapes():
         assert abs(got[k] - want) < 1e-3 and want <= 1.15, (k, got[k], want)
 
 
-def test_quick_capacity_section(tmp_path: Path):
+def test_quick_capacity_section(quick):
     """The capacity section in quick mode: per family real persist_q4 and vllm-mlx servers on a
     scaled-down model report per-agent bytes that agree with the formulas on the small shape."""
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "capacity",
-           "--out", str(out), "--work", str(tmp_path / "work")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    res = json.loads((out / "bench.json").read_text())
+    res, out, _ = quick
     cap = res["sections"]["capacity"]
     assert cap["errors"] == {}
     assert set(cap["measured"]) == {"llama", "gemma3_text", "gpt_oss", "qwen3_next", "deepseek_v3"}
@@ -301,16 +300,12 @@ def test_edit_conversations_and_truncation_policy(tiny_llama_dir):
     assert reprefill(chat.ids(reqs[0]), chat.ids(reqs[1]), chat.anchor)["plan"] == []  # turn 2 edits nothing
 
 
-def test_quick_edits_section(tmp_path: Path):
+def test_quick_edits_section(quick):
     """The edits section in quick mode on real servers: every timed request prefills what the planner
     predicted for its system (amortize: usage.kv_edit; the others: vllm-mlx's scheduler), amortize
     splices every TTFT point, and the truncation trace splices from turn 3 on."""
-    out = tmp_path / "results"
-    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", "edits",
-           "--out", str(out), "--work", str(tmp_path / "work")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-4000:]
-    ed = json.loads((out / "bench.json").read_text())["sections"]["edits"]
+    res, out, _ = quick
+    ed = res["sections"]["edits"]
     assert ed["errors"] == {}
     assert ed["summary"]["accounting_mismatches"] == [] and ed["summary"]["accounting_checked"] == len(ed["samples"])
     amortize = [x for x in ed["samples"] if x["system"] == "amortize"]

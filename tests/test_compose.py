@@ -159,11 +159,11 @@ def test_quarantined_files_count_in_the_disk_budget_and_go_first(model, tmp_path
     size = pool.store.write_block(junk)
     pool.store.quarantine_block(junk.block_id, "test")
     assert pool.snapshot()["disk_bytes"] == before + size  # moved aside, still counted
-    pool.persister.disk_budget = before  # the next turn's blocks put it over
+    pool.persister.budget.disk_budget = before  # the next turn's blocks put it over
     serve(pool, model, "a", tokens(40) + tokens(20, seed=1))
     pool.flush()
     s = pool.snapshot()
-    assert s["quarantine_removed"] == 1 and pool.store.quarantine_bytes == 0  # reclaimed first
+    assert s["quarantine_removed"] == 1 and pool.store.quarantine.bytes == 0  # reclaimed first
     assert s["budget_erasures"] == 0 and pool.agent("a") is not None  # the agent in use is never erased
     pool.close()
 

@@ -23,7 +23,7 @@ import pytest
 from test_e2e_lifecycle import call
 from test_e2e_server import Chat, user_text
 from test_e2e_sharing import Worker, doc_messages
-from vllm_mlx_persist.remote import SECRET_ENV
+from vllm_mlx_persist.fleet import SECRET_ENV
 from vllm_mlx_persist.disk_format import decode_block
 from vllm_mlx_persist.tools.models import build_model_dir
 from vllm_mlx_persist.tools.serving import Server

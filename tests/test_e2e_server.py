@@ -347,6 +347,28 @@ def _damage_model_json(model_dir: Path, how: str) -> None:
 
 MODEL_DIR_DAMAGE = ["invalid_json", "zero_length", "directory", "fifo", "deep_json", "other_fingerprint",
                     "other_format_version"]
+# Through a real server: one damage that makes model.json unreadable (a FIFO: opening it must not
+# block) and one that names another model. Every damage raises a StoreError from DiskStore, the one
+# error the backend turns into "disk tier disabled": test_every_model_json_damage_is_a_store_error.
+SERVED_DAMAGE = ["fifo", "other_fingerprint"]
+
+
+@pytest.mark.parametrize("how", MODEL_DIR_DAMAGE)
+def test_every_model_json_damage_is_a_store_error(tmp_path, how):
+    """Each way model.json can be damaged makes DiskStore refuse the directory with a StoreError (what
+    the backend catches to serve from memory) and leaves the file as it was, for the operator."""
+    from vllm_mlx_persist.disk_format import FORMAT_VERSION
+    from vllm_mlx_persist.store import DiskStore, StoreError
+
+    fmt = {"format_version": FORMAT_VERSION, "bits": 4, "group_size": 64, "block_size": 16}
+    fp = "ab" * 32
+    store = DiskStore(tmp_path, fp, {"model_type": "llama", "n_layers": 2}, fmt)
+    _damage_model_json(store.dir, how)
+    before = os.stat(store.dir / "model.json", follow_symlinks=False)
+    with pytest.raises(StoreError):
+        DiskStore(tmp_path, fp, {"model_type": "llama", "n_layers": 2}, fmt)
+    after = os.stat(store.dir / "model.json", follow_symlinks=False)
+    assert (after.st_mode, after.st_size, after.st_ino) == (before.st_mode, before.st_size, before.st_ino)
 
 
 def test_unusable_model_directory_serves_from_memory_and_says_so(models, tmp_path):
@@ -362,7 +384,7 @@ def test_unusable_model_directory_serves_from_memory_and_says_so(models, tmp_pat
         srv.stop()
         model_dir = _model_cache_dir(home)
         pristine = (model_dir / "model.json").read_bytes()
-        for how in MODEL_DIR_DAMAGE:
+        for how in SERVED_DAMAGE:
             _damage_model_json(model_dir, how)
             srv.start()
             health = srv.get_json("/health")

@@ -8,7 +8,7 @@ import mlx.core as mx
 import pytest
 
 from vllm_mlx_persist.kv_edit import FORGET
-from vllm_mlx_persist.supersede import edit_point, superseded_block
+from vllm_mlx_persist.kv_edit.supersede import edit_point, superseded_block
 from vllm_mlx_persist.chain import Branch
 from test_pool import BLOCK, COLD_HOT_TOL, make_pool, prefill, tokens
 
@@ -166,8 +166,7 @@ def test_forget_deletes_the_superseded_blocks_from_the_fleet_tier(model, tmp_pat
     pytest.importorskip("redis")
     from test_remote import RedisServer
 
-    from vllm_mlx_persist.fleet import Fleet
-    from vllm_mlx_persist.remote import RemoteTier
+    from vllm_mlx_persist.fleet import Fleet, FleetSettings, RemoteTier
 
     (tmp_path / "redis").mkdir()
     redis_srv = RedisServer(tmp_path / "redis")
@@ -175,7 +174,7 @@ def test_forget_deletes_the_superseded_blocks_from_the_fleet_tier(model, tmp_pat
     try:
         fp = "f" * 64
         pool = make_pool(model, tmp_path / "disk", fingerprint=fp,
-                         fleet=lambda p: Fleet(p, lambda **cb: RemoteTier(redis_srv.url, fp, **cb)))
+                         fleet=lambda p: Fleet(p, lambda **cb: RemoteTier(FleetSettings(redis_srv.url), fp, **cb)))
         tier, client = pool.fleet.tier, redis_srv.client()
         head, span, tail = _history()
         _turn(pool, model, "a", head + span + tail, "r1")

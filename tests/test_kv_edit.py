@@ -1,4 +1,4 @@
-"""Span directives' request side (vllm_mlx_persist/kv_edit.py): the declared mode, its 400s, how it
+"""Span directives' request side (vllm_mlx_persist/kv_edit/request.py): the declared mode, its 400s, how it
 rides in the request's route next to a fork parent, and the kv_edit server option."""
 
 from __future__ import annotations

@@ -100,8 +100,8 @@ def test_ttl_erases_unused_agents(model, tmp_path):
         pool.commit(name, seq, prefill(model, seq)[0])
     pool.flush()
     with pool.persister._cv:  # as if "old" was last used two hours ago
-        pool.persister.agents["old"].last_used -= 7200
-    pool.persister._sweep()
+        pool.persister.index.agents["old"].last_used -= 7200
+    pool.persister.budget.sweep()
     assert pool.agent_info("old") is None and pool.agent_info("new") is not None
     assert not files_naming(tmp_path, "old") and pool.snapshot()["ttl_erasures"] == 1
     pool.close()
@@ -240,7 +240,7 @@ def test_stats_take_constant_time_with_a_hundred_thousand_blocks(model, tmp_path
     pool.flush()
     with pool.persister._cv:
         for bid in pool.blocks:
-            pool.persister._set_size(bid, 4096)
+            pool.persister.index.set_size(bid, 4096)
     assert len(pool.blocks) == 100_000
     timings = []
     for _ in range(50):
@@ -308,7 +308,7 @@ def test_offline_agents_command_lists_shows_erases_and_refuses_a_held_root(model
     import subprocess
     import sys
 
-    from vllm_mlx_persist.store import CacheDirLock
+    from vllm_mlx_persist.cache_root import CacheDirLock
 
     pool = budget_pool(model, tmp_path)
     for name in ("keep", "drop"):

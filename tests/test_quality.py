@@ -4,6 +4,17 @@ measures, writes the report), and the pieces the measurement rests on, checked o
 The quality numbers themselves are the full run's business (docs/quality.md); here only what must
 hold whatever the model: controls, orderings that follow from the arithmetic, the simulation
 matching the served cache, the outlier construction leaving the float model unchanged.
+
+The quick run trains its models, so its numbers move with the machine's float kernels (the BLAS and
+its kernel choice change the trained weights, not only the last bits). Every margin asserted on the
+quick run held on four kernels: OpenBLAS 0.3.21 as `./dev` preloads it (Zen: Haswell kernels),
+`OPENBLAS_CORETYPE=Sandybridge`, `OPENBLAS_CORETYPE=Nehalem` and mlx-cpu's own BLAS (no preload).
+Measured there (min / max over the four) and asserted:
+- outlier keys, 4-bit group 64 KL over Hadamard-rotated keys: 2.58 / 7.26, asserted > 1.5;
+- over 8-bit keys with 4-bit values: 46.8 / 290, asserted > 10;
+- plain llama, 4-bit over 8-bit KL: 224 / 486, asserted > 1; latents 4-bit over 8-bit: 177 / 396, > 1;
+- key outlier sweep, max/median of the strongest over the plain model: 39 / 48.7, asserted > 10.
+The random-weight checks below (no training) gave the same figures on all four kernels.
 """
 
 from __future__ import annotations
@@ -66,15 +77,20 @@ def test_quick_quality(tmp_path, capsys):
     ds = fams["deepseek_v3"]["perplexity"]
     assert ds["lat8"]["kl_from_full"] < ds["lat4"]["kl_from_full"]
     assert ds["fp32"]["kv_bytes_per_token"] > ds["lat8"]["kv_bytes_per_token"] > ds["lat4"]["kv_bytes_per_token"]
-    # the option packs earlier turns only: it moves the model less than packing every token
-    assert 0 < ds["lat4turn"]["kl_from_full"] < ds["lat4"]["kl_from_full"]
+    # the option packs earlier turns only (each chunk is a turn): the first turn is read exactly as in
+    # full precision, the later ones see packed latents. (Its KL against packing every token varied
+    # from 0.08x to 0.98x over the four kernels: too thin a margin to assert; the per-turn mechanism
+    # itself is checked exactly by test_latent_caches_quantize_the_latent_only.)
+    assert ds["lat4turn"]["ppl_by_chunk"][0] == pytest.approx(ds["fp32"]["ppl_by_chunk"][0], rel=1e-5)
+    assert ds["lat4"]["ppl_by_chunk"][0] != pytest.approx(ds["fp32"]["ppl_by_chunk"][0], rel=1e-5)
+    assert ds["lat4turn"]["kl_from_full"] > 0
 
     # outliers: the simulation reproduces the served cache; outlier keys hurt 4-bit group 64 and a
     # rotation or 8-bit keys take it back
     o = fams["llama_outliers"]["perplexity"]
     assert o["q4g64sim"]["ppl"] == pytest.approx(o["q4g64"]["ppl"], rel=1e-4)
-    assert o["q4g64"]["kl_from_full"] > 10 * o["q4g64h"]["kl_from_full"]
-    assert o["q4g64"]["kl_from_full"] > 10 * o["k8v4"]["kl_from_full"]
+    assert o["q4g64"]["kl_from_full"] > 1.5 * o["q4g64h"]["kl_from_full"]  # 2.58-7.26 measured (module docstring)
+    assert o["q4g64"]["kl_from_full"] > 10 * o["k8v4"]["kl_from_full"]  # 46.8-290 measured
     sweep = r["outliers"]["sweep"]
     assert [s["scale"] for s in sweep] == [1.0, *Q.OUTLIER_SWEEP]
     # same windows: the outlier model's float perplexity is the plain llama's
@@ -194,6 +210,7 @@ def test_outlier_construction_keeps_the_float_model():
         top = set(np.argsort(-s, axis=1)[:, :4].ravel().tolist())
         assert top == set(Q.outlier_channels(D, 2))
     # and hurt 4-bit group 64 keys far more than before; rotated or 8-bit keys take most of it back
+    # (measured 4.1x, 1.96x and 1.21x on every kernel the module docstring names)
     err = lambda factory: np.abs(_logits(model, tokens, factory(model)) - after).mean()
     q4 = err(Q.FORMATS[2].make_cache)
     assert q4 > 3 * q4_before

@@ -1,4 +1,4 @@
-"""Fleet tier (remote.py) against a real redis-server: bytes, sharing, compare-and-set, refusal of bad
+"""Fleet tier (vllm_mlx_persist/fleet/) against a real redis-server: bytes, sharing, compare-and-set, refusal of bad
 values, erasure across servers, and every fault (killed, hung, restarted Redis) without an exception
 reaching the caller and within the stated time bound."""
 
@@ -29,7 +29,10 @@ except ImportError:  # OLD_BUILD_SCRIPT imports this module against builds from 
 
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 
-from vllm_mlx_persist.remote import RemoteTier  # noqa: E402
+try:
+    from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
+except ImportError:  # OLD_BUILD_SCRIPT imports this module against builds from before the fleet package
+    from vllm_mlx_persist.remote import RemoteTier  # noqa: E402
 
 TOKENS_PER_BLOCK = 16
 # Generous: a bound is a property we check, not a timing; CI machines are shared and slow.
@@ -102,12 +105,18 @@ def fp(request) -> str:
     return hashlib.sha256(request.node.nodeid.encode()).hexdigest()
 
 
+# What a RemoteTier is given beside its settings (the fleet glue's callbacks, and what a merge keeps).
+TIER_ARGS = ("block_source", "on_erased", "branches", "keep_continued")
+
+
 @pytest.fixture
 def tiers():
+    """make(url, fingerprint, **kw): a RemoteTier; `kw` are FleetSettings fields and TIER_ARGS."""
     made = []
 
     def make(url: str, fingerprint: str, **kw) -> RemoteTier:
-        t = RemoteTier(url, fingerprint, **kw)
+        args = {k: kw.pop(k) for k in TIER_ARGS if k in kw}
+        t = RemoteTier(FleetSettings(url, **kw), fingerprint, **args)
         made.append(t)
         return t
 
@@ -162,13 +171,15 @@ def plant(client, tier: RemoteTier, agent: str, m: Manifest | None = None, *, ke
           version: int = 1, ident: str = "ab" * 8, body: bytes | None = None, tagger: RemoteTier | None = None) -> None:
     """Write an agent's manifest (None: a tombstone) straight into Redis, tagged as `tagger` (default
     `tier`) tags values: what any holder of its secret (or anyone, for an unauthenticated tier) can write."""
+    from vllm_mlx_persist.fleet.manifests import digest
+
     key = key or tier.manifest_key(agent)
     tagger = tagger or tier
     if m is None:
-        fields = tagger._manifest_fields(key, version, ident, True)
+        fields = tagger.manifests.fields(key, version, ident, True)
     else:
-        body = tier._manifest_body(m) if body is None else body
-        fields = tagger._manifest_fields(key, version, ident, False, m.n_tokens, tier._digest(m), body)
+        body = tier.manifests.body(m) if body is None else body
+        fields = tagger.manifests.fields(key, version, ident, False, m.n_tokens, digest(m), body)
     client.delete(key)
     client.hset(key, mapping=dict(zip(fields[::2], fields[1::2])))
 
@@ -523,7 +534,8 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
     fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
     pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
                      hot_bytes=1 << 30, store=DiskStore(tmp_path / "b", fp, {"test": True}, fmt), disk_budget=1 << 30,
-                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, **cb), max_fetch_bytes=3 * hist[0].nbytes))
+                     fleet=lambda p: Fleet(p, lambda **cb: tiers(server.url, fp, max_fetch_bytes=3 * hist[0].nbytes,
+                                                                   **cb)))
     fleet, persister = pool.fleet, pool.persister
     try:
         fleet._sync_agent("big")
@@ -618,7 +630,8 @@ def test_erase_is_seen_by_the_other_server_and_not_revived(server, fp, tiers):
 # crc32 blocks from Redis as damaged when both shared one keyspace.
 OLD_BUILD = "cb2a569"
 # Run by that build in a subprocess. It imports this module for chain() and manifest(), so this
-# module imports nothing from vllm_mlx_persist.remote at its top but RemoteTier.
+# module imports nothing from the fleet tier at its top but RemoteTier (and FleetSettings, where the
+# build has them).
 OLD_BUILD_SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -717,19 +730,19 @@ def test_a_block_of_a_format_this_build_cannot_read_is_left_in_redis(server, fp,
     # with a secret: a value whose MAC holds (a holder of the secret wrote it) in a later format too
     c = tiers(server.url, fp, secret=SECRET)
     key = c.block_key(hist[0].block_id)
-    value = c._wrap_block(key, newer[hist[0].block_id])
+    value = c.tagger.wrap_block(key, newer[hist[0].block_id])
     raw.set(key, value)
     assert c.get_block(hist[0].block_id) is None and raw.get(key) == value
     assert (c.stats()["foreign"], c.stats()["refused"]) == (1, 0)
 
 
 def test_two_remote_format_versions_coexist(server, fp, tiers, monkeypatch):
-    import vllm_mlx_persist.remote as remote
+    from vllm_mlx_persist.fleet import keyspace
 
     hist = chain(fp, "both", 3)
     by_id = {x.block_id: x for x in hist}
     a = tiers(server.url, fp)
-    monkeypatch.setattr(remote, "REMOTE_FORMAT_VERSION", remote.REMOTE_FORMAT_VERSION + 1)
+    monkeypatch.setattr(keyspace, "REMOTE_FORMAT_VERSION", keyspace.REMOTE_FORMAT_VERSION + 1)
     b = tiers(server.url, fp)
     assert a.stats()["keyspace"] != b.stats()["keyspace"]
     assert a.put(manifest("both", hist[:2]), by_id) and b.put(manifest("both", hist), by_id)
@@ -746,13 +759,13 @@ def test_the_remote_version_pins_what_its_keyspace_holds():
     agent records (spliced branches, removal records), and every r3 reader accepts exactly those. A
     build that writes anything else must bump REMOTE_FORMAT_VERSION (docs/fleet.md, Versions), or it
     deletes, or is deleted by, its peers."""
-    import vllm_mlx_persist.remote as remote
     from vllm_mlx_persist import disk_format
+    from vllm_mlx_persist.fleet import keyspace
 
     raw = encode_block(chain("f" * 64, "t", 1)[0])
     meta = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])["__metadata__"]
-    assert (disk_format.FORMAT_VERSION, remote.REMOTE_FORMAT_VERSION) == (1, 3), "bump REMOTE_FORMAT_VERSION"
-    assert meta["checksum"].split(":")[0] in remote.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
+    assert (disk_format.FORMAT_VERSION, keyspace.REMOTE_FORMAT_VERSION) == (1, 3), "bump REMOTE_FORMAT_VERSION"
+    assert meta["checksum"].split(":")[0] in keyspace.BLOCK_CHECKSUM_KINDS == ("crc32", "sha256")
 
 
 # ---- authentication: a shared secret ------------------------------------------------------------------
@@ -801,7 +814,7 @@ def test_values_planted_without_the_secret_are_refused(server, fp, tiers):
     forged = BlockData(hist[1].block_id, hist[1].tokens, {k: np.zeros_like(v) for k, v in hist[1].arrays.items()},
                        hist[1].dtypes)
     key = a.block_key(forged.block_id)
-    for value in (encode_block(forged), wrong._wrap_block(key, encode_block(forged))):
+    for value in (encode_block(forged), wrong.tagger.wrap_block(key, encode_block(forged))):
         raw.set(key, value)
         assert a.get_block(forged.block_id) is None and raw.get(key) is None  # refused, deleted
     assert a.stats()["refused_mac"] == 2
@@ -858,7 +871,7 @@ def test_a_value_moved_to_another_key_is_refused(server, fp, tiers):
 def test_a_forged_model_record_is_replaced_and_a_real_clash_still_refused(server, fp, tiers):
     hist = chain(fp, "m", 1)
     probe = tiers(server.url, fp, secret=SECRET)
-    server.client().set(probe._model_key, b'{"format": "anything", "fingerprint": "x"}')
+    server.client().set(probe.keys.model, b'{"format": "anything", "fingerprint": "x"}')
     a = tiers(server.url, fp, secret=SECRET)
     assert a.put(manifest("m", hist), {hist[0].block_id: hist[0]}) and a.flush(10)
     s = a.stats()
@@ -869,18 +882,18 @@ def test_a_forged_model_record_is_replaced_and_a_real_clash_still_refused(server
 
 
 def test_start_up_says_whether_the_tier_is_authenticated(server, fp, tiers, caplog):
-    with caplog.at_level(logging.INFO, logger="vllm_mlx_persist.remote"):
+    with caplog.at_level(logging.INFO, logger="vllm_mlx_persist.fleet"):
         tiers(server.url, fp)
         t = tiers(server.url, fp, secret=SECRET)
     text = caplog.text
     assert "UNAUTHENTICATED" in text and f"authenticated (HMAC-SHA256, key id {t.key_id}" in text
     assert SECRET.decode() not in text and SECRET.hex() not in text
     with pytest.raises(ValueError):
-        RemoteTier(server.url, fp, secret=b"too short")
+        RemoteTier(FleetSettings(server.url, secret=b"too short"), fp)
 
 
 def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
-    from vllm_mlx_persist.remote import SECRET_ENV, load_secret
+    from vllm_mlx_persist.fleet import SECRET_ENV, load_secret
 
     f = tmp_path / "secret"
     f.write_bytes(SECRET + b"\n")
@@ -893,7 +906,7 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path, caplog):
         with pytest.raises(ValueError):
             load_secret(*args)
     f.chmod(0o644)
-    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.remote"):
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.fleet"):
         assert load_secret(str(f), {}) == SECRET
     assert "open to other users" in caplog.text and SECRET.decode() not in caplog.text
     # the backend's options: a file path (a secret inline is refused, naming the ways to give one)
@@ -953,12 +966,13 @@ def test_a_tombstone_written_after_the_manifest_expired_is_not_mistaken_for_one_
 def test_tombstones_live_as_long_as_manifests(server, fp, tiers):
     a = tiers(server.url, fp)  # defaults: manifests 30 days
     assert a.erase("z") and a.flush(10)
-    assert a.manifest_ttl_s - 60 <= server.client().ttl(a.manifest_key("z")) <= a.manifest_ttl_s
+    ttl = a.settings.manifest_ttl_s
+    assert ttl - 60 <= server.client().ttl(a.manifest_key("z")) <= ttl
     b = tiers(server.url, fp, manifest_ttl_s=3600)
     assert b.erase("z2") and b.flush(10) and 3500 <= server.client().ttl(b.manifest_key("z2")) <= 3600
     for manifest_ttl, tombstone_ttl in ((3600, 60), (0, 60)):
         with pytest.raises(ValueError):
-            RemoteTier(server.url, fp, manifest_ttl_s=manifest_ttl, tombstone_ttl_s=tombstone_ttl)
+            RemoteTier(FleetSettings(server.url, manifest_ttl_s=manifest_ttl, tombstone_ttl_s=tombstone_ttl), fp)
 
 
 def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tiers, tmp_path):
@@ -1275,7 +1289,7 @@ def test_missing_client_library_gives_a_clear_error(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_redis)
     with pytest.raises(ImportError, match=r"vllm-mlx-persist\[fleet\]"):
-        RemoteTier("redis://127.0.0.1:1/0", "f" * 64)
+        RemoteTier(FleetSettings("redis://127.0.0.1:1/0"), "f" * 64)
 
 
 def test_password_in_the_url_and_never_in_stats(tmp_path, fp, tiers):

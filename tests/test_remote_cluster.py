@@ -1,4 +1,4 @@
-"""Fleet tier (remote.py, `cluster=True`) against a real 3-master Redis Cluster: blocks spread over
+"""Fleet tier (vllm_mlx_persist/fleet/, `cluster=True`) against a real 3-master Redis Cluster: blocks spread over
 the nodes, pipelined fetches across slots, the compare-and-set rules, erasure, refusal of a damaged
 value, and one node killed (its keys are misses within the bound, the other nodes still serve);
 then two real servers with `remote_cluster: true` moving an agent between them.
@@ -22,7 +22,8 @@ redis = pytest.importorskip("redis", reason='the fleet extra is not installed: p
 import redis.cluster  # noqa: E402
 
 from test_remote import SECRET, SLACK_S, chain, fp, manifest, same_block, tiers  # noqa: E402,F401 (fixtures)
-from vllm_mlx_persist.remote import REMOTE_FORMAT_VERSION, RemoteTier  # noqa: E402
+from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
+from vllm_mlx_persist.fleet.keyspace import REMOTE_FORMAT_VERSION  # noqa: E402
 from vllm_mlx_persist.disk_format import Manifest, encode_block  # noqa: E402
 
 NODE_TIMEOUT_MS = 2000
@@ -168,7 +169,7 @@ def test_blocks_spread_over_the_nodes_and_are_fetched_across_slots(cluster, fp, 
     s = b.stats()
     assert (s["fetch_round_trips"], s["hits"], s["misses"], s["refused"]) == (1 + 3, 12, 0, 0), s
     # GETEX refreshed the TTL on every node
-    assert all(0 < cluster.client().ttl(a.block_key(k)) <= a.block_ttl_s for k in ids)
+    assert all(0 < cluster.client().ttl(a.block_key(k)) <= a.settings.block_ttl_s for k in ids)
     # a second server storing the same history stores nothing again
     assert b.put(manifest("spread", hist), by_id) and b.flush(20)
     s = b.stats()
@@ -217,7 +218,7 @@ def test_erasure_on_a_cluster(cluster, fp, tiers):
     assert a.erase("gone") and a.flush(10)
     m = a.get_manifest("gone")
     assert m.erased and m.block_ids == [] and m.version == 2
-    assert 0 < cluster.client().ttl(a.manifest_key("gone")) <= a.tombstone_ttl_s
+    assert 0 < cluster.client().ttl(a.manifest_key("gone")) <= a.settings.tombstone_ttl_s
     # B published before the erasure: its next put is refused and tells it so
     assert b.put(manifest("gone", hist), blocks) and b.flush(10)
     assert b.stats()["puts_erased"] == 1 and erased_seen == [("gone", m.ident)] and a.get_manifest("gone").erased
@@ -275,9 +276,9 @@ def test_unreachable_cluster_at_start_is_a_miss_then_connects(tmp_path, fp, tier
     s = t.stats()
     assert s["errors"] >= 2 and s["put_failures"] == 1 and s["state"] == "unreachable", s
     with pytest.raises(ValueError, match="database 0"):
-        RemoteTier(f"redis://127.0.0.1:{port}/3", fp, cluster=True)
+        RemoteTier(FleetSettings(f"redis://127.0.0.1:{port}/3", cluster=True), fp)
     with pytest.raises(ValueError, match="unix"):
-        RemoteTier("unix:///tmp/redis.sock", fp, cluster=True)
+        RemoteTier(FleetSettings("unix:///tmp/redis.sock", cluster=True), fp)
 
 
 def test_one_node_killed_its_keys_are_misses_the_others_still_serve(tmp_path, fp, tiers):
@@ -297,7 +298,7 @@ def _one_node_killed(c: RedisClusterServers, fp: str, tiers) -> None:
     fp = next(f for f in (hashlib.sha256(f"{fp}{i}".encode()).hexdigest() for i in range(100))
               if c.port_of(f"vmp:{f[:32]}:r{REMOTE_FORMAT_VERSION}:model") != victim)
     a = tiers(f"redis://127.0.0.1:{victim}/0", fp, cluster=True, **kw)
-    model_port = c.port_of(a._model_key)
+    model_port = c.port_of(a.keys.model)
     assert model_port != victim
     agents = {f"agent-{i}": chain(fp, f"agent-{i}", 2, seed=i) for i in range(12)}
     for name, hist in agents.items():

@@ -1,4 +1,4 @@
-"""Moving cached keys by Δ positions in closed form (vllm_mlx_persist/rope_shift.py, issue #21):
+"""Moving cached keys by Δ positions in closed form (vllm_mlx_persist/kv_edit/rope_shift.py, issue #21):
 every RoPE variant mlx-lm 0.31.3 ships, each model family's layers through its own attention, the
 start-up probe's refusals, and 4-bit keys (dequantize, rotate in float32, requantize)."""
 
@@ -12,7 +12,7 @@ from mlx_lm.models.internlm2 import DynamicNTKScalingRoPE
 from mlx_lm.models.rope_utils import initialize_rope
 
 from vllm_mlx_persist.caches.kinds import layer_kinds
-from vllm_mlx_persist.rope_shift import (
+from vllm_mlx_persist.kv_edit.rope_shift import (
     RopeParams,
     identity_error,
     probe_attention,
@@ -137,7 +137,7 @@ def test_each_layer_moves_with_its_own_parameters(arch):
     assert len(verdicts) == len(model.layers) and all(v.ok for v in verdicts), [v.reason for v in verdicts]
     hidden = model.args.hidden_size
     x = mx.random.normal((1, 3, hidden), key=mx.random.key(4)) * 0.5
-    from vllm_mlx_persist.rope_shift import _attention_of, _Recorder
+    from vllm_mlx_persist.kv_edit.rope_shift import _attention_of, _Recorder
 
     for layer, verdict in zip(model.layers, verdicts):
         kinds = [s.kind for s in verdict.slots]

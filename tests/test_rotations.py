@@ -1,4 +1,4 @@
-"""Per-token rotation counts (issue #21): the pure bookkeeping (rotations.py), its manifest form, and
+"""Per-token rotation counts (issue #21): the pure bookkeeping (kv_edit/rotations.py), its manifest form, and
 the backend in process on a real model: a run whose tokens reached `max_rotations` is re-prefilled
 while the rest of it is still spliced, the counts persist across a restart, and no stored token is
 ever rotated more than the cap."""
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from vllm_mlx_persist import rotations as rot
+from vllm_mlx_persist.kv_edit import rotations as rot
 from vllm_mlx_persist.chain import Branch, branches_of, manifest_of
 from vllm_mlx_persist.disk_format import check_branches
 from vllm_mlx_persist.namespace import spliced_seed

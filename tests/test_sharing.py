@@ -35,8 +35,8 @@ def check_accounting(pool: BlockPool) -> None:
     assert set(pool.blocks) == set(names)
     if pool.persister is not None:
         pool.flush()
-        disk = Counter(b for a in pool.persister.agents.values() for b in a.block_ids)
-        assert pool.persister.block_refs == dict(disk)
+        disk = Counter(b for a in pool.persister.index.agents.values() for b in a.block_ids)
+        assert pool.persister.index.block_refs == dict(disk)
 
 
 def commit(pool, model, agent, seq, fork_from=None):
@@ -229,7 +229,7 @@ def test_retokenized_reply_is_reused_and_served_as_the_stored_tokens(model, tmp_
 
 
 def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tmp_path):
-    """The pool's side of the fleet tier (fleet.py; Redis itself in test_remote.py and end to end in
+    """The pool's side of the fleet tier (fleet/sync.py; Redis itself in test_remote.py and end to end in
     test_e2e_fleet.py): a fork with two branches computed by pool A is adopted by pool B, which
     holds the parent, an older copy of the fork and a branch of its own."""
     a, b = make_pool(model, tmp_path / "a"), make_pool(model, tmp_path / "b")

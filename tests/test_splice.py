@@ -1,4 +1,4 @@
-"""Span directives, amortize: a splice executed at pool level on real MLX (vllm_mlx_persist/splice.py):
+"""Span directives, amortize: a splice executed at pool level on real MLX (vllm_mlx_persist/kv_edit/splice.py):
 the exact prefix and the run's values byte-identical to what was stored, the run's keys moved to their
 new positions (layer 0, whose K depends only on token and position, matches a cold prefill to 4-bit
 precision; unmoved it does not), and the model decodes on the result."""
@@ -9,12 +9,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_mlx_persist.amortize import Splice, find_splice
+from vllm_mlx_persist.kv_edit.plan import Splice, find_splice
 from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.chain import lcp
 from vllm_mlx_persist.kv_edit import AMORTIZE
-from vllm_mlx_persist.rope_shift import probe_model
-from vllm_mlx_persist import splice
+from vllm_mlx_persist.kv_edit.rope_shift import probe_model
+from vllm_mlx_persist.kv_edit import splice
 from test_pool import GROUP, make_pool, prefill
 
 A = 2  # the message-start token of these synthetic conversations
@@ -107,7 +107,7 @@ def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
     """MLA keeps full-precision latents: the rotary slot (deepseek_v3's k_pe in the cache's values;
     deepseek_v32's also the indexer's keys) moves, the latent stays; layer 0 then equals a cold
     prefill's within float rounding."""
-    from vllm_mlx_persist.rope_shift import slot_names
+    from vllm_mlx_persist.kv_edit.rope_shift import slot_names
     from vllm_mlx_persist.tools.models import build_model
 
     model, _ = build_model(arch, "tiny")
@@ -248,7 +248,7 @@ def test_a_splice_in_flight_during_a_forget_is_not_stored(model, tmp_path):
 def test_two_edits_in_one_request(model, tmp_path):
     """Two spans replaced by stubs of other lengths: both later runs move, each by its own Δ; layer 0
     of both equals a cold prefill's to 4-bit precision, and the values are the stored bytes."""
-    from vllm_mlx_persist.amortize import find_splices
+    from vllm_mlx_persist.kv_edit.plan import find_splices
 
     pool = make_pool(model, tmp_path)
     codec = ModelCodec.for_model(model)

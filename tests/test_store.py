@@ -18,9 +18,11 @@ import numpy as np
 import pytest
 
 from vllm_mlx_persist import disk_format
+from vllm_mlx_persist import quarantine as quarantine_mod
 from vllm_mlx_persist import store as store_mod
+from vllm_mlx_persist.cache_root import CacheDirLock
 from vllm_mlx_persist.disk_format import FORMAT_VERSION, BlockData, Manifest, agent_key
-from vllm_mlx_persist.store import CacheDirLock, DiskStore, ModelMismatchError, StoreError, StoreWriteError
+from vllm_mlx_persist.store import DiskStore, ModelMismatchError, StoreError, StoreWriteError
 
 REPO = Path(__file__).resolve().parents[1]
 FP = "ab" * 32
@@ -588,7 +590,7 @@ def test_tmp_leftovers_of_live_process_are_kept(tmp_path):
         p.write_bytes(b"partial")
     open_store(tmp_path)
     assert sorted(os.listdir(s.tmp_dir)) == [mine.name]
-    old = time.time() - store_mod.STALE_TMP_S - 10
+    old = time.time() - quarantine_mod.STALE_TMP_S - 10
     os.utime(mine, (old, old))
     s.gc(set())
     assert os.listdir(s.tmp_dir) == []
@@ -649,7 +651,8 @@ def test_concurrent_reads_and_writes(tmp_path):
 
 
 def _try_lock_elsewhere(root: Path) -> subprocess.CompletedProcess:
-    code = ("import sys; from vllm_mlx_persist.store import CacheDirLock, StoreError\n"
+    code = ("import sys; from vllm_mlx_persist.cache_root import CacheDirLock\n"
+            "from vllm_mlx_persist.store import StoreError\n"
             "try:\n    CacheDirLock(sys.argv[1])\nexcept StoreError as e:\n    print(e); sys.exit(3)\n")
     return subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=60)
 
@@ -669,7 +672,7 @@ def test_cache_dir_lock_one_process_at_a_time(tmp_path):
     r = _try_lock_elsewhere(root)
     assert r.returncode == 0, r
     # A holder killed with SIGKILL leaves no stale lock behind.
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vllm_mlx_persist.store import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from vllm_mlx_persist.cache_root import "
                                "CacheDirLock; CacheDirLock(sys.argv[1]); print('held', flush=True); "
                                "time.sleep(600)", str(root)], stdout=subprocess.PIPE, text=True)
     try:
@@ -686,18 +689,18 @@ def test_quarantine_is_pruned_at_open(tmp_path):
     older than QUARANTINE_KEEP_S; the newest survive."""
     s = open_store(tmp_path)
     now = time.time()
-    n_old, n_new = 5, store_mod.QUARANTINE_KEEP_FILES + 10
+    n_old, n_new = 5, quarantine_mod.QUARANTINE_KEEP_FILES + 10
     for i in range(n_old):
         p = s.quarantine_dir / f"old{i}"
         p.write_bytes(b"x")
-        os.utime(p, (now - store_mod.QUARANTINE_KEEP_S - 60, now - store_mod.QUARANTINE_KEEP_S - 60))
+        os.utime(p, (now - quarantine_mod.QUARANTINE_KEEP_S - 60, now - quarantine_mod.QUARANTINE_KEEP_S - 60))
     for i in range(n_new):
         p = s.quarantine_dir / f"new{i:04d}"
         p.write_bytes(b"x")
         os.utime(p, (now - i, now - i))  # new0000 is the newest
     open_store(tmp_path)
     left = sorted(p.name for p in s.quarantine_dir.iterdir())
-    assert left == [f"new{i:04d}" for i in range(store_mod.QUARANTINE_KEEP_FILES)]
+    assert left == [f"new{i:04d}" for i in range(quarantine_mod.QUARANTINE_KEEP_FILES)]
 
 
 def test_cache_is_private_to_its_owner(tmp_path):
@@ -813,7 +816,7 @@ def test_non_regular_entries_in_quarantine_are_pruned(tmp_path, monkeypatch):
     for kind in ("fifo", "symlink_dev", "directory"):
         _plant(s.quarantine_dir / kind, kind, s.dir / "model.json")
     (s.quarantine_dir / "directory" / "inner").write_bytes(b"x")
-    monkeypatch.setattr(store_mod, "QUARANTINE_KEEP_FILES", 1)
+    monkeypatch.setattr(quarantine_mod, "QUARANTINE_KEEP_FILES", 1)
     open_store(tmp_path)
     assert len(quarantined(s)) == 1
 
@@ -858,8 +861,8 @@ def test_oversized_block_is_refused_before_its_data_is_read(tmp_path, monkeypatc
     that claims more data than the file holds: all quarantined having read at most the header."""
     s = open_store(tmp_path)
     read_sizes: list[int] = []
-    real_read_exact = store_mod._read_exact
-    monkeypatch.setattr(store_mod, "_read_exact",
+    real_read_exact = store_mod.read_exact
+    monkeypatch.setattr(store_mod, "read_exact",
                         lambda fd, size, offset=0: read_sizes.append(size) or real_read_exact(fd, size, offset))
     blk = make_block(43)
     s.write_block(blk)
@@ -1025,12 +1028,12 @@ def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatc
 def _record_dir_syncs(monkeypatch) -> list[Path]:
     """Spy on the store's directory fsyncs (the real ones still run); returns the paths synced."""
     synced: list[Path] = []
-    real = store_mod._fsync_dir
+    real = store_mod.fsync_dir
 
     def spy(path: Path) -> None:
         real(path)
         synced.append(Path(path))
-    monkeypatch.setattr(store_mod, "_fsync_dir", spy)
+    monkeypatch.setattr(store_mod, "fsync_dir", spy)
     return synced
 
 

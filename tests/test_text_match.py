@@ -242,7 +242,7 @@ def test_an_amortize_edit_is_spliced_onto_a_history_matched_by_text(backend, mod
     position only) equal a cold prefill's of that prompt to 4-bit precision."""
     from types import SimpleNamespace
 
-    from vllm_mlx_persist.amortize import message_anchor
+    from vllm_mlx_persist.kv_edit.plan import message_anchor
 
     A = message_anchor(tok)
     reply = "so the agent keeps its memory"

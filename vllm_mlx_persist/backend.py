@@ -3,10 +3,10 @@
 Thin on purpose: it wires the parts together at start-up and forwards each call of the contract.
 Its options live in `options`, its one-line start-up refusals in `refusal`, its warm-up in
 `warmup`, and `futures` builds what `ready()` returns; the cache classes and attention are in
-`caches/`, blocks and tiers in `pool`, files in `store`, span directives in `kv_edit` / `amortize`
-/ `splice`. The factory runs on the event-loop thread at start-up; `fetch`, `store`, `load` and the
-pool's first build on the worker; `prefetch` and `ready` on the event loop; `get_stats` on the HTTP
-thread (it never builds the pool).
+`caches/`, blocks and tiers in `pool`, files in `store`, span directives in `kv_edit/` (its `serve`:
+what `fetch` does for a request that declared one). The factory runs on the event-loop thread at
+start-up; `fetch`, `store`, `load` and the pool's first build on the worker; `prefetch` and `ready` on
+the event loop; `get_stats` on the HTTP thread (it never builds the pool).
 """
 
 from __future__ import annotations
@@ -17,8 +17,7 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from . import rotations
-from .amortize import ModelSplicing, Splice
+from .cache_root import CacheDirLock
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
 from .caches.floats import (
@@ -35,26 +34,16 @@ from .caches.floats import (
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
-from .kv_edit import AMORTIZE, FORGET
-from .kv_edit import report as kv_edit_report
+from .kv_edit.serve import SpanDirectives
 from .match_decode import MatchDecoder
-from .namespace import Route, spliced_seed
+from .namespace import Route
 from .options import parse_options
 from .pool import READ_TIMEOUT_S, BlockPool
 from .refusal import refuse
-from .rotations import Segments, clip
-from .store import CacheDirLock, DiskStore, StoreError
+from .store import DiskStore, StoreError
 from .warmup import warm_up
 
 log = logging.getLogger("vllm_mlx_persist")
-
-
-def _check_redis_client() -> None:
-    try:
-        import redis  # noqa: F401
-    except ImportError:
-        raise ValueError('persist_q4: remote_url is set but the Redis client is not installed: '
-                         'pip install "vllm-mlx-persist[fleet]"') from None
 
 
 class PersistQ4Backend:
@@ -63,11 +52,12 @@ class PersistQ4Backend:
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
             opts = parse_options(options)
-            self._remote_secret: Optional[bytes] = None  # kept out of opts, which may be shown
+            # The fleet tier's settings (its secret kept out of opts, which may be shown), or None.
+            self.fleet_settings = None
             if opts["remote_url"] is not None:
-                _check_redis_client()
-                from .remote import load_secret
-                self._remote_secret = load_secret(opts["remote_secret_file"])
+                from .fleet import FleetSettings
+
+                self.fleet_settings = FleetSettings.from_options(opts)
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True,
                                               latent_bits=opts["latent_bits"])
@@ -86,14 +76,15 @@ class PersistQ4Backend:
         except (StoreError, OSError) as e:
             raise refuse(ValueError(f"persist_q4: {e}")) from None
         self._pool: Optional[BlockPool] = None
-        self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set
+        self.fleet = None  # fleet.Fleet, built with the pool when remote_url is set (fleet_settings)
         self.disk_error: Optional[str] = None  # why the disk tier is off, when it is
         # The engine holds a finished response at most this long for its turn's write (seam contract).
         self.durable_timeout_s = opts["write_timeout_s"]
         # the engine admits a request once its blocks are read (ready()), waiting at most this long
         self.ready_timeout_s = READ_TIMEOUT_S + (opts["remote_wait_s"] if opts.get("remote_url") else 0.0)
         self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
-        self._splicing: Optional[ModelSplicing] = None  # probed at load (worker; _probe_splicing)
+        # span directives (kv_edit/): a request's usage.kv_edit, and an amortize request's splice
+        self.edits = SpanDirectives(model, tokenizer, self.codec, opts["kv_edit"], opts["block_size"])
         self.closed = False
 
     @property
@@ -140,7 +131,7 @@ class PersistQ4Backend:
                 codec=self.codec,
                 branches=opts["branches"],
                 decode=self._decode if opts["match_text"] else None,
-                fleet=self._fleet_factory() if opts["remote_url"] is not None and store is not None else None,
+                fleet=self._fleet_factory() if self.fleet_settings is not None and store is not None else None,
                 removal_ttl_s=opts["remote_manifest_ttl_hours"] * 3600.0,
                 fork_policy=opts["fork_policy"],
             )
@@ -165,26 +156,15 @@ class PersistQ4Backend:
 
     def _fleet_factory(self) -> Callable[[BlockPool], Any]:
         """What builds the fleet tier's glue for the pool (BlockPool(fleet=...))."""
-        from .fleet import Fleet
-        from .remote import RemoteTier
+        from .fleet import Fleet, RemoteTier
 
-        opts = self.opts
-
-        def tier(**callbacks: Any) -> RemoteTier:
-            return RemoteTier(
-                opts["remote_url"], self.fingerprint,
-                read_timeout_s=opts["remote_timeout_s"],
-                queue_max_bytes=int(opts["remote_queue_mb"] * 2**20),
-                fetch_bytes=max(1, int(opts["remote_fetch_mb"] * 2**20)),
-                block_ttl_s=int(opts["remote_block_ttl_hours"] * 3600),
-                manifest_ttl_s=int(opts["remote_manifest_ttl_hours"] * 3600),
-                cluster=opts["remote_cluster"], secret=self._remote_secret, **callbacks)
+        settings = self.fleet_settings
 
         def build(pool: BlockPool) -> Fleet:
-            fleet = Fleet(pool, tier, wait_s=opts["remote_wait_s"], write_timeout_s=opts["write_timeout_s"])
+            fleet = Fleet(pool, lambda **callbacks: RemoteTier(settings, self.fingerprint, **callbacks))
             t = fleet.tier
             log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", t.url_redacted,
-                     " (Redis Cluster)" if t.cluster else "", opts["remote_wait_s"],
+                     " (Redis Cluster)" if t.cluster else "", settings.wait_s,
                      f"authenticated, key id {t.key_id}" if t.authenticated else "UNAUTHENTICATED")
             return fleet
 
@@ -201,16 +181,14 @@ class PersistQ4Backend:
 
         route = route_of(request)
         namespace, parent, mode = route.agent, route.fork_from, route.edit
-        request._vmp_store_as = None  # set again below where this lookup makes the turn a spliced one
-        # kv_edit.enabled false: amortize requests are exact ones, spliced histories unseen
-        lookup_mode = None if mode == AMORTIZE and not self.opts["kv_edit"]["enabled"] else mode
+        request._vmp_store_as = None  # set again by edits.serve where this lookup makes the turn a spliced one
         t0 = time.perf_counter()
         m = self.pool.match(namespace, list(request.prompt_token_ids), getattr(request, "request_id", None),
                             fork_from=parent, wait_fleet=not getattr(request, "_vmp_fleet_waited", False),
-                            edit=lookup_mode)
+                            edit=self.edits.lookup_mode(mode))
         agent = namespace or "<anonymous>"
         if mode is not None:
-            spliced = self._report_edit(request, mode, m)
+            spliced = self.edits.serve(request, mode, m, self.pool)
             if spliced is not None:
                 return spliced
         if m.cache is None:
@@ -225,122 +203,6 @@ class PersistQ4Backend:
             # as the tokens the cache holds (the seam replaces request.prompt_token_ids).
             return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier, prompt_token_ids=m.prompt)
         return CacheLookup(cache=m.cache, num_tokens=m.num_tokens, hit_type=m.tier)
-
-    def _report_edit(self, request: Any, mode: str, m: Any) -> Any:
-        """`usage.kv_edit` for a request that declared an edit mode (the seam reports
-        `request.cache_usage`); for an amortize request the splice allows, the spliced CacheLookup."""
-        prompt = m.prompt if m.prompt is not None else list(request.prompt_token_ids)  # as it is served
-        n_prompt = len(prompt)
-        if mode == FORGET:
-            report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
-        elif not self.opts["kv_edit"]["enabled"]:
-            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled")
-        else:
-            self._probe_splicing()
-            gen, honest, counts = self._source(m)
-            if gen:  # the lookup reused a spliced history: this turn continues it, in its generation
-                request._vmp_store_as = (gen, clip(counts, m.num_tokens))
-            plans = self._splicing.decide(m.stored, prompt, self.opts["kv_edit"])
-            done, used, over = (plans, [], 0) if isinstance(plans, str) else self._splice(request, m, prompt, plans,
-                                                                                          counts)
-            reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
-            if not isinstance(done, str):
-                report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
-                report["plan"] = [{"stub_tokens": p.stub, "run_tokens": n, "delta": p.delta} for p, n in used]
-                report["over_budget_tokens"] = over
-                request.cache_usage = {"kv_edit": report}
-                log.info("[persist_q4] kv_edit %s", report)
-                return done
-            report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused,
-                                    fallback=None if reused > 0 and done == "no_edit" else done)
-            if over:
-                report["over_budget_tokens"] = over
-        request.cache_usage = {"kv_edit": report}
-        log.info("[persist_q4] kv_edit %s", report)
-        return None
-
-    def _probe_splicing(self) -> None:
-        """(worker) What this model allows a splice (`ModelSplicing.probe`: the layers' own attention
-        at a few positions, tens of ms), once: at load, or at the first amortize request."""
-        if self._splicing is not None:
-            return
-        try:
-            self._splicing = ModelSplicing.probe(self.model, self.tokenizer, self.codec.has_state)
-        except Exception as e:  # a model the probe cannot drive is never spliced
-            self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
-        log.info("persist_q4: amortize on this model: %s", self._splicing)
-
-    def _source(self, m: Any) -> tuple[int, int, Segments]:
-        """(generation, honest tokens, rotation counts) of an amortize lookup's source: one of the
-        agent's honest branches (generation 0, every reused token honest, none rotated) or one of its
-        spliced ones (only the tokens before its first spliced block are honest: where its chain
-        begins the seed of a spliced generation)."""
-        if m.source is None:
-            return 0, m.num_tokens, ()
-        agent, branch = m.source
-        if not branch.spliced:
-            return 0, m.num_tokens, ()
-        seeds = {spliced_seed(agent.namespace, g) for g in range(1, branch.generation + 1)}
-        first = next((i for i, seed in branch.links if seed in seeds), 0) * self.opts["block_size"]
-        counts = branch.rotations or rotations.legacy(branch.generation, first, branch.n_tokens)
-        return branch.generation, min(m.num_tokens, first), counts
-
-    def _splice(self, request: Any, m: Any, prompt: list[int], plans: list, counts: Segments,
-                ) -> tuple[Any, list, int]:
-        """(CacheLookup, [(piece, run tokens)], run tokens over the rotation budget) for the splices of
-        a request (one per edit, left to right), or (the reason it is served as exact, [], over).
-        `prompt`: as served (the stored tokens where the lookup matched the client's by text).
-
-        A run's tokens already rotated `max_rotations` times (`counts`, per token) are re-prefilled
-        instead of moved: the run is cut into the pieces that may move (rotations.pieces). The turn
-        is stored as a branch of the agent whose generation is the highest count the new history
-        holds (chain.Branch.generation): its ids are seeded apart from any honest prefill's
-        (namespace.spliced_seed), and only amortize requests of the agent are served from it, so no
-        exact or forget lookup, other agent's fork or other server's exact request is ever served
-        spliced K/V."""
-        from vllm_mlx.cache_backend import CacheLookup
-
-        from . import splice
-
-        if not splice.supported(self.codec):
-            return "splice_not_built", [], 0
-        opts = self.opts["kv_edit"]
-        stretches: list[tuple[int, int, int]] = []  # (at, stored at, length): what may move
-        over = 0
-        for plan in plans:
-            n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
-            if n_run < opts["min_run_tokens"]:
-                break  # the rest of the prompt is prefilled
-            got, late = rotations.split_run(counts, plan.src, n_run, opts["max_rotations"], opts["min_run_tokens"])
-            over += late
-            stretches += [(plan.at + off, plan.src + off, k) for off, k in got]
-        if not stretches:
-            return ("rotation_budget" if over else "no_realignment"), [], over
-        runs, end = [], m.num_tokens
-        for at, stored_at, k in stretches:
-            run = self.pool.run_arrays(m.source, stored_at, stored_at + k)
-            if run is None:
-                return "unreadable", [], over
-            k = self.codec.run_length(run)  # bounded sliding windows: cut to where theirs is held
-            if k >= opts["min_run_tokens"]:  # else prefilled, with what lies before the next piece
-                # a piece's stub: all that is prefilled before it (stubs, over-budget stretches)
-                runs.append((Splice(end, at, stored_at, k), run))
-                end = at + k
-        if not runs:
-            return "window_not_held", [], over
-        pieces = [p for p, _ in runs]
-        cache = m.cache if m.cache is not None else self.codec.make_cache()
-        cache, n = splice.apply_all(self.model, self.codec, self._splicing.verdicts, cache, m.num_tokens, prompt,
-                                    runs)
-        new = rotations.normalize(clip(counts, m.num_tokens) + tuple(
-            seg for p in pieces for seg in rotations.moved(counts, p.src, p.length, p.at, p.delta)))
-        request._vmp_store_as = (max(1, rotations.peak(new)), new)
-        self.pool.stats["kv_edit_splices"] += 1
-        cached = m.num_tokens + sum(p.length for p in pieces)
-        lookup = CacheLookup(cache=cache, num_tokens=n, hit_type="splice", cached_tokens=cached,
-                             prompt_token_ids=m.prompt)  # matched by text: served as the stored tokens
-        return (lookup,
-                [(p, p.length) for p in pieces], over)
 
     def prefetch(self, route: Route) -> None:
         """Start reading the cold blocks a request's lookup needs from disk (and syncing them with the
@@ -393,7 +255,7 @@ class PersistQ4Backend:
             return False
         try:
             route = route_of(request)
-            generation, counts = getattr(request, "_vmp_store_as", None) or (0, ())  # a spliced turn (_splice)
+            generation, counts = getattr(request, "_vmp_store_as", None) or (0, ())  # a spliced turn (kv_edit.serve)
             n, durable = self.pool.commit_async(route.agent, token_ids, cache, getattr(request, "request_id", None),
                                                 fork_from=route.fork_from, generation=generation, rotations=counts)
         except Exception:  # a failed store must never take the server down; the turn is just not cached
@@ -439,8 +301,8 @@ class PersistQ4Backend:
         log.info("persist_q4: %d agents on disk", n)
         if self.opts["warmup"]:
             self.warm_up()
-        if self.opts["kv_edit"]["enabled"]:
-            self._probe_splicing()  # so the first amortize request does not pay it
+        if self.edits.enabled:
+            self.edits.probe()  # so the first amortize request does not pay it
         return n
 
     def warm_up(self) -> dict:

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import numpy as np
 
 from .disk_format import BlockData, Manifest
-from .rotations import Segments, clip, decode, encode
+from .kv_edit.rotations import Segments, clip, decode, encode
 
 Links = tuple[tuple[int, str], ...]
 
@@ -33,7 +33,7 @@ class Branch:
     child adds can never collide with what the parent or a sibling adds after the same prefix.
     `last_used`: when a turn committed it or a lookup served from it (the pool's clock, seconds);
     it orders two servers' branches when their histories are merged (`merge_branches`).
-    `rotations`: how many times its tokens' keys were rotated by splices (rotations.py; a spliced
+    `rotations`: how many times its tokens' keys were rotated by splices (kv_edit/rotations.py; a spliced
     history's only). `generation`: 0 for a history every token of which was prefilled; g >= 1 for
     a spliced history (span directives), g being the most times any of its tokens' keys were
     rotated. Only amortize requests of the agent are served from a spliced branch, and its blocks

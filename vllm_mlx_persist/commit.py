@@ -23,7 +23,7 @@ from .chain import Branch, Chains, Links, common, lcp, limit_branches, manifest_
 from .disk_format import BlockData
 from .namespace import spliced_seed
 from .persister import Persister
-from .rotations import Segments, clip
+from .kv_edit.rotations import Segments, clip
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Plan:
     # Hot blocks left alone in a run the "same" steps leave (another branch's): copied out, so the
     # old run's arrays (a whole earlier history) are freed instead of pinned by a few blocks.
     compact: list[tuple[Block, dict]] = field(default_factory=list)
-    rotations: Segments = ()  # the turn's rotation counts (a spliced history's; rotations.py)
+    rotations: Segments = ()  # the turn's rotation counts (a spliced history's; kv_edit/rotations.py)
     generation: int = 0  # the turn's branch generation (0: honest; chain.Branch)
 
 

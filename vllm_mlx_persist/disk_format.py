@@ -3,7 +3,7 @@
 Owns what the bytes mean (docs/disk-format.md): the version and format names, the size caps, block
 id and directory-name rules, the block and manifest records, and pure encode/decode functions that
 check everything a reader must refuse. No I/O and no MLX: the disk tier (`store.py`) reads and
-writes these bytes, the fleet tier (`remote.py`) puts the same block bytes and manifest fields in
+writes these bytes, the fleet tier (`fleet/`) puts the same block bytes and manifest fields in
 Redis, and the offline tools name model directories with the same rules. Stateless, so any thread.
 """
 
@@ -382,7 +382,7 @@ def check_branches(branches: Any, named: set, allow_empty: bool = False) -> None
         used = br.get("last_used", 0.0)  # optional: absent in manifests written before it existed
         if isinstance(used, bool) or not isinstance(used, (int, float)) or not math.isfinite(used):
             raise ValueError("malformed manifest branch: last_used")
-        rotations = br.get("rotations", [])  # optional: spliced histories only (rotations.py)
+        rotations = br.get("rotations", [])  # optional: spliced histories only (kv_edit/rotations.py)
         if not isinstance(rotations, list) or not all(
                 isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r) and 0 <= r[0] < r[1] <= n
                 and r[2] >= 1 for r in rotations) or any(a[1] > b[0] for a, b in zip(rotations, rotations[1:])):

@@ -14,10 +14,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from .cache_root import CacheDirLock, erase_agent_files, model_dirs
 from .chain import branches_of
 from .disk_format import Manifest
 from .namespace import legacy_spliced
-from .store import CacheDirLock, DiskStore, StoreError, erase_agent_files, model_dirs
+from .store import DiskStore, StoreError
 
 
 def _model_stores(root: Path) -> Iterator[DiskStore]:

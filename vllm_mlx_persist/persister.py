@@ -8,10 +8,10 @@ dropped and counted (the pool keeps the blocks unsaved in memory; the agent's ne
 Disk usage, quarantined files included, is counted as files come and go, so `stats()` never walks
 the disk.
 
-Owns the disk index (agents, block sizes, references from manifests on disk and from saves still
-queued), the job queue and its thread. A block named by a queued save's manifest, and an agent with a
-save queued or a request in flight, are never erased by the budget or the TTL; pinned agents never.
-Threads: `save`, `erase`, `set_pinned`, `touch`, `begin_use`/`end_use` and `stats` may be called from
+Owns the disk index (disk_index.py: agents, block sizes, references from manifests on disk and from
+saves still queued), the disk budget and TTL (disk_budget.py), the job queue and its thread. A block
+named by a queued save's manifest, and an agent with a save queued or a request in flight, are never
+erased by the budget or the TTL; pinned agents never. Threads: `save`, `erase`, `set_pinned`, `touch`, `begin_use`/`end_use` and `stats` may be called from
 any thread (its lock is held for bookkeeping only); the jobs run on the persister thread, which only
 sees numpy arrays, bytes and files, and calls `on_erased` and a save's `on_durable` without its lock.
 """
@@ -21,33 +21,22 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import shutil
 import threading
 import time
-from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from .cache_root import erase_elsewhere, other_model_dirs
+from .disk_budget import SWEEP_INTERVAL_S, DiskBudget
 from .disk_format import BlockData, Manifest
+from .disk_index import DiskAgent, DiskIndex
 from .store import DiskStore
 
 log = logging.getLogger("vllm_mlx_persist.persister")
 
 RETRY_DELAYS_S = (1.0, 5.0, 30.0)  # a failed save is retried this many times, after these delays
 MAX_RETRYING = 8  # failed saves kept for retry at once (each holds its blocks' bytes)
-SWEEP_INTERVAL_S = 60.0  # how often an idle persister checks the TTL
-
-
-@dataclass
-class DiskAgent:
-    """What the disk holds for one agent: enough to pick budget victims without reading files."""
-
-    block_ids: list[str]
-    last_used: float
-    pinned: bool = False
-    n_tokens: int = 0
-
 
 @dataclass(order=True)
 class _Job:
@@ -77,38 +66,23 @@ class Persister:
         clock: Callable[[], float] = time.time,
     ):
         self.store = store
-        self.disk_budget = disk_budget
-        self.ttl_s = ttl_s
         self.queue_bytes = queue_bytes
         self.retry_delays = retry_delays
         self.clock = clock  # wall-clock time of last uses and of the TTL (a test may move it on)
         self.on_erased = on_erased or (lambda namespace: None)
-        self.agents: "OrderedDict[str, DiskAgent]" = OrderedDict()  # least recently used first
-        self.block_sizes: dict[str, int] = {}
-        self._block_bytes = 0  # sum of block_sizes, kept as it changes
-        self.block_refs: dict[str, int] = {}  # how many manifests on disk name each block
-        self._saved_order: dict[str, int] = {}  # per agent: submission order of its manifest on disk
-        self._manifest_bytes = 0  # estimated: manifests are small and rewritten every turn
-        self._other_dirs: list = []  # other models' directories under the root, oldest first
-        self._other_bytes = 0
-        self._live: dict[str, int] = {}  # agents with requests in flight: never erased by the budget
-        # What queued (or retrying) saves will name once written: never erased meanwhile.
-        self._queued_agents: dict[str, int] = {}
-        self._queued_refs: dict[str, int] = {}
-        self._fresh: dict[str, int] = {}  # blocks whose data a save not yet failed carries (see `saving`)
+        self.index = DiskIndex()  # under self._cv
         self.counts = dict.fromkeys(
             ["saves", "save_failures", "saves_dropped", "retries", "blocks_written", "bytes_written",
              "agents_erased", "budget_erasures", "ttl_erasures", "other_dirs_removed", "saves_superseded",
              "quarantine_removed", "budget_blocked", "erased_elsewhere"], 0)
-        self._blocked_logged = False
         self._cv = threading.Condition()
+        self.budget = DiskBudget(store, self.index, self._cv, self.counts, self._erase, clock, disk_budget, ttl_s)
         self._ready: list[_Job] = []  # heap by (due, seq)
         self._pending_bytes = 0
         self._retrying = 0
         self._seq = itertools.count()
         self._closed = False
         self._idle = True
-        self._last_sweep = time.time()
         self._thread = threading.Thread(target=self._loop, name="vllm-mlx-persist-writer", daemon=True)
         self._thread.start()
 
@@ -120,24 +94,24 @@ class Persister:
         manifests = self.store.list_manifests()
         with self._cv:
             for m in sorted(manifests, key=lambda m: m.updated_at):
-                self._index(m)
+                self.index.index(m)
         self._submit(self._scan_job, 0)
         return manifests
 
     def _scan_job(self, job: _Job) -> None:
         sizes = self.store.block_file_sizes()
         with self._cv:
-            live = set(self.block_refs)
+            live = set(self.index.block_refs)
             for b, n in sizes.items():
                 if b in live:
-                    self._set_size(b, n)
+                    self.index.set_size(b, n)
         removed = self.store.gc(live)  # unreferenced blocks (e.g. of a crashed turn) and stale temp files
         if removed:
             log.info("removed %d unreferenced block file(s)", removed)
-        others = self.store.other_model_dirs()
+        others = other_model_dirs(self.store.root, self.store.dir.name)
         with self._cv:
-            self._other_dirs, self._other_bytes = others, sum(d[1] for d in others)
-        self._sweep()
+            self.index.other_dirs, self.index.other_bytes = others, sum(d[1] for d in others)
+        self.budget.sweep()
 
     # ---- the caller's side ----------------------------------------------------------------------
 
@@ -156,31 +130,9 @@ class Persister:
                 f: Future = Future()
                 f.set_result(False)
                 return f
-            self._hold(manifest, +1)
-            self._freshen(blocks, +1)
+            self.index.hold(manifest, +1)
+            self.index.freshen(blocks, +1)
             return self._submit(self._save_job, nbytes, (manifest, blocks, dead, on_durable))
-
-    def _hold(self, manifest: Manifest, delta: int) -> None:
-        """(lock held) Count (or release) a queued save's agent and the blocks its manifest names."""
-        for d, key in ((self._queued_agents, manifest.namespace), *((self._queued_refs, b) for b in manifest.block_ids)):
-            n = d.get(key, 0) + delta
-            if n > 0:
-                d[key] = n
-            else:
-                d.pop(key, None)
-
-    def _freshen(self, blocks: list[BlockData], delta: int) -> None:
-        """(lock held) Count (or release) the blocks a save carries while it has not failed."""
-        for b in blocks:
-            n = self._fresh.get(b.block_id, 0) + delta
-            if n > 0:
-                self._fresh[b.block_id] = n
-            else:
-                self._fresh.pop(b.block_id, None)
-
-    def _named(self, bid: str) -> bool:
-        """(lock held) Whether a manifest on disk or a queued save names the block."""
-        return bid in self.block_refs or bid in self._queued_refs
 
     def erase(self, namespace: str) -> Future:
         """Erase an agent's manifest and the blocks only it names, in this model's directory and in
@@ -202,47 +154,36 @@ class Persister:
     def touch(self, namespace: str) -> None:
         """The agent was used now (any thread)."""
         with self._cv:
-            agent = self.agents.get(namespace)
-            if agent is not None:
-                agent.last_used = self.clock()
-                self.agents.move_to_end(namespace)
+            self.index.touch(namespace, self.clock())
 
     def begin_use(self, namespace: str) -> None:
         with self._cv:
-            self._live[namespace] = self._live.get(namespace, 0) + 1
+            self.index.begin_use(namespace)
 
     def end_use(self, namespace: str) -> None:
         with self._cv:
-            n = self._live.get(namespace, 0) - 1
-            if n > 0:
-                self._live[namespace] = n
-            else:
-                self._live.pop(namespace, None)
+            self.index.end_use(namespace)
 
     def disk_agent(self, namespace: str) -> Optional[DiskAgent]:
         with self._cv:
-            a = self.agents.get(namespace)
+            a = self.index.agents.get(namespace)
             return None if a is None else DiskAgent(list(a.block_ids), a.last_used, a.pinned, a.n_tokens)
 
     def saving(self, bid: str) -> bool:
         """Whether a queued save that has not failed carries the block's data: it is on its way to
         the disk (the pool keeps such a block in memory until it is durable). Any thread."""
         with self._cv:
-            return bid in self._fresh
+            return bid in self.index.fresh
 
     def block_size_of(self, bid: str) -> int:
         """A block file's size from the index; for one not indexed (yet), the mean indexed size
         (64 KiB when none is). No I/O."""
         with self._cv:
-            n = self.block_sizes.get(bid)
-            if n is not None:
-                return n
-            return self._block_bytes // len(self.block_sizes) if self.block_sizes else 64 << 10
+            return self.index.block_size_of(bid)
 
     def agent_disk_bytes(self, namespace: str) -> int:
         with self._cv:
-            a = self.agents.get(namespace)
-            return 0 if a is None else sum(self.block_sizes.get(b, 0) for b in a.block_ids)
+            return self.index.agent_disk_bytes(namespace)
 
     def stats(self) -> dict:
         """Counters only (no file system access); safe from any thread."""
@@ -250,18 +191,15 @@ class Persister:
         with self._cv:
             return {
                 **self.counts,
-                "disk_bytes": self._disk_bytes_locked(),
-                "disk_budget_bytes": self.disk_budget,
-                "disk_agents": len(self.agents),
-                "disk_blocks": len(self.block_sizes),
+                "disk_bytes": self.index.disk_bytes(self.store.quarantine.bytes),
+                "disk_budget_bytes": self.budget.disk_budget,
+                "disk_agents": len(self.index.agents),
+                "disk_blocks": len(self.index.block_sizes),
                 "write_queue_bytes": self._pending_bytes,
                 "write_queue_jobs": len(self._ready),
                 "saves_retrying": self._retrying,
                 **{k: store_counts[k] for k in ("read_errors", "quarantined")},
             }
-
-    def _disk_bytes_locked(self) -> int:
-        return self._block_bytes + self._manifest_bytes + self._other_bytes + self.store.quarantine_bytes
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -269,7 +207,7 @@ class Persister:
         """Check the TTL and the disk budget now (after the jobs queued before), not at the next
         minute's sweep."""
         def job(j: _Job) -> None:
-            self._sweep()
+            self.budget.sweep()
             self._finish(j, True)
 
         return self._submit(job, 0)
@@ -322,13 +260,13 @@ class Persister:
                     elif self._closed:  # what was due has run; pending retries are given up
                         self._give_up_retries()
                         return
-                    elif time.time() - self._last_sweep >= SWEEP_INTERVAL_S:
+                    elif self.budget.due():
                         break
                     else:
                         due = self._ready[0].due - now if self._ready else SWEEP_INTERVAL_S
                         self._cv.wait(min(due, SWEEP_INTERVAL_S))
             if job is None:
-                self._safe(self._sweep)
+                self._safe(self.budget.sweep)
                 continue
             try:
                 job.run(job)
@@ -347,9 +285,9 @@ class Persister:
         for job in self._ready:
             job.finished = True
             if job.run == self._save_job:
-                self._hold(job.args[0], -1)
+                self.index.hold(job.args[0], -1)
                 if not job.attempts:
-                    self._freshen(job.args[1], -1)
+                    self.index.freshen(job.args[1], -1)
             if not job.future.done():
                 job.future.set_result(False)
         self.counts["saves_dropped"] += len(self._ready)
@@ -375,9 +313,9 @@ class Persister:
         if job.attempts:
             self._retrying -= 1
         if job.run == self._save_job:
-            self._hold(job.args[0], -1)
+            self.index.hold(job.args[0], -1)
             if not job.attempts:
-                self._freshen(job.args[1], -1)
+                self.index.freshen(job.args[1], -1)
         self._cv.notify_all()
         return True
 
@@ -386,7 +324,7 @@ class Persister:
         with self._cv:
             # A retry that runs after a newer turn of the same agent was saved must not put the older
             # manifest back over it (that lost the newer, acknowledged turn at the next start).
-            superseded = self._saved_order.get(manifest.namespace, -1) > job.order
+            superseded = self.index.saved_order.get(manifest.namespace, -1) > job.order
         try:
             sizes = {}
             for b in blocks:  # a superseded turn's blocks still go: the newer manifest may name them
@@ -396,7 +334,7 @@ class Persister:
                     self.counts["blocks_written"] += 1
                     self.counts["bytes_written"] += written
             with self._cv:
-                current = self.agents.get(manifest.namespace)
+                current = self.index.agents.get(manifest.namespace)
                 if current is not None:
                     manifest.pinned = current.pinned
             if not superseded:
@@ -410,27 +348,27 @@ class Persister:
             with self._cv:
                 self._release(job)  # its own manifest no longer holds its blocks
                 for bid, n in sizes.items():
-                    if bid in self.block_refs:
-                        self._set_size(bid, n)
-                unnamed = [b for b in sizes if not self._named(b) and b not in self.block_sizes]
+                    if bid in self.index.block_refs:
+                        self.index.set_size(bid, n)
+                unnamed = [b for b in sizes if not self.index.named(b) and b not in self.index.block_sizes]
             for b in unnamed:
                 self.store.delete_block(b)
             self._finish(job, False)
             return
         with self._cv:
-            self._saved_order[manifest.namespace] = job.order
+            self.index.saved_order[manifest.namespace] = job.order
         on_durable()
         self.counts["saves"] += 1
         with self._cv:
             for bid, n in sizes.items():
-                self._set_size(bid, n)
-            old = self._index(manifest)  # the manifest on disk now names what the queued save did
-            gone = [b for b in set(dead) | set(old) if not self._named(b) and b in self.block_sizes]
+                self.index.set_size(bid, n)
+            old = self.index.index(manifest)  # the manifest on disk now names what the queued save did
+            gone = [b for b in set(dead) | set(old) if not self.index.named(b) and b in self.index.block_sizes]
             for b in gone:
-                self._drop_size(b)
+                self.index.drop_size(b)
         for b in gone:
             self.store.delete_block(b)
-        self._enforce_budget()  # before the turn is acknowledged: a completed response never finds the disk over budget
+        self.budget.enforce()  # before the turn is acknowledged: a completed response never finds the disk over budget
         self._finish(job, True)
 
     def _retry_or_drop(self, job: _Job, error: OSError) -> None:
@@ -446,7 +384,7 @@ class Persister:
             else:
                 if not job.attempts:
                     self._retrying += 1
-                    self._freshen(job.args[1], -1)  # failed once: the pool may drop its copy
+                    self.index.freshen(job.args[1], -1)  # failed once: the pool may drop its copy
                 job.due = time.monotonic() + self.retry_delays[job.attempts]
                 job.attempts += 1
                 job.seq = next(self._seq)
@@ -470,16 +408,7 @@ class Persister:
                 self._ready.remove(j)
                 self._release(j)
             heapq.heapify(self._ready)
-            agent = self.agents.pop(namespace, None)
-            self._saved_order.pop(namespace, None)
-            ids = agent.block_ids if agent is not None else []
-            for b in ids:
-                self._unref(b)
-            gone = [b for b in ids if not self._named(b)]  # another agent's queued save may name it
-            for b in gone:
-                self._drop_size(b)
-            if agent is not None:
-                self._manifest_bytes -= _MANIFEST_ESTIMATE
+            agent, gone = self.index.forget(namespace)
         for j in stale:
             if not j.future.done():
                 j.future.set_result(False)
@@ -488,14 +417,14 @@ class Persister:
             log.info("erased agent %r (%s)", namespace, why)
         self.store.delete_agent(namespace, gone)
         if why == "request":  # the user's erasure: the agent's files under other models' directories too
-            removed, freed = self.store.erase_elsewhere(namespace)
+            removed, freed = erase_elsewhere(self.store.root, self.store.dir.name, namespace)
             if removed:
                 if not on_disk:
                     log.info("erased agent %r (%s, under other models' directories)", namespace, why)
                 on_disk = True
                 self.counts["erased_elsewhere"] += removed
                 with self._cv:
-                    self._other_bytes = max(0, self._other_bytes - freed)
+                    self.index.other_bytes = max(0, self.index.other_bytes - freed)
         if on_disk:
             self.counts["agents_erased"] += 1
             self.on_erased(namespace)
@@ -504,7 +433,7 @@ class Persister:
     def _pin_job(self, job: _Job) -> None:
         namespace, pinned = job.args
         with self._cv:
-            agent = self.agents.get(namespace)
+            agent = self.index.agents.get(namespace)
             if agent is not None:
                 agent.pinned = pinned
         m = self.store.read_manifest(namespace)
@@ -514,88 +443,3 @@ class Persister:
         m.pinned = pinned
         self.store.write_manifest(m)
         self._finish(job, True)
-
-    # ---- index, budget, TTL ---------------------------------------------------------------------
-
-    def _index(self, m: Manifest) -> list[str]:
-        """Record `m` as the agent's manifest on disk (lock held); returns the block ids it replaced."""
-        old = self.agents.pop(m.namespace, None)
-        for b in m.block_ids:
-            self.block_refs[b] = self.block_refs.get(b, 0) + 1
-        if old is None:
-            self._manifest_bytes += _MANIFEST_ESTIMATE
-        else:
-            for b in old.block_ids:
-                self._unref(b)
-        last_used = max(m.updated_at, old.last_used if old else 0.0)
-        self.agents[m.namespace] = DiskAgent(list(m.block_ids), last_used, m.pinned, m.n_tokens)
-        return old.block_ids if old else []
-
-    def _unref(self, bid: str) -> None:
-        n = self.block_refs.get(bid, 0) - 1
-        if n > 0:
-            self.block_refs[bid] = n
-        else:
-            self.block_refs.pop(bid, None)
-
-    def _set_size(self, bid: str, n: int) -> None:
-        self._block_bytes += n - self.block_sizes.get(bid, 0)
-        self.block_sizes[bid] = n
-
-    def _drop_size(self, bid: str) -> None:
-        self._block_bytes -= self.block_sizes.pop(bid, 0)
-
-    def _enforce_budget(self) -> None:
-        """Erase until the disk fits the budget: quarantined files first, then other models'
-        directories, then the least recently used agents, never one that is pinned, has a request in
-        flight or a save queued (when only those are left, the disk stays over budget: counted as
-        `budget_blocked` and logged once)."""
-        while True:
-            with self._cv:
-                if self._disk_bytes_locked() <= self.disk_budget:
-                    self._blocked_logged = False
-                    return
-                quarantined = self.store.quarantine_bytes > 0
-                path = victim = None
-                if not quarantined and self._other_dirs:
-                    path, size, _ = self._other_dirs.pop(0)
-                elif not quarantined:
-                    busy = self._live.keys() | self._queued_agents.keys()
-                    victim = next((ns for ns, a in self.agents.items() if ns not in busy and not a.pinned), None)
-                    if victim is None:
-                        self.counts["budget_blocked"] += 1
-                        if not self._blocked_logged:
-                            self._blocked_logged = True
-                            log.warning("disk budget: %d bytes used of %d, and every agent left is pinned or in "
-                                        "use; pinned agents are never erased", self._disk_bytes_locked(),
-                                        self.disk_budget)
-                        return
-            if quarantined:
-                self.counts["quarantine_removed"] += self.store.clear_quarantine()
-            elif path is not None:
-                with self._cv:
-                    self._other_bytes -= size
-                shutil.rmtree(path, ignore_errors=True)
-                self.counts["other_dirs_removed"] += 1
-                log.info("disk budget: removed another model's cache directory %s", path)
-            else:
-                self.counts["budget_erasures"] += 1
-                self._erase(victim, "disk budget")
-
-    def _sweep(self) -> None:
-        """Erase agents unused for longer than the TTL (pinned and in-use agents excepted)."""
-        self._last_sweep = time.time()
-        if self.ttl_s is not None:
-            cutoff = self.clock() - self.ttl_s
-            with self._cv:
-                expired = [ns for ns, a in self.agents.items() if a.last_used < cutoff and not a.pinned
-                           and ns not in self._live and ns not in self._queued_agents]
-            for ns in expired:
-                self.counts["ttl_erasures"] += 1
-                self._erase(ns, "ttl")
-        self._enforce_budget()
-
-
-# Bytes counted per manifest: they are a few hundred bytes plus 65 per block id, rewritten every
-# turn; an estimate keeps accounting free of stat calls (the budget is about blocks).
-_MANIFEST_ESTIMATE = 1024

@@ -18,7 +18,8 @@ commits release it for those). Who calls what:
   with the lock released);
 - the persister thread: erasures by the disk budget and TTL, saves becoming durable, fetched
   histories adopted;
-- fleet threads: agent_version, branch_state, save_fetched, erase.
+- fleet threads: what fleet.FleetPool lists (agent_version, holds, save_fetched, erase, prefetch,
+  the disk's blocks, the chain check).
 """
 
 from __future__ import annotations
@@ -44,13 +45,13 @@ from .chain import (Branch, Chains, Copy, Removal, branches_of, cut_branch, limi
 from .commit import Commit
 from .disk_format import MAX_REMOVALS, BlockData, Manifest
 from .kv_edit import AMORTIZE, FORGET
+from .kv_edit.rotations import Segments
+from .kv_edit.supersede import edit_point, superseded_block, surviving
 from .lookup import Found, Lookup, Match, whole_run
 from .namespace import legacy_spliced, spliced_seed
 from .persister import Persister
 from .reads import Reads
-from .rotations import Segments
 from .store import DiskStore
-from .supersede import edit_point, superseded_block, surviving
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -91,9 +92,10 @@ class BlockPool:
     ):
         """`store`: the disk tier (None: memory only), written by a Persister built here with
         `disk_budget` and `persister_options`. `fleet`: builds the fleet tier's glue for this pool
-        (fleet.Fleet), or None. `read_ahead_bytes`: read results waiting for their lookup, at most
-        (default: a quarter of the hot budget, at least 64 MB). `clock`: wall-clock time of manifests,
-        last uses and the TTL (a test may move it on). `removal_ttl_s`: how long an agent's record
+        (fleet.Fleet, which sees the pool as a fleet.FleetPool), or None. `read_ahead_bytes`: read
+        results waiting for their lookup, at most (default: a quarter of the hot budget, at least 64
+        MB). `clock`: wall-clock time of manifests, last uses and the TTL (a test may move it on).
+        `removal_ttl_s`: how long an agent's record
         keeps a forget's removal records (chain.Removal; at most MAX_REMOVALS of them). `fork_policy`:
         which agents may be forked ("open": any but those set not forkable; "listed": only those set
         forkable; "none"); see `may_fork`."""
@@ -285,7 +287,7 @@ class BlockPool:
         At least one prompt token is always left to prefill; recurrent models stop at their last
         state checkpoint. With `request_id`, the request counts as in flight until
         `finish(request_id)`: the disk budget never erases its agent meanwhile. With `edit="forget"`
-        (and a request id), the agent's branches holding what the prompt no longer has (supersede.py)
+        (and a request id), the agent's branches holding what the prompt no longer has (kv_edit/supersede.py)
         are dropped when the turn commits, or when the request finishes without committing.
         """
         if self.fleet is not None and namespace is not None:
@@ -708,7 +710,29 @@ class BlockPool:
         if self.persister is not None:
             self.persister.quarantine_block(bid, why)
 
-    # ---- fleet: histories fetched from Redis (see fleet.py) ---------------------------------------
+    # ---- fleet: what the fleet asks of the pool (fleet.FleetPool; fleet/sync.py) ------------------
+
+    @property
+    def bounded_windows(self) -> bool:
+        """Whether the model has bounded sliding-window layers."""
+        return bool(self.codec.window_names())
+
+    @property
+    def disk_queue_bytes(self) -> Optional[int]:
+        """The disk tier's write queue, in bytes; None without a disk tier."""
+        return self.persister.queue_bytes if self.persister is not None else None
+
+    def has_disk_block(self, block_id: str) -> bool:
+        """Whether the disk holds the block's file (not verified: a read does that)."""
+        return self.store.has_block(block_id)
+
+    def read_disk_block(self, block_id: str) -> Optional[BlockData]:
+        """The block read from disk, verified; None when absent or bad."""
+        return self.store.read_block(block_id)
+
+    def chain_prefix(self, branch: Branch, fetched: dict[str, BlockData]) -> tuple[int, bool]:
+        """`Chains.prefix` of a branch fetched from the fleet, the disk's blocks held."""
+        return self.chains.prefix(branch, fetched, self.store.has_block)
 
     def branch_state(self, namespace: str) -> Optional[tuple]:
         """The agent's branches as ((block ids), tokens, links, last used), least recently used first

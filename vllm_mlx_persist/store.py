@@ -1,8 +1,9 @@
 """Disk tier: the I/O of content-addressed block files and per-agent manifests, durable and self-checking.
 
-Owns the files under a cache root: atomic durable writes (tmp, fsync, rename, directory fsync),
-reads that refuse anything but a regular file within its size cap, quarantine, GC, erasure, and the
-root's lock. What the bytes mean is `disk_format`'s. A `DiskStore` is used by the persister thread
+Owns the files of one model directory under a cache root: atomic durable writes (tmp, fsync, rename,
+directory fsync), reads that refuse anything but a regular file within its size cap, GC, erasure;
+bad files go to its quarantine (quarantine.py). The root itself (its lock, the other models'
+directories) is cache_root.py's, file primitives are files.py's. What the bytes mean is `disk_format`'s. A `DiskStore` is used by the persister thread
 (writes, GC, erasure), the reader threads (block and manifest reads) and the worker at start-up;
 its counters are under its own lock. numpy and bytes only: no MLX here. The durability protocol is
 described in docs/disk-format.md.
@@ -11,13 +12,9 @@ described in docs/disk-format.md.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
-import re
-import shutil
-import stat
 import threading
 import time
 import uuid
@@ -25,28 +22,15 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from .disk_format import (AGENTS_DIR, BLOCK_ID_RE, BLOCK_SUFFIX, BLOCKS_DIR, DIR_NAME_RE, FORMAT_VERSION,
-                          MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, MAX_MODEL_JSON_BYTES, MODEL_DIR_RE, MODEL_JSON,
+                          MAX_BLOCK_BYTES, MAX_MANIFEST_BYTES, MAX_MODEL_JSON_BYTES, MODEL_JSON,
                           QUARANTINE_DIR, TMP_DIR, BlockData, Manifest, block_chunks, block_metadata,
                           block_relpath, canonical_json, decode_block, decode_manifest, decode_model_json,
-                          described_size, encode_manifest, encode_model_json, header_length, lenient_block_ids,
-                          manifest_name, MANIFEST_SUFFIX, FormatError)
-from .namespace import LEGACY_GENERATIONS, spliced_seed
+                          described_size, encode_manifest, encode_model_json, header_length,
+                          manifest_name, FormatError)
+from .files import DIR_MODE, FILE_MODE, BadFile, fsync, fsync_dir, open_regular, read_exact, write_all
+from .quarantine import STALE_TMP_S, Quarantine, clean_tmp
 
 logger = logging.getLogger("vllm_mlx_persist.store")
-
-# Never follow a symlink, never block on a FIFO or device: the file type is checked after opening.
-_O_READ = (os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-           | getattr(os, "O_NOFOLLOW", 0))
-# A tmp file of a live process is left alone at open unless it is at least this old.
-STALE_TMP_S = 3600.0
-# The cache holds conversations in recoverable form (token ids, and KV that can be decoded back to
-# tokens), so it is private to its owner like ~/.ssh: directories 0700, files 0600.
-_DIR_MODE, _FILE_MODE = 0o700, 0o600
-# Quarantined files are kept for inspection, but not forever: pruned at open past either bound.
-QUARANTINE_KEEP_S = 7 * 86400.0
-QUARANTINE_KEEP_FILES = 256
-
-_TMP_RE = re.compile(r"[a-z]+\.(\d+)\.[0-9a-f]{32}\.tmp")
 
 
 class StoreError(Exception):
@@ -64,28 +48,6 @@ class StoreWriteError(OSError):
     """
 
 
-class _BadFile(Exception):
-    """Internal: a file failed its checks; carries the reason for the quarantine log."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Small helpers
-
-
-def _fsync(fd: int) -> None:
-    """Flush a file to stable storage. On macOS `fsync` only reaches the drive's cache;
-    `F_FULLFSYNC` flushes the drive too (as SQLite does), so a power loss keeps what we acked."""
-    if _FULLFSYNC is not None:
-        try:
-            fcntl.fcntl(fd, _FULLFSYNC)
-            return
-        except OSError:  # file systems without it (e.g. some network mounts): plain fsync
-            pass
-    os.fsync(fd)
-
-
-_FULLFSYNC = getattr(fcntl, "F_FULLFSYNC", None)
-
 # Fault injection (faults.py): None unless VLLM_MLX_PERSIST_FAULT is set, so the cost when off is
 # one global lookup per step. Only the reliability campaigns set it.
 _FAULT = None
@@ -95,151 +57,8 @@ if os.environ.get("VLLM_MLX_PERSIST_FAULT"):
     _FAULT = _fault_from_env()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        _fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while len(data):
-        n = os.write(fd, data)
-        data = data[n:]
-
-
-def _open_regular(path: Path) -> tuple[int, int]:
-    """Open `path` for reading; returns (fd, size). FileNotFoundError when absent; _BadFile when it
-    is a symlink, FIFO, socket, device or directory (opened non-blocking, so none of them can hang)."""
-    try:
-        fd = os.open(path, _O_READ)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENXIO):  # O_NOFOLLOW on a symlink; a socket
-            raise _BadFile(f"not a regular file ({e.strerror})") from None
-        raise
-    try:
-        st = os.fstat(fd)
-    except OSError:
-        os.close(fd)
-        raise
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise _BadFile(f"not a regular file (mode {stat.filemode(st.st_mode)})")
-    return fd, st.st_size
-
-
-def _read_exact(fd: int, size: int, offset: int = 0) -> bytearray:
-    """`size` bytes from `offset`; _BadFile if the file ends first."""
-    buf = bytearray(size)
-    view, got = memoryview(buf), 0
-    os.lseek(fd, offset, os.SEEK_SET)
-    while got < size:
-        n = os.readv(fd, [view[got:]])
-        if n == 0:
-            raise _BadFile(f"file shrank while reading ({got} of {size} bytes)")
-        got += n
-    return buf
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return False
-    return True
-
-
-def _remove_files(paths: list[str], what: str, directory: Path) -> int:
-    """Unlink `paths`, skipping any already gone or not removable; log and return the count."""
-    removed = 0
-    for path in paths:
-        try:
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            pass
-    if removed:
-        logger.info("removed %d %s from %s", removed, what, directory)
-    return removed
-
-
 # ---------------------------------------------------------------------------------------------
 # DiskStore
-
-
-class CacheDirLock:
-    """An exclusive lock on a cache root, held by one server process for its whole life.
-
-    Two servers on one cache directory would garbage-collect each other's not-yet-named blocks and
-    overwrite each other's agent manifests. `flock` is released by the kernel when the process
-    dies, SIGKILL included, so a crash never leaves a stale lock. Within one process the lock is
-    shared (a backend rebuilt after an idle unload must not lock itself out).
-    """
-
-    _held: dict[Path, list] = {}  # resolved root -> [fd, users]
-    _guard = threading.Lock()
-
-    def __init__(self, root: Path):
-        try:
-            Path(root).mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
-        except FileExistsError:
-            raise StoreError(f"cache directory {root} exists and is not a directory") from None
-        except OSError as e:
-            raise StoreError(f"cannot create the cache directory {root}: {e.strerror or e}") from None
-        self.root = Path(root).resolve()
-        st = os.stat(self.root)
-        if st.st_mode & 0o077 and st.st_uid == os.getuid():  # a root made before, or by hand
-            os.chmod(self.root, _DIR_MODE)
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise StoreError(f"cache directory {self.root} is not writable by this user (uid {os.getuid()})")
-        self._released = False
-        with self._guard:
-            entry = self._held.get(self.root)
-            if entry is None:
-                entry = self._held[self.root] = [self._acquire(), 0]
-            entry[1] += 1
-
-    def _acquire(self) -> int:
-        path = self.root / ".lock"
-        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            fd = os.open(path, flags | getattr(os, "O_NONBLOCK", 0), _FILE_MODE)
-        except OSError as e:
-            raise StoreError(f"cannot lock the cache directory: {path}: {e.strerror or e}") from None
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise StoreError(f"cannot lock the cache directory: {path} is not a regular file; remove it")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise StoreError(f"cannot lock the cache directory {self.root}: {e}") from e
-            raise StoreError(
-                f"cache directory {self.root} is in use by another server (pid {holder}); give each "
-                f"server its own cache_dir (--cache-backend-options '{{\"cache_dir\": ...}}')"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
-
-    def release(self) -> None:
-        """Drop this holder; the last one in the process closes the descriptor, freeing the lock."""
-        with self._guard:
-            if self._released:
-                return
-            self._released = True
-            entry = self._held[self.root]
-            entry[1] -= 1
-            if entry[1] == 0:
-                os.close(entry[0])
-                del self._held[self.root]
 
 
 class DiskStore:
@@ -271,26 +90,26 @@ class DiskStore:
             self._open_model_dir(model_info, format_info)
         except OSError as e:
             raise StoreError(f"cannot open the cache directory {self.dir}: {e}") from e
-        self._clean_tmp(max_age_live=STALE_TMP_S)
-        self.quarantine_bytes = 0  # counted as files are moved aside and removed (the disk budget's)
-        self._prune_quarantine()
+        clean_tmp(self.tmp_dir, STALE_TMP_S)
+        self.quarantine = Quarantine(self.quarantine_dir, self._lock, self._counts)
+        self.quarantine.prune()
 
     # -- model directory --------------------------------------------------------------------
 
     def _open_model_dir(self, model_info: dict, format_info: dict) -> None:
-        self.root.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         created = not self.dir.exists()
-        self.dir.mkdir(mode=_DIR_MODE, exist_ok=True)
+        self.dir.mkdir(mode=DIR_MODE, exist_ok=True)
         if created:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         for d in (self.blocks_dir, self.agents_dir, self.quarantine_dir, self.tmp_dir):
             if not d.exists():
-                d.mkdir(mode=_DIR_MODE, exist_ok=True)
-                _fsync_dir(self.dir)
+                d.mkdir(mode=DIR_MODE, exist_ok=True)
+                fsync_dir(self.dir)
         path = self.dir / MODEL_JSON
         try:
             raw = self._read_model_json(path)
-        except _BadFile as e:
+        except BadFile as e:
             raise StoreError(
                 f"{path} is unreadable ({e}); cannot tell which model this cache belongs to. "
                 f"Remove {self.dir} to start this model's cache afresh."
@@ -327,19 +146,19 @@ class DiskStore:
 
     @staticmethod
     def _read_model_json(path: Path) -> Optional[bytes]:
-        """model.json's bytes, None when absent; _BadFile when not a regular file or over the cap."""
+        """model.json's bytes, None when absent; BadFile when not a regular file or over the cap."""
         try:
-            fd, size = _open_regular(path)
+            fd, size = open_regular(path)
         except FileNotFoundError:
             return None
         try:
             if size > MAX_MODEL_JSON_BYTES:
-                raise _BadFile(f"{size} bytes, over the {MAX_MODEL_JSON_BYTES}-byte cap")
-            return bytes(_read_exact(fd, size))
+                raise BadFile(f"{size} bytes, over the {MAX_MODEL_JSON_BYTES}-byte cap")
+            return bytes(read_exact(fd, size))
         finally:
             os.close(fd)
 
-    # -- paths, tmp files, quarantine ------------------------------------------------------
+    # -- paths, durable writes ---------------------------------------------------------------
 
     def block_path(self, block_id: str) -> Path:
         return self.blocks_dir / block_relpath(block_id)
@@ -361,18 +180,18 @@ class DiskStore:
         try:
             self._sync_parents(dest)
             _FAULT and _FAULT("open")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), _FILE_MODE)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), FILE_MODE)
             for c in chunks:
                 _FAULT and _FAULT("write")
-                _write_all(fd, c)
+                write_all(fd, c)
             _FAULT and _FAULT("fsync")
-            _fsync(fd)
+            fsync(fd)
             os.close(fd)
             fd = -1
             _FAULT and _FAULT("rename")
             os.replace(tmp, dest)
             _FAULT and _FAULT("dirsync")
-            _fsync_dir(dest.parent)
+            fsync_dir(dest.parent)
         except OSError as e:
             if fd >= 0:
                 try:
@@ -397,76 +216,14 @@ class DiskStore:
         if d not in self._unsynced_dirs and d.is_dir():
             return
         self._unsynced_dirs.add(d)
-        d.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        d.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
         _FAULT and _FAULT("dirsync")
-        _fsync_dir(d.parent)
+        fsync_dir(d.parent)
         self._unsynced_dirs.discard(d)
 
-    def _quarantine(self, path: Path, reason: str, fd: Optional[int] = None) -> None:
-        """Move a bad file aside (never deleted, never served) and log why."""
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + f".{time.time_ns() % 10**9:09d}"
-        dest = self.quarantine_dir / f"{path.name}.{stamp}"
-        try:
-            cur = os.lstat(path)
-            if fd is not None:
-                # Only move the file we actually read, not a good copy renamed over it meanwhile.
-                st = os.fstat(fd)
-                if (st.st_dev, st.st_ino) != (cur.st_dev, cur.st_ino):
-                    logger.warning("%s failed its checks (%s) but was replaced meanwhile; left alone", path, reason)
-                    return
-            os.replace(path, dest)
-        except FileNotFoundError:
-            return  # someone else moved or deleted it first
-        except OSError as e:
-            logger.warning("%s failed its checks (%s) and could not be quarantined: %s", path, reason, e)
-            return
-        with self._lock:
-            self._counts["quarantined"] += 1
-            self.quarantine_bytes += cur.st_size if stat.S_ISREG(cur.st_mode) else 0
-        logger.warning("quarantined %s -> %s: %s", path, dest.name, reason)
 
-    def _prune_quarantine(self, keep: bool = True) -> int:
-        """Delete quarantined files older than QUARANTINE_KEEP_S, and all but the newest
-        QUARANTINE_KEEP_FILES (`keep=False`: every one); returns how many were deleted."""
-        # Any entry counts, not only regular files: FIFOs, symlinks and directories are quarantined too.
-        try:
-            entries = sorted(((e.stat(follow_symlinks=False).st_mtime, e.path, e.is_dir(follow_symlinks=False),
-                               e.stat(follow_symlinks=False).st_size if e.is_file(follow_symlinks=False) else 0)
-                              for e in os.scandir(self.quarantine_dir)), reverse=True)
-        except OSError:
-            return 0
-        cutoff = time.time() - QUARANTINE_KEEP_S if keep else float("inf")
-        old = [(path, is_dir) for i, (mtime, path, is_dir, _) in enumerate(entries)
-               if i >= QUARANTINE_KEEP_FILES or mtime < cutoff]
-        kept = sum(size for i, (mtime, _, _, size) in enumerate(entries)
-                   if i < QUARANTINE_KEEP_FILES and mtime >= cutoff)
-        for path, _ in (o for o in old if o[1]):
-            shutil.rmtree(path, ignore_errors=True)
-        removed = _remove_files([path for path, is_dir in old if not is_dir], "old quarantined file(s)",
-                                self.quarantine_dir)
-        with self._lock:
-            self.quarantine_bytes = kept
-        return removed + sum(1 for o in old if o[1])
 
-    def clear_quarantine(self) -> int:
-        """Delete every quarantined file (the disk budget reclaims them first); returns how many."""
-        return self._prune_quarantine(keep=False)
 
-    def _clean_tmp(self, max_age_live: float) -> int:
-        """Remove tmp files of dead processes, and any older than max_age_live seconds."""
-        now, leftovers = time.time(), []
-        try:
-            entries = list(os.scandir(self.tmp_dir))
-        except OSError:
-            return 0
-        for e in entries:
-            m = _TMP_RE.fullmatch(e.name)
-            try:
-                if not (m and _pid_alive(int(m.group(1))) and now - e.stat().st_mtime < max_age_live):
-                    leftovers.append(e.path)
-            except OSError:
-                pass
-        return _remove_files(leftovers, "leftover temp file(s)", self.tmp_dir)
 
     # -- blocks ------------------------------------------------------------------------------
 
@@ -491,7 +248,7 @@ class DiskStore:
             try:
                 self._sync_parents(path)
                 _FAULT and _FAULT("dirsync")
-                _fsync_dir(path.parent)
+                fsync_dir(path.parent)
             except OSError as e:
                 with self._lock:
                     self._counts["write_errors"] += 1
@@ -508,18 +265,18 @@ class DiskStore:
 
     def _existing_block_matches(self, path: Path, checksum: str, total: int) -> bool:
         try:
-            fd, size = _open_regular(path)
-        except _BadFile as e:  # a FIFO, symlink or directory: moved aside, then the write replaces it
-            self._quarantine(path, str(e))
+            fd, size = open_regular(path)
+        except BadFile as e:  # a FIFO, symlink or directory: moved aside, then the write replaces it
+            self.quarantine.move(path, str(e))
             return False
         except OSError:
             return False
         try:
             if size != total:
                 return False
-            meta = block_metadata(_read_exact(fd, header_length(_read_exact(fd, 8), size), 8))
+            meta = block_metadata(read_exact(fd, header_length(read_exact(fd, 8), size), 8))
             return meta.get("format_version") == str(FORMAT_VERSION) and meta.get("checksum") == checksum
-        except (OSError, ValueError, _BadFile):
+        except (OSError, ValueError, BadFile):
             return False
         finally:
             os.close(fd)
@@ -532,13 +289,13 @@ class DiskStore:
         """The block, verified; None when absent or bad (a bad file is quarantined)."""
         path = self.block_path(block_id)
         try:
-            fd, size = _open_regular(path)
+            fd, size = open_regular(path)
         except FileNotFoundError:
             with self._lock:
                 self._counts["block_misses"] += 1
             return None
-        except _BadFile as e:  # a FIFO, device, symlink or directory: moved aside unopened
-            self._quarantine(path, str(e))
+        except BadFile as e:  # a FIFO, device, symlink or directory: moved aside unopened
+            self.quarantine.move(path, str(e))
             with self._lock:
                 self._counts["block_misses"] += 1
             return None
@@ -549,7 +306,7 @@ class DiskStore:
             try:
                 _check_block_size(fd, size, self.max_block_bytes)  # before reading the data
                 _FAULT and _FAULT("read")
-                block = decode_block(_read_exact(fd, size), block_id)
+                block = decode_block(read_exact(fd, size), block_id)
             except OSError as e:  # the device failed (EIO...), not the bytes: a miss, the file is kept
                 logger.warning("cannot read %s: %s", path, e)
                 with self._lock:
@@ -557,7 +314,7 @@ class DiskStore:
                     self._counts["block_misses"] += 1
                 return None
             except Exception as e:  # untrusted bytes: whatever the parser did not foresee is a bad file
-                self._quarantine(path, _reason(e), fd)
+                self.quarantine.move(path, _reason(e), fd)
                 with self._lock:
                     self._counts["block_misses"] += 1
                 return None
@@ -570,7 +327,7 @@ class DiskStore:
 
     def quarantine_block(self, block_id: str, reason: str) -> None:
         """Move aside a block file that passed its own checks but that the caller refused."""
-        self._quarantine(self.block_path(block_id), reason)
+        self.quarantine.move(self.block_path(block_id), reason)
 
     def delete_block(self, block_id: str) -> None:
         try:
@@ -615,11 +372,11 @@ class DiskStore:
 
     def _read_manifest_file(self, path: Path, namespace: Optional[str]) -> Optional[Manifest]:
         try:
-            fd, size = _open_regular(path)
+            fd, size = open_regular(path)
         except FileNotFoundError:
             return None
-        except _BadFile as e:  # a FIFO, device, symlink or directory: moved aside unopened
-            self._quarantine(path, str(e))
+        except BadFile as e:  # a FIFO, device, symlink or directory: moved aside unopened
+            self.quarantine.move(path, str(e))
             return None
         except OSError as e:
             logger.warning("cannot open %s: %s", path, e)
@@ -627,20 +384,20 @@ class DiskStore:
         try:
             try:
                 if size > MAX_MANIFEST_BYTES:
-                    raise _BadFile(f"{size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest cap")
+                    raise BadFile(f"{size} bytes, over the {MAX_MANIFEST_BYTES}-byte manifest cap")
                 _FAULT and _FAULT("read")
-                m = decode_manifest(bytes(_read_exact(fd, size)))
+                m = decode_manifest(bytes(read_exact(fd, size)))
                 if path.name != manifest_name(m.namespace):
-                    raise _BadFile(f"file name does not match its namespace {m.namespace[:64]!r}")
+                    raise BadFile(f"file name does not match its namespace {m.namespace[:64]!r}")
                 if namespace is not None and m.namespace != namespace:
-                    raise _BadFile("namespace mismatch")
+                    raise BadFile("namespace mismatch")
             except OSError as e:  # the device failed, not the bytes: skipped this time, kept
                 logger.warning("cannot read %s: %s", path, e)
                 with self._lock:
                     self._counts["read_errors"] += 1
                 return None
             except Exception as e:  # untrusted bytes: whatever the parser did not foresee is a bad file
-                self._quarantine(path, _reason(e), fd)
+                self.quarantine.move(path, _reason(e), fd)
                 return None
         finally:
             os.close(fd)
@@ -655,7 +412,7 @@ class DiskStore:
         except FileNotFoundError:
             return
         try:
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         except OSError:
             pass
 
@@ -690,7 +447,7 @@ class DiskStore:
             if bid not in live:
                 self.delete_block(bid)
                 deleted += 1
-        self._clean_tmp(max_age_live=STALE_TMP_S)
+        clean_tmp(self.tmp_dir, STALE_TMP_S)
         if deleted:
             logger.info("gc: deleted %d unreferenced block file(s)", deleted)
         return deleted
@@ -728,29 +485,11 @@ class DiskStore:
                 pass
         for d in (path.parent, *shards):
             try:
-                _fsync_dir(d)
+                fsync_dir(d)
             except OSError:
                 pass
 
-    def erase_elsewhere(self, namespace: str) -> tuple[int, int]:
-        """Erase the agent under every other model (or format) directory of the root, as
-        `erase_agent_files`; returns (directories it was in, bytes freed)."""
-        found = freed = 0
-        for path, _, _ in self.other_model_dirs(sizes=False):
-            n = erase_agent_files(path, namespace)
-            if n >= 0:
-                found, freed = found + 1, freed + n
-        return found, freed
 
-    def other_model_dirs(self, sizes: bool = True) -> list[tuple[Path, int, float]]:
-        """(path, bytes, last modified) of the other model/format directories under the root,
-        oldest first: what a disk budget reclaims before any agent of this model."""
-        out = []
-        for path in model_dirs(self.root):
-            if path.name != self.dir.name:
-                total, newest = _tree_usage(path) if sizes else (0, 0.0)
-                out.append((path, total, newest))
-        return sorted(out, key=lambda t: t[2])
 
     @classmethod
     def open_existing(cls, model_dir: Path) -> "DiskStore":
@@ -809,104 +548,9 @@ class DiskStore:
         return out
 
 
-def erase_agent_files(model_dir: Path, namespace: str) -> int:
-    """Erase an agent from a model directory of any model or disk-format version, durably: its
-    manifest, then the block files it names that no other manifest there names. Manifests are read
-    leniently (JSON with a `block_ids` list), so directories this build cannot serve are erased too;
-    a manifest that cannot be read names nothing. Returns the bytes freed, or -1 when the agent has
-    no manifest there. Nothing else may write the directory meanwhile (its server's persister
-    thread, or the root's lock held offline)."""
-    agents_dir, blocks_dir = Path(model_dir) / AGENTS_DIR, Path(model_dir) / BLOCKS_DIR
-    # The agent's record, and its spliced histories as the layout before the record kept them: each
-    # under a manifest of its own (namespace.legacy_spliced), a directory no server has migrated yet.
-    targets = {manifest_name(ns) for ns in [namespace] + [spliced_seed(namespace, g)
-                                                          for g in range(1, LEGACY_GENERATIONS + 1)]}
-    found = {t: _lenient_block_ids(agents_dir / t) for t in targets}
-    found = {t: ids for t, ids in found.items() if ids is not None}
-    if not found:
-        return -1
-    mine = set().union(*found.values())
-    others: set[str] = set()
-    try:
-        names = [e.name for e in os.scandir(agents_dir) if e.name.endswith(MANIFEST_SUFFIX) and e.name not in found]
-    except OSError:
-        names = []
-    for name in names:
-        others.update(_lenient_block_ids(agents_dir / name) or ())
-    freed = 0
-    for target in (agents_dir / t for t in found):
-        try:
-            freed += os.lstat(target).st_size
-            os.unlink(target)
-        except FileNotFoundError:
-            pass
-        except OSError as e:  # a directory where a manifest should be: moved out of the way, then removed
-            logger.warning("erasing %s: %s", target, e)
-            shutil.rmtree(target, ignore_errors=True)
-    shards = set()
-    for bid in mine - others:
-        path = blocks_dir / block_relpath(bid)
-        try:
-            size = os.lstat(path).st_size
-            os.unlink(path)
-            freed += size
-            shards.add(path.parent)
-        except FileNotFoundError:
-            pass
-    for d in (agents_dir, *shards):
-        try:
-            _fsync_dir(d)
-        except OSError:
-            pass
-    return freed
-
-
-def _lenient_block_ids(path: Path) -> Optional[set[str]]:
-    """The block ids a manifest file names, read without its checks; None when there is no such
-    file, an empty set when it cannot be read."""
-    try:
-        fd, size = _open_regular(path)
-    except FileNotFoundError:
-        return None
-    except (OSError, _BadFile):
-        return set() if os.path.lexists(path) else None
-    try:
-        return lenient_block_ids(bytes(_read_exact(fd, min(size, MAX_MANIFEST_BYTES))))
-    except OSError:
-        return set()
-    finally:
-        os.close(fd)
-
-
-def _tree_usage(path: Path) -> tuple[int, float]:
-    """(bytes, newest mtime) of the regular files below `path` (symlinks are not followed)."""
-    total, newest = 0, 0.0
-    for dirpath, _, files in os.walk(path):
-        for f in files:
-            try:
-                st = os.lstat(os.path.join(dirpath, f))
-            except OSError:
-                continue
-            total += st.st_size
-            newest = max(newest, st.st_mtime)
-    return total, newest
-
-
-def model_dirs(root: Path) -> list[Path]:
-    """The model directories of a cache root (named as one, holding a model.json), by name, of any
-    model or disk-format version; none when the root cannot be listed."""
-    try:
-        entries = list(os.scandir(root))
-    except OSError:
-        return []
-    return sorted(Path(e.path) for e in entries
-                  if MODEL_DIR_RE.fullmatch(e.name) and e.is_dir(follow_symlinks=False)
-                  and os.path.exists(os.path.join(e.path, MODEL_JSON)))
-
-
 def _reason(e: Exception) -> str:
     """Quarantine reason for an exception raised while checking a file."""
-    if isinstance(e, (_BadFile, FormatError, OSError)):
+    if isinstance(e, (BadFile, FormatError, OSError)):
         return str(e) or type(e).__name__
     return f"{type(e).__name__}: {e}"[:300]
 
@@ -915,8 +559,8 @@ def _check_block_size(fd: int, size: int, cap: int) -> None:
     """Check a block file's size against the cap and against the size its header describes,
     reading only the header: an oversized or padded file is refused before its data is read."""
     if size > cap:
-        raise _BadFile(f"{size} bytes, over the {cap}-byte block cap")
-    hlen = header_length(_read_exact(fd, min(size, 8)), size)
-    described = described_size(hlen, _read_exact(fd, hlen, 8))
+        raise BadFile(f"{size} bytes, over the {cap}-byte block cap")
+    hlen = header_length(read_exact(fd, min(size, 8)), size)
+    described = described_size(hlen, read_exact(fd, hlen, 8))
     if described != size:
-        raise _BadFile(f"the header describes a {described}-byte file, the file has {size} bytes")
+        raise BadFile(f"the header describes a {described}-byte file, the file has {size} bytes")

@@ -6,7 +6,7 @@ template (a task, then assistant tool calls each answered by a user-role tool ou
 
 - Accounting: prompt tokens each system re-prefills after the edit, over the whole grid (histories,
   edit positions, spans, edits per turn), with no model forward: amortize by the planner the server
-  runs (`amortize.ModelSplicing.decide` with the template's message-start token, then the server's
+  runs (`kv_edit.plan.ModelSplicing.decide` with the template's message-start token, then the server's
   cut of each run: a token is always left to prefill); persist_q4 exact and forget re-prefill after
   the longest common prefix; vllm-mlx's default cache the same but reuses nothing under
   `VLLM_MIN_PREFIX` tokens (its memory-aware cache: token-level LCP, no blocks); no cache the prompt.
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import chain
-from ..amortize import ModelSplicing, Splice, message_anchor
+from ..kv_edit.plan import ModelSplicing, Splice, message_anchor
 from ..kv_edit import OPTION_DEFAULTS
 from .bench_kit import (COMMON_ARGS, FIXED_REPLY, Ctx, Prompts, Session, make_server, say, section_failed,
                         seed_of, send)
@@ -186,7 +186,7 @@ def trace_requests(chat: Chat, seed: int, turns: int, tool_tokens: int) -> list[
 def reprefill(stored: Sequence[int], prompt: Sequence[int], anchor: Optional[int],
               options: Optional[dict] = None) -> dict:
     """Prompt tokens each system prefills when `prompt` follows a turn that stored `stored`.
-    amortize: the server's plan (ModelSplicing.decide) and its cut of each run (backend._splice: a
+    amortize: the server's plan (ModelSplicing.decide) and its cut of each run (kv_edit.serve: a
     token is always left to prefill; a run cut under min_run_tokens ends the splices)."""
     opts = {**OPTION_DEFAULTS, **(options or {})}
     n, lcp = len(prompt), chain.lcp(stored, prompt)

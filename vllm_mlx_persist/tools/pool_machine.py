@@ -175,11 +175,10 @@ def open_pool(root: Path, *, hot: int, disk: int, clock: Clock, redis_url: Optio
     fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
     fleet = None
     if redis_url is not None:
-        from ..fleet import Fleet
-        from ..remote import RemoteTier
+        from ..fleet import Fleet, FleetSettings, RemoteTier
 
         def fleet(pool: BlockPool) -> Fleet:
-            return Fleet(pool, lambda **cb: RemoteTier(redis_url, FINGERPRINT, **cb), wait_s=10.0)
+            return Fleet(pool, lambda **cb: RemoteTier(FleetSettings(redis_url, wait_s=10.0), FINGERPRINT, **cb))
     pool = BlockPool(fingerprint=FINGERPRINT, n_layers=LAYERS, bits=BITS, group_size=GROUP, block_size=BLOCK,
                      hot_bytes=hot, store=DiskStore(root, FINGERPRINT, {"machine": True}, fmt), disk_budget=disk,
                      persister_options={"ttl_s": TTL_S, "retry_delays": retry_delays},
@@ -319,7 +318,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(agent=names, pick=st.integers(0, 99), cut=st.floats(0.0, 0.9), new=words)
     def forget_edit(self, agent: str, pick: int, cut: float, new: list[int]) -> None:
         """A span directive `forget`: one of the agent's histories cut and continued otherwise; the
-        branches holding what it drops leave the agent, memory and disk (supersede.py). The edit may
+        branches holding what it drops leave the agent, memory and disk (kv_edit/supersede.py). The edit may
         supersede the acknowledged turn, so only its own turn is owed afterwards."""
         self.acked[agent] = None
         self._serve(self.pool, agent, self._history(agent, pick, cut) + new, edit=FORGET)
@@ -391,7 +390,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(i=st.integers(0, len(DISK_BUDGETS) - 1))
     def disk_budget(self, i: int) -> None:
-        self.disk = self.pool.persister.disk_budget = DISK_BUDGETS[i]
+        self.disk = self.pool.persister.budget.disk_budget = DISK_BUDGETS[i]
         watchdog(self.pool.persister.sweep().result, OP_TIMEOUT_S)
         self.saved_last = None
 
@@ -504,7 +503,7 @@ class PoolMachine(RuleBasedStateMachine):
         s = pool.snapshot()
         extra = sum(pool.persister.agent_disk_bytes(a) + 2048 for a in self.pinned | {self.saved_last} if a)
         assert s["disk_bytes"] <= self.disk + extra, f"disk bytes {s['disk_bytes']} over {self.disk} + {extra}"
-        named = set(pool.persister.block_refs)
+        named = set(pool.persister.index.block_refs)
         files = set(pool.store.iter_block_ids())
         assert named <= files, f"{len(named - files)} block(s) named by a manifest have no file"
         assert files <= named, f"{len(files - named)} block file(s) no manifest names"

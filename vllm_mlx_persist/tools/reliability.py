@@ -780,6 +780,17 @@ def write_report(results: dict, out: Path, command: str) -> None:
     (out / "reliability.md").write_text("\n".join(lines) + "\n")
 
 
+def _trials_arg(text: str) -> dict[str, int]:
+    """`--trials`: "N" (every campaign) or "name=N,name=N" -> {name or "*": N}."""
+    try:
+        if "=" not in text:
+            return {"*": int(text)}
+        pairs = (part.split("=", 1) for part in text.split(",") if part.strip())
+        return {name.strip(): int(n) for name, n in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or NAME=N,...: {text!r}") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_crash-worker":
@@ -789,7 +800,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="about a minute: fewer trials per campaign")
     p.add_argument("--campaigns", default=",".join(CAMPAIGNS), help=f"comma-separated, of {sorted(CAMPAIGNS)}")
-    p.add_argument("--trials", type=int, help="trials per campaign (overrides --quick)")
+    p.add_argument("--trials", type=_trials_arg, default={},
+                   help="trials per campaign, overriding --quick: N for every campaign, or NAME=N,... for some")
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--out", default="docs", help="directory for reliability.md and reliability.json")
     p.add_argument("--work", help="scratch directory (default: a temporary one)")
@@ -797,7 +809,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # Quarantines are expected by the thousand here; the campaigns count them.
     logging.getLogger("vllm_mlx_persist.store").setLevel(logging.ERROR)
     names = [n.strip() for n in args.campaigns.split(",") if n.strip()]
-    unknown = set(names) - set(CAMPAIGNS)
+    unknown = (set(names) | set(args.trials) - {"*"}) - set(CAMPAIGNS)
     if unknown:
         p.error(f"unknown campaign(s) {sorted(unknown)}; known: {sorted(CAMPAIGNS)}")
     results: dict[str, Any] = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -806,7 +818,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         for name in names:
             fn, full, quick = CAMPAIGNS[name]
-            trials = args.trials or (quick if args.quick else full)
+            trials = args.trials.get(name) or args.trials.get("*") or (quick if args.quick else full)
             t0 = time.perf_counter()
             try:
                 r = fn(trials, args.seed, work)
@@ -817,7 +829,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
             r["seconds"] = round(time.perf_counter() - t0, 1)
             r["run"] = {"command": results["command"], "date": results["date"],
-                        "quick": bool(args.quick and not args.trials), "machine": results["machine"]}
+                        "quick": bool(args.quick and trials == quick), "machine": results["machine"]}
             results["campaigns"][name] = r
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
             for case in r.get("failure_cases", []):

@@ -24,8 +24,9 @@ VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
 
 
 def openblas_path() -> Optional[str]:
-    """Debian's pthread OpenBLAS for this architecture, if installed (Linux only)."""
-    if platform.system() != "Linux":
+    """Debian's pthread OpenBLAS for this architecture, if installed (Linux only) and not turned off
+    (VLLM_MLX_PERSIST_OPENBLAS=0, as ./dev honours it)."""
+    if platform.system() != "Linux" or os.environ.get("VLLM_MLX_PERSIST_OPENBLAS", "1") == "0":
         return None
     path = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libblas.so.3"
     return path if os.path.exists(path) else None
@@ -97,17 +98,24 @@ class Server:
                 cmd += ["--cache-backend-options", json.dumps(self.options)]
         return cmd
 
-    def start(self, timeout: float = 180) -> "Server":
+    def start(self, timeout: float = 180, bind_attempts: int = 3) -> "Server":
+        """Start the server on a free port and wait until /health answers. The port is free when
+        picked, but another process (a parallel test) may take it before the server binds it
+        seconds later: then the server is started again on another port, up to `bind_attempts`."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.starts += 1
         with open(self.log_path, "a") as log:
             log.write(f"\n===== start {self.starts}: {' '.join(self.command())}\n")
             log.flush()
+            start_of_log = log.tell()
             self.proc = subprocess.Popen(self.command(), env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                if bind_attempts > 1 and "address already in use" in self._log_since(start_of_log):
+                    self.proc = None
+                    return self.start(max(1.0, deadline - time.time()), bind_attempts - 1)
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
@@ -139,6 +147,14 @@ class Server:
     def get_json(self, path: str) -> dict:
         with urllib.request.urlopen(self.url + path, timeout=30) as r:
             return json.loads(r.read())
+
+    def _log_since(self, offset: int) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(offset)
+                return f.read().decode(errors="replace").lower()
+        except OSError:
+            return ""
 
     def log_tail(self, n: int = 60) -> str:
         try:

@@ -99,8 +99,8 @@ def spliced(model: Any, codec: Any, verdicts: Sequence[Any], source: list, promp
     """The cache of prompt[:at + length] by `splice.apply`: prompt[:exact] from `source` (which holds
     the same tokens there), prompt[exact:at] prefilled, then source's positions [src, src + length)
     with their keys moved by at - src (`move=False`: left where they were)."""
-    from .. import splice
-    from ..amortize import Splice
+    from ..kv_edit import splice
+    from ..kv_edit.plan import Splice
 
     run = {n: a[..., src:src + length, :] for n, a in codec.token_arrays(source).items()}
     plan = Splice(exact, at, src if move else at, length)
@@ -158,7 +158,7 @@ class Setup:
 
 def make_setup(model: Any, bits: int = 4, group_size: int = 64) -> Setup:
     """The codecs and `rope_shift.probe_model`'s per-layer verdicts (the server's start-up probe)."""
-    from ..rope_shift import probe_model
+    from ..kv_edit.rope_shift import probe_model
 
     fl, q4 = codecs(model, bits, group_size)
     verdicts = probe_model(model)

@@ -1,5 +1,5 @@
 """Span directives' request side (issue #21): the edit mode a client declares, the server option, and
-the `usage.kv_edit` report. No MLX: plugin.py imports it.
+the `usage.kv_edit` report. No MLX: plugin.py imports it (through the package, `kv_edit`).
 
 A client sends its edited messages as usual (the prompt stays the source of truth) and declares how
 the server may treat the stored history they no longer match:

@@ -289,7 +289,7 @@ def slot_names(kind: Any, layer: int) -> Optional[list[list[str]]]:
     """A block's array names for each probe slot of a layer of codec kind `kind` (caches.kinds'
     Q4/FULL/LIST), in probe order; None for a kind whose arrays cannot be rotated in place
     (recurrent state; latent-packed FULL layers are refused by the caller)."""
-    from .caches.kinds import FULL, LIST, Q4
+    from ..caches.kinds import FULL, LIST, Q4
 
     if kind == Q4:
         return [[f"{layer}.k.q", f"{layer}.k.s", f"{layer}.k.b"], [f"{layer}.v.q", f"{layer}.v.s", f"{layer}.v.b"]]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Collection, Optional, Sequence
 
-from .chain import Branch, lcp
+from ..chain import Branch, lcp
 
 
 def edit_point(used_tokens: Sequence[Sequence[int]], prompt: Sequence[int]) -> int:

@@ -16,12 +16,12 @@ from typing import Any, Sequence
 
 import mlx.core as mx
 
-from .amortize import Splice
-from .caches import ModelCodec
+from .plan import Splice
+from ..caches import ModelCodec
 from mlx_lm.models.cache import CacheList, KVCache
 
-from .caches.kinds import FULL, Q4
-from .caches.q4 import Q4KVCache
+from ..caches.kinds import FULL, Q4
+from ..caches.q4 import Q4KVCache
 from .rope_shift import LayerShift, shift_arrays
 
 _PARTS = ("q", "s", "b")

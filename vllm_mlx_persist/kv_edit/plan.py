@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
-from .chain import lcp
+from ..chain import lcp
 
 MIN_RUN_TOKENS = 16
 MAX_STUB_TOKENS = 4096

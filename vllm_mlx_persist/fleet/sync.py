@@ -1,4 +1,4 @@
-"""The glue between one server's pool/persister and the fleet tier in Redis (remote.RemoteTier).
+"""The glue between one server's pool and the fleet tier in Redis (tier.RemoteTier): `Fleet`.
 
     commits:  a turn durable on local disk (persister thread, end of its save job) -> tier.put
               (queued, never blocks); only the turn's new blocks travel with it, Redis takes the
@@ -23,9 +23,12 @@
     eras:     every local manifest is stamped with the erasure its history follows (`era`, from the
               tier), and a restart tells the tier back (`loaded`), so it survives (docs/fleet.md, Erasure).
 
-Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds: `max_syncs` agents'
-jobs tracked at once (more are skipped and counted), `threads` threads, the persister's and the
-tier's own queue bounds. See docs/fleet.md.
+It reaches the pool only through `FleetPool` (pool_api.py: BlockPool implements it); the pool calls
+`saved`, `superseded`, `era`, `loaded`, `released`, `erase`, `erase_queued`, `prefetch`, `wait`,
+`agent_info`, `stop` and `close`, the backend `pending`, `wait_s` and `stats`.
+Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds (FleetSettings):
+`max_syncs` agents' jobs tracked at once (more are skipped and counted), `sync_threads` threads, the
+local write queue's and the tier's own queue bounds. See docs/fleet.md.
 """
 
 from __future__ import annotations
@@ -36,49 +39,48 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
-from .chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
-from .remote import RemoteManifest, RemoteTier
-from .disk_format import BlockData, Manifest
-
-if TYPE_CHECKING:  # the pool builds its Fleet (BlockPool(fleet=...)): no import at run time
-    from .pool import BlockPool
+from ..chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
+from ..disk_format import BlockData, Manifest
+from .manifests import RemoteManifest
+from .pool_api import FleetPool
+from .tier import RemoteTier
 
 log = logging.getLogger("vllm_mlx_persist.fleet")
-
-MAX_SYNCS = 1024  # agents whose sync job is tracked at once (running, or done and not yet looked up)
 
 
 class Fleet:
     """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
 
-    def __init__(self, pool: "BlockPool", make_tier: Callable[..., RemoteTier], *, wait_s: float = 3.0,
-                 write_timeout_s: float = 30.0, threads: int = 2, max_syncs: int = MAX_SYNCS,
-                 max_fetch_bytes: Optional[int] = None):
+    def __init__(self, pool: FleetPool, make_tier: Callable[..., RemoteTier]):
         """`make_tier(block_source=, on_erased=, branches=, keep_continued=)`: the RemoteTier, built
         here with this fleet's callbacks (blocks a put lacks come from the local disk, verified; a put
         refused by another server's erasure erases the agent here) and what a merge in Redis keeps:
-        the pool's `branches`, and continued branches on a model with bounded sliding windows."""
-        if pool.persister is None:
+        the pool's `branches`, and continued branches on a model with bounded sliding windows. The
+        tier's settings (FleetSettings) are this fleet's too."""
+        if pool.disk_queue_bytes is None:
             raise ValueError("the fleet tier needs the local disk tier")
-        self.pool, self.wait_s = pool, wait_s
-        self.write_timeout_s = write_timeout_s
-        self.max_syncs = max_syncs
-        # Block data one sync holds between Redis and the local save, at most (default: the local
-        # write queue's byte budget); beyond it the history is cut and the rest prefilled.
-        # Memory: threads x this.
-        self.max_fetch_bytes = max_fetch_bytes if max_fetch_bytes is not None else pool.persister.queue_bytes
-        self._lock = threading.Lock()
-        self._syncs: "OrderedDict[str, Future]" = OrderedDict()
-        self._exec = ThreadPoolExecutor(threads, thread_name_prefix="vllm-mlx-persist-fleet")
-        self._closed = False
+        self.pool = pool
         self.counts = dict.fromkeys(
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
              "erased_from_fleet", "syncs_outdated", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
-        self.tier = make_tier(block_source=pool.store.read_block, on_erased=self._erased_elsewhere,
-                              branches=pool.max_branches, keep_continued=bool(pool.codec.window_names()))
+        self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
+                              branches=pool.max_branches, keep_continued=pool.bounded_windows)
+        settings = self.settings = self.tier.settings
+        self.wait_s = settings.wait_s
+        self.write_timeout_s = settings.save_timeout_s
+        self.max_syncs = settings.max_syncs
+        # Block data one sync holds between Redis and the local save, at most (default: the local
+        # write queue's byte budget); beyond it the history is cut and the rest prefilled.
+        # Memory: threads x this.
+        self.max_fetch_bytes = (settings.max_fetch_bytes if settings.max_fetch_bytes is not None
+                                else pool.disk_queue_bytes)
+        self._lock = threading.Lock()
+        self._syncs: "OrderedDict[str, Future]" = OrderedDict()
+        self._exec = ThreadPoolExecutor(settings.sync_threads, thread_name_prefix="vllm-mlx-persist-fleet")
+        self._closed = False
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
@@ -253,10 +255,9 @@ class Fleet:
         """The tokens of these local blocks, read from the local disk (a removal's tail needs them)."""
         out = {}
         for bid in block_ids:
-            try:
-                out[bid] = self.pool.store.read_block(bid).tokens.tolist()
-            except Exception:  # unreadable: the merge then tells by ids alone
-                continue
+            data = self.pool.read_disk_block(bid)
+            if data is not None:  # else unreadable: the merge then tells by ids alone
+                out[bid] = data.tokens.tolist()
         return out
 
     def _fetch(self, rm: RemoteManifest, remote: list[Branch]) -> tuple[list[Branch], list[BlockData], bool]:
@@ -266,7 +267,7 @@ class Fleet:
         the branch's links, exactly as the pool checks disk blocks); the prefix before it is still
         used. Returns the usable branches (least recently used first), the fetched blocks they
         name, and whether nothing was cut."""
-        pool, store = self.pool, self.pool.store
+        pool = self.pool
         fetched: dict[str, BlockData] = {}
         held = 0  # bytes of fetched block data, bounded by max_fetch_bytes
         failed: set[str] = set()
@@ -277,7 +278,7 @@ class Fleet:
             for bid in br.block_ids:
                 if bid in failed:
                     break
-                if bid not in fetched and not store.has_block(bid):
+                if bid not in fetched and not pool.has_disk_block(bid):
                     want.append(bid)
             room = self.max_fetch_bytes - held
             got = self.tier.get_blocks(want, max_bytes=room) if room > 0 else []
@@ -287,7 +288,7 @@ class Fleet:
                 failed.add(want[len(got)])
                 if held >= self.max_fetch_bytes:
                     self._count("fetch_cut_at_budget")
-            n, refused = pool.chains.prefix(br, fetched, store.has_block)
+            n, refused = pool.chain_prefix(br, fetched)
             if refused:
                 self._count("chain_refused")
                 failed.add(br.block_ids[n])
