@@ -154,13 +154,14 @@ class PersistQ4Backend:
             self._match_decoder = MatchDecoder(self.tokenizer)
         return self._match_decoder(tokens)
 
-    def _fleet_factory(self) -> Callable[[BlockPool], Any]:
-        """What builds the fleet tier's glue for the pool (BlockPool(fleet=...))."""
+    def _fleet_factory(self) -> Callable[[Any], Any]:
+        """What builds the fleet tier's glue over the pool as the fleet sees it (BlockPool(fleet=...):
+        fleet_view.FleetView, a fleet.FleetPool)."""
         from .fleet import Fleet, RemoteTier
 
         settings = self.fleet_settings
 
-        def build(pool: BlockPool) -> Fleet:
+        def build(pool: Any) -> Fleet:
             fleet = Fleet(pool, lambda **callbacks: RemoteTier(settings, self.fingerprint, **callbacks))
             t = fleet.tier
             log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", t.url_redacted,
