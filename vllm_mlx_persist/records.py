@@ -22,16 +22,13 @@ from .pool_core import PoolCore
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
-FORK_POLICIES = ("open", "listed", "none")
-
 
 class Records:
     """The agents' records (see the module docstring). `fork_policy`: which agents may be forked
-    ("open": any but those set not forkable; "listed": only those set forkable; "none")."""
+    (options.FORK_POLICIES: "open": any but those set not forkable; "listed": only those set
+    forkable; "none")."""
 
     def __init__(self, core: PoolCore, max_branches: Callable[[], int], fork_policy: str = "open"):
-        if fork_policy not in FORK_POLICIES:
-            raise ValueError(f"fork_policy must be one of {FORK_POLICIES}; got {fork_policy!r}")
         self.core = core
         self.max_branches = max_branches
         self.fork_policy = fork_policy
