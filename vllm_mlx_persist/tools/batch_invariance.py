@@ -134,9 +134,9 @@ def differing(alone: Answers, batched: Answers) -> list[int]:
     return [i for i, (a, b) in enumerate(zip(alone.texts, batched.texts)) if a != b]
 
 
-def stored_prompt_kv(home: Path, agent: str, n_prompt: int) -> list[dict[str, tuple]]:
+def stored_prompt_kv(home: Path, agent: str, n_prompt: int) -> list[dict[str, Any]]:
     """What a persist_q4 server with HOME `home` stored for `agent`'s prompt, read from its disk tier:
-    per block lying wholly within the first `n_prompt` tokens, array name -> (shape, bytes).
+    per block lying wholly within the first `n_prompt` tokens, its layers' arrays by name (numpy).
 
     Those tokens are prefilled (and the last one decoded first) before the answer's first token,
     so the 4-bit K/V of a prompt sent alone and batched must be the same bits; the blocks' ids
@@ -156,18 +156,31 @@ def stored_prompt_kv(home: Path, agent: str, n_prompt: int) -> list[dict[str, tu
             at += len(block.tokens)
             if at > n_prompt:
                 break
-            out.append({k: (a.shape, a.tobytes()) for k, a in block.arrays.items()})
+            # layers' arrays only ("{layer}.…"): `win.from` and checkpoint positions are bookkeeping
+            out.append({k: a for k, a in block.arrays.items() if k.split(".", 1)[0].isdigit()})
         return out
     raise LookupError(f"no manifest for agent {agent!r} under {root}")
 
 
-def kv_differs(a: list[dict[str, tuple]], b: list[dict[str, tuple]]) -> bool:
-    """Whether two agents' stored prompt blocks hold different bits. Arrays of equal shape only: a
-    sliding layer holds what its live cache still held at the turn's end, which batched can be more
-    (its drops follow the batch), so its arrays may cover a different span of the same block."""
+def kv_differs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two agents' stored prompt blocks hold different bits for the same positions.
+
+    A sliding layer keeps what its live cache still held at the turn's end, which batched can be
+    more (its drops follow the batch): its arrays then cover the last k tokens of the block in one
+    and more in the other, and the last k must agree (absent in one: nothing to compare)."""
     if len(a) != len(b):
         return True
-    return any(x[k][1] != y[k][1] for x, y in zip(a, b) for k in x.keys() & y.keys() if x[k][0] == y[k][0])
+    for x, y in zip(a, b):
+        for k in x.keys() & y.keys():
+            p, q = x[k], y[k]
+            if p.shape != q.shape:
+                if p.ndim != 4 or p.shape[:2] != q.shape[:2] or p.shape[3:] != q.shape[3:]:
+                    return True
+                n = min(p.shape[2], q.shape[2])
+                p, q = p[:, :, p.shape[2] - n:], q[:, :, q.shape[2] - n:]
+            if p.dtype != q.dtype or p.tobytes() != q.tobytes():
+                return True
+    return False
 
 
 def start_servers(model: Path, home: Path, names: Sequence[str], options: Optional[dict] = None) -> dict[str, Server]:
