@@ -192,7 +192,11 @@ def start_servers(model: Path, home: Path, names: Sequence[str], options: Option
         full = None if opts is None else {**BASE_OPTIONS, **(options or {}), **opts}
         servers[name] = Server(model, home / name.replace(" ", "-"), backend=backend, options=full)
     with ThreadPoolExecutor(len(servers)) as pool:
-        list(pool.map(lambda s: s.start(), servers.values()))
+        started = [pool.submit(s.start) for s in servers.values()]
+    if any(f.exception() for f in started):
+        for s in servers.values():
+            s.stop()  # the ones that did start
+        raise next(f.exception() for f in started if f.exception())
     return servers
 
 
