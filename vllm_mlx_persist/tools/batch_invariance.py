@@ -255,6 +255,76 @@ def unexplained(per_server: dict[str, dict[str, Any]], reference: str = "vllm-ml
     return out
 
 
+def _generate(model: Any, codec: Any, prompts_ids: Sequence[list[int]], rows: Sequence[int], max_tokens: int,
+              prefill_batch_size: int) -> dict[int, tuple[list[int], list[Any]]]:
+    """`rows` inserted at once into one mlx-lm BatchGenerator as vllm-mlx builds it (prefill steps of
+    2048 tokens); per row its greedy tokens and each step's logprobs. `codec`: persist_q4's caches
+    (as its backend makes them), or None for mlx-lm's own (vllm-mlx's default)."""
+    from mlx_lm.generate import BatchGenerator
+
+    gen = BatchGenerator(model, max_tokens=max_tokens, prefill_step_size=2048,
+                         prefill_batch_size=prefill_batch_size, completion_batch_size=32)
+    caches = None if codec is None else [codec.make_cache() for _ in rows]
+    uids = gen.insert([prompts_ids[r] for r in rows], max_tokens=[max_tokens] * len(rows), caches=caches)
+    row_of = dict(zip(uids, rows))
+    out: dict[int, tuple[list[int], list[Any]]] = {r: ([], []) for r in rows}
+    while any(len(out[r][0]) < max_tokens for r in rows):
+        for resp in gen.next()[1]:
+            tokens, logprobs = out[row_of[resp.uid]]
+            tokens.append(resp.token)
+            logprobs.append(resp.logprobs)
+    return out
+
+
+def logprob_differences(model_dir: Path, texts: Sequence[str], max_tokens: int, group: int,
+                        prefill_batch_size: int, persist: bool) -> list[tuple[float, bool]]:
+    """In one process: per prompt, the largest |Δlogprob| between alone and `group` at a time together,
+    over the steps before the first token that differs, and whether one does."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    from ..caches import ModelCodec
+    from ..caches.attention import install_attention_fix
+
+    model, tokenizer = load(str(model_dir))
+    install_attention_fix()
+    codec = ModelCodec.for_model(model, bounded=True) if persist else None
+    ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    n = len(ids)
+    alone = {r: _generate(model, codec, ids, [r], max_tokens, prefill_batch_size)[r] for r in range(n)}
+    together: dict = {}
+    for lo in range(0, n, group or n):
+        together.update(_generate(model, codec, ids, range(lo, min(lo + (group or n), n)), max_tokens, prefill_batch_size))
+    out = []
+    for r in range(n):
+        (ta, la), (tb, lb) = alone[r], together[r]
+        k = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
+        worst = max((mx.abs(x - y).max().item() for x, y in zip(la[: k + 1], lb[: k + 1])), default=0.0)
+        out.append((worst, k < len(ta)))
+    return out
+
+
+def _logprobs_main(args: argparse.Namespace, texts: Sequence[str], work: Path) -> int:
+    """`--logprobs`: the in-process table (caches x prefill batch size x largest |Δlogprob| per prompt)."""
+    import os
+
+    blas = "OpenBLAS preloaded" if "openblas" in os.environ.get("LD_PRELOAD", "") else "no OpenBLAS preloaded"
+    print(f"in one process, {blas} (servers preload it; mlx-cpu's own BLAS sums sequentially)", file=sys.stderr)
+    print("| family | caches | prompts per prefill call | largest abs(logprob alone - batched), per prompt |")
+    print("|---|---|---|---|")
+    for arch in args.arch or list(FAMILIES):
+        overrides = args.overrides if args.overrides is not None else FAMILIES.get(arch, {})
+        model = build_model_dir(work / f"model-{arch}-{args.size}-{args.seed}", arch=arch, size=args.size,
+                                seed=args.seed, overrides=overrides or None)
+        for persist in (False, True):
+            for pbs in (8, 1):
+                diffs = logprob_differences(model, texts, args.max_tokens, args.group, pbs, persist)
+                cells = ", ".join(f"{d:.1e}" + (" (token differs)" if flip else "") for d, flip in diffs)
+                print(f"| {arch} | {'persist_q4' if persist else 'mlx-lm (vllm-mlx)'} | "
+                      f"{'up to 8' if pbs > 1 else '1'} | {cells} |", flush=True)
+    return 0
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="vllm-mlx-persist batch-invariance", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -271,6 +341,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="model weights' seed")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one, removed)")
+    p.add_argument("--logprobs", action="store_true",
+                   help="instead of servers: in one process, each step's logprobs alone vs `group` together, "
+                        "on persist_q4's and mlx-lm's caches, with up to 8 (vllm-mlx's) and 1 prompt per prefill call")
     args = p.parse_args(argv)
 
     names = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -279,6 +352,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error(f"--servers must include vllm-mlx and name only {', '.join(SERVERS)}; got {unknown or names}")
     work = args.dir or Path(tempfile.mkdtemp(prefix="vllm-mlx-persist-batch-"))
     texts = prompts(args.prompts, args.words, args.first)
+    if args.logprobs:
+        try:
+            return _logprobs_main(args, texts, work)
+        finally:
+            if args.dir is None:
+                shutil.rmtree(work, ignore_errors=True)
     results: dict[str, dict] = {}
     bad = False
     try:
