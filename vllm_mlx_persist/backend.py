@@ -46,6 +46,24 @@ from .warmup import warm_up
 log = logging.getLogger("vllm_mlx_persist")
 
 
+def prefill_one_prompt_per_call(config: Any) -> None:
+    """Have the scheduler's BatchGenerator prefill one prompt per model call (its prefill_batch_size,
+    which it reads from `config` when it builds the generator, after this factory ran).
+
+    Several prompts in one call are right-padded into one matrix, and BLAS rounds a row of the
+    model's projections differently with the number of rows (OpenBLAS here): ~1e-7 on the float
+    K/V, which a float cache carries as noise but 4-bit quantization turns into a whole level
+    wherever a value sits that close to a level boundary (logprobs 1e-4..3e-3 apart instead of
+    ~3e-6). One prompt per call computes a row's prompt exactly as alone: the same chunks of the
+    same tokens (docs/design.md, "Batch invariance")."""
+    size = getattr(config, "prefill_batch_size", None)
+    if isinstance(size, int) and size > 1:
+        log.info("persist_q4: prefilling one prompt per model call (prefill_batch_size %d -> 1), so that an "
+                 "answer does not depend on the prompts prefilled with it; option batch_prefill: true keeps %d",
+                 size, size)
+        config.prefill_batch_size = 1
+
+
 class PersistQ4Backend:
     """Per-agent persistent 4-bit prefix cache for vllm-mlx's continuous-batching scheduler."""
 
@@ -67,6 +85,8 @@ class PersistQ4Backend:
         set_prefill_attention(opts["prefill_attention"])
         set_decode_float_budget(opts["decode_float_mb"])
         set_carry_float_budget(opts["carry_float_mb"])
+        if not opts["batch_prefill"]:
+            prefill_one_prompt_per_call(config)
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
         self._match_decoder: Optional[MatchDecoder] = None  # built on first use, on the worker
         self.bits, self.group_size = opts["bits"], opts["group_size"]

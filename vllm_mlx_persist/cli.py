@@ -10,7 +10,7 @@ import sys
 # Subcommands that own their options: everything after the name goes to that module's main().
 ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
           "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize",
-          "splice-drift": "tools.splice_drift"}
+          "splice-drift": "tools.splice_drift", "batch-invariance": "tools.batch_invariance"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("splice-drift", help="drift and recall of amortize's splice on the trained quality model",
                    add_help=False)
     sub.add_parser("scenario", help="run a multi-agent scenario against a server", add_help=False)
+    sub.add_parser("batch-invariance", help="answers alone vs batched through real servers, per family",
+                   add_help=False)
     sub.add_parser("retokenize-stats", help="measure re-tokenization misses over multi-turn chats", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
