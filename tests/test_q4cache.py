@@ -27,10 +27,10 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
-from vllm_mlx_persist.caches import attention, floats
+from vllm_mlx_persist.caches import ModelCodec, attention, floats
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.floats import FloatCopies
-from vllm_mlx_persist.caches.kinds import UnsupportedModelError, check_model_supported
+from vllm_mlx_persist.caches.kinds import Q4, UnsupportedModelError, check_model_supported
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 
 VOCAB = 512
@@ -777,3 +777,61 @@ def test_mirror_accounting_returns_to_zero(model):
     gc.collect()
     assert copies.decode_float_bytes() == base
 
+
+def test_two_float_copies_are_independent():
+    """Caches under two `FloatCopies` share no budget, registry or counter: one's decode budget
+    full does not refuse the other's mirror, one's carried copies do not evict the other's. A batch
+    keeps its rows' object through extend, extract and deepcopy; caches under different ones do not
+    batch; a codec hands its own to every cache; `floats.DEFAULT`'s settings cannot be changed."""
+    mx.random.seed(2)
+    kv = lambda B, n: (mx.random.normal((B, 2, n, 64)), mx.random.normal((B, 2, n, 64)))  # noqa: E731
+
+    def decoding(copies: FloatCopies) -> BatchQ4KVCache:
+        rows = []
+        for n in (100, 60):
+            c = Q4KVCache(float_copies=copies)
+            c.update_and_fetch(*kv(1, n))
+            rows.append(c)
+        batch = Q4KVCache.merge(rows)
+        batch.update_and_fetch(*kv(2, 1))  # a decode step: builds the mirror if it fits
+        return batch
+
+    one, other = FloatCopies(decode_float_mb=256), FloatCopies(decode_float_mb=256)
+    a = decoding(one)
+    _check_mirror(a)
+    one.set_decode_float_budget(one.decode_float_bytes() / 2**20)  # full
+    _check_mirror(decoding(one), False)
+    b = decoding(other)
+    _check_mirror(b)  # the other's budget is its own
+    assert one.decode_float_bytes() == a.mirror_nbytes and other.decode_float_bytes() == b.mirror_nbytes
+    assert one.mirror_counts == {"builds": 1, "carried": 0, "refused": 1}
+    assert other.mirror_counts == {"builds": 1, "carried": 0, "refused": 0}
+
+    assert a.float_copies is one and a.extract(0).float_copies is one
+    assert copy.deepcopy(a).float_copies is one and copy.deepcopy(Q4KVCache(float_copies=one)).float_copies is one
+    with pytest.raises(ValueError, match="FloatCopies"):
+        Q4KVCache.merge([Q4KVCache(float_copies=one), Q4KVCache(float_copies=other)])
+    with pytest.raises(ValueError, match="FloatCopies"):
+        a.extend(b)
+
+    mib = lambda: {0: (mx.zeros((1, 2, 1024, 64)), mx.zeros((1, 2, 1024, 64)))}  # noqa: E731 - 1 MiB
+    one.set_carry_float_budget(1)
+    other.set_carry_float_budget(1)
+    x, y = one.carry_floats(mib(), 1024), other.carry_floats(mib(), 1024)
+    assert x.layers is not None and y.layers is not None  # each within its own 1 MiB
+    assert one.carry_float_bytes() == other.carry_float_bytes() == 1 << 20
+    z = one.carry_floats(mib(), 1024)
+    assert x.layers is None and y.layers is not None and z.layers is not None  # `one` evicted its own
+    assert (one.carry_counts["evicted"], other.carry_counts["evicted"]) == (1, 0)
+
+    codec = ModelCodec([Q4, Q4], float_copies=other)
+    assert all(c.float_copies is other for c in codec.make_cache())
+    own = ModelCodec([Q4, Q4])
+    assert own.float_copies not in (one, other, floats.DEFAULT)
+    assert all(c.float_copies is own.float_copies for c in own.make_cache())
+    assert all(c.float_copies is one for c in own.with_float_copies(one).make_cache())
+    assert Q4KVCache().float_copies is floats.DEFAULT and BatchQ4KVCache([0]).float_copies is floats.DEFAULT
+    with pytest.raises(RuntimeError, match="DEFAULT"):
+        floats.DEFAULT.set_decode_float_budget(0)
+    with pytest.raises(RuntimeError, match="DEFAULT"):
+        floats.DEFAULT.set_prefill_attention("quantized")
