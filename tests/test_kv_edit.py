@@ -37,7 +37,7 @@ def test_a_bad_mode_is_refused_naming_the_modes(headers, metadata):
         kv_edit.resolve_mode(_req(**metadata), headers)
 
 
-def test_the_namespace_carries_agent_fork_and_mode():
+def test_the_namespace_carries_agent_fork_and_mode(serving_backend):
     ns = vllm_mlx_cache_namespace(_req(agent_id="kid", fork_from="mom"), {"x-kv-edit": "forget"}, "/v1/chat/completions")
     assert ns == "kid\0fork:mom\0edit:forget"
     assert split_namespace(ns) == ("kid", "mom") and edit_mode(ns) == "forget"
@@ -47,7 +47,7 @@ def test_the_namespace_carries_agent_fork_and_mode():
     assert plain == "a" and edit_mode(plain) is None  # no mode: exactly today's namespace
 
 
-def test_a_mode_without_an_agent_is_400():
+def test_a_mode_without_an_agent_is_400(serving_backend):
     with pytest.raises(ValueError, match="needs an agent id"):
         vllm_mlx_cache_namespace(_req(), {"x-kv-edit": "forget"}, "/v1/chat/completions")
 

@@ -109,7 +109,12 @@ def vllm_mlx_api_routers() -> Any:
 
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
-    """A request's agent id, with its fork parent; ValueError (HTTP 400) for a malformed one."""
+    """A request's agent id, with its fork parent; ValueError (HTTP 400) for a malformed one. None,
+    without reading the request, unless persist_q4 is the backend serving in this process: vllm-mlx
+    calls every plugin's hook, whichever backend --cache-backend selected."""
+    backend = live_backend()
+    if backend is None:
+        return None
     agent_id = resolve_agent_id(request, headers)
     parent = resolve_fork_from(request, headers)
     if parent is not None and agent_id is None:
@@ -128,6 +133,5 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
     # The earliest moment we know the agent: start reading its blocks (its parent's, its spliced
     # histories') from disk now, so the worker thread's fetch, which stalls every running sequence
     # while it waits, finds them read.
-    for backend in list(_LIVE_BACKENDS):
-        backend.prefetch(namespace)
+    backend.prefetch(namespace)
     return namespace
