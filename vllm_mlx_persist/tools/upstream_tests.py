@@ -122,8 +122,15 @@ def run_pytest(src: Path, files: Sequence[str], tree: str, path: Path, work: Pat
         except ET.ParseError as e:
             note = note or f"unreadable JUnit XML ({e})"
     elif not note:
-        note = f"pytest exited with status {rc} and no results (see {run_dir / 'output.txt'})"
+        note = f"pytest exited with status {rc} and no results: {_last_words(run_dir / 'output.txt')}"
     return Run(list(files), tree, outcomes, rc, seconds, note)
+
+
+def _last_words(output: Path) -> str:
+    """What a pytest process that left no results said last (a fatal error, else its last line)."""
+    lines = [line.strip() for line in output.read_text(errors="replace").splitlines() if line.strip()]
+    fatal = [line[line.index("Fatal Python error"):] for line in lines if "Fatal Python error" in line]
+    return (fatal or lines or ["no output"])[-1][:200]
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -193,13 +200,13 @@ def label(numbers: Optional[Sequence[str]]) -> str:
 
 def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] = (None,), *,
           jobs: Optional[int] = None, timeout: float = 600.0, cache_dir: Optional[Path] = None,
-          together: bool = False, install: bool = True, log: Callable[[str], None] = print,
+          group_size: int = 1, install: bool = True, log: Callable[[str], None] = print,
           verbose: bool = True) -> dict[str, Comparison]:
     """Fetch the suite, build a pristine tree and one per configuration (patch numbers; None: the
-    whole series), run `files` (patterns; empty: all) on each, every file in its own process (or,
-    `together`, all in one per tree), run the files with a regression once more, each in its own
-    process, and compare each configuration with pristine. Raises upstream.Unavailable without the
-    sdist."""
+    whole series), run `files` (patterns; empty: all) on each, `group_size` files per process (0:
+    all in one), and compare each configuration with pristine. A group whose process left no
+    results (a test aborted it) and every file with a regression run again, each file in its own
+    process. Raises upstream.Unavailable without the sdist."""
     t0 = time.monotonic()
     src = upstream.fetch_tests(cache_dir or upstream.default_cache_dir())
     if install:
@@ -218,16 +225,24 @@ def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] 
             if verbose:
                 counts = " ".join(f"{sum(v == 'passed' for v in r.outcomes.values()):>{max(4, len(t))}}"
                                   for t, r in runs.items())
-                notes = "; ".join(f"{t}: {r.note}" for t, r in runs.items() if r.note)
-                name = ", ".join(runs[PRISTINE].files) if len(runs[PRISTINE].files) < 3 else \
-                    f"{len(runs[PRISTINE].files)} files together"
+                notes = "; ".join(f"{t}: {r.note[:60]}" for t, r in runs.items() if r.note)
+                files = runs[PRISTINE].files
+                name = files[0] if len(files) == 1 else f"{files[0]} and {len(files) - 1} more"
                 slowest = max(r.seconds for r in runs.values())
                 log(f"  {name:<56} {counts}  {slowest:5.1f} s{'  ' + notes if notes else ''}")
 
         if verbose:
             log(f"  {'tests passed':<56} {' '.join(f'{t:>{max(4, len(t))}}' for t in trees)}  slowest run")
-        groups = [chosen] if together else [[f] for f in chosen]
+        size = group_size if group_size > 0 else len(chosen)
+        groups = [chosen[i:i + size] for i in range(0, len(chosen), size)]
         runs = run_groups(src, groups, trees, work, jobs=jobs, timeout=timeout, on_group=on_group)
+        crashed = [r.files for r in runs[PRISTINE] if len(r.files) > 1 and any(
+            run.note for t in trees for run in runs[t] if run.files == r.files)]
+        if crashed:
+            log(f"running again, each in its own process: {', '.join(f for g in crashed for f in g)}")
+            again = run_groups(src, [[f] for g in crashed for f in g], trees, work, jobs=jobs,
+                               timeout=timeout, on_group=on_group)
+            runs = {t: [r for r in runs[t] if r.files not in crashed] + again[t] for t in trees}
         results = {t: compare(runs[PRISTINE], runs[t]) for t in trees if t != PRISTINE}
         suspects = sorted({t.split("::", 1)[0] for r in results.values() for t in r.regressions})
         if suspects:
@@ -272,8 +287,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
                         "may be given more than once (default: the whole series)")
     p.add_argument("--each", action="store_true",
                    help="also each patch as its pull request stands: 0001 and 0002 alone, 0003-0005 on 0001")
-    p.add_argument("--together", action="store_true",
-                   help="all files in one pytest process per tree (faster; files may then affect each other)")
+    p.add_argument("--group-size", type=int, default=1, metavar="N",
+                   help="test files per pytest process (default: 1; 0: all in one). Faster, but the files "
+                        "of a process may affect each other, alike on every tree")
     p.add_argument("--jobs", type=int, help="pytest processes at a time (default: 2, or 1 on one core)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a test file may run (default: 600)")
     p.add_argument("--cache-dir", type=Path, help="where the sdist is kept (default: inside the virtual "
@@ -296,7 +312,7 @@ def main(argv: Sequence[str]) -> int:
         configs += [c for c in upstream.each_patch() if c not in configs]
     try:
         results = check(args.files, configs, jobs=args.jobs, timeout=args.timeout, cache_dir=args.cache_dir,
-                        together=args.together, verbose=not args.quiet, log=lambda s: print(s, flush=True))
+                        group_size=args.group_size, verbose=not args.quiet, log=lambda s: print(s, flush=True))
     except (upstream.Unavailable, patcher.PatchError, ValueError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
