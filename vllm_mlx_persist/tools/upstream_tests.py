@@ -90,7 +90,8 @@ def parse_junit(path: Path, files: Sequence[str]) -> dict[str, str]:
     return out
 
 
-def run_pytest(src: Path, files: Sequence[str], tree: str, path: Path, work: Path, timeout: float) -> Run:
+def run_pytest(src: Path, files: Sequence[str], tree: str, path: Path, work: Path, timeout: float,
+               env_extra: Optional[dict[str, str]] = None) -> Run:
     """Run `src/tests/<files>` with pytest in one process, `path` first on PYTHONPATH."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"{Path(files[0]).stem}-{tree}-", dir=work))
     xml = run_dir / "junit.xml"
@@ -98,6 +99,7 @@ def run_pytest(src: Path, files: Sequence[str], tree: str, path: Path, work: Pat
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
     env.setdefault("HF_HOME", str(Path.home() / ".cache" / "huggingface"))  # models stay where they are
     env["HOME"] = str(run_dir / "home")  # what a test writes under ~ stays out of the other trees' way
+    env.update(env_extra or {})
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
            "--rootdir", str(src), "-c", str(src / "pyproject.toml"), f"--junitxml={xml}",
            *(str(src / "tests" / f) for f in files)]
@@ -143,13 +145,13 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def run_groups(src: Path, groups: Sequence[Sequence[str]], trees: dict[str, Path], work: Path, *, jobs: int,
                timeout: float, on_group: Callable[[dict[str, Run]], None] = lambda runs: None,
-               ) -> dict[str, list[Run]]:
+               env: Optional[dict[str, str]] = None) -> dict[str, list[Run]]:
     """`{tree: [Run per group]}`: each group of test files in one process on every tree, `jobs`
     processes at a time, a group's trees one after the other in the queue (side by side with 2
     jobs). `on_group` gets a group's runs once all its trees are done."""
     results: dict[str, list[Run]] = {tree: [] for tree in trees}
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        queued = [{tree: pool.submit(run_pytest, src, group, tree, path, work, timeout)
+        queued = [{tree: pool.submit(run_pytest, src, group, tree, path, work, timeout, env)
                    for tree, path in trees.items()} for group in groups]
         try:
             for futures in queued:
@@ -200,13 +202,14 @@ def label(numbers: Optional[Sequence[str]]) -> str:
 
 def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] = (None,), *,
           jobs: Optional[int] = None, timeout: float = 600.0, cache_dir: Optional[Path] = None,
-          group_size: int = 1, install: bool = True, log: Callable[[str], None] = print,
-          verbose: bool = True) -> dict[str, Comparison]:
+          group_size: int = 1, offline: bool = False, install: bool = True,
+          log: Callable[[str], None] = print, verbose: bool = True) -> dict[str, Comparison]:
     """Fetch the suite, build a pristine tree and one per configuration (patch numbers; None: the
     whole series), run `files` (patterns; empty: all) on each, `group_size` files per process (0:
     all in one), and compare each configuration with pristine. A group whose process left no
     results (a test aborted it) and every file with a regression run again, each file in its own
-    process. Raises upstream.Unavailable without the sdist."""
+    process. `offline`: HF_HUB_OFFLINE=1 for the tests. Raises upstream.Unavailable without the
+    sdist."""
     t0 = time.monotonic()
     src = upstream.fetch_tests(cache_dir or upstream.default_cache_dir())
     if install:
@@ -235,20 +238,21 @@ def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] 
             log(f"  {'tests passed':<56} {' '.join(f'{t:>{max(4, len(t))}}' for t in trees)}  slowest run")
         size = group_size if group_size > 0 else len(chosen)
         groups = [chosen[i:i + size] for i in range(0, len(chosen), size)]
-        runs = run_groups(src, groups, trees, work, jobs=jobs, timeout=timeout, on_group=on_group)
+        env = {"HF_HUB_OFFLINE": "1"} if offline else None
+        runs = run_groups(src, groups, trees, work, jobs=jobs, timeout=timeout, on_group=on_group, env=env)
         crashed = [r.files for r in runs[PRISTINE] if len(r.files) > 1 and any(
             run.note for t in trees for run in runs[t] if run.files == r.files)]
         if crashed:
             log(f"running again, each in its own process: {', '.join(f for g in crashed for f in g)}")
             again = run_groups(src, [[f] for g in crashed for f in g], trees, work, jobs=jobs,
-                               timeout=timeout, on_group=on_group)
+                               timeout=timeout, on_group=on_group, env=env)
             runs = {t: [r for r in runs[t] if r.files not in crashed] + again[t] for t in trees}
         results = {t: compare(runs[PRISTINE], runs[t]) for t in trees if t != PRISTINE}
         suspects = sorted({t.split("::", 1)[0] for r in results.values() for t in r.regressions})
         if suspects:
             log(f"running again, each in its own process: {', '.join(suspects)}")
             again = run_groups(src, [[f] for f in suspects], trees, work, jobs=jobs, timeout=timeout,
-                               on_group=on_group)
+                               on_group=on_group, env=env)
             for t, result in results.items():
                 second = set(compare(again[PRISTINE], again[t]).regressions)
                 result.flaky = sorted(set(result.regressions) - second)
@@ -290,6 +294,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, default=1, metavar="N",
                    help="test files per pytest process (default: 1; 0: all in one). Faster, but the files "
                         "of a process may affect each other, alike on every tree")
+    p.add_argument("--offline", action="store_true",
+                   help="HF_HUB_OFFLINE=1 for the tests: where the model hub cannot be reached, the tests that "
+                        "download a model fail at once instead of after retries (test_streaming_detokenizer.py "
+                        "takes 8 minutes otherwise)")
     p.add_argument("--jobs", type=int, help="pytest processes at a time (default: 2, or 1 on one core)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a test file may run (default: 600)")
     p.add_argument("--cache-dir", type=Path, help="where the sdist is kept (default: inside the virtual "
@@ -312,7 +320,8 @@ def main(argv: Sequence[str]) -> int:
         configs += [c for c in upstream.each_patch() if c not in configs]
     try:
         results = check(args.files, configs, jobs=args.jobs, timeout=args.timeout, cache_dir=args.cache_dir,
-                        group_size=args.group_size, verbose=not args.quiet, log=lambda s: print(s, flush=True))
+                        group_size=args.group_size, offline=args.offline, verbose=not args.quiet,
+                        log=lambda s: print(s, flush=True))
     except (upstream.Unavailable, patcher.PatchError, ValueError, subprocess.CalledProcessError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
