@@ -58,13 +58,14 @@ def fetch_tests(cache_dir: Path, spec: patcher.PatchSpec = SPEC) -> Path:
         if archive is None:
             why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
             raise Unavailable(f"could not download the {spec.dist} {spec.version} sdist with pip: {why}")
-    partial = root.with_name(root.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(root, ignore_errors=True)  # an unpacking that did not finish
+    partial = root.with_name(f"{root.name}.partial-{os.getpid()}")
     with tarfile.open(archive) as tar:
         members = []
         for m in tar.getmembers():
             rel = m.name.split("/", 1)[1] if "/" in m.name else ""
-            if (m.isfile() or m.isdir()) and (rel == "pyproject.toml" or rel.startswith("tests/")):
+            wanted = rel == "pyproject.toml" or rel.startswith("tests/")
+            if wanted and (m.isfile() or m.isdir()) and ".." not in rel.split("/"):
                 m.name = rel
                 members.append(m)
         if not any(m.name.startswith("tests/test_") for m in members):
@@ -73,9 +74,11 @@ def fetch_tests(cache_dir: Path, spec: patcher.PatchSpec = SPEC) -> Path:
             tar.extractall(partial, members, filter="data")
         except TypeError:  # Python without extraction filters (3.10 before 3.10.12)
             tar.extractall(partial, members)
-    shutil.rmtree(root, ignore_errors=True)
-    partial.rename(root)
-    (root / ".complete").touch()
+    (partial / ".complete").touch()
+    try:
+        partial.rename(root)
+    except OSError:  # another process unpacked it first
+        shutil.rmtree(partial, ignore_errors=True)
     return root
 
 
