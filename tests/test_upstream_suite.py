@@ -95,3 +95,29 @@ def test_each_patch_stands_as_docs_upstream_md_says():
         row = next(line for line in doc.splitlines() if line.startswith(f"| [{config[-1]}-"))
         needs = row.rstrip(" |").rsplit("|", 1)[1].strip()
         assert needs == (", ".join(config[:-1]) or "–"), (config, row)
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="" name="tests.test_bad"><error message="collection failure"/></testcase>
+<testcase classname="tests.test_ok.TestA" name="test_p[1]"/>
+<testcase classname="tests.test_ok.TestA" name="test_p[2]"><failure message="assert"/></testcase>
+<testcase classname="tests.test_ok" name="test_skip"><skipped message="no"/></testcase>
+<testcase classname="tests.test_ok" name="test_teardown"><error message="teardown"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_junit_outcomes_and_the_comparison(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(JUNIT)
+    outcomes = upstream_tests.parse_junit(xml, ["test_bad.py", "test_ok.py"])
+    assert outcomes == {"test_bad.py::<collection>": "error", "test_ok.py::TestA::test_p[1]": "passed",
+                        "test_ok.py::TestA::test_p[2]": "failed", "test_ok.py::test_skip": "skipped",
+                        "test_ok.py::test_teardown": "error"}
+    patched = dict(outcomes, **{"test_ok.py::TestA::test_p[1]": "failed", "test_ok.py::TestA::test_p[2]": "passed"})
+    run = lambda tree, o: upstream_tests.Run(["test_bad.py", "test_ok.py"], tree, o, 1, 1.0)  # noqa: E731
+    gone = upstream_tests.Run(["test_gone.py"], "x", {}, -6, 1.0, "Fatal Python error: Aborted")
+    result = upstream_tests.compare([run(PRISTINE, outcomes)], [run("x", patched), gone])
+    assert result.regressions == ["test_ok.py::TestA::test_p[1]"]
+    assert result.only_patched == ["test_ok.py::TestA::test_p[2]"]
+    assert result.passed == {PRISTINE: 1, "patched": 1} and result.skipped == {PRISTINE: 1, "patched": 1}
+    assert result.files == 3 and result.without_results == ["test_gone.py (x): Fatal Python error: Aborted"]
