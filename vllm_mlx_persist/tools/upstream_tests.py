@@ -194,6 +194,13 @@ def select_files(src: Path, patterns: Sequence[str] = ()) -> list[str]:
     return chosen
 
 
+def _without(run: Run, files: Sequence[str]) -> Run:
+    """`run` less the results of `files`."""
+    keep = [f for f in run.files if f not in files]
+    outcomes = {k: v for k, v in run.outcomes.items() if k.split("::", 1)[0] in keep}
+    return Run(keep, run.tree, outcomes, run.returncode, run.seconds, run.note)
+
+
 def label(numbers: Optional[Sequence[str]]) -> str:
     """A configuration's name: "series" (every patch, as `vllm-mlx-persist patch` applies them) or
     its patches' numbers joined by "+" ("0001+0003")."""
@@ -206,10 +213,9 @@ def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] 
           log: Callable[[str], None] = print, verbose: bool = True) -> dict[str, Comparison]:
     """Fetch the suite, build a pristine tree and one per configuration (patch numbers; None: the
     whole series), run `files` (patterns; empty: all) on each, `group_size` files per process (0:
-    all in one), and compare each configuration with pristine. A group whose process left no
-    results (a test aborted it) and every file with a regression run again, each file in its own
-    process. `offline`: HF_HUB_OFFLINE=1 for the tests. Raises upstream.Unavailable without the
-    sdist."""
+    all in one), and compare each configuration with pristine. The files a group's process left
+    without results and every file with a regression run again, each in its own process.
+    `offline`: HF_HUB_OFFLINE=1 for the tests. Raises upstream.Unavailable without the sdist."""
     t0 = time.monotonic()
     src = upstream.fetch_tests(cache_dir or upstream.default_cache_dir())
     if install:
@@ -240,13 +246,16 @@ def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] 
         groups = [chosen[i:i + size] for i in range(0, len(chosen), size)]
         env = {"HF_HUB_OFFLINE": "1"} if offline else None
         runs = run_groups(src, groups, trees, work, jobs=jobs, timeout=timeout, on_group=on_group, env=env)
-        crashed = [r.files for r in runs[PRISTINE] if len(r.files) > 1 and any(
-            run.note for t in trees for run in runs[t] if run.files == r.files)]
-        if crashed:
-            log(f"running again, each in its own process: {', '.join(f for g in crashed for f in g)}")
-            again = run_groups(src, [[f] for g in crashed for f in g], trees, work, jobs=jobs,
-                               timeout=timeout, on_group=on_group, env=env)
-            runs = {t: [r for r in runs[t] if r.files not in crashed] + again[t] for t in trees}
+        # Files a group's process left without results (it died, or a file ended the session: some
+        # call sys.exit() as they are imported off Apple Silicon) run again, each in its own process.
+        redo = sorted({f for t in trees for r in runs[t] if len(r.files) > 1 for f in r.files
+                       if r.note or not any(k.startswith(f + "::") for k in r.outcomes)})
+        if redo:
+            log(f"running again, each in its own process: {', '.join(redo)}")
+            again = run_groups(src, [[f] for f in redo], trees, work, jobs=jobs, timeout=timeout,
+                               on_group=on_group, env=env)
+            runs = {t: [_without(r, redo) for r in runs[t] if set(r.files) - set(redo)] + again[t]
+                    for t in trees}
         results = {t: compare(runs[PRISTINE], runs[t]) for t in trees if t != PRISTINE}
         suspects = sorted({t.split("::", 1)[0] for r in results.values() for t in r.regressions})
         if suspects:
