@@ -77,3 +77,20 @@ def decode_mirror(request, float_copies):
     mirror (a 256 MB budget): the budget of the test's `float_copies`."""
     float_copies.set_decode_float_budget(256 if request.param == "mirror_on" else 0)
     return request.param == "mirror_on"
+
+
+@pytest.fixture
+def serving_backend(tmp_path, monkeypatch):
+    """persist_q4 serving in this process, as vllm-mlx makes it: the plugin's factory builds a backend
+    (tiny llama, cache under tmp_path) and registers it; no backend another test left open counts."""
+    import weakref
+
+    from vllm_mlx_persist import plugin
+    from vllm_mlx_persist.tools.models import build_model
+
+    monkeypatch.setattr(plugin, "_LIVE_BACKENDS", weakref.WeakSet())
+    model, _ = build_model("llama", "tiny", seed=0)
+    backend = plugin.create_backend(model=model, tokenizer=None, config=None, options={
+        "cache_dir": str(tmp_path / "cache"), "warmup": False, "restore": False})
+    yield backend
+    backend.close()
