@@ -394,7 +394,8 @@ def test_namespace_reaches_the_backend_from_every_route(tmp_path, model, started
     resolved = [(e["endpoint"], e["ns"]) for e in s.events() if e["event"] == "namespace"]
     assert resolved == [(ep, ns) for ep, ns in expected if ns not in ("bob", "dave", None)], resolved
 
-    # the resolver's ValueError is a 400 in each API's error shape, and nothing is queued
+    # the resolver's ValueError is a 400 and its PermissionError a 403 in each API's error shape, and
+    # nothing is queued
     mark = len(s.events())
     code, body = s.post("/v1/chat/completions", {"model": s.srv.model, "messages": msgs, "max_tokens": 4},
                         {"X-Test-Namespace": "bad"})
@@ -402,6 +403,12 @@ def test_namespace_reaches_the_backend_from_every_route(tmp_path, model, started
     code, body = s.post("/v1/messages", {"model": s.srv.model, "messages": msgs, "max_tokens": 4},
                         {"X-Test-Namespace": "bad"})
     assert code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    code, body = s.post("/v1/completions", {"model": s.srv.model, "prompt": text(18), "max_tokens": 4},
+                        {"X-Test-Namespace": "secret"})
+    assert code == 403 and body["error"]["type"] == "PermissionDeniedError" and "forbids" in body["error"]["message"]
+    code, body = s.post("/v1/messages", {"model": s.srv.model, "messages": msgs, "max_tokens": 4},
+                        {"X-Test-Namespace": "secret"})
+    assert code == 403 and body["error"]["type"] == "permission_error", body
     assert not [e for e in s.events(mark) if e["event"] == "fetch"]
 
 
