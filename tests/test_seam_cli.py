@@ -59,24 +59,35 @@ def test_paths_the_seam_does_not_serve_are_refused_before_loading(tmp_path, args
 
 
 @pytest.mark.parametrize(
-    "args, flags",
+    "fields, flags",
     [
-        (("--use-paged-cache",), "--use-paged-cache"),
-        (("--max-kv-size", "4096"), "--max-kv-size"),
-        (("--disable-prefix-cache",), "--disable-prefix-cache"),
-        (("--no-memory-aware-cache", "--kv-cache-quantization"), "--no-memory-aware-cache, --kv-cache-quantization"),
-        (("--ssd-cache-dir", "/tmp/nowhere"), "--ssd-cache-dir"),
+        ({"use_paged_cache": True}, "--use-paged-cache"),
+        ({"max_kv_size": 4096}, "--max-kv-size"),
+        ({"enable_prefix_cache": False}, "--disable-prefix-cache"),
+        ({"use_memory_aware_cache": False, "kv_cache_quantization": True},
+         "--no-memory-aware-cache, --kv-cache-quantization"),
+        ({"ssd_cache_dir": "/tmp/nowhere"}, "--ssd-cache-dir"),
     ],
 )
-def test_factory_refuses_the_cache_options_it_replaces(tiny_llama_dir, isolated_home, args, flags):
-    """The persist_q4 factory (not vllm-mlx's CLI) refuses them, at start-up, naming every one."""
+def test_factory_refuses_the_cache_options_it_replaces(fields, flags):
+    """The persist_q4 factory refuses vllm-mlx's own cache options, naming every one, before building
+    anything (on vllm-mlx's real SchedulerConfig; the server below shows the CLI reaches it)."""
+    from vllm_mlx.scheduler import SchedulerConfig
+
+    from vllm_mlx_persist.plugin import create_backend
+
+    with pytest.raises(ValueError, match=f"cannot be combined with {flags}:"):
+        create_backend(model=None, tokenizer=None, config=SchedulerConfig(**fields), options={})
+
+
+def test_the_server_stops_at_start_up_on_a_replaced_cache_option(tiny_llama_dir, isolated_home):
     cmd = [str(BIN / "vllm-mlx"), "serve", str(tiny_llama_dir), "--port", "1", "--continuous-batching",
-           "--cache-backend", "persist_q4", *args]
+           "--cache-backend", "persist_q4", "--no-memory-aware-cache", "--kv-cache-quantization"]
     r = subprocess.run(cmd, env=isolated_home, capture_output=True, text=True, timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
-    assert f"--cache-backend persist_q4 cannot be combined with {flags}:" in out, out
-    assert "Uvicorn running" not in out, out
+    assert "--cache-backend persist_q4 cannot be combined with --no-memory-aware-cache, --kv-cache-quantization:" in out, out
+    assert "Uvicorn running" not in out and "Traceback" not in out, out  # one line (refusal.py)
 
 
 def test_options_without_backend_refused(tmp_path):
@@ -88,14 +99,29 @@ def test_options_without_backend_refused(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ('{"prefill_attention": "fp16"}', "prefill_attention must be one of"),
-        ('{"hot_gb": 1}', "unknown persist_q4 option(s) ['hot_gb']"),
-        ('{"bits": 7}', "bits must be one of"),
-        ("{not json", "must be a valid JSON object"),
+        ({"prefill_attention": "fp16"}, "prefill_attention must be one of"),
+        ({"hot_gb": 1}, "unknown persist_q4 option(s) ['hot_gb']"),
+        ({"bits": 7}, "bits must be one of"),
     ],
 )
-def test_bad_backend_options_refused(tiny_llama_dir, isolated_home, options, message):
-    """Bad option values stop the server at start-up with a message that names them."""
+def test_bad_backend_options_refused(options, message):
+    """Bad option values are refused with a message that names them (the servers below show that such
+    a refusal stops vllm-mlx at start-up)."""
+    from vllm_mlx_persist.options import parse_options
+
+    with pytest.raises(ValueError) as e:
+        parse_options(options)
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ('{"hot_gb": 1}', "unknown persist_q4 option(s) ['hot_gb']"),  # persist_q4's factory
+        ("{not json", "must be a valid JSON object"),  # the seam's CLI
+    ],
+)
+def test_the_server_stops_at_start_up_on_bad_backend_options(tiny_llama_dir, isolated_home, options, message):
     cmd = [str(BIN / "vllm-mlx"), "serve", str(tiny_llama_dir), "--port", "1", "--continuous-batching",
            "--cache-backend", "persist_q4", "--cache-backend-options", options]
     r = subprocess.run(cmd, env=isolated_home, capture_output=True, text=True, timeout=120)
