@@ -272,6 +272,15 @@ class ModelCodec:
             out.append((start + int(p.item()), states))
         return out
 
+    def checkpoint_slots(self, arrays: Arrays) -> list[tuple[int, int]]:
+        """(slot c, position within the block) of each checkpoint a block (or its in-memory copy) holds."""
+        return [(c, int(arrays[f"ckpt{c}.pos"].item())) for c in range(MAX_CHECKPOINTS) if f"ckpt{c}.pos" in arrays]
+
+    def checkpoint_names(self, c: int) -> set[str]:
+        """The names of checkpoint slot c's arrays: its position and every STATE layer's state."""
+        return {f"ckpt{c}.pos"} | {f"{l}.ckpt{c}.{i}" for l, k in enumerate(self.kinds) if k == STATE
+                                   for i in range(self.state_sizes[l])}
+
     def token_arrays(self, cache: list) -> Arrays:
         """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views:
         layer l's cover `spans(cache)[l]`."""
