@@ -130,6 +130,18 @@ class ModelCodec:
             at += n
         return best
 
+    def reach(self, used: Sequence[tuple[Arrays, int]]) -> int:
+        """How far a cache `build` makes from the used blocks reaches: `window_reach`, and on recurrent
+        models the last checkpoint at or before it (0: none)."""
+        covered = self.window_reach(used)
+        if not self.has_state:
+            return covered
+        best = start = 0
+        for arrays, n in used:
+            best = max([best] + [start + p for _, p in self.checkpoint_slots(arrays) if start + p <= covered])
+            start += n
+        return best
+
     def _gather(self, used: Sequence[tuple[Arrays, int]], name: str, lo: int, windowed: bool) -> mx.array:
         """Positions [lo, end of `used`) of array `name` across consecutive blocks ((arrays, tokens used
         of each), the first at position 0); a windowed block's array starts at its `window_from`."""
