@@ -279,8 +279,8 @@ class Commit:
         return out
 
     def _old_checkpoints(self, plan: Plan) -> list:
-        """Recurrent-state checkpoints in the agent's hot blocks that still lie on the turn's tokens,
-        so that rebuilding the block holding one (a grown tail) carries it over."""
+        """Recurrent-state checkpoints in the agent's hot blocks that still lie on the turn's tokens
+        (`_resume`'s fallback when the turn's cache gives none)."""
         out = []
         for start, ok, layers in plan.old_hot:
             out += [(p, s) for p, s in self.codec.block_checkpoints(layers, start) if p - start <= ok]

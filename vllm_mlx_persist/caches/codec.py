@@ -45,8 +45,9 @@ Arrays = dict  # name -> mx.array
 _Q4_PARTS = ("k.q", "k.s", "k.b", "v.q", "v.s", "v.b")
 _LATENT_PARTS = ("k.c", "k.s", "k.b", "v.c", "v.s", "v.b")
 _RAW16 = {mx.bfloat16: "bfloat16"}
-# Per block: a turn's prefill end and its final state, or two turns' ends. A checkpoint costs a
-# whole recurrent state (for a 30B-class hybrid, tens of MB): bounded per block, newest kept.
+# Per block, at most. A checkpoint costs a whole recurrent state (tens of MB for a large hybrid): the
+# pool now puts at most its branch's resume point in a block (commit.py); blocks written before
+# hold up to two (a turn's prefill end and final state).
 MAX_CHECKPOINTS = 2
 WIN_FROM = "win.from"  # where a block's sliding-layer arrays begin (bounded windows; see the docstring)
 
