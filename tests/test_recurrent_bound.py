@@ -119,7 +119,7 @@ def test_an_eight_turn_agent_holds_one_state_in_memory_and_on_disk(hybrid, tmp_p
     exactly one, at the newest prompt's end, and the agent's hot bytes are its bound (plus, until
     its run goes, the K/V of a replaced tail block that the turn's cache arrays still hold); the
     blocks that held a superseded checkpoint are rewritten without it, so the disk holds exactly the
-    bound's arrays. Every turn resumed where the previous prompt ended, and after a restart the last one
+    bound's arrays (and the disk budget counts the rewritten files). Every turn resumed where the previous prompt ended, and after a restart the last one
     resumes from disk with the state the turn's cache held, bit for bit."""
     model, codec = hybrid
     pool = _pool(codec, tmp_path)
@@ -140,8 +140,9 @@ def test_an_eight_turn_agent_holds_one_state_in_memory_and_on_disk(hybrid, tmp_p
     arrays = [pool.store.read_block(bid).arrays for bid in pool.agent("a").ids]
     assert sum(len(codec.checkpoint_slots(a)) for a in arrays) == 1
     assert sum(x.nbytes for a in arrays for x in a.values()) == bound(codec, pool, "a", state_bytes(snaps[-1][1]))
-    print("agent (hot bytes, bound) per turn:", sizes, "disk files:",
-          sum(pool.store.block_file_size(b) for b in pool.agent("a").ids))
+    files = sum(pool.store.block_file_size(b) for b in pool.agent("a").ids)
+    assert pool.persister.agent_disk_bytes("a") == files  # the disk budget counts the rewritten sizes
+    print("agent (hot bytes, bound) per turn:", sizes, "disk files:", files)
     pool.close()
 
     again = Agentic(model, codec, _pool(codec, tmp_path))
