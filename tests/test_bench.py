@@ -171,8 +171,8 @@ def test_goal_ratios_read_each_section():
 def test_capacity_formulas_on_published_shapes():
     """The analytical half of the capacity section: layer patterns read from the published configs,
     and per-agent bytes (design.md's Gemma-3-12B figures at 32k: persist_q4 ~0.72 GB, vllm-mlx ~2.4 GB)."""
-    from vllm_mlx_persist.tools.bench_capacity import (PUBLISHED, agent_bytes, checkpoints, published_rows,
-                                                       shape_from_config, window_tokens)
+    from vllm_mlx_persist.tools.bench_capacity import (PUBLISHED, agent_bytes, published_rows, shape_from_config,
+                                                       window_tokens)
 
     gemma = shape_from_config(PUBLISHED["gemma3_text"]["config"])
     assert [(g.count, g.window) for g in gemma.layers] == [(40, 1024), (8, None)]
@@ -190,7 +190,10 @@ def test_capacity_formulas_on_published_shapes():
     assert window_tokens(4096, 1024, 256) == 1024 and window_tokens(4100, 1024, 256) == 1028
     assert window_tokens(4096, 1024, 256, "worst") == 1279 and window_tokens(4100, 1024, 256, "window") == 1024
     assert window_tokens(100, 1024, 256, "worst") == 100
-    assert checkpoints(4096, 1, 256) == 2 and checkpoints(300, 8, 256) == 4
+    # recurrent hybrids: one state per branch, as the bound counts them (issue #33 item 3)
+    qwen = shape_from_config(PUBLISHED["qwen3_next"]["config"])
+    one, two = (agent_bytes(qwen, 4096, "persist_q4", branches=b)["state"] for b in (1, 2))
+    assert two == 2 * one and agent_bytes(qwen, 4096, "bound", branches=2)["state"] == 2 * (one - 4)
     rows = published_rows([4096, 32768], [16], turns=8)
     assert {r["key"] for r in rows} == set(PUBLISHED)
     for r in rows:
@@ -201,7 +204,8 @@ def test_capacity_formulas_on_published_shapes():
     # (Gemma-3-12B: 8 global, 40 sliding of 1024; gpt-oss-20b: 12 and 12 of 128), within 1.15x
     by_hand = {("gemma3_text", 4096): (8 * 4096 + 40 * 1279) / (8 * 4096 + 40 * 1024),
                ("gemma3_text", 32768): (8 * 32768 + 40 * 1279) / (8 * 32768 + 40 * 1024),
-               ("gpt_oss", 4096): (4096 + 383) / (4096 + 128), ("gpt_oss", 32768): (32768 + 383) / (32768 + 128)}
+               ("gpt_oss", 4096): (4096 + 383) / (4096 + 128), ("gpt_oss", 32768): (32768 + 383) / (32768 + 128),
+               ("qwen3_next", 4096): 1.0, ("qwen3_next", 32768): 1.0}  # one state, and its 4-byte position
     got = {(r["key"], r["context"]): r["persist_over_bound"] for r in rows if r["target"]}
     assert got.keys() == by_hand.keys()
     for k, want in by_hand.items():
@@ -226,8 +230,8 @@ def test_quick_capacity_section(quick):
                 assert r["target_met"], r
         g = m["compare"]["grown"]["persist_q4"]
         assert g["turns"] == res["plan"]["capacity_turns"]
-        # at most the checkpoints of every turn, plus older branches' tail blocks
-        assert g["bytes"] <= g["turns_analytical"] * 1.1, (arch, g)
+        # one recurrent state per branch, plus older branches' tail blocks
+        assert g["bytes"] <= g["branches_analytical"] * 1.1, (arch, g)
     assert (out / "capacity.png").exists()
     md = (out / "bench.md").read_text()
     assert "## Capacity: agents per memory budget" in md and "Gemma-3-12B" in md and "target 1.15x" in md

@@ -151,11 +151,13 @@ def test_hot_reloaded_and_full_precision(family, tmp_path):
 
     turn2 = turn1 + _prompt(12, 8)
     hot, n, tier = pool.lookup("a", turn2)
-    assert tier == "hot" and n == 45  # recurrent models: the checkpoint at the turn's end
+    # recurrent models: the turn's one checkpoint, where its prompt ended (the prefill snapshot)
+    want = 44 if codec.has_state else 45
+    assert tier == "hot" and n == want
     pool.flush()
     pool2 = _pool(codec, tmp_path)
     cold, n2, tier2 = pool2.lookup("a", turn2)
-    assert (n2, tier2) == (45, "disk") and _same(hot, cold)
+    assert (n2, tier2) == (want, "disk") and _same(hot, cold)
 
     full = _logits(model, make_prompt_cache(model), turn2)
     q_cold = _logits(model, codec.make_cache(), turn2)
@@ -170,7 +172,7 @@ def test_hot_reloaded_and_full_precision(family, tmp_path):
     other = turn1[:30] + _prompt(10, 9)
     div, nd, _ = pool2.lookup("a", other)
     if codec.has_state or codec.window_names():
-        assert div is None and nd == 0  # the only checkpoints are at 44 and 45
+        assert div is None and nd == 0  # the only checkpoint (window) is past 30
     else:
         assert nd == 30
         errs["diverge"] = mx.abs(_logits(model, div, other[nd:]) - _logits(model, make_prompt_cache(model), other)).max().item()
@@ -183,9 +185,10 @@ def test_hot_reloaded_and_full_precision(family, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_next"])
-def test_state_checkpoints_carry_across_turns(arch, tmp_path):
-    """A second turn's commit rebuilds the tail block; the first turn's checkpoints that still
-    lie on the new tokens move into it, so going back to turn 1's end reuses it."""
+def test_a_continued_turn_drops_the_checkpoint_it_supersedes(arch, tmp_path):
+    """A second turn's commit rebuilds the tail block; the first turn's checkpoint, no branch's
+    resume point any more, is not carried into it (one state per branch): going back to turn 1's
+    end prefills from the start, and the agent holds one checkpoint, in memory and on disk."""
     model, _ = build_model(arch, SIZE, seed=0)
     install_attention_fix()
     codec = ModelCodec.for_model(model)
@@ -199,12 +202,19 @@ def test_state_checkpoints_carry_across_turns(arch, tmp_path):
     assert n == 20
     _logits(model, hit, t2[n:])
     pool.commit("a", t2, hit)
-    # back to turn 1's end (e.g. a regenerated reply): the carried checkpoint at 20 is used
     back = t1 + _prompt(6, 3)
-    hit2, n2, _ = pool.lookup("a", back)
-    assert n2 == 20
-    want = _logits(model, codec.make_cache(), back)
-    assert mx.abs(_logits(model, hit2, back[n2:]) - want).max().item() < 1e-3
+    _, n2, _ = pool.lookup("a", back)
+    assert n2 == 0
+    hit3, n3, _ = pool.lookup("a", t2 + _prompt(6, 3))
+    assert n3 == 25  # turn 2's resume point (its cache had no prefill snapshot: its final state)
+    want = _logits(model, codec.make_cache(), t2 + _prompt(6, 3))
+    assert mx.abs(_logits(model, hit3, _prompt(6, 3)) - want).max().item() < 1e-3
+    agent = pool.agent("a")
+    held = [p for b in agent.ids for _, p in codec.checkpoint_slots(pool.blocks[b].layers)]
+    assert len(held) == 1 and pool.check() == []
+    pool.flush()
+    on_disk = [p for b in agent.ids for _, p in codec.checkpoint_slots(pool.store.read_block(b).arrays)]
+    assert len(on_disk) == 1
 
 
 def test_unsupported_models_refused_with_reason():

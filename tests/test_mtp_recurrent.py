@@ -167,7 +167,7 @@ def test_a_pool_lookup_after_mtp_gives_cold_logits(hybrid, tmp_path):
     hot = model(mx.array([follow[n:]]), cache=hit)[0, -1]
     _, cold = cold_state(model, codec, follow)
     assert mx.abs(hot - cold).max().item() < LOGIT_TOL, (n, mx.abs(hot - cold).max().item())
-    assert n == len(tokens[0])  # the final state's checkpoint
+    assert n == len(rows[0]) - 1  # the turn's resume point: its prefill snapshot
     pool.close()
 
 

@@ -6,6 +6,11 @@ cache and converts what the disk needs to numpy, the MLX work; `install` (the lo
 blocks, makes them hot and queues the save. If anything the plan relied on changed in between
 (an erasure, a fleet sync, on other threads), `install` says so and the pool plans again.
 Worker thread only (MLX).
+
+Recurrent models: each branch keeps one recurrent-state checkpoint, its resume point (the state
+where its last turn's prompt ended; see `Commit.build`). A turn's new blocks get only its own, and
+the agent's unshared hot blocks on the turn's tokens drop the checkpoints no branch of it resumes
+from any more, in memory and (rewritten) on disk: an agent holds at most one state per branch.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ class Step:
     block_id: str
     block: Optional[Block]
     what: str  # "new": sliced from the cache; "same": hot, re-pointed at the cache's bytes; "keep"
-    layers: Optional[dict] = None  # "same": the block's arrays at plan time
+    layers: Optional[dict] = None  # "same", and "keep" when hot: the block's arrays at plan time
+    shared: bool = False  # another agent names the block (its checkpoints are never dropped)
 
 
 @dataclass
@@ -51,6 +57,9 @@ class Plan:
     compact: list[tuple[Block, dict]] = field(default_factory=list)
     rotations: Segments = ()  # the turn's rotation counts (a spliced history's; kv_edit/rotations.py)
     generation: int = 0  # the turn's branch generation (0: honest; chain.Branch)
+    # Recurrent models: (block id, position in it) of the resume points of the agent's branches that
+    # stay beside the turn's (their checkpoints are kept).
+    resume_keep: set = field(default_factory=set)
 
 
 @dataclass
@@ -59,6 +68,9 @@ class Built:
     run: Optional[Run] = None
     datas: dict[str, BlockData] = field(default_factory=dict)  # block id -> numpy copy for the disk
     compacted: dict[str, dict] = field(default_factory=dict)  # block id -> its arrays, out of its run
+    # block id -> (its arrays at plan time, the names of the checkpoints it drops): hot blocks no
+    # branch resumes from any more; rewritten on disk when in `datas`
+    stripped: dict[str, tuple[dict, set]] = field(default_factory=dict)
 
 
 class Commit:
@@ -95,11 +107,13 @@ class Commit:
             elif block.layers is not None and others <= 0 and start + len(chunk) <= reused:
                 steps.append(Step(start, chunk, bid, block, "same", block.layers))
             else:
-                steps.append(Step(start, chunk, bid, block, "keep"))
+                steps.append(Step(start, chunk, bid, block, "keep", block.layers, others > 0))
         plan = Plan(agent, tokens, links, ids, steps, epoch, rotations=clip(rotations, len(tokens)),
                     generation=generation)
         if self.codec.has_state:
             plan.old_hot = self._hot_prefixes(agent, tokens)
+            plan.resume_keep = {r for br in agent.branches if self.stays(br, tokens, generation)
+                                for r in [self._resume_point(br)] if r is not None}
         moving = {s.block_id for s in steps if s.what == "same"}
         runs = {id(s.block.run[0]): s.block.run[0] for s in steps if s.what == "same" and s.block.run is not None}
         plan.compact = [(b, b.layers) for r in runs.values() for b in r.members if b.block_id not in moving]
@@ -137,6 +151,27 @@ class Commit:
             links += ((d, seed),)
         return links
 
+    def stays(self, branch: Branch, tokens: list[int], generation: int) -> bool:
+        """Whether `branch` stays beside a turn of `tokens` (of branch generation `generation`)
+        rather than being replaced by it: a turn replaces the branches it continues, of its own kind
+        (spliced or honest); on a model with bounded sliding windows a shorter one stays, as a place
+        to resume (its tail block holds the window before its end, which the grown tail no longer holds)."""
+        return (branch.spliced != (generation > 0) or not self.chains.continues(branch, tokens)
+                or (bool(self.codec.window_names()) and branch.n_tokens < len(tokens)))
+
+    def _resume_point(self, branch: Branch) -> Optional[tuple[str, int]]:
+        """(block id, position in it) of the last checkpoint at or before the branch's end among its
+        hot blocks: where a prompt extending the branch resumes (None: none hot)."""
+        best, at = None, -1
+        for i, bid in enumerate(branch.block_ids):
+            block = self.table.blocks.get(bid)
+            if block is None or block.layers is None:
+                continue
+            for _, p in self.codec.checkpoint_slots(block.layers):
+                if at < i * self.block_size + p <= branch.n_tokens:
+                    best, at = (bid, p), i * self.block_size + p
+        return best
+
     def _hot_prefixes(self, agent: Agent, tokens: list[int]) -> list[tuple[int, int, dict]]:
         """(start, how many of its tokens lie on `tokens`, arrays) of the agent's hot blocks along its
         branches, as far as each branch agrees (their recurrent-state checkpoints carry over)."""
@@ -164,8 +199,9 @@ class Commit:
         next lookup takes them whole instead of concatenating; the Run's bytes are then exactly its
         members'. Otherwise (a fork's shared prefix) new blocks are copies."""
         n_valid = len(plan.tokens)
-        checkpoints = self.codec.live_checkpoints(cache, n_valid) + self._old_checkpoints(plan)
+        checkpoints = self._resume(plan, cache) if self.codec.has_state else []
         built = Built()
+        strip = self._stale_checkpoints(plan, checkpoints)
         if all(s.what != "keep" for s in plan.steps):
             arrays = self.codec.token_arrays(cache)
             windowed = self.codec.window_names()  # held from a later start, sliced per block instead
@@ -177,11 +213,18 @@ class Commit:
             if s.what == "new":
                 built.layers[s.block_id] = self.codec.slice(cache, s.start, end, checkpoints, whole)
             elif s.what == "same" and whole is not None:
-                built.layers[s.block_id] = {**{n: a for n, a in s.layers.items() if n not in whole},
+                gone = strip.pop(s.block_id, set())
+                built.layers[s.block_id] = {**{n: a for n, a in s.layers.items() if n not in whole and n not in gone},
                                             **{n: a[..., s.start : end, :] for n, a in whole.items()}}
+                if gone:
+                    built.stripped[s.block_id] = (s.layers, gone)
         if whole is not None:  # the "same" steps leave their runs: what stays behind is copied out
             for block, layers in plan.compact:
-                built.compacted[block.block_id] = {n: mx.contiguous(a) for n, a in layers.items()}
+                gone = strip.get(block.block_id, set())
+                built.compacted[block.block_id] = {n: mx.contiguous(a) for n, a in layers.items() if n not in gone}
+        for s in plan.steps:
+            if s.block_id in strip and s.block_id not in built.stripped:
+                built.stripped[s.block_id] = (s.layers, strip[s.block_id])
         new = [built.layers[s.block_id] for s in plan.steps if s.what == "new"] + list(built.compacted.values())
         if new:
             mx.eval([a for layers in new for a in layers.values()])
@@ -191,11 +234,53 @@ class Commit:
                     built.datas[s.block_id] = _to_numpy(s.block_id, s.tokens, built.layers[s.block_id], self.codec)
             for block, layers in plan.unsaved:
                 built.datas[block.block_id] = _to_numpy(block.block_id, block.tokens, layers, self.codec)
+            for s in plan.steps:  # rewritten without the checkpoints they dropped
+                if s.block_id in built.stripped:
+                    layers = built.layers.get(s.block_id) or built.compacted.get(s.block_id) or {
+                        n: a for n, a in s.layers.items() if n not in built.stripped[s.block_id][1]}
+                    built.datas[s.block_id] = _to_numpy(s.block_id, s.tokens, layers, self.codec)
         return built
 
+    def _resume(self, plan: Plan, cache: list) -> list:
+        """The turn's resume point, as [(position, per-STATE-layer arrays)] (or []): the state where
+        its prompt ended (the prefill snapshot at len(prompt) - 1), which every later prompt of the
+        conversation passes through whether or not the reply comes back token for token (a resent
+        prompt, a re-rendered reply or tool call, dropped reasoning); the final state when the cache
+        has no snapshot; without either, the last old checkpoint on the turn's tokens."""
+        live = self.codec.live_checkpoints(cache, len(plan.tokens))
+        if live:
+            return live[:1]
+        return sorted(self._old_checkpoints(plan), key=lambda c: c[0])[-1:]
+
+    def _stale_checkpoints(self, plan: Plan, resume: list) -> dict[str, set]:
+        """Block id -> names of the checkpoints the turn's hot, unshared blocks drop: every one but
+        the resume points of the branches that stay (`Plan.resume_keep`) and of the turn's branch
+        (`resume`, when a new block takes it; else the last checkpoint at or before the turn's end
+        that its blocks already hold)."""
+        if not self.codec.has_state:
+            return {}
+        keep = set(plan.resume_keep)
+        n, bs = len(plan.tokens), self.block_size
+        at = resume[0][0] if resume else 0
+        if at and plan.steps[(at - 1) // bs].what == "new":
+            keep.add((plan.steps[(at - 1) // bs].block_id, at - (at - 1) // bs * bs))
+        else:
+            held = [(s.start + p, (s.block_id, p)) for s in plan.steps if s.what != "new" and s.layers is not None
+                    for _, p in self.codec.checkpoint_slots(s.layers) if s.start + p <= n]
+            if held:
+                keep.add(max(held)[1])
+        out = {}
+        for s in plan.steps:
+            if s.what != "new" and s.layers is not None and not s.shared:
+                gone = set().union(*(self.codec.checkpoint_names(c) for c, p in self.codec.checkpoint_slots(s.layers)
+                                     if (s.block_id, p) not in keep))
+                if gone:
+                    out[s.block_id] = gone
+        return out
+
     def _old_checkpoints(self, plan: Plan) -> list:
-        """Recurrent-state checkpoints in the agent's hot blocks that still lie on the turn's tokens,
-        so that rebuilding the block holding one (a grown tail) carries it over."""
+        """Recurrent-state checkpoints in the agent's hot blocks that still lie on the turn's tokens
+        (`_resume`'s fallback when the turn's cache gives none)."""
         out = []
         for start, ok, layers in plan.old_hot:
             out += [(p, s) for p, s in self.codec.block_checkpoints(layers, start) if p - start <= ok]
@@ -228,13 +313,8 @@ class Commit:
         elif not agent.persistent and agent.namespace not in self.agents.anonymous:
             self.agents.add(agent)
         limit = self.max_branches if agent.persistent else 1
-        # A branch this turn continues is replaced by it; on a model with bounded sliding windows it
-        # stays while `max_branches` allows, as a place to resume (its tail block holds the window
-        # before its end, which the grown tail no longer holds).
-        windowed = bool(self.codec.window_names())
-        # (A spliced turn never replaces an honest branch, nor an honest turn a spliced one.)
-        kept = [br for br in agent.branches if br.spliced != (plan.generation > 0)
-                or not self.chains.continues(br, tokens) or (windowed and br.n_tokens < len(tokens))]
+        # A branch this turn continues is replaced by it (`stays`).
+        kept = [br for br in agent.branches if self.stays(br, tokens, plan.generation)]
         if forget is not None:
             kept = forget(kept)
         kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent), plan.rotations,
@@ -254,6 +334,8 @@ class Commit:
             if s.what == "new":
                 block.tokens = s.tokens
                 block.state = BlockState.PENDING  # rewritten; the store skips a file already valid
+            elif s.block_id in built.stripped and s.block_id in built.datas:
+                block.state = BlockState.PENDING  # rewritten without the checkpoints it dropped
             self.table.set_layers(block, layers, agent, (run, s.start) if run is not None else None)
             if run is not None:
                 run.members.append(block)
@@ -261,6 +343,15 @@ class Commit:
             copy = built.compacted.get(block.block_id)
             if copy is not None and self.table.blocks.get(block.block_id) is block and block.layers is layers:
                 self.table.set_layers(block, copy, block.owner, None)
+                if block.block_id in built.stripped and block.block_id in built.datas:
+                    block.state = BlockState.PENDING
+        for bid, (layers, names) in built.stripped.items():
+            block = self.table.blocks.get(bid)
+            if block is None or block.layers is not layers or bid in built.layers or bid in built.compacted:
+                continue  # changed meanwhile, or already installed without them
+            self.table.shed(block, names)
+            if bid in built.datas:
+                block.state = BlockState.PENDING
         self.agents.touch(agent)
         self.stats["tokens_stored"] += len(tokens)
         future = None

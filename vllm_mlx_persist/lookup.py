@@ -109,21 +109,22 @@ class Lookup:
             if best is not None and found.n < best.n:
                 continue
             # Bounded sliding windows: tied branches differ in where their windows are held (a
-            # turn end kept as a branch still holds the window its grown continuation lost).
+            # turn end kept as a branch still holds the window its grown continuation lost);
+            # recurrent models: in where their checkpoints are (each branch keeps its own resume point).
             self.fill_windows(found)
-            r = self.codec.window_reach([(got.layers, n) for got, n in found.used])
+            r = self.codec.reach([(got.layers, n) for got, n in found.used])
             if best is None or found.n > best.n or r > reach:
                 best, reach = found, r
             if reach == best.n:
                 break
         best.ties = [f for f in walked if f is not best and f.n == best.n]
-        if reach < best.n:  # a shorter branch may end where its window is held (an earlier turn's end)
+        if reach < best.n:  # a shorter branch may end where its window (checkpoint) is held (an earlier turn's end)
             for k, src, br in ranked:
                 if k < top:
                     used, from_disk = self.walk(src, br, prompt, len(prompt) - 1)
                     other = Found(src, br, used, from_disk)
                     self.fill_windows(other)
-                    r = self.codec.window_reach([(got.layers, n) for got, n in other.used])
+                    r = self.codec.reach([(got.layers, n) for got, n in other.used])
                     if r > reach:
                         best, reach = other, r
         return best

@@ -45,8 +45,9 @@ Arrays = dict  # name -> mx.array
 _Q4_PARTS = ("k.q", "k.s", "k.b", "v.q", "v.s", "v.b")
 _LATENT_PARTS = ("k.c", "k.s", "k.b", "v.c", "v.s", "v.b")
 _RAW16 = {mx.bfloat16: "bfloat16"}
-# Per block: a turn's prefill end and its final state, or two turns' ends. A checkpoint costs a
-# whole recurrent state (for a 30B-class hybrid, tens of MB): bounded per block, newest kept.
+# Per block, at most. A checkpoint costs a whole recurrent state (tens of MB for a large hybrid): the
+# pool now puts at most its branch's resume point in a block (commit.py); blocks written before
+# hold up to two (a turn's prefill end and final state).
 MAX_CHECKPOINTS = 2
 WIN_FROM = "win.from"  # where a block's sliding-layer arrays begin (bounded windows; see the docstring)
 
@@ -128,6 +129,18 @@ class ModelCodec:
             if f < n and (stretch == 0 or at + n - stretch >= w):
                 best = at + n
             at += n
+        return best
+
+    def reach(self, used: Sequence[tuple[Arrays, int]]) -> int:
+        """How far a cache `build` makes from the used blocks reaches: `window_reach`, and on recurrent
+        models the last checkpoint at or before it (0: none)."""
+        covered = self.window_reach(used)
+        if not self.has_state:
+            return covered
+        best = start = 0
+        for arrays, n in used:
+            best = max([best] + [start + p for _, p in self.checkpoint_slots(arrays) if start + p <= covered])
+            start += n
         return best
 
     def _gather(self, used: Sequence[tuple[Arrays, int]], name: str, lo: int, windowed: bool) -> mx.array:
@@ -271,6 +284,15 @@ class ModelCodec:
                       for l, k in enumerate(self.kinds) if k == STATE]
             out.append((start + int(p.item()), states))
         return out
+
+    def checkpoint_slots(self, arrays: Arrays) -> list[tuple[int, int]]:
+        """(slot c, position within the block) of each checkpoint a block (or its in-memory copy) holds."""
+        return [(c, int(arrays[f"ckpt{c}.pos"].item())) for c in range(MAX_CHECKPOINTS) if f"ckpt{c}.pos" in arrays]
+
+    def checkpoint_names(self, c: int) -> set[str]:
+        """The names of checkpoint slot c's arrays: its position and every STATE layer's state."""
+        return {f"ckpt{c}.pos"} | {f"{l}.ckpt{c}.{i}" for l, k in enumerate(self.kinds) if k == STATE
+                                   for i in range(self.state_sizes[l])}
 
     def token_arrays(self, cache: list) -> Arrays:
         """The per-token arrays of a per-sequence cache (names as in a block), (1, H, T, .) views:

@@ -22,7 +22,6 @@ of 64 in the model dtype, plus one recurrent state per linear-attention layer in
 from __future__ import annotations
 
 import json
-import math
 import re
 import shutil
 import signal
@@ -38,7 +37,8 @@ from .serving import Server
 GIB = 2**30
 BITS, GROUP = 4, 64
 CAPACITY_FAMILIES = ("llama", "gemma3_text", "gpt_oss", "qwen3_next", "deepseek_v3")
-SLIDING = ("gemma3_text", "gpt_oss")  # the families the issue's 1.15x target is about
+SLIDING = ("gemma3_text", "gpt_oss")  # the families issue #24's 1.15x target is about
+TARGETED = SLIDING + ("qwen3_next",)  # and issue #33 item 3's (hybrids at their bound)
 TARGET = 1.15
 # Measured against analytical on the small shapes: persist_q4 between its sliding layers' least and
 # most (window_tokens; equal on other families), +-1% (the 4-byte `win.from` of trimmed blocks);
@@ -192,17 +192,13 @@ def window_tokens(n: int, w: int, block: int, rule: str = "blocks") -> int:
     return min(n, w + block - 1) if rule == "worst" else n - block * ((n - w) // block)
 
 
-def checkpoints(n: int, turns: int, block: int) -> int:
-    """Recurrent-state checkpoints an agent's hot blocks hold after `turns` turns: two per turn (the
-    prefill's end and the final state), at most two per block."""
-    return min(2 * turns, 2 * math.ceil(n / block))
-
-
-def agent_bytes(shape: Shape, n: int, system: str, block: int = 256, turns: int = 1,
+def agent_bytes(shape: Shape, n: int, system: str, block: int = 256, branches: int = 1,
                 rule: str = "blocks") -> dict[str, float]:
     """Bytes one agent of n tokens holds in memory, by part, for `system`: persist_q4 (its hot
-    blocks; `rule`: its sliding layers' tokens, see window_tokens), vllm_default (one prefix-cache
-    entry: what mlx-lm keeps, trimmed to the tokens) or bound."""
+    blocks; `rule`: its sliding layers' tokens, see window_tokens; one recurrent-state checkpoint,
+    with its int32 position, per branch, however many turns it took), vllm_default (one prefix-cache
+    entry: what mlx-lm keeps, trimmed to the tokens) or bound (one state per branch: what a lookup
+    needs to resume each branch the agent can return to)."""
     q4 = q4_element_bytes(shape.dtype_bytes)
     out = {"kv": 0.0, "window": 0.0, "latent": 0.0, "state": 0.0}
     for g in shape.layers:
@@ -218,14 +214,16 @@ def agent_bytes(shape: Shape, n: int, system: str, block: int = 256, turns: int 
         elif g.kind == "latent":  # persist_q4 keeps latents as mlx-lm does, in the model dtype
             out["latent"] += g.count * n * g.width * (q4 if system == "bound" else shape.dtype_bytes)
         else:
-            copies = checkpoints(n, turns, block) if system == "persist_q4" else 1
+            copies = 1 if system == "vllm_default" else branches
             out["state"] += g.count * g.state_bytes * copies + (4 * copies if system == "persist_q4" else 0)
     out["total"] = sum(out.values())
     return out
 
 
 def published_rows(contexts: list[int], budgets_gib: list[int], turns: int, block: int = 256) -> list[dict]:
-    """Per published shape and context: MB per agent and agents per budget, per system."""
+    """Per published shape and context: MB per agent and agents per budget, per system. An agent that
+    took `turns` turns on one branch holds what a one-turn agent of its tokens does (one recurrent
+    state per branch): "persist_q4_turns" says so."""
     rows = []
     for key in PUBLISHED_ORDER:
         p = PUBLISHED[key]
@@ -234,14 +232,14 @@ def published_rows(contexts: list[int], budgets_gib: list[int], turns: int, bloc
             per = {"bound": agent_bytes(shape, c, "bound")["total"],
                    "persist_q4": agent_bytes(shape, c, "persist_q4", block, rule="worst")["total"],
                    "vllm_default": agent_bytes(shape, c, "vllm_default")["total"],
-                   "persist_q4_turns": agent_bytes(shape, c, "persist_q4", block, turns=turns, rule="worst")["total"]}
+                   "persist_q4_turns": agent_bytes(shape, c, "persist_q4", block, branches=1, rule="worst")["total"]}
             rows.append({
                 "key": key, "family": shape.arch, "model": p["name"], "context": c,
                 "mb": {s: round(b / MB, 2) for s, b in per.items()},
                 "agents": {str(g): {s: int(g * GIB // b) for s, b in per.items()} for g in budgets_gib},
                 "persist_over_bound": round(per["persist_q4"] / per["bound"], 3),
                 "persist_over_vllm": round(per["persist_q4"] / per["vllm_default"], 3),
-                "target": TARGET if key in SLIDING else None,
+                "target": TARGET if key in TARGETED else None,
             })
     return rows
 
@@ -373,7 +371,8 @@ def measure_family(ctx: Ctx, arch: str) -> dict:
 
 def compare(shape: Shape, m: dict, turns: int, block: int) -> dict:
     """Measured against the formulas on the small shape: per context, persist_q4's and vllm-mlx's
-    bytes over their analytical value and over the bound; the grown agent against 1 and `turns` turns."""
+    bytes over their analytical value and over the bound; the grown agent against one branch and
+    against the branches it holds (one recurrent state each, and the bound's too)."""
     rows = []
     by_ctx: dict[int, dict] = {}
     for system, recs in m["agents"].items():
@@ -397,7 +396,7 @@ def compare(shape: Shape, m: dict, turns: int, block: int) -> dict:
         p, v = row.get("persist_q4"), row.get("vllm_default")
         if p and v and v["bytes"]:
             row["persist_over_vllm"] = round(p["bytes"] / v["bytes"], 3)
-        if p and shape.arch in SLIDING:
+        if p and shape.arch in TARGETED:
             row["target_met"] = p["over_bound"] is not None and p["over_bound"] <= TARGET
         rows.append(row)
     grown: dict = {}
@@ -408,11 +407,12 @@ def compare(shape: Shape, m: dict, turns: int, block: int) -> dict:
         n = last["tokens"]
         held = last["bytes"] if system == "persist_q4" else sum(r["bytes"] for r in recs)
         entries = last["entries"] - recs[0]["entries_before"] if "entries" in last else None
+        k = max(1, len(last.get("branches") or [])) if system == "persist_q4" else 1
         grown[system] = {"turns": len(recs), "tokens": n, "bytes": held, "entries": entries,
                          "branches": last.get("branches"),
                          "one_turn_analytical": round(agent_bytes(shape, n, system, block)["total"]),
-                         "turns_analytical": round(agent_bytes(shape, n, system, block, turns=len(recs))["total"]),
-                         "bound": round(agent_bytes(shape, n, "bound")["total"])}
+                         "branches_analytical": round(agent_bytes(shape, n, system, block, branches=k)["total"]),
+                         "bound": round(agent_bytes(shape, n, "bound", branches=k)["total"])}
         g = grown[system]
         g["over_one_turn"] = round(held / g["one_turn_analytical"], 3)
         g["over_bound"] = round(held / g["bound"], 3)
@@ -505,20 +505,22 @@ def md_capacity(cap: dict, plan: dict) -> list[str]:
          "Bytes one agent's cache holds in memory, and how many agents fit in a budget, per model family. "
          "**persist_q4**: the agent's hot blocks (`bytes_hot` of `GET /v1/agents/ID`): 4-bit K/V with a scale "
          "and a bias per group of 64 in the model dtype; sliding-window layers only the blocks from the one "
-         "holding the window's first token (`pool._trim_windows`), so at most the window + 255 tokens; two "
-         "recurrent-state checkpoints per turn (the prefill's end and the final state, at most two per block), "
-         "in full precision; MLA latents as mlx-lm keeps them, in the model dtype. **vllm-mlx default**: one "
+         "holding the window's first token (`pool._trim_windows`), so at most the window + 255 tokens; one "
+         "recurrent-state checkpoint per branch, in full precision (its resume point: the state where its last "
+         "prompt ended; design.md, \"Recurrent state\"), however many turns the agent took; MLA latents as mlx-lm keeps them, in the model dtype. **vllm-mlx default**: one "
          "prefix-cache entry holding the agent's context, as mlx-lm keeps it (`KVCache` trimmed to the tokens, "
          "`RotatingKVCache` the window, `ArraysCache` one state, MLA latents), in the model dtype. **Bound** "
          "(the issue's): the least a 4-bit cache must hold to resume the agent at its end: global layers x "
          "tokens + sliding layers x window at 4 bits (the same scales and biases), MLA latents at 4 bits, one "
-         "recurrent state in its own dtype. Budgets are `hot_mb` (persist_q4) and `--cache-memory-mb` (vllm-mlx) "
+         "recurrent state in its own dtype per branch (what a lookup needs to resume each branch the agent can "
+         "return to; one branch in the tables but the grown agents'). Budgets are `hot_mb` (persist_q4) and `--cache-memory-mb` (vllm-mlx) "
          "in GiB; weights, activations and the float decode mirror (`decode_float_mb`) come on top.", "",
          "### Published shapes (analytical)", "",
          f"Agents of exactly the context's tokens. persist_q4's sliding layers are counted at their worst (an "
-         f"agent ending just past a block boundary: window + 255 tokens); \"after {turns} turns\" counts the "
-         f"recurrent checkpoints an agent grown over {turns} turns holds today (see the measured grown agents "
-         "below). Target (issue #24): persist_q4 within 1.15x of the bound on sliding-window families.", "",
+         f"agent ending just past a block boundary: window + 255 tokens); \"after {turns} turns\": an agent grown "
+         f"over {turns} turns on one branch (see the measured grown agents below; until issue #33 item 3 it held "
+         "two recurrent states per turn). Targets: persist_q4 within 1.15x of the bound on sliding-window "
+         "families (issue #24) and on Qwen3-Next (issue #33 item 3).", "",
          "| family | model | context | bound MB | persist_q4 MB | vllm-mlx MB | persist_q4 / bound | persist_q4 / "
          "vllm-mlx | " + " | ".join(f"agents in {b} GiB: bound / persist_q4 / vllm-mlx" for b in budgets)
          + f" | persist_q4 after {turns} turns MB (agents in {budgets[0]} GiB) | target |",
@@ -579,21 +581,24 @@ def md_capacity(cap: dict, plan: dict) -> list[str]:
               f"about {max(plan.get('capacity_contexts', [0])) // scale // max(1, turns)} tokens and the model's "
               "streamed reply, sent back as a client does). persist_q4: `bytes_hot` after the last turn. It also "
               "keeps the last block of up to 3 older branches (`branches`: resume points) when a reply does not "
-              "re-tokenize to the generated tokens, as these random models' replies often do not. vllm-mlx: what "
+              "re-tokenize to the generated tokens, as these random models' replies often do not, and on "
+              "recurrent families one state per branch (the bound counts them too). vllm-mlx: what "
               "its cache grew by over the agent's turns: on sliding-window and recurrent families it stores the "
               "first turn's prompt only (later turns are not cached: the families section), on the others an entry "
               "per turn that stays until its LRU evicts it (none extends the previous one exactly with these "
               "replies).", "",
-              "| family | turns | tokens | persist_q4 bytes_hot | analytical, 1 turn | analytical, checkpoints of "
-              "every turn | / 1 turn | / bound | vllm-mlx bytes (entries) | vllm-mlx analytical, 1 entry |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| family | turns | tokens | branches | persist_q4 bytes_hot | analytical, 1 branch | analytical, its "
+              "branches | / 1 branch | bound (its branches) | / bound | vllm-mlx bytes (entries) | vllm-mlx analytical, "
+              "1 entry |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arch, m in meas.items():
             g = m["compare"]["grown"]
             p, v = g.get("persist_q4"), g.get("vllm_default")
             if not p:
                 continue
-            L.append(f"| {arch} | {p['turns']} | {p['tokens']} | {p['bytes']:,} | {p['one_turn_analytical']:,} | "
-                     f"{p['turns_analytical']:,} | {p['over_one_turn']} | {p['over_bound']} | "
+            k = len(p.get("branches") or []) or 1
+            L.append(f"| {arch} | {p['turns']} | {p['tokens']} | {k} | {p['bytes']:,} | {p['one_turn_analytical']:,} | "
+                     f"{p['branches_analytical']:,} | {p['over_one_turn']} | {p['bound']:,} | {p['over_bound']} | "
                      + (f"{v['bytes']:,} ({v['entries']}) | {v['one_turn_analytical']:,} |" if v else "– | – |"))
     L.append("")
     return L
