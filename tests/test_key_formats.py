@@ -27,7 +27,7 @@ from vllm_mlx_persist.key_calibration import float_keys, resolve, scaled_formats
 from vllm_mlx_persist.kv_edit.rope_shift import RopeParams, rotate, rotate_q4
 from vllm_mlx_persist.options import parse_options
 
-FORMATS = ("q4", "k8v4", "scaled", "hadamard")
+FORMATS = ("q4", "k8v4", "scaled", "hadamard", "mixed")
 # Served vs simulated logits: the same stored values, different kernels (measured ~1e-5).
 SIM_TOL = 1e-4
 
@@ -40,11 +40,13 @@ def model():
 
 @pytest.fixture(scope="module")
 def formats(model):
-    """Per format, the per-layer key formats (scaled: calibrated on the model's own keys)."""
+    """Per format, the per-layer key formats (scaled: calibrated on the model's own keys; mixed:
+    8-bit keys on layer 0 only)."""
     codec = ModelCodec.for_model(model)
     keys = float_keys(model, [(i * 37) % 500 + 3 for i in range(96)])
     return {"q4": uniform(codec, None), "k8v4": uniform(codec, LayerKeys(8)),
-            "scaled": scaled_formats(codec, keys), "hadamard": uniform(codec, LayerKeys(4, "hadamard"))}
+            "scaled": scaled_formats(codec, keys), "hadamard": uniform(codec, LayerKeys(4, "hadamard")),
+            "mixed": [LayerKeys(8)] + [None] * (codec.n_layers - 1)}  # auto's per-layer candidate
 
 
 def _codec(model, fmts, copies=None) -> ModelCodec:
@@ -89,7 +91,7 @@ def test_served_format_is_its_simulation(model, formats, name, mode):
         assert mx.abs(served - ref).mean().item() < mx.abs(q4 - ref).mean().item()
 
 
-@pytest.mark.parametrize("name", ["k8v4", "scaled", "hadamard"])
+@pytest.mark.parametrize("name", ["k8v4", "scaled", "hadamard", "mixed"])
 def test_batched_equals_alone(model, formats, name):
     """mlx-lm's BatchGenerator (batched prefill in chunks, staggered inserts, batched decode, float
     mirror on) gives every sequence the tokens it gets alone, and its logprobs within 1e-4."""
@@ -106,7 +108,7 @@ def test_batched_equals_alone(model, formats, name):
         # Prompts prefilled together in one call round differently on BLAS (test_q4cache's bound).
         err = max(mx.abs(a - b).max().item() for a, b in zip(out[uid][1], lps))
         assert err < 1e-4, f"sequence {i}: max |Δlogprob| {err}"
-        assert all(c.key_format is (None if name == "q4" else formats[name][l]) for l, c in enumerate(cache))
+        assert all(c.key_format is formats[name][l] for l, c in enumerate(cache))
 
 
 @pytest.mark.parametrize("name", FORMATS)

@@ -71,7 +71,8 @@ days, and the samples they brought back are still studied in laboratories around
 
 def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS) -> list[int]:
     """The calibration text in the model's own tokens, repeated up to n tokens."""
-    ids = list(tokenizer.encode(CALIBRATION_TEXT))
+    ids = tokenizer.encode(CALIBRATION_TEXT)
+    ids = list(getattr(ids, "ids", ids))  # a `tokenizers.Tokenizer` gives an Encoding
     if not ids:
         raise ValueError("the tokenizer gives no tokens for the calibration text")
     while len(ids) < n:

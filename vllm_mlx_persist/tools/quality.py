@@ -574,9 +574,41 @@ def _fp_label(model: Any) -> str:
     return f"float32 (mlx-lm {' + '.join(kinds)})"
 
 
-def family_formats(family: Family, model: Any, calib: np.ndarray | None = None) -> list[KVFormat]:
+def served_key_formats(tokenizer: Any) -> list[KVFormat]:
+    """The `key_format` option's served formats (issue #33) as rows: the server's own caches
+    (`ModelCodec` with the per-layer key formats `key_calibration.resolve` gives, calibrated on its
+    calibration text through `tokenizer`, as at load), and what `auto` chooses."""
+    from ..caches import ModelCodec
+    from ..key_calibration import resolve
+
+    chosen: dict[str, Any] = {}
+
+    def factory(option: str) -> Callable[[Any], list]:
+        def make(model: Any) -> list:
+            codec = ModelCodec.for_model(model, bits=4, group_size=64, bounded=True)
+            if option not in chosen:
+                chosen[option] = resolve(option, model, tokenizer, codec)
+            return codec.with_key_formats(chosen[option][0]).make_cache()
+        return make
+
+    rows = [("k8v4srv", "keys 8-bit, values 4-bit (served: key_format k8v4)", "k8v4"),
+            ("q4g64ssrv", "4-bit, per-channel key scales (served: key_format scaled)", "scaled"),
+            ("q4g64hsrv", "4-bit, Hadamard-rotated keys (served: key_format hadamard)", "hadamard"),
+            ("auto", "key_format auto (served: chosen at load)", "auto")]
+    out = [KVFormat(name, label, 4, 64, factory=factory(option)) for name, label, option in rows]
+    SERVED_KEY_CHOICES.append(chosen)
+    return out
+
+
+# What `served_key_formats` resolved, per call: option -> (formats, report) (for the report).
+SERVED_KEY_CHOICES: list[dict[str, Any]] = []
+
+
+def family_formats(family: Family, model: Any, calib: np.ndarray | None = None,
+                   tokenizer: Any = None) -> list[KVFormat]:
     """The rows of `family`'s tables: full precision first, the served formats, then the options
-    measured for it (simulated), then any `add_cache_format` rows."""
+    measured for it (simulated), the served key formats (outlier keys, given a `tokenizer`), then
+    any `add_cache_format` rows."""
     fp = replace(FULL, label=_fp_label(model))
     served = [fp, *FORMATS[1:]]
     q4, q8 = QSpec(4, 64), QSpec(8, 64)
@@ -602,6 +634,8 @@ def family_formats(family: Family, model: Any, calib: np.ndarray | None = None) 
         if scales is not None:
             fmts.append(sim_format("q4g64s", "4-bit, group 64, per-channel key scales", QSpec(4, 64, "scaled"),
                                    q4, key_scales=scales))
+        if tokenizer is not None:
+            fmts += served_key_formats(tokenizer)
     elif family.name == "llama":
         fmts = served + [sim_format("k8v4", "keys 8-bit, values 4-bit", q8, q4),
                          sim_format("q4g64h", "4-bit, group 64, Hadamard-rotated keys",
@@ -1469,7 +1503,7 @@ def main(argv: Sequence[str]) -> int:
             mcfg = QUICK_FAMILY_MEASURE
         if args.no_batched:
             mcfg = replace(mcfg, batched=False)
-        formats = family_formats(fam, model, calib)
+        formats = family_formats(fam, model, calib, tokenizer)
         fr = measure_family(fam, model, eval_tokens, mcfg, formats, log=log)
         fr.update(entry)
         if fam.arch == "gemma3_text":
@@ -1478,6 +1512,8 @@ def main(argv: Sequence[str]) -> int:
             fr["training"] = _train_dict(result)
         fams[name] = fr
         seconds[name] = fr["seconds"]["perplexity"] + fr["seconds"]["greedy"]
+        if fam.outliers is not None and SERVED_KEY_CHOICES:
+            fr["key_format_auto"] = SERVED_KEY_CHOICES[-1].get("auto", (None, None))[1]
         if fam.outliers is not None:
             fams_o["conclusion"] = _outlier_conclusion(fr, fams.get("llama"))
             fr["outliers"] = fams_o
