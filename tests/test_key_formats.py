@@ -175,6 +175,14 @@ def test_channel_scales_normalise_per_head():
     assert abs(mx.mean(s).item() - 1) < 1e-5 and s[0, 0, -1].item() == pytest.approx(20 * s[0, 0, 0].item())
 
 
+def test_without_a_format_within_the_limit_auto_takes_the_cheapest_near_the_best():
+    from vllm_mlx_persist.key_calibration import near_best
+
+    assert near_best([("q4", 16.4), ("scaled", 16.3), ("k8v4", 16.9)]) == "q4"  # keys are not the loss
+    assert near_best([("q4", 1.63), ("scaled", 1.35), ("hadamard", 1.18), ("k8v4", 1.38)]) == "hadamard"
+    assert near_best([("q4", 5.0), ("mixed:1", 1.5), ("k8v4", 1.45)]) == "mixed:1"
+
+
 def test_option_values():
     assert parse_options({})["key_format"] == "auto"
     assert parse_options({"key_format": "k8v4"})["key_format"] == "k8v4"

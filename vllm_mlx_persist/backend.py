@@ -180,7 +180,13 @@ class PersistQ4Backend:
         cache is made (worker thread: "auto" and "scaled" run the model on a calibration text)."""
         if self.key_report is not None:
             return
-        formats, report = resolve_keys(self.opts["key_format"], self.model, self.tokenizer, self.codec)
+        option = self.opts["key_format"]
+        try:
+            formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)
+        except Exception as e:  # never fatal: keys are then stored like values, and the stats say why
+            log.exception("persist_q4: key_format %s could not be resolved; keys stored as q4", option)
+            formats = [None] * self.codec.n_layers
+            report = {"option": option, "chosen": "q4", "error": f"{type(e).__name__}: {e}"}
         self.codec.key_formats = formats  # in place: SpanDirectives holds this codec too
         self.key_report = report
 

@@ -13,7 +13,8 @@ It picks the cheapest candidate (bytes/token, then compute) predicted within `LI
   queries and keys) < mixed (8-bit keys on the layers whose keys quantize worst, 4-bit elsewhere)
   < k8v4 (8-bit keys everywhere)
 
-and, when none is within the limit, the one predicted best. What it measured is returned as a dict
+and, when none is within the limit, the cheapest one predicted within 10% (at least 0.1 point)
+of the best (where no key format helps, the loss is not the keys': q4). What it measured is returned as a dict
 (get_stats' `key_format`, the start-up log line).
 
 MLX work: runs on the worker thread (the backend resolves on first use), once; keeps nothing.
@@ -41,6 +42,8 @@ CALIBRATION_TOKENS = 384
 # Shares of the 4-bit layers given 8-bit keys in the "mixed" candidates, worst-quantized first.
 MIXED_SHARES = (0.25, 0.5)
 ORDER = ("q4", "scaled", "hadamard", "mixed", "k8v4")
+# With no candidate within the limit, the cheapest predicted within this much of the best one.
+NEAR_FRACTION, NEAR_PCT = 0.1, 0.1
 
 CALIBRATION_TEXT = """\
 The old lighthouse keeper climbed the stairs every evening at dusk. He carried a small lamp, a
@@ -210,16 +213,27 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
         if m["predicted_pct"] <= limit_pct:
             chosen = (name, formats)
             break
+    within = chosen is not None
     if chosen is None:
-        best = min(measured, key=lambda n: measured[n]["predicted_pct"])
-        chosen = next(c for c in candidates if c[0] == best)
-    report = {"option": "auto", "chosen": chosen[0].split(":")[0], "limit_pct": limit_pct,
+        # None within the limit: the cheapest close to the best (where no key format helps, the
+        # loss is the values' or the model's own: q4), measured in cost order as above.
+        name = near_best([(n, measured[n]["predicted_pct"]) for n, _ in ranked])
+        chosen = next(c for c in candidates if c[0] == name)
+    report = {"option": "auto", "chosen": chosen[0].split(":")[0], "limit_pct": limit_pct, "within_limit": within,
               "calibration_tokens": len(tokens), "measured": measured,
               "key_rel_error": {str(l): round(e, 4) for l, e in errors.items()},
               "s": round(time.perf_counter() - t0, 3)}
     if chosen[0].startswith("mixed"):
         report["k8_layers"] = measured[chosen[0]]["k8_layers"]
     return chosen[1], report
+
+
+def near_best(predicted: Sequence[tuple[str, float]]) -> str:
+    """Of (name, predicted %) in cost order, the first predicted within NEAR_FRACTION (at least
+    NEAR_PCT points) of the best."""
+    best = min(p for _, p in predicted)
+    near = best + max(NEAR_FRACTION * abs(best), NEAR_PCT)
+    return next(n for n, p in predicted if p <= near)
 
 
 def identity(formats: Sequence[Optional[LayerKeys]]) -> Optional[str]:
@@ -234,13 +248,16 @@ def identity(formats: Sequence[Optional[LayerKeys]]) -> Optional[str]:
 def describe(report: dict[str, Any]) -> str:
     """One line for the start-up log."""
     chosen = report.get("chosen")
-    if report.get("option") != "auto":
+    if "error" in report:
+        return f"key format {chosen}: key_format={report.get('option')} failed ({report['error']})"
+    if report.get("option") != "auto" or "measured" not in report:
         return f"key format {chosen} (option key_format={report.get('option')})"
     m = report.get("measured", {})
     parts = ", ".join(f"{n} {v['predicted_pct']:+.2f}% ({v['bytes_per_token']:.0f} B/token)" for n, v in m.items())
     extra = f" on layers {report['k8_layers']}" if "k8_layers" in report else ""
-    return (f"key format {chosen}{extra} chosen by auto (predicted perplexity change within "
-            f"{report['limit_pct']}%, measured on {report['calibration_tokens']} calibration tokens in "
+    verdict = (f"predicted perplexity change within {report['limit_pct']}%" if report.get("within_limit", True)
+               else f"none predicted within {report['limit_pct']}%: the cheapest near the best")
+    return (f"key format {chosen}{extra} chosen by auto ({verdict}, measured on {report['calibration_tokens']} calibration tokens in "
             f"{report['s']:.1f} s: {parts})")
 
 
