@@ -151,9 +151,11 @@ def measure(model: Any, codec: ModelCodec, tokens: Sequence[int], formats: list[
 
 
 def bytes_per_token(codec: ModelCodec, formats: Sequence[Optional[LayerKeys]], n_kv_heads: int, head_dim: int,
-                    scale_bytes: int = 2) -> float:
-    """Bytes one token's K and V take in the 4-bit layers (packed + a scale and a bias per group)."""
+                    scale_bytes: Optional[int] = None) -> float:
+    """Bytes one token's K and V take in the 4-bit layers (packed + a scale and a bias per group,
+    in the model's dtype unless `scale_bytes`)."""
     total = 0.0
+    scale_bytes = codec.latent_dtype.size if scale_bytes is None else scale_bytes
     per_group = 2 * scale_bytes * (head_dim // codec.group_size)
     for l in _q4_layers(codec):
         kb = codec.bits if formats[l] is None else formats[l].bits

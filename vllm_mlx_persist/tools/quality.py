@@ -68,7 +68,21 @@ class KVFormat:
             return self.factory(model)
         if self.bits is None:
             return make_prompt_cache(model)
-        return ModelCodec.for_model(model, bits=self.bits, group_size=self.group_size, bounded=True).make_cache()
+        return ModelCodec.for_model(model, bits=self.bits, group_size=self.group_size, bounded=True,
+                                    float_copies=float_copies()).make_cache()
+
+
+_FLOAT_COPIES: list = []
+
+
+def float_copies() -> Any:
+    """The one `FloatCopies` every served cache of this process attends under (a server's codec
+    has one; caches under different ones refuse to batch, so `batched_greedy` needs them shared)."""
+    if not _FLOAT_COPIES:
+        from ..caches.floats import FloatCopies
+
+        _FLOAT_COPIES.append(FloatCopies())
+    return _FLOAT_COPIES[0]
 
 
 FULL = KVFormat("fp32", "float32 (mlx-lm KVCache)")
@@ -585,7 +599,7 @@ def served_key_formats(tokenizer: Any) -> list[KVFormat]:
 
     def factory(option: str) -> Callable[[Any], list]:
         def make(model: Any) -> list:
-            codec = ModelCodec.for_model(model, bits=4, group_size=64, bounded=True)
+            codec = ModelCodec.for_model(model, bits=4, group_size=64, bounded=True, float_copies=float_copies())
             if option not in chosen:
                 chosen[option] = resolve(option, model, tokenizer, codec)
             return codec.with_key_formats(chosen[option][0]).make_cache()
@@ -1388,6 +1402,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--no-batched", action="store_true", help="skip the BatchGenerator comparison")
     p.add_argument("--no-sweep", action="store_true", help="skip the outlier-magnitude sweep")
     p.add_argument("--no-speed", action="store_true", help="skip the MLA latent decode-speed measurement")
+    p.add_argument("--eval-seqs", type=int, help="held-out sequences per family (default: the family's measure config)")
     a = p.parse_args(list(argv))
     a.families = [f.strip() for f in a.families.split(",")] if a.families else list(FAMILIES)
     for f in a.families:
@@ -1503,6 +1518,8 @@ def main(argv: Sequence[str]) -> int:
             mcfg = QUICK_FAMILY_MEASURE
         if args.no_batched:
             mcfg = replace(mcfg, batched=False)
+        if args.eval_seqs:
+            mcfg = replace(mcfg, eval_seqs=args.eval_seqs)
         formats = family_formats(fam, model, calib, tokenizer)
         fr = measure_family(fam, model, eval_tokens, mcfg, formats, log=log)
         fr.update(entry)
