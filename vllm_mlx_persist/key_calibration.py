@@ -195,8 +195,7 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
     if D & (D - 1) == 0:
         candidates.append(("hadamard", uniform(codec, LayerKeys(codec.bits, "hadamard"))))
     k8 = LayerKeys(8)
-    for share in MIXED_SHARES:
-        n = max(1, round(share * len(worst)))
+    for n in sorted({max(1, round(share * len(worst))) for share in MIXED_SHARES}):
         if n < len(worst):
             top = set(worst[:n])
             candidates.append((f"mixed:{n}", [k8 if l in top else None for l in range(codec.n_layers)]))
