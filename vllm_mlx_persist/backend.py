@@ -63,7 +63,9 @@ class PersistQ4Backend:
 
     Owns the budgets of the float copies its 4-bit caches attend on (`float_copies`, built from the
     options prefill_attention, decode_float_mb and carry_float_mb), which its codec hands to every
-    cache it makes; get_stats reads their byte counts and counters."""
+    cache it makes; get_stats reads their byte counts and counters. Also owns the key_format
+    option's resolution (`key_report`, set once on the worker before any cache is made: the
+    codec's per-layer key formats, caches/key_formats.py), part of the model identity."""
 
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
