@@ -495,3 +495,22 @@ def test_decode_float_option_is_checked(key):
     for bad in (-1, "fast", True, float("inf"), float("nan")):
         with pytest.raises(ValueError, match=key):
             parse_options({key: bad})
+
+
+def test_k8v4_keys_through_a_server_and_a_restart(models, tmp_path):
+    """key_format k8v4 (issue #33) end to end: an agent's second turn reuses its first, a cold agent
+    on the same messages gets the same answer, a restarted server reads the 8-bit-key blocks back
+    from disk and answers the same again; /v1/status shows the format, the start-up log names it."""
+    opts = {**OPTIONS, "key_format": "k8v4"}
+    alice = Chat("alice-k8")
+    with Server(models["llama"], tmp_path / "home", options=opts) as s:
+        alice.turn(s, 0)
+        alice.turn(s, 1)
+        assert alice.prompt_tokens[0] <= alice.cached[1] < alice.prompt_tokens[1]
+        cold = Chat("dave-k8").send(s, alice.messages[:-1])
+        assert cold[1] == 0 and cold[0] == alice.outputs[1]
+        assert s.get_json("/v1/status")["cache"]["key_format"]["chosen"] == "k8v4"
+        assert "key format k8v4" in s.log_tail(400)
+        s.restart()
+        again = Chat("alice-k8").send(s, alice.messages[:-1])
+        assert again[1] >= alice.prompt_tokens[0] and again[0] == alice.outputs[1]

@@ -91,6 +91,13 @@ def test_quick_quality(tmp_path, capsys):
     assert o["q4g64sim"]["ppl"] == pytest.approx(o["q4g64"]["ppl"], rel=1e-4)
     assert o["q4g64"]["kl_from_full"] > 1.5 * o["q4g64h"]["kl_from_full"]  # 2.58-7.26 measured (module docstring)
     assert o["q4g64"]["kl_from_full"] > 10 * o["k8v4"]["kl_from_full"]  # 46.8-290 measured
+    # served key formats (issue #33): 8-bit keys and Hadamard-rotated keys served are their
+    # simulations; served per-channel scales (calibrated at load) take most of the loss back too
+    assert o["k8v4srv"]["ppl"] == pytest.approx(o["k8v4"]["ppl"], rel=1e-4)
+    assert o["q4g64hsrv"]["ppl"] == pytest.approx(o["q4g64h"]["ppl"], rel=1e-4)
+    assert o["q4g64ssrv"]["kl_from_full"] < o["q4g64"]["kl_from_full"]
+    auto = fams["llama_outliers"]["key_format_auto"]
+    assert auto["option"] == "auto" and auto["chosen"] in auto["measured"] or auto["chosen"] == "mixed"
     sweep = r["outliers"]["sweep"]
     assert [s["scale"] for s in sweep] == [1.0, *Q.OUTLIER_SWEEP]
     # same windows: the outlier model's float perplexity is the plain llama's

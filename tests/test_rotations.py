@@ -64,7 +64,7 @@ def model_dir(tmp_path_factory) -> Path:
 class Agent:
     """One agent's turns through an in-process backend: fetch, prefill what the cache lacks, store."""
 
-    def __init__(self, model_dir: Path, cache_dir: Path, max_rotations: int):
+    def __init__(self, model_dir: Path, cache_dir: Path, max_rotations: int, **options):
         from mlx_lm import load
 
         from vllm_mlx_persist.backend import PersistQ4Backend
@@ -72,7 +72,7 @@ class Agent:
         self.model, self.tok = load(str(model_dir))
         self.backend = PersistQ4Backend(model=self.model, tokenizer=self.tok, options={
             "block_size": 16, "hot_mb": 64, "match_text": False, "cache_dir": str(cache_dir), "warmup": False,
-            "kv_edit": {"enabled": True, "max_rotations": max_rotations, "min_run_tokens": 8}})
+            "kv_edit": {"enabled": True, "max_rotations": max_rotations, "min_run_tokens": 8}, **options})
         self.backend.load()
         self.n = 0
 
@@ -101,7 +101,8 @@ class Agent:
         mx.eval(self.model(mx.array([ids]), cache=cold))
         codec = self.backend.codec
         got, ref = codec.token_arrays(cache), codec.token_arrays(cold)
-        deq = lambda a: mx.dequantize(*(a[f"0.k.{p}"] for p in "qsb"), codec.group_size, codec.bits)  # noqa: E731
+        bits = codec.key_format(0).bits if codec.key_format(0) is not None else codec.bits  # keys as stored
+        deq = lambda a: mx.dequantize(*(a[f"0.k.{p}"] for p in "qsb"), codec.group_size, bits)  # noqa: E731
         step = mx.abs(ref["0.k.s"].astype(mx.float32)).max().item()
         return mx.abs(deq(got) - deq(ref)).max().item() / step
 
@@ -178,5 +179,22 @@ def test_every_token_at_the_cap_is_served_exact_with_the_reason(model_dir, tmp_p
         assert again["spliced_tokens"] > 0  # the spliced history's prefix was read back, nothing moved
         for brs in a.spliced().values():
             assert all(rot.peak(br.rotations) <= 1 for br in brs)
+    finally:
+        a.close()
+
+
+@pytest.mark.parametrize("key_format", ["k8v4", "scaled", "hadamard"])
+def test_a_splice_puts_keys_stored_in_a_key_format_in_place(model_dir, tmp_path, key_format):
+    """Issue #33: under each served key format an amortize splice moves the stored keys (undoing the
+    scales or the rotation around RoPE) to where a cold prefill puts them, within 4-bit precision."""
+    a = Agent(model_dir, tmp_path / "cache", max_rotations=4, key_format=key_format)
+    try:
+        assert a.backend.get_stats()["key_format"]["chosen"] == key_format
+        msgs = [{"role": "user", "content": _text("task", 20, 1)}, {"role": "assistant", "content": _tool_output(2)},
+                {"role": "user", "content": _text("then", 24, 3)}]
+        a.turn(msgs, None)
+        first = a.turn([msgs[0], STUB] + msgs[2:], "amortize")
+        assert first["applied"] and first["fallback"] is None and len(first["plan"]) == 1, first
+        assert a.layer0_keys_off_cold() <= 2
     finally:
         a.close()

@@ -21,9 +21,13 @@ from .cache_root import CacheDirLock
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
 from .caches.floats import FloatCopies
+from .caches.kinds import Q4
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
+from .key_calibration import describe as describe_keys
+from .key_calibration import identity as keys_identity
+from .key_calibration import resolve as resolve_keys
 from .kv_edit.serve import SpanDirectives
 from .match_decode import MatchDecoder
 from .namespace import Route
@@ -59,7 +63,9 @@ class PersistQ4Backend:
 
     Owns the budgets of the float copies its 4-bit caches attend on (`float_copies`, built from the
     options prefill_attention, decode_float_mb and carry_float_mb), which its codec hands to every
-    cache it makes; get_stats reads their byte counts and counters."""
+    cache it makes; get_stats reads their byte counts and counters. Also owns the key_format
+    option's resolution (`key_report`, set once on the worker before any cache is made: the
+    codec's per-layer key formats, caches/key_formats.py), part of the model identity."""
 
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
@@ -76,6 +82,7 @@ class PersistQ4Backend:
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True,
                                               latent_bits=opts["latent_bits"], float_copies=self.float_copies)
+            _check_key_format(opts["key_format"], model, self.codec)
         except ValueError as e:
             raise refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
@@ -97,6 +104,9 @@ class PersistQ4Backend:
         # the engine admits a request once its blocks are read (ready()), waiting at most this long
         self.ready_timeout_s = READ_TIMEOUT_S + (opts["remote_wait_s"] if opts.get("remote_url") else 0.0)
         self.warmup: dict[str, Any] = {}  # what `load()`'s warm-up did, for get_stats
+        # The key_format option resolved per layer (`_resolve_keys`, on the worker: "auto" and "scaled"
+        # run the model); until then the codec's caches store keys like values. Read by get_stats.
+        self.key_report: Optional[dict] = None
         # span directives (kv_edit/): a request's usage.kv_edit, and an amortize request's splice
         self.edits = SpanDirectives(model, tokenizer, self.codec, opts["kv_edit"], opts["block_size"])
         self.closed = False
@@ -110,6 +120,7 @@ class PersistQ4Backend:
         (bad model.json, another model's or format version's, unreadable) the server serves with an
         in-memory cache only and says why in get_stats(), rather than fail every request."""
         if self._pool is None:
+            self._resolve_keys()
             opts = self.opts
             cache_format = {
                 "format_version": FORMAT_VERSION,
@@ -119,6 +130,9 @@ class PersistQ4Backend:
             }
             if opts["latent_bits"] is not None:  # other blocks: kept apart (another model directory)
                 cache_format["latent_bits"] = opts["latent_bits"]
+            keys_id = keys_identity(self.codec.key_formats)
+            if keys_id is not None:  # keys stored otherwise: another model directory (q4's is unchanged)
+                cache_format["key_format"] = keys_id
             self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
             n_layers = self.codec.n_layers
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)
@@ -152,6 +166,7 @@ class PersistQ4Backend:
             self.fleet = self._pool.fleet
             if opts["remote_url"] is not None and store is None:
                 log.error("persist_q4: fleet tier OFF: it needs the local disk tier, which is disabled")
+            log.info("persist_q4: %s", describe_keys(self.key_report))
             log.info(
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
                 "float decode mirror %.0f MB, carried floats %.0f MB, dir %s (model %s)",
@@ -161,6 +176,21 @@ class PersistQ4Backend:
                 store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
+
+    def _resolve_keys(self) -> None:
+        """Resolve the key_format option into the codec's per-layer key formats, once, before any
+        cache is made (worker thread: "auto" and "scaled" run the model on a calibration text)."""
+        if self.key_report is not None:
+            return
+        option = self.opts["key_format"]
+        try:
+            formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)
+        except Exception as e:  # never fatal: keys are then stored like values, and the stats say why
+            log.exception("persist_q4: key_format %s could not be resolved; keys stored as q4", option)
+            formats = [None] * self.codec.n_layers
+            report = {"option": option, "chosen": "q4", "error": f"{type(e).__name__}: {e}"}
+        self.codec.key_formats = formats  # in place: SpanDirectives holds this codec too
+        self.key_report = report
 
     def _decode(self, tokens: list[int]) -> str:
         """Text for matching by text: equal only when the model reads the same (match_decode.py);
@@ -258,6 +288,7 @@ class PersistQ4Backend:
 
     def make_prompt_cache(self, request: Any = None) -> list:
         """A fresh 4-bit cache: every sequence in the batch must have one (homogeneous batch)."""
+        self._resolve_keys()
         return self.codec.make_cache()
 
     def validate(self, cache: list) -> bool:
@@ -290,8 +321,9 @@ class PersistQ4Backend:
 
     def get_stats(self) -> dict:
         warm = {f"warmup_{k}": v for k, v in self.warmup.items()}
+        keys = {} if self.key_report is None else {"key_format": self.key_report}
         if self._pool is None:  # stats are read from the HTTP thread; never build the pool there
-            return {"backend": "persist_q4", **warm}
+            return {"backend": "persist_q4", **warm, **keys}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
         # "health" is what the seam copies into /health (as "cache_backend"): small, O(1).
         fc = self.float_copies
@@ -303,7 +335,7 @@ class PersistQ4Backend:
                "decode_float_builds": mirrors["builds"], "decode_float_refused": mirrors["refused"],
                "decode_float_from_carry": mirrors["carried"], "carry_float_bytes": fc.carry_float_bytes(),
                "carry_float_budget_bytes": fc.carry_float_budget_bytes(),
-               **{f"carry_float_{k}": v for k, v in fc.carry_counts.items()}}
+               **{f"carry_float_{k}": v for k, v in fc.carry_counts.items()}, **keys}
         if self.fleet is not None:
             out["remote"] = self.fleet.stats()
         return out
@@ -340,6 +372,17 @@ class PersistQ4Backend:
         if self._pool is not None:
             self._pool.close()  # with its fleet tier
         self._dir_lock.release()
+
+
+def _check_key_format(option: str, model: Any, codec: ModelCodec) -> None:
+    """Refuse at start-up a fixed key format the model cannot take (Hadamard: a power-of-two head_dim)."""
+    if option != "hadamard" or Q4 not in codec.kinds:
+        return
+    from .caches.kinds import _head_dims
+
+    for name, dim in _head_dims(model).items():
+        if dim & (dim - 1):
+            raise ValueError(f"persist_q4 key_format hadamard needs a power-of-two head dimension; {name} is {dim}")
 
 
 def route_of(request: Any) -> Route:

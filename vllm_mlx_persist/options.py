@@ -13,6 +13,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit
 
 from .caches.floats import PREFILL_ATTENTION_MODES
+from .caches.key_formats import KEY_FORMATS
 from .kv_edit import parse_option as parse_kv_edit
 
 FORK_POLICIES = ("open", "listed", "none")
@@ -22,6 +23,10 @@ DEFAULTS: dict[str, Any] = {
     "hot_mb": 2048.0,  # hot-tier budget: bytes of 4-bit blocks kept in memory
     "bits": 4,
     "group_size": 64,
+    # How 4-bit layers store keys (issue #33, caches/key_formats.py): "q4" (like the values), "k8v4"
+    # (8-bit keys), "scaled" (per-channel scales calibrated at load), "hadamard" (rotated keys), or
+    # "auto": measured at load on a calibration text, the cheapest within +1% (key_calibration.py).
+    "key_format": "auto",
     "latent_bits": None,  # MLA latents in blocks: None (the model's dtype), 8 or 4 bits (caches/latent.py)
     "block_size": 256,
     "durable_writes": True,  # a turn's blocks are on disk before its response completes
@@ -103,6 +108,10 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError("persist_q4 block_size must be >= 16 and hot_mb >= 0")
     if opts["latent_bits"] not in (None, 4, 8) or isinstance(opts["latent_bits"], bool):
         raise ValueError(f"persist_q4 latent_bits must be null, 4 or 8; got {opts['latent_bits']!r}")
+    if opts["key_format"] not in KEY_FORMATS:
+        raise ValueError(f"persist_q4 key_format must be one of {', '.join(KEY_FORMATS)}; got {opts['key_format']!r}")
+    if opts["key_format"] in ("auto", "k8v4") and opts["bits"] == 8:
+        opts["key_format"] = "q4"  # keys are 8-bit already: nothing to choose
     if opts["prefill_attention"] not in PREFILL_ATTENTION_MODES:
         raise ValueError(
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "

@@ -22,6 +22,7 @@ import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES
+from .key_formats import key_bits, transformed
 from .q4 import BatchQ4KVCache, QTuple
 
 
@@ -34,19 +35,21 @@ def _gqa_mask(mask: Any, B: int, n_kv: int, n_rep: int) -> Any:
     return mask.reshape(mask.shape[0], n_kv, n_rep, *mask.shape[2:])
 
 
-def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits):
+def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits, key_bits=None):
     """mlx-lm's quantized SDPA with the GQA mask broadcast right (batched and per-head masks) and
     optional attention sinks: one extra logit per query head that joins the softmax and contributes
     no value (what mx.fast.scaled_dot_product_attention does with sinks).
 
     Grouped-query attention without broadcasting the packed K/V: the n_rep query heads of a KV head
     become n_rep * L rows of one quantized matmul against that head's K/V (mlx-lm expands the K/V to
-    5-D instead, which mlx's CPU kernels handle 10-25% slower; same arithmetic, same result)."""
+    5-D instead, which mlx's CPU kernels handle 10-25% slower; same arithmetic, same result).
+    `key_bits`: the keys' bits when they differ from the values' (`caches.key_formats`)."""
     B, n_q, L, D = queries.shape
     n_kv = q_keys[0].shape[-3]
     n_rep = n_q // n_kv
     queries = (queries * scale).reshape(B, n_kv, n_rep * L, D)
-    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size, bits=bits)
+    scores = mx.quantized_matmul(queries, *q_keys, transpose=True, group_size=group_size,
+                                 bits=bits if key_bits is None else key_bits)
     T = scores.shape[-1]
     scores = scores.reshape(B, n_kv, n_rep, L, T)
     if isinstance(mask, str):
@@ -82,8 +85,9 @@ def _make_fixed(original):
         group_size: int = 64,
         bits: int = 8,
         sinks: Optional[mx.array] = None,
+        key_bits: Optional[int] = None,
     ) -> mx.array:
-        return _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits)
+        return _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits, key_bits)
 
     quantized_scaled_dot_product_attention._vllm_mlx_persist_original = original
     return quantized_scaled_dot_product_attention
@@ -115,16 +119,24 @@ def _attend_row(queries, keys: QTuple, values: QTuple, mirror, cache: "BatchQ4KV
     use_float = copies.dequantize_for(n) or (n < DEQUANT_MIN_QUERIES and (
         mirror is not None or (n_batch >= DEQUANT_MIN_QUERIES and copies.decode_float_budget_bytes() > 0)))
     if not use_float:
-        kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
-        return _mlx_base.quantized_scaled_dot_product_attention(
-            queries, tuple(map(row, keys)), tuple(map(row, values)), scale=scale, mask=mask,
-            group_size=cache.group_size, bits=cache.bits, **kw
-        )
+        return _quantized(queries, tuple(map(row, keys)), tuple(map(row, values)), cache, scale, mask, sinks)
     if mirror is None:
-        fk, fv = cache.dequantize(tuple(map(row, keys))), cache.dequantize(tuple(map(row, values)))
+        fk, fv = cache.dequantize_keys(tuple(map(row, keys))), cache.dequantize(tuple(map(row, values)))
     else:
         fk, fv = row(mirror[0]), row(mirror[1])
     return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
+
+
+def _quantized(queries, keys: QTuple, values: QTuple, cache: Any, scale: float, mask: Any, sinks: Any) -> mx.array:
+    """The quantized SDPA on packed K/V (mlx-lm's, as installed: ours); keys of other bits than
+    the values (8-bit keys) go to ours directly (mlx-lm's takes one `bits`)."""
+    kb = key_bits(cache)
+    if kb != cache.bits:
+        return _sdpa_with_sinks(queries, keys, values, scale, mask, sinks, cache.group_size, cache.bits, kb)
+    kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
+    return _mlx_base.quantized_scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, group_size=cache.group_size, bits=cache.bits, **kw
+    )
 
 
 def batch_attention(queries: mx.array, keys: QTuple, values: QTuple, cache: "BatchQ4KVCache",
@@ -173,19 +185,18 @@ def _make_dispatcher(original):
     when there is one)."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        fmt = transformed(cache)
+        if fmt is not None:  # keys stored scaled or rotated: the queries follow (caches.key_formats)
+            queries = fmt.queries(queries)
         if isinstance(cache, BatchQ4KVCache):
             return batch_attention(queries, keys, values, cache, scale, mask, sinks)
         if hasattr(cache, "bits"):
             # mlx-lm's own QuantizedKVCache has none: the defaults
             if getattr(cache, "float_copies", DEFAULT).dequantize_for(queries.shape[2]):
-                fk = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+                fk = mx.dequantize(*keys, group_size=cache.group_size, bits=key_bits(cache))
                 fv = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
                 return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
-            kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
-            return _mlx_base.quantized_scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=mask,
-                group_size=cache.group_size, bits=cache.bits, **kw,
-            )
+            return _quantized(queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)
 
     scaled_dot_product_attention._vllm_mlx_persist_original = original

@@ -4,7 +4,9 @@ rebuilt from them. The pool calls only this module for per-layer work.
 A block's arrays are one flat name -> array map (the disk format stores it as is):
 
 * Q4 layer l (plain or sliding-window attention, `Q4KVCache`): `l.k.q l.k.s l.k.b l.v.q l.v.s l.v.b`,
-  each (1, n_kv_heads, n_tokens, .). By default sliding-window layers keep every token: the window
+  each (1, n_kv_heads, n_tokens, .). The keys as the layer's key format stores them
+  (`key_formats[l]`, caches/key_formats.py: 8-bit, scaled or rotated; the format is part of the
+  model identity, so a directory's blocks are all of one format). By default sliding-window layers keep every token: the window
   is applied by the mask, so a prefix can be reused at any point. With `bounded=True` their live
   caches hold only their window (`windows[l]`): a cache's layer l then holds positions
   `spans(cache)[l]` = [start, offset) only, and `token_arrays` / `slice` give those. A block then
@@ -36,9 +38,10 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache
 
 from .floats import CarriedFloats, FloatCopies
+from .key_formats import LayerKeys
 from .kinds import FULL, LIST, Q4, STATE, layer_kinds, layer_windows
 from .latent import LATENT_BITS, dequantize_latent, quantize_latent
-from .q4 import Q4KVCache
+from .q4 import Q4KVCache, _same_keys
 from .recurrent import StateCache
 
 Arrays = dict  # name -> mx.array
@@ -59,11 +62,13 @@ class ModelCodec:
     def __init__(self, kinds: Sequence[Any], bits: int = 4, group_size: int = 64,
                  state_sizes: Optional[dict[int, int]] = None, windows: Optional[dict[int, int]] = None,
                  bounded: bool = False, latent_bits: Optional[int] = None, latent_dtype: mx.Dtype = mx.float32,
-                 float_copies: Optional[FloatCopies] = None):
+                 float_copies: Optional[FloatCopies] = None,
+                 key_formats: Optional[Sequence[Optional[LayerKeys]]] = None):
         """`latent_bits` (None, 8 or 4): blocks hold FULL (MLA latent) layers packed in that many
         bits, dequantized to `latent_dtype` (the model's) when a cache is built from them.
         `float_copies`: the budgets of the float copies its 4-bit caches attend on (the backend's);
-        without one the codec owns its own, with the defaults."""
+        without one the codec owns its own, with the defaults. `key_formats`: per layer, how its
+        Q4 caches store keys (None or absent: like the values)."""
         if latent_bits is not None and latent_bits not in LATENT_BITS:
             raise ValueError(f"latent_bits must be None or one of {LATENT_BITS}, got {latent_bits}")
         self.kinds = list(kinds)
@@ -75,6 +80,9 @@ class ModelCodec:
         self.bounded = bounded
         self.latent_bits, self.latent_dtype = latent_bits, latent_dtype
         self.float_copies = FloatCopies() if float_copies is None else float_copies
+        self.key_formats: list[Optional[LayerKeys]] = list(key_formats or [None] * len(self.kinds))
+        if len(self.key_formats) != len(self.kinds):
+            raise ValueError(f"{len(self.key_formats)} key formats for {len(self.kinds)} layers")
 
     @classmethod
     def for_model(cls, model: Any, bits: int = 4, group_size: int = 64, bounded: bool = False,
@@ -87,6 +95,18 @@ class ModelCodec:
         dtype = next((p.dtype for _, p in tree_flatten(model.parameters())
                       if mx.issubdtype(p.dtype, mx.floating)), mx.float32)
         return cls(kinds, bits, group_size, sizes, windows, bounded, latent_bits, dtype, float_copies)
+
+    def with_key_formats(self, key_formats: Sequence[Optional[LayerKeys]]) -> "ModelCodec":
+        """The same codec, its Q4 layers storing keys per `key_formats` (one per layer)."""
+        other = copy.copy(self)
+        other.key_formats = list(key_formats)
+        if len(other.key_formats) != len(self.kinds):
+            raise ValueError(f"{len(other.key_formats)} key formats for {len(self.kinds)} layers")
+        return other
+
+    def key_format(self, l: int) -> Optional[LayerKeys]:
+        """How layer l's caches store keys (None: like the values)."""
+        return self.key_formats[l]
 
     def with_float_copies(self, float_copies: FloatCopies) -> "ModelCodec":
         """The same codec, its caches under `float_copies` (a test's or a tool's own budgets)."""
@@ -219,7 +239,7 @@ class ModelCodec:
     def _fresh(self, kind, l: int):
         if kind == Q4:
             return Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window(l),
-                             float_copies=self.float_copies)
+                             float_copies=self.float_copies, key_format=self.key_formats[l])
         if kind == FULL:
             return KVCache()
         if kind == STATE:
@@ -231,7 +251,8 @@ class ModelCodec:
             return False
         want = {Q4: Q4KVCache, FULL: KVCache, STATE: StateCache}
         return all(type(c) is want.get(k if isinstance(k, str) else LIST, CacheList)
-                   and (k != Q4 or c.window == self.window(l))
+                   and (k != Q4 or (c.window == self.window(l)
+                                    and _same_keys(c.key_format, _norm(self.key_formats[l], self.bits))))
                    for l, (c, k) in enumerate(zip(cache, self.kinds)))
 
     def length(self, cache: list) -> int:
@@ -393,7 +414,8 @@ class ModelCodec:
                 lo = 0 if w is None else max(0, covered - w)  # a bounded layer: only its window
                 parts = [cat(f"{l}.{p}", lo) for p in _Q4_PARTS]
                 cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size,
-                                                   window=w, offset=covered, float_copies=self.float_copies))
+                                                   window=w, offset=covered, float_copies=self.float_copies,
+                                                   key_format=self.key_formats[l]))
             elif k == FULL and self.latent_bits is not None:
                 deq = lambda x: dequantize_latent(*(cat(f"{l}.{x}.{p}") for p in "csb"), self.latent_bits,
                                                   self.latent_dtype)
@@ -513,6 +535,11 @@ class ModelCodec:
                     want.add(f"{l}.ckpt{c}.{i}")
             want.add(f"ckpt{c}.pos")
         return set(arrays) == want
+
+
+def _norm(fmt: Optional[LayerKeys], bits: int) -> Optional[LayerKeys]:
+    """None for a format that stores keys like values of `bits` (what the caches hold then)."""
+    return None if fmt is not None and fmt.transform is None and fmt.bits == bits else fmt
 
 
 def _truncate(used, covered: int):

@@ -56,6 +56,7 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES, MIRROR_PREFILL_MAX_QUERIES, FloatCopies
+from .key_formats import LayerKeys, key_bits
 from .kinds import Q4, UnsupportedModelError, layer_kinds, layer_windows, model_type_of
 
 QTuple = tuple  # (packed uint32, scales, biases), each (B, n_kv_heads, T, ·)
@@ -113,7 +114,10 @@ def _append(cache, prev: int, keys: mx.array, values: mx.array, drop: int = 0,
     less the `drop` leading ones (moved out first), growing the storage in `cache.step` chunks.
     Returns the (possibly new) storage tuples and the quantized new tokens."""
     S = keys.shape[2]
-    qk = mx.quantize(keys, group_size=cache.group_size, bits=cache.bits)
+    fmt = cache.key_format
+    if fmt is not None:
+        keys = fmt.encode(keys)
+    qk = mx.quantize(keys, group_size=cache.group_size, bits=key_bits(cache))
     qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
     k, v = cache.keys, cache.values
     if k is None or drop or prev + S > k[0].shape[2]:
@@ -140,6 +144,20 @@ def _qnbytes(q: Optional[QTuple]) -> int:
     return 0 if q is None else sum(x.nbytes for x in q)
 
 
+def _same_keys(a: Optional[LayerKeys], b: Optional[LayerKeys]) -> bool:
+    """Whether two caches' key formats store keys alike (None: the cache's own bits, plain)."""
+    return a is b or (a is not None and a.same(b))
+
+
+def _key_format(key_format: Optional[LayerKeys], bits: int) -> Optional[LayerKeys]:
+    """None for a plain format of the cache's own bits (what every cache without one means)."""
+    if key_format is not None and key_format.transform is None and key_format.bits == bits:
+        return None
+    if key_format is not None:
+        _check_format(key_format.bits, 64)
+    return key_format
+
+
 class Q4KVCache(QuantizedKVCache):
     """Per-sequence quantized KV cache that BatchGenerator can merge into a `BatchQ4KVCache`.
 
@@ -161,9 +179,12 @@ class Q4KVCache(QuantizedKVCache):
     # The budgets and prefill mode this cache attends under (class default: from_state builds
     # caches without one); a batch merged from it holds the same.
     float_copies: FloatCopies = DEFAULT
+    # How keys are stored when not like the values (`caches.key_formats`: 8-bit keys, scaled or
+    # Hadamard-rotated keys); None: `bits`, untransformed. Shared, immutable.
+    key_format: Optional[LayerKeys] = None
 
     def __init__(self, group_size: int = 64, bits: int = 4, window: Optional[int] = None,
-                 float_copies: Optional[FloatCopies] = None):
+                 float_copies: Optional[FloatCopies] = None, key_format: Optional[LayerKeys] = None):
         _check_format(bits, group_size)
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
@@ -172,6 +193,7 @@ class Q4KVCache(QuantizedKVCache):
         self.start = 0
         self.floats = None
         self.float_copies = DEFAULT if float_copies is None else float_copies
+        self.key_format = _key_format(key_format, bits)
 
     @property
     def held(self) -> int:
@@ -253,10 +275,15 @@ class Q4KVCache(QuantizedKVCache):
     def merge(cls, caches: Sequence["Q4KVCache"]) -> "BatchQ4KVCache":
         return BatchQ4KVCache.merge(caches)
 
+    @property
+    def key_bits(self) -> int:
+        return key_bits(self)
+
     @classmethod
     def from_arrays(
         cls, keys: QTuple, values: QTuple, bits: int, group_size: int,
         window: Optional[int] = None, offset: Optional[int] = None, float_copies: Optional[FloatCopies] = None,
+        key_format: Optional[LayerKeys] = None,
     ) -> "Q4KVCache":
         """A cache holding the given (1, n_kv_heads, T, ·) components as the tokens just before
         `offset` (default T): positions [offset - T, offset).
@@ -276,7 +303,7 @@ class Q4KVCache(QuantizedKVCache):
         if start < 0 or (start > 0 and (window is None or T < window)):
             need = "[0" if window is None else f"[{max(0, offset - window)}"
             raise ValueError(f"arrays of {T} tokens ending at {offset} do not cover {need}, {offset})")
-        c = cls(group_size=group_size, bits=bits, window=window, float_copies=float_copies)
+        c = cls(group_size=group_size, bits=bits, window=window, float_copies=float_copies, key_format=key_format)
         lo = T - window if window is not None and T > window else 0
         # Fresh array objects (views, no copy) so that in-place writes after a trim never reach
         # the caller's arrays.
@@ -319,10 +346,13 @@ class BatchQ4KVCache(_BaseCache):
     _lengths: Optional[List[int]] = None
     _lengths_at = 0
     float_copies: FloatCopies = DEFAULT  # class default: from_state builds objects without __init__
+    key_format: Optional[LayerKeys] = None  # as `Q4KVCache.key_format`: the rows'
 
     def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64,
-                 window: Optional[int] = None, float_copies: Optional[FloatCopies] = None):
+                 window: Optional[int] = None, float_copies: Optional[FloatCopies] = None,
+                 key_format: Optional[LayerKeys] = None):
         _check_format(bits, group_size)
+        self.key_format = _key_format(key_format, bits)
         self.keys: Optional[QTuple] = None
         self.values: Optional[QTuple] = None
         self.left_padding = mx.array(left_padding)
@@ -387,8 +417,8 @@ class BatchQ4KVCache(_BaseCache):
     def _float_bytes(self, B: int, T: int, like: Optional["BatchQ4KVCache"] = None) -> int:
         """Bytes of a float mirror of B rows and T tokens (K and V, the scales' dtype)."""
         like = like or self
-        per = sum(q[0].shape[1] * (q[0].shape[3] * 32 // self.bits) * q[1].dtype.size
-                  for q in (like.keys, like.values))
+        per = sum(q[0].shape[1] * (q[0].shape[3] * 32 // bits) * q[1].dtype.size
+                  for q, bits in ((like.keys, self.key_bits), (like.values, self.bits)))
         return B * T * per
 
     def _mirror_fits(self, nbytes: int, released: int = 0) -> bool:
@@ -397,18 +427,28 @@ class BatchQ4KVCache(_BaseCache):
         budget = copies.decode_float_budget_bytes()
         return budget > 0 and copies.decode_float_bytes() - released + nbytes <= budget
 
-    def dequantize(self, q: QTuple) -> mx.array:
+    @property
+    def key_bits(self) -> int:
+        return key_bits(self)
+
+    def dequantize(self, q: QTuple, bits: Optional[int] = None) -> mx.array:
+        """Float values of packed components of `bits` (default: the values'; keys: `key_bits`)."""
+        bits = self.bits if bits is None else bits
         if q[0].size == 0:  # mx.dequantize cannot reshape an empty array
             B, H, T, P = q[0].shape
-            return mx.zeros((B, H, T, P * 32 // self.bits), dtype=q[1].dtype)
-        return mx.dequantize(*q, group_size=self.group_size, bits=self.bits)
+            return mx.zeros((B, H, T, P * 32 // bits), dtype=q[1].dtype)
+        return mx.dequantize(*q, group_size=self.group_size, bits=bits)
+
+    def dequantize_keys(self, q: QTuple) -> mx.array:
+        """Float keys, as stored (transformed, if the key format transforms them)."""
+        return self.dequantize(q, self.key_bits)
 
     def _mirror_build(self) -> None:
         if self.keys is None or self.float_copies.decode_float_budget_bytes() == 0:
             return
         B, _, cap, _ = self.keys[0].shape
         if self._mirror_fits(self._float_bytes(B, cap)):
-            self._set_mirror((self.dequantize(self.keys), self.dequantize(self.values)))
+            self._set_mirror((self.dequantize_keys(self.keys), self.dequantize(self.values)))
             self.float_copies.mirror_counts["builds"] += 1
             self._mirror_refused = False
         elif not self._mirror_refused:
@@ -428,13 +468,13 @@ class BatchQ4KVCache(_BaseCache):
                 return
             fk, fv = _regrow((fk, fv), drop, prev, cap)
             self._set_mirror((fk, fv))
-        if all(a.shape == b.shape for a, b in zip(qk, qv)):
+        if self.key_bits == self.bits and all(a.shape == b.shape for a, b in zip(qk, qv)):
             # K and V in one call: mx.dequantize costs ~150 us per call on the CPU whatever its
             # size (a composite of several ops), and it is elementwise, so the values are the same.
             both = self.dequantize(tuple(mx.concatenate([a, b]) for a, b in zip(qk, qv)))
             dk, dv = both[: fk.shape[0]], both[fk.shape[0] :]
         else:
-            dk, dv = self.dequantize(qk), self.dequantize(qv)
+            dk, dv = self.dequantize_keys(qk), self.dequantize(qv)
         fk[..., prev - drop : self._idx, :] = dk
         fv[..., prev - drop : self._idx, :] = dv
 
@@ -605,7 +645,7 @@ class BatchQ4KVCache(_BaseCache):
                 k, v = _alloc(like.keys, Bc, 0), _alloc(like.values, Bc, 0)
                 f = None
             if mirrored and f is None:
-                f = (like.dequantize(k), like.dequantize(v))
+                f = (like.dequantize_keys(k), like.dequantize(v))
             left = max_idx - c._idx
             right = max_size - k[0].shape[2] - left
             if right < 0:
@@ -631,7 +671,7 @@ class BatchQ4KVCache(_BaseCache):
         """A contiguous per-sequence copy of row `idx`'s valid tokens (with a window: every token
         the row holds, positions [starts()[idx], offset[idx]))."""
         cache = Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window,
-                          float_copies=self.float_copies)
+                          float_copies=self.float_copies, key_format=self.key_format)
         if self.keys is None:
             return cache
         pad = self.left_padding[idx].item()
@@ -667,7 +707,10 @@ class BatchQ4KVCache(_BaseCache):
         bits, group_size = caches[0].bits, caches[0].group_size
         window = getattr(caches[0], "window", None)
         copies = getattr(caches[0], "float_copies", DEFAULT)
+        keys_as = getattr(caches[0], "key_format", None)
         for c in caches:
+            if not _same_keys(getattr(c, "key_format", None), keys_as):
+                raise ValueError("cannot batch caches whose keys are stored in different formats")
             if (c.bits, c.group_size) != (bits, group_size):
                 raise ValueError(
                     f"cannot batch caches with different formats: {c.bits}-bit/group "
@@ -682,7 +725,7 @@ class BatchQ4KVCache(_BaseCache):
         lengths = [c.offset - getattr(c, "start", 0) if c.keys is not None else 0 for c in caches]
         max_length = max(lengths)
         if max_length == 0:
-            return cls([0] * len(caches), bits, group_size, window, copies)
+            return cls([0] * len(caches), bits, group_size, window, copies, keys_as)
 
         padding = [max_length - l for l in lengths]
         src = next(c for c in caches if c.keys is not None)
@@ -690,7 +733,7 @@ class BatchQ4KVCache(_BaseCache):
         if B == 1:
             # One sequence (a returning agent's prompt, usually): its arrays as they are, no copy;
             # the first write grows them into new storage (_append), so they are never written.
-            cache = cls([0], bits, group_size, window, copies)
+            cache = cls([0], bits, group_size, window, copies, keys_as)
             cache.keys, cache.values = _qslice(src.keys, max_length), _qslice(src.values, max_length)
             cache.offset = mx.array([src.offset])
             cache._idx = max_length
@@ -704,7 +747,7 @@ class BatchQ4KVCache(_BaseCache):
             for dst, s in zip(keys + values, c.keys + c.values):
                 dst[i : i + 1, :, p : p + n] = s[..., :n, :]
 
-        cache = cls(padding, bits, group_size, window, copies)
+        cache = cls(padding, bits, group_size, window, copies, keys_as)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset if c.keys is not None else 0 for c in caches])
         cache._idx = max_length
@@ -729,13 +772,13 @@ class BatchQ4KVCache(_BaseCache):
             self._set_mirror(tuple(x[..., :T, :] for x in rows[0]))
             return
         dtype = self.keys[1].dtype
-        mirror = tuple(mx.zeros((B, q[0].shape[1], T, q[0].shape[3] * 32 // self.bits), dtype=dtype)
-                       for q in (self.keys, self.values))
+        mirror = tuple(mx.zeros((B, q[0].shape[1], T, q[0].shape[3] * 32 // bits), dtype=dtype)
+                       for q, bits in ((self.keys, self.key_bits), (self.values, self.bits)))
         for i, (f, c, p, n) in enumerate(zip(rows, caches, padding, lengths)):
             if n == 0:
                 continue
             if f is None:
-                f = (self.dequantize(_qslice(c.keys, n)), self.dequantize(_qslice(c.values, n)))
+                f = (self.dequantize_keys(_qslice(c.keys, n)), self.dequantize(_qslice(c.values, n)))
             for dst, x in zip(mirror, f):
                 dst[i : i + 1, :, p : p + n] = x[..., :n, :]
         self._set_mirror(mirror)
@@ -749,6 +792,8 @@ class BatchQ4KVCache(_BaseCache):
             raise ValueError(f"cannot extend a batch cache of window {self.window} with one of {other.window}")
         if other.float_copies is not self.float_copies:
             raise ValueError("cannot extend a batch cache with one under different FloatCopies (float budgets)")
+        if not _same_keys(other.key_format, self.key_format):
+            raise ValueError("cannot extend a batch cache with one whose keys are stored in another format")
 
     def size(self) -> int:
         return self._idx
@@ -763,7 +808,8 @@ class BatchQ4KVCache(_BaseCache):
 
 
 def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64, bounded: bool = False,
-                         float_copies: Optional[FloatCopies] = None) -> list[Q4KVCache]:
+                         float_copies: Optional[FloatCopies] = None,
+                         key_formats: Optional[Sequence[Optional[LayerKeys]]] = None) -> list[Q4KVCache]:
     """One fresh `Q4KVCache` per layer, for models whose layers are all of the Q4 kind (plain and
     sliding-window attention); `caches.ModelCodec` builds the caches of every other model.
     `bounded`: sliding-window layers hold only their window (else every token, masked).
@@ -775,5 +821,6 @@ def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64, 
             f"model type {model_type_of(model)!r} has non-attention or latent layers; use caches.ModelCodec"
         )
     windows = layer_windows(model) if bounded else {}
-    return [Q4KVCache(group_size=group_size, bits=bits, window=windows.get(l), float_copies=float_copies)
+    return [Q4KVCache(group_size=group_size, bits=bits, window=windows.get(l), float_copies=float_copies,
+                      key_format=key_formats[l] if key_formats else None)
             for l in range(len(kinds))]

@@ -68,13 +68,21 @@ def rotate(x: mx.array, delta: int, params: RopeParams) -> mx.array:
 
 
 def rotate_q4(packed: mx.array, scales: mx.array, biases: mx.array, delta: int, params: RopeParams,
-              bits: int = 4, group_size: int = 64) -> tuple[mx.array, mx.array, mx.array]:
+              bits: int = 4, group_size: int = 64, key_format: Any = None) -> tuple[mx.array, mx.array, mx.array]:
     """4-bit keys moved by `delta`: dequantized, rotated in float32, requantized (scales and biases
-    keep their dtype). Δ = 0 returns the inputs themselves: nothing is requantized."""
+    keep their dtype). Δ = 0 returns the inputs themselves: nothing is requantized. `key_format`
+    (caches.key_formats.LayerKeys): keys stored in its bits and transform, which is undone before
+    the rotation and redone after (RoPE acts on the model's keys, not on scaled or rotated ones)."""
     if delta == 0:
         return packed, scales, biases
+    if key_format is not None:
+        bits = key_format.bits
     keys = mx.dequantize(packed, scales.astype(mx.float32), biases.astype(mx.float32), group_size, bits)
-    q, s, b = mx.quantize(rotate(keys, delta, params), group_size, bits)
+    if key_format is None:
+        moved = rotate(keys, delta, params)
+    else:
+        moved = key_format.encode(rotate(key_format.decode(keys), delta, params))
+    q, s, b = mx.quantize(moved, group_size, bits)
     return q, s.astype(scales.dtype), b.astype(biases.dtype)
 
 
@@ -301,10 +309,11 @@ def slot_names(kind: Any, layer: int) -> Optional[list[list[str]]]:
 
 
 def shift_arrays(arrays: dict, delta: int, kinds: Sequence[Any], verdicts: Sequence[LayerShift],
-                 bits: int = 4, group_size: int = 64) -> dict:
+                 bits: int = 4, group_size: int = 64, key_formats: Optional[Sequence[Any]] = None) -> dict:
     """A block's arrays (codec names) with every rotary slot moved by `delta` positions: 4-bit keys
     dequantized, rotated in float32 and requantized, float slots rotated and cast back; static slots
-    (values, MLA latents) are the same arrays, untouched. Raises ValueError for a layer whose verdict
+    (values, MLA latents) are the same arrays, untouched. `key_formats`: per layer, how its 4-bit keys
+    are stored (caches.key_formats; None: `bits`, untransformed). Raises ValueError for a layer whose verdict
     refuses or whose arrays cannot be rotated in place. Δ = 0 returns `arrays` itself."""
     if delta == 0:
         return arrays
@@ -317,7 +326,8 @@ def shift_arrays(arrays: dict, delta: int, kinds: Sequence[Any], verdicts: Seque
             if slot.kind != "rotate" or group[0] not in arrays:  # static, or a window layer not held here
                 continue
             if len(group) == 3:
-                q, s, b = rotate_q4(*(arrays[n] for n in group), delta, slot.params, bits, group_size)
+                fmt = key_formats[layer] if key_formats and group[0].endswith(".k.q") else None
+                q, s, b = rotate_q4(*(arrays[n] for n in group), delta, slot.params, bits, group_size, fmt)
                 out.update(zip(group, (q, s, b)))
             else:
                 a = arrays[group[0]]

@@ -60,7 +60,8 @@ def apply(model: Any, codec: ModelCodec, verdicts: Sequence[LayerShift], cache: 
     if stub:
         mx.eval(model(mx.array([stub]), cache=cache))
     n = codec.run_length(run)
-    moved = shift_arrays(codec.unpack_latents(run), plan.delta, codec.kinds, verdicts, codec.bits, codec.group_size)
+    moved = shift_arrays(codec.unpack_latents(run), plan.delta, codec.kinds, verdicts, codec.bits, codec.group_size,
+                         codec.key_formats)
     end = plan.at + n
     # Bounded sliding layers: a run holding only its last window (win.from > 0) is all they keep.
     alone = codec.window_from(moved) > 0
@@ -75,7 +76,7 @@ def apply(model: Any, codec: ModelCodec, verdicts: Sequence[LayerShift], cache: 
                 old = held[0 if x == "k" else 1] if held is not None else None
                 parts.append(new if old is None else tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, new)))
             out.append(Q4KVCache.from_arrays(parts[0], parts[1], codec.bits, codec.group_size, window=w, offset=end,
-                                             float_copies=codec.float_copies))
+                                             float_copies=codec.float_copies, key_format=codec.key_format(layer)))
         elif kind == FULL:
             out.append(_full(c, moved[f"{layer}.k"], moved[f"{layer}.v"], end))
         else:

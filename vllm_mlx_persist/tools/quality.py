@@ -68,7 +68,21 @@ class KVFormat:
             return self.factory(model)
         if self.bits is None:
             return make_prompt_cache(model)
-        return ModelCodec.for_model(model, bits=self.bits, group_size=self.group_size, bounded=True).make_cache()
+        return ModelCodec.for_model(model, bits=self.bits, group_size=self.group_size, bounded=True,
+                                    float_copies=float_copies()).make_cache()
+
+
+_FLOAT_COPIES: list = []
+
+
+def float_copies() -> Any:
+    """The one `FloatCopies` every served cache of this process attends under (a server's codec
+    has one; caches under different ones refuse to batch, so `batched_greedy` needs them shared)."""
+    if not _FLOAT_COPIES:
+        from ..caches.floats import FloatCopies
+
+        _FLOAT_COPIES.append(FloatCopies())
+    return _FLOAT_COPIES[0]
 
 
 FULL = KVFormat("fp32", "float32 (mlx-lm KVCache)")
@@ -574,9 +588,41 @@ def _fp_label(model: Any) -> str:
     return f"float32 (mlx-lm {' + '.join(kinds)})"
 
 
-def family_formats(family: Family, model: Any, calib: np.ndarray | None = None) -> list[KVFormat]:
+def served_key_formats(tokenizer: Any) -> list[KVFormat]:
+    """The `key_format` option's served formats (issue #33) as rows: the server's own caches
+    (`ModelCodec` with the per-layer key formats `key_calibration.resolve` gives, calibrated on its
+    calibration text through `tokenizer`, as at load), and what `auto` chooses."""
+    from ..caches import ModelCodec
+    from ..key_calibration import resolve
+
+    chosen: dict[str, Any] = {}
+
+    def factory(option: str) -> Callable[[Any], list]:
+        def make(model: Any) -> list:
+            codec = ModelCodec.for_model(model, bits=4, group_size=64, bounded=True, float_copies=float_copies())
+            if option not in chosen:
+                chosen[option] = resolve(option, model, tokenizer, codec)
+            return codec.with_key_formats(chosen[option][0]).make_cache()
+        return make
+
+    rows = [("k8v4srv", "keys 8-bit, values 4-bit (served: key_format k8v4)", "k8v4"),
+            ("q4g64ssrv", "4-bit, per-channel key scales (served: key_format scaled)", "scaled"),
+            ("q4g64hsrv", "4-bit, Hadamard-rotated keys (served: key_format hadamard)", "hadamard"),
+            ("auto", "key_format auto (served: chosen at load)", "auto")]
+    out = [KVFormat(name, label, 4, 64, factory=factory(option)) for name, label, option in rows]
+    SERVED_KEY_CHOICES.append(chosen)
+    return out
+
+
+# What `served_key_formats` resolved, per call: option -> (formats, report) (for the report).
+SERVED_KEY_CHOICES: list[dict[str, Any]] = []
+
+
+def family_formats(family: Family, model: Any, calib: np.ndarray | None = None,
+                   tokenizer: Any = None) -> list[KVFormat]:
     """The rows of `family`'s tables: full precision first, the served formats, then the options
-    measured for it (simulated), then any `add_cache_format` rows."""
+    measured for it (simulated), the served key formats (outlier keys, given a `tokenizer`), then
+    any `add_cache_format` rows."""
     fp = replace(FULL, label=_fp_label(model))
     served = [fp, *FORMATS[1:]]
     q4, q8 = QSpec(4, 64), QSpec(8, 64)
@@ -602,6 +648,8 @@ def family_formats(family: Family, model: Any, calib: np.ndarray | None = None) 
         if scales is not None:
             fmts.append(sim_format("q4g64s", "4-bit, group 64, per-channel key scales", QSpec(4, 64, "scaled"),
                                    q4, key_scales=scales))
+        if tokenizer is not None:
+            fmts += served_key_formats(tokenizer)
     elif family.name == "llama":
         fmts = served + [sim_format("k8v4", "keys 8-bit, values 4-bit", q8, q4),
                          sim_format("q4g64h", "4-bit, group 64, Hadamard-rotated keys",
@@ -1354,6 +1402,7 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--no-batched", action="store_true", help="skip the BatchGenerator comparison")
     p.add_argument("--no-sweep", action="store_true", help="skip the outlier-magnitude sweep")
     p.add_argument("--no-speed", action="store_true", help="skip the MLA latent decode-speed measurement")
+    p.add_argument("--eval-seqs", type=int, help="held-out sequences per family (default: the family's measure config)")
     a = p.parse_args(list(argv))
     a.families = [f.strip() for f in a.families.split(",")] if a.families else list(FAMILIES)
     for f in a.families:
@@ -1469,7 +1518,9 @@ def main(argv: Sequence[str]) -> int:
             mcfg = QUICK_FAMILY_MEASURE
         if args.no_batched:
             mcfg = replace(mcfg, batched=False)
-        formats = family_formats(fam, model, calib)
+        if args.eval_seqs:
+            mcfg = replace(mcfg, eval_seqs=args.eval_seqs)
+        formats = family_formats(fam, model, calib, tokenizer)
         fr = measure_family(fam, model, eval_tokens, mcfg, formats, log=log)
         fr.update(entry)
         if fam.arch == "gemma3_text":
@@ -1478,6 +1529,8 @@ def main(argv: Sequence[str]) -> int:
             fr["training"] = _train_dict(result)
         fams[name] = fr
         seconds[name] = fr["seconds"]["perplexity"] + fr["seconds"]["greedy"]
+        if fam.outliers is not None and SERVED_KEY_CHOICES:
+            fr["key_format_auto"] = SERVED_KEY_CHOICES[-1].get("auto", (None, None))[1]
         if fam.outliers is not None:
             fams_o["conclusion"] = _outlier_conclusion(fr, fams.get("llama"))
             fr["outliers"] = fams_o

@@ -1,0 +1,282 @@
+"""Served key formats (issue #33): 8-bit keys, per-channel scaled keys, Hadamard-rotated keys.
+
+Real MLX on CPU with tiny random float32 llamas. Each format: the served cache equals its
+simulation (a float cache holding exactly the values the format stores: tools/quality.py's
+method); batched (mlx-lm's BatchGenerator: batched prefill and decode) equals alone, token for token
+(logprobs within test_q4cache's 1e-4); blocks on disk rebuild bit-identical caches; a splice moves a rotated or
+scaled key by RoPE correctly. Then the `key_format` option: model identity keeps formats apart,
+old (q4) caches are still read, and `auto` picks q4 on a plain model and a fix on one whose keys
+carry outlier channels, reporting what it measured in get_stats.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from test_q4cache import _batch_gen, _llama, _prompts, _run
+from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.codec import ModelCodec
+from vllm_mlx_persist.caches.floats import FloatCopies
+from vllm_mlx_persist.caches.key_formats import LayerKeys, channel_scales
+from vllm_mlx_persist.caches.q4 import Q4KVCache
+from vllm_mlx_persist.key_calibration import float_keys, resolve, scaled_formats, uniform
+from vllm_mlx_persist.kv_edit.rope_shift import RopeParams, rotate, rotate_q4
+from vllm_mlx_persist.options import parse_options
+
+FORMATS = ("q4", "k8v4", "scaled", "hadamard", "mixed")
+# Served vs simulated logits: the same stored values, different kernels (measured ~1e-5).
+SIM_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model():
+    install_attention_fix()
+    return _llama()
+
+
+@pytest.fixture(scope="module")
+def formats(model):
+    """Per format, the per-layer key formats (scaled: calibrated on the model's own keys; mixed:
+    8-bit keys on layer 0 only)."""
+    codec = ModelCodec.for_model(model)
+    keys = float_keys(model, [(i * 37) % 500 + 3 for i in range(96)])
+    return {"q4": uniform(codec, None), "k8v4": uniform(codec, LayerKeys(8)),
+            "scaled": scaled_formats(codec, keys), "hadamard": uniform(codec, LayerKeys(4, "hadamard")),
+            "mixed": [LayerKeys(8)] + [None] * (codec.n_layers - 1)}  # auto's per-layer candidate
+
+
+def _codec(model, fmts, copies=None) -> ModelCodec:
+    return ModelCodec.for_model(model, float_copies=copies or FloatCopies()).with_key_formats(fmts)
+
+
+class _Sim(KVCache):
+    """A float cache holding, per new token, what the format stores: keys encoded, quantized,
+    dequantized and decoded; values through 4 bits."""
+
+    def __init__(self, fmt):
+        super().__init__()
+        self.fmt = fmt or LayerKeys(4)
+
+    def update_and_fetch(self, keys, values):
+        f = self.fmt
+        rk = mx.dequantize(*mx.quantize(f.encode(keys), group_size=64, bits=f.bits), group_size=64, bits=f.bits)
+        rv = mx.dequantize(*mx.quantize(values, group_size=64, bits=4), group_size=64, bits=4)
+        return super().update_and_fetch(f.decode(rk).astype(keys.dtype), rv)
+
+
+def _read(model, cache, tokens, split):
+    """Logits of `tokens`: a prefill chunk of `split`, then one token at a time."""
+    out = [model(mx.array([tokens[:split]]), cache=cache)]
+    out += [model(mx.array([[t]]), cache=cache) for t in tokens[split:]]
+    return mx.concatenate(out, axis=1)[0]
+
+
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("mode", ["auto", "quantized"])
+def test_served_format_is_its_simulation(model, formats, name, mode):
+    """Prefill (dequantized or quantized attention) and decode on the served caches give the
+    logits of a float cache holding the format's values; every format is within 4-bit noise of
+    the float model, and 8-bit keys are closer to it than 4-bit ones."""
+    toks = [(i * 7) % 500 + 1 for i in range(80)]
+    served = _read(model, _codec(model, formats[name], FloatCopies(mode)).make_cache(), toks, 70)
+    sim = _read(model, [_Sim(f) for f in formats[name]], toks, 70)
+    assert mx.abs(served - sim).max().item() < SIM_TOL
+    if name == "k8v4":
+        ref = _read(model, [KVCache() for _ in formats[name]], toks, 70)
+        q4 = _read(model, [_Sim(None) for _ in formats[name]], toks, 70)
+        assert mx.abs(served - ref).mean().item() < mx.abs(q4 - ref).mean().item()
+
+
+@pytest.mark.parametrize("name", ["k8v4", "scaled", "hadamard", "mixed"])
+def test_batched_equals_alone(model, formats, name):
+    """mlx-lm's BatchGenerator (batched prefill in chunks, staggered inserts, batched decode, float
+    mirror on) gives every sequence the tokens it gets alone, and its logprobs within 1e-4."""
+    codec = _codec(model, formats[name])
+    prompts = _prompts(4, 3, 40, seed=3)
+    max_tokens = [6, 4, 7, 5]
+    schedule = {0: [(p, m, codec.make_cache()) for p, m in zip(prompts[:2], max_tokens)],
+                2: [(p, m, codec.make_cache()) for p, m in zip(prompts[2:], max_tokens[2:])]}
+    out, uids = _run(_batch_gen(model, prefill_step_size=8), schedule)
+    for i, uid in enumerate(uids):
+        alone, _ = _run(_batch_gen(model, prefill_step_size=8), {0: [(prompts[i], max_tokens[i], codec.make_cache())]})
+        (tokens, lps, cache, _), = alone.values()
+        assert out[uid][0] == tokens, f"sequence {i}"
+        # Prompts prefilled together in one call round differently on BLAS (test_q4cache's bound).
+        err = max(mx.abs(a - b).max().item() for a, b in zip(out[uid][1], lps))
+        assert err < 1e-4, f"sequence {i}: max |Δlogprob| {err}"
+        assert all(c.key_format is formats[name][l] for l, c in enumerate(cache))
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_blocks_rebuild_the_cache_bit_for_bit(model, formats, name):
+    """A cache cut into blocks, sent through numpy (disk, fleet: bytes) and rebuilt continues with
+    the logits of the hot cache, exactly."""
+    codec = _codec(model, formats[name])
+    toks = [(i * 11) % 500 + 2 for i in range(48)]
+    hot = codec.make_cache()
+    mx.eval(model(mx.array([toks]), cache=hot))
+    blocks = [codec.to_numpy(codec.slice(hot, s, s + 16)) for s in range(0, 48, 16)]
+    used, whole = codec.from_numpy_run(blocks)
+    cold, n = codec.build([(a, 16) for a in used], whole)
+    assert n == 48
+    for h, c in zip(hot, cold):
+        assert all(mx.array_equal(a, b) for a, b in zip(h.to_arrays()[0] + h.to_arrays()[1],
+                                                          c.to_arrays()[0] + c.to_arrays()[1]))
+    nxt = [5, 9, 13]
+    assert mx.array_equal(_read(model, hot, nxt, 1), _read(model, cold, nxt, 1))
+    if name == "k8v4":  # 8-bit keys: twice the packed key bytes
+        assert hot[0].keys[0].shape[-1] == 2 * hot[0].values[0].shape[-1]
+
+
+@pytest.mark.parametrize("name", ["q4", "k8v4", "scaled", "hadamard"])
+def test_a_splice_moves_transformed_keys_by_rope(model, formats, name):
+    """Keys stored scaled or rotated, moved by Δ (rotate_q4 with the layer's format), decode to the
+    model's keys at the new position within the format's quantization error; moving transformed
+    keys as if they were plain would not (Hadamard: the rotation mixes RoPE's channel pairs)."""
+    fmt = formats[name][0] or LayerKeys(4)
+    params = RopeParams(dims=64, traditional=False, base=10000.0)
+    mx.random.seed(1)
+    keys = mx.random.normal((1, 2, 32, 64)) * (mx.arange(64) % 7 + 1).astype(mx.float32)
+    stored = mx.quantize(fmt.encode(keys), group_size=64, bits=fmt.bits)
+    delta = 300
+    q, s, b = rotate_q4(*stored, delta, params, 4, 64, fmt)
+    got = fmt.decode(mx.dequantize(q, s, b, group_size=64, bits=fmt.bits))
+    want = rotate(keys, delta, params)
+    err = (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+    base = (mx.linalg.norm(fmt.decode(mx.dequantize(*stored, group_size=64, bits=fmt.bits)) - keys)
+            / mx.linalg.norm(keys)).item()
+    assert err < 2.5 * base + 1e-6  # one more requantization's worth
+    if name == "hadamard":
+        naive = fmt.decode(mx.dequantize(*rotate_q4(*stored, delta, params, 4, 64), group_size=64, bits=4))
+        assert (mx.linalg.norm(naive - want) / mx.linalg.norm(want)).item() > 10 * err
+
+
+def test_caches_of_different_key_formats_never_batch(model, formats):
+    """A batch cannot hold rows of two key formats (the engine gives every sequence the same)."""
+    a = _codec(model, formats["q4"]).make_cache()[0]
+    b = _codec(model, formats["k8v4"]).make_cache()[0]
+    for c in (a, b):
+        c.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
+    with pytest.raises(ValueError, match="different formats"):
+        Q4KVCache.merge([a, b])
+    c = copy.deepcopy(b)  # copies share the (immutable) format: they batch
+    assert c.key_format is b.key_format
+    Q4KVCache.merge([b, c])
+
+
+def test_channel_scales_normalise_per_head():
+    keys = mx.concatenate([mx.ones((2, 10, 62)), 20 * mx.ones((2, 10, 2))], axis=-1)
+    s = channel_scales(keys)
+    assert s.shape == (2, 1, 64)
+    assert abs(mx.mean(s).item() - 1) < 1e-5 and s[0, 0, -1].item() == pytest.approx(20 * s[0, 0, 0].item())
+
+
+def test_without_a_format_within_the_limit_auto_takes_the_cheapest_near_the_best():
+    from vllm_mlx_persist.key_calibration import near_best
+
+    assert near_best([("q4", 16.4), ("scaled", 16.3), ("k8v4", 16.9)]) == "q4"  # keys are not the loss
+    assert near_best([("q4", 1.63), ("scaled", 1.35), ("hadamard", 1.18), ("k8v4", 1.38)]) == "hadamard"
+    assert near_best([("q4", 5.0), ("mixed:1", 1.5), ("k8v4", 1.45)]) == "mixed:1"
+
+
+def test_option_values():
+    assert parse_options({})["key_format"] == "auto"
+    assert parse_options({"key_format": "k8v4"})["key_format"] == "k8v4"
+    assert parse_options({"key_format": "k8v4", "bits": 8})["key_format"] == "q4"
+    with pytest.raises(ValueError, match="key_format"):
+        parse_options({"key_format": "k16"})
+
+
+# ---- the option through the backend ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    from mlx_lm.tokenizer_utils import load
+
+    from vllm_mlx_persist.tools.models import build_model_dir
+
+    return load(build_model_dir(tmp_path_factory.mktemp("m") / "llama", "llama", "tiny", 0))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from vllm_mlx_persist.tools.models import build_model
+
+    install_attention_fix()
+    return build_model("llama", "tiny", seed=0)[0]
+
+
+def _backend(model, tok, root, key_format):
+    from vllm_mlx_persist.backend import PersistQ4Backend
+
+    return PersistQ4Backend(model=model, tokenizer=tok, options={
+        "cache_dir": str(root), "block_size": 16, "warmup": False, "restore": False, "key_format": key_format})
+
+
+def _turn(b, model, agent, prompt):
+    """Look up, prefill what is left, commit; returns (tokens reused, the cache)."""
+    m = b.pool.match(agent, prompt)
+    cache = m.cache if m.cache is not None else b.make_prompt_cache()
+    mx.eval(model(mx.array([prompt[m.num_tokens:]]), cache=cache))
+    b.pool.commit(agent, prompt, cache)
+    b.pool.flush()
+    return m.num_tokens, cache
+
+
+def test_formats_keep_their_own_blocks_and_old_caches_still_read(tiny, tok, tmp_path):
+    """q4 blocks written before key formats existed (the same identity) are read by `auto` when it
+    chooses q4; a k8v4 server on the same root gets its own model directory, never q4's blocks, and
+    its reloaded cache is bit-identical to the hot one."""
+    prompt = [(i * 13) % 900 + 5 for i in range(40)]
+    b = _backend(tiny, tok, tmp_path, "q4")
+    _turn(b, tiny, "a", prompt)
+    fp_q4 = b.fingerprint
+    b.close()
+
+    b = _backend(tiny, tok, tmp_path, "auto")
+    b.load()
+    assert b.get_stats()["key_format"]["chosen"] == "q4" and b.fingerprint == fp_q4
+    assert b.pool.match("a", prompt + [7]).num_tokens == len(prompt)  # the blocks written by q4
+    b.close()
+
+    b = _backend(tiny, tok, tmp_path, "k8v4")
+    b.load()
+    assert b.fingerprint != fp_q4
+    reused, hot = _turn(b, tiny, "a", prompt)
+    assert reused == 0  # q4's blocks are another format's
+    b.close()
+    b = _backend(tiny, tok, tmp_path, "k8v4")
+    b.load()
+    m = b.pool.match("a", prompt + [7])
+    assert m.num_tokens == len(prompt) and m.tier == "disk"
+    for h, c in zip(hot, m.cache):
+        assert c.key_bits == 8
+        assert all(mx.array_equal(x, y) for x, y in zip(h.to_arrays()[0] + h.to_arrays()[1],
+                                                        c.to_arrays()[0] + c.to_arrays()[1]))
+    b.close()
+
+
+def test_auto_picks_q4_for_plain_keys_and_a_fix_for_outlier_keys(tiny, tok):
+    """`auto` measures the model's keys on the calibration text: the plain tiny llama stays q4;
+    with Qwen2-like outlier channels in its keys (tools/quality.py's Outliers) q4 is predicted
+    past +1% and a format within it is chosen; the report lists what was measured."""
+    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.quality import Outliers, add_key_outliers
+
+    codec = ModelCodec.for_model(tiny)
+    fmts, report = resolve("auto", tiny, tok, codec)
+    assert report["chosen"] == "q4" and all(f is None for f in fmts)
+    assert report["measured"]["q4"]["predicted_pct"] <= 1.0
+
+    outl = build_model("llama", "tiny", seed=0)[0]
+    add_key_outliers(outl, Outliers(pairs=2, scale=32.0))
+    fmts, report = resolve("auto", outl, tok, ModelCodec.for_model(outl))
+    m = report["measured"]
+    assert m["q4"]["predicted_pct"] > 1.0
+    assert report["chosen"] != "q4" and m[next(reversed(m))]["predicted_pct"] <= 1.0
+    assert any(f is not None for f in fmts)

@@ -1,0 +1,149 @@
+"""How an attention layer stores its keys (issue #33): their bits and an optional fixed transform.
+
+Outlier key channels (Qwen2-like models) cost 4-bit per-token groups most of their levels. The
+served answers, per layer (`LayerKeys`):
+
+* `bits=8` (`k8v4`): keys packed in 8 bits, values in the cache's bits (4): 1.4x the bytes of
+  4-bit K and V (docs/quality.md has the capacity table).
+* `transform="scaled"`: keys divided by calibrated per-channel scales before quantizing; queries are
+  multiplied by them at attention time (q . k = (q * s) . (k / s)), so no dequantize step changes.
+* `transform="hadamard"`: keys rotated by the orthonormal Hadamard matrix H of the head dimension
+  before quantizing (an outlier is spread over every channel); queries are rotated by the same H at
+  attention time (q . k = (q H) . (k H), H orthonormal). No extra bytes.
+
+What a cache stores, its blocks and their float copies (mirror, carried floats) are the
+*transformed* keys: attention reads them with transformed queries (`queries`); a splice that moves
+keys by RoPE undoes the transform first (`decode`), rotates, and redoes it (`encode`).
+
+Owns nothing mutable: a `LayerKeys` is immutable, built once at start-up (the backend factory,
+after `key_calibration` chose the format), and shared by every cache of its layer (`copy` and
+`deepcopy` return the object itself, so batches compare it by identity). Any thread.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import mlx.core as mx
+import numpy as np
+
+# The `key_format` option's values. "auto": measured at load (key_calibration.choose).
+KEY_FORMATS = ("auto", "q4", "k8v4", "scaled", "hadamard")
+TRANSFORMS = (None, "scaled", "hadamard")
+
+
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head dimension, got {n}")
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return h / np.float32(math.sqrt(n))
+
+
+_HADAMARD: dict[int, mx.array] = {}
+
+
+def _hadamard_mx(n: int) -> mx.array:
+    h = _HADAMARD.get(n)
+    if h is None:
+        h = _HADAMARD[n] = mx.array(hadamard(n))
+    return h
+
+
+@dataclass(frozen=True, eq=False)
+class LayerKeys:
+    """One layer's key storage: `bits` of the packed keys, and `transform` (None, "scaled" or
+    "hadamard"); "scaled" holds `scales`, (n_kv_heads, 1, head_dim) float32, the divisors."""
+
+    bits: int = 4
+    transform: Optional[str] = None
+    scales: Optional[mx.array] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"key transform must be one of {TRANSFORMS}, got {self.transform!r}")
+        if (self.transform == "scaled") != (self.scales is not None):
+            raise ValueError("a scaled key format needs its scales, and only it")
+
+    def __copy__(self) -> "LayerKeys":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "LayerKeys":
+        return self
+
+    @property
+    def name(self) -> str:
+        """Short tag: "k4", "k8", "k4 scaled", "k4 hadamard"."""
+        return f"k{self.bits}" + (f" {self.transform}" if self.transform else "")
+
+    def same(self, other: Optional["LayerKeys"]) -> bool:
+        """Whether caches under `self` and `other` store keys alike (they may batch together)."""
+        return other is self or (other is not None and self.transform is None and other.transform is None
+                                 and other.bits == self.bits)
+
+    def encode(self, keys: mx.array) -> mx.array:
+        """Keys (B, n_kv_heads, T, D) as stored (before quantizing), in their dtype."""
+        if self.transform is None:
+            return keys
+        if self.transform == "scaled":
+            return (keys.astype(mx.float32) / self.scales).astype(keys.dtype)
+        return (keys.astype(mx.float32) @ _hadamard_mx(keys.shape[-1])).astype(keys.dtype)
+
+    def decode(self, keys: mx.array) -> mx.array:
+        """Stored (dequantized) keys back to the model's keys: `encode` undone, float32."""
+        keys = keys.astype(mx.float32)
+        if self.transform is None:
+            return keys
+        if self.transform == "scaled":
+            return keys * self.scales
+        return keys @ _hadamard_mx(keys.shape[-1]).T
+
+    def queries(self, queries: mx.array) -> mx.array:
+        """Queries (B, n_q_heads, L, D) that attend on the stored keys as the originals did on the
+        model's keys; the identity without a transform."""
+        if self.transform is None:
+            return queries
+        if self.transform == "hadamard":
+            return (queries.astype(mx.float32) @ _hadamard_mx(queries.shape[-1])).astype(queries.dtype)
+        B, n_q, L, D = queries.shape
+        n_kv = self.scales.shape[0]
+        q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * self.scales[:, None]
+        return q.reshape(B, n_q, L, D).astype(queries.dtype)
+
+    def digest(self) -> str:
+        """What model identity records of it: the tag, and for scales a hash of their bytes (blocks
+        written under other scales are another format)."""
+        if self.scales is None:
+            return self.name
+        import hashlib
+
+        return f"{self.name} {hashlib.sha256(np.array(self.scales).tobytes()).hexdigest()[:16]}"
+
+
+PLAIN4 = LayerKeys(4)
+
+
+def key_bits(cache) -> int:
+    """The bits of a 4-bit cache's keys (its own `bits` unless its `key_format` says otherwise)."""
+    fmt = getattr(cache, "key_format", None)
+    return cache.bits if fmt is None else fmt.bits
+
+
+def transformed(cache) -> Optional[LayerKeys]:
+    """The cache's key format when it transforms keys (queries must follow), else None."""
+    fmt = getattr(cache, "key_format", None)
+    return fmt if fmt is not None and fmt.transform is not None else None
+
+
+def channel_scales(keys: mx.array) -> mx.array:
+    """Per-channel key scales from calibration keys (n_kv_heads, T, D), as the cache holds them
+    (after RoPE): each channel's RMS over the tokens, normalised to mean 1 per head and floored at
+    1e-3; (n_kv_heads, 1, D) float32 (what tools/quality.py simulates)."""
+    k = keys.astype(mx.float32)
+    rms = mx.sqrt(mx.mean(k * k, axis=1))  # (H, D)
+    s = rms / mx.maximum(mx.mean(rms, axis=-1, keepdims=True), 1e-12)
+    return mx.maximum(s, 1e-3)[:, None, :]
