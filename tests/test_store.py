@@ -1025,6 +1025,34 @@ def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatc
     assert p.counts["saves_superseded"] == 1
 
 
+def test_an_erasure_that_drops_a_queued_retry_leaves_no_block_behind(tmp_path, monkeypatch):
+    """Regression (found by the state machine): turn 1's save failed and waited for its retry; turn 2's
+    save made turn 0's block dead, but left its file, since the queued retry's manifest still named it;
+    then the agent was erased, which dropped the retry and deleted only what turn 2's manifest named.
+    Turn 0's block stayed on disk, unnamed, and counted in the disk's bytes until the next start. Now
+    the erasure also deletes what only the saves it drops named or carried."""
+    from vllm_mlx_persist import faults
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(30.0,))  # the retry waits while the rest runs
+    p.load()
+    b0, b1, b2 = make_block(30), make_block(31), make_block(32)
+    assert p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None).result(10)
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:write@{switch}"))
+    retried = p.save(Manifest("alice", [b1.block_id, b0.block_id], 32, 2.0), [b1], [], lambda: None)
+    assert retried.result(10) is False and p.stats()["saves_retrying"] == 1
+    switch.unlink()
+    assert p.save(Manifest("alice", [b2.block_id], 16, 3.0), [b2], [b0.block_id], lambda: None).result(10)
+    assert s.has_block(b0.block_id)  # the queued retry still names it
+    assert p.erase("alice").result(10) is True
+    assert p.stats()["saves_retrying"] == 0
+    assert sorted(s.iter_block_ids()) == [] and p.stats()["disk_blocks"] == 0
+    p.close()
+
+
 def _record_dir_syncs(monkeypatch) -> list[Path]:
     """Spy on the store's directory fsyncs (the real ones still run); returns the paths synced."""
     synced: list[Path] = []

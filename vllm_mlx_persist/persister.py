@@ -409,6 +409,13 @@ class Persister:
                 self._release(j)
             heapq.heapify(self._ready)
             agent, gone = self.index.forget(namespace)
+            # What only the dropped saves kept: blocks their manifests named (an earlier save left
+            # them for those) and blocks they carried (a failed attempt may have written some).
+            dropped = {b for j in stale for b in [*j.args[0].block_ids, *(d.block_id for d in j.args[1])]}
+            for b in sorted(dropped - set(gone)):
+                if not self.index.named(b):
+                    self.index.drop_size(b)
+                    gone.append(b)
         for j in stale:
             if not j.future.done():
                 j.future.set_result(False)
