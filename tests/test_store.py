@@ -1053,6 +1053,37 @@ def test_an_erasure_that_drops_a_queued_retry_leaves_no_block_behind(tmp_path, m
     p.close()
 
 
+@pytest.mark.parametrize("retry", ["superseded", "given up"])
+def test_a_retry_that_writes_no_manifest_leaves_no_block_behind(tmp_path, monkeypatch, retry):
+    """The same leak when the retry itself leaves the queue without its manifest: superseded by the
+    newer turn (it writes its blocks, not its manifest), or given up. Turn 0's block, which the newer
+    turn's save left for it, stays on disk, unnamed and counted; now it goes with the retry."""
+    from vllm_mlx_persist import faults
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.5,))
+    p.load()
+    b0, b1, b2 = make_block(40), make_block(41), make_block(42)
+    assert p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None).result(10)
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:write@{switch}"))
+    assert p.save(Manifest("alice", [b1.block_id, b0.block_id], 32, 2.0), [b1], [], lambda: None).result(10) is False
+    switch.unlink()
+    assert p.save(Manifest("alice", [b2.block_id], 16, 3.0), [b2], [b0.block_id], lambda: None).result(10)
+    assert s.has_block(b0.block_id)  # the queued retry still names it
+    if retry == "given up":
+        switch.touch()
+    deadline = time.time() + 10
+    while p.stats()["saves_retrying"] and time.time() < deadline:
+        time.sleep(0.02)
+    assert p.flush(10)
+    assert p.counts["saves_superseded" if retry == "superseded" else "saves_dropped"] == 1
+    assert sorted(s.iter_block_ids()) == [b2.block_id] and p.stats()["disk_blocks"] == 1
+    p.close()
+
+
 def _record_dir_syncs(monkeypatch) -> list[Path]:
     """Spy on the store's directory fsyncs (the real ones still run); returns the paths synced."""
     synced: list[Path] = []

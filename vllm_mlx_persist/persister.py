@@ -350,7 +350,7 @@ class Persister:
                 for bid, n in sizes.items():
                     if bid in self.index.block_refs:
                         self.index.set_size(bid, n)
-                unnamed = [b for b in sizes if not self.index.named(b) and b not in self.index.block_sizes]
+                unnamed = self._unkept([job])
             for b in unnamed:
                 self.store.delete_block(b)
             self._finish(job, False)
@@ -392,9 +392,26 @@ class Persister:
                 heapq.heappush(self._ready, job)
         if not can_retry:
             self._finish(job, False)
+            with self._cv:
+                unkept = [] if self._closed else self._unkept([job])  # at close, the next start's gc
+            for b in unkept:
+                self.store.delete_block(b)
             return
         log.warning("saving agent %r failed (%s); retry %d in %.0f s", job.args[0].namespace, error,
                     job.attempts, self.retry_delays[job.attempts - 1])
+
+    def _unkept(self, jobs: list[_Job]) -> list[str]:
+        """(lock held) Saves leaving the queue without their manifest (superseded, given up, or dropped
+        by an erasure): the blocks only they kept, which no manifest on disk nor queued save names now,
+        taken out of the index for the caller to delete. Those their manifests named (an earlier save
+        that stopped naming one left its file for them) and those they carried (an attempt may have
+        written some)."""
+        out = []
+        for b in dict.fromkeys(b for j in jobs for b in [*j.args[0].block_ids, *(d.block_id for d in j.args[1])]):
+            if not self.index.named(b):
+                self.index.drop_size(b)
+                out.append(b)
+        return out
 
     def _erase_job(self, job: _Job) -> None:
         namespace, why = job.args
@@ -409,13 +426,7 @@ class Persister:
                 self._release(j)
             heapq.heapify(self._ready)
             agent, gone = self.index.forget(namespace)
-            # What only the dropped saves kept: blocks their manifests named (an earlier save left
-            # them for those) and blocks they carried (a failed attempt may have written some).
-            dropped = {b for j in stale for b in [*j.args[0].block_ids, *(d.block_id for d in j.args[1])]}
-            for b in sorted(dropped - set(gone)):
-                if not self.index.named(b):
-                    self.index.drop_size(b)
-                    gone.append(b)
+            gone += [b for b in self._unkept(stale) if b not in gone]
         for j in stale:
             if not j.future.done():
                 j.future.set_result(False)
