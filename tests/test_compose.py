@@ -195,9 +195,9 @@ def test_a_fleet_sync_that_read_an_agent_before_its_erasure_is_refused(model, tm
     """An erasure racing a fleet sync of the agent (unknown here: the state check compared None with
     None and the fetched history came back after the 200)."""
     pool = make(model, tmp_path)
-    expect = pool.agent_version("x")
+    expect = pool.fleet_view.agent_version("x")
     assert pool.erase("x") is False
-    assert pool.save_fetched("x", [], [], expect, lambda m: None) is None
+    assert pool.fleet_view.save_fetched("x", [], [], expect, lambda m: None) is None
     pool.close()
 
 
@@ -216,7 +216,7 @@ def test_nothing_waits_for_a_slow_disk_behind_the_pools_lock(model, tmp_path, sl
     worker.start()
     time.sleep(0.3)  # the lookup is waiting for its reads
     for call, args in ((pool.prefetch, ("b",)), (pool.pending_reads, (["a"],)), (pool.agent_info, ("b",)),
-                       (pool.list_agents, (10,)), (pool.snapshot, ()), (pool.agent_version, ("a",))):
+                       (pool.list_agents, (10,)), (pool.snapshot, ()), (pool.fleet_view.agent_version, ("a",))):
         t = time.perf_counter()
         call(*args)
         assert time.perf_counter() - t < 0.25, call.__name__

@@ -63,9 +63,9 @@ def test_the_ttl_and_erasure_take_the_whole_record(model, tmp_path):
     _with_spliced(pool, model, "old", 2)
     _with_spliced(pool, model, "new", 3)
     pool.flush()
-    with pool.persister._cv:
-        pool.persister.agents["old"].last_used -= 7200
-    pool.persister._sweep()
+    with pool.persister._cv:  # as if "old" was last used two hours ago
+        pool.persister.index.agents["old"].last_used -= 7200
+    pool.persister.budget.sweep()
     assert pool.agent_info("old") is None and not files_naming(tmp_path, "old")
     assert [b["generation"] for b in pool.agent_info("new")["spliced_branches"]] == [1]
     assert pool.erase("new") and not files_naming(tmp_path, "new") and pool.agent_info("new") is None

@@ -541,7 +541,7 @@ def test_a_sync_holds_at_most_max_fetch_bytes_and_keeps_the_prefix(server, fp, t
         fleet._sync_agent("big")
         assert fleet.counts["fetch_cut_at_budget"] == 1 and fleet.counts["fetch_incomplete"] == 1
         assert fleet.counts["blocks_fetched"] == 3
-        ((ids, n_tokens, _, _, _),) = pool.branch_state("big")
+        ((ids, n_tokens, _, _, _),) = pool.fleet_view.branch_state("big")
         assert list(ids) == [x.block_id for x in hist[:3]] and n_tokens == 3 * TOKENS_PER_BLOCK
         assert all(persister.store.has_block(x.block_id) for x in hist[:3])
     finally:
@@ -571,14 +571,14 @@ def test_a_sync_fetches_any_branch_it_lacks_and_nothing_it_holds(server, fp, tie
     fleet = pool.fleet
     try:
         fleet._sync_agent("s")
-        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens)]
+        assert [x[:2] for x in pool.fleet_view.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens)]
         gets = fleet.tier.stats()["gets"]
         fleet._sync_agent("s")  # nothing new: no block read, the version adopted
         assert fleet.counts["syncs_unchanged"] == 1 and fleet.tier.stats()["gets"] == gets
         assert fleet.tier.seen_version("s") == 1
         assert a.put(manifest_of("s", [long_, short], False, 20.0), blocks) and a.flush(10)  # A's successor: v2
         fleet._sync_agent("s")  # its newest branch is shorter than the local one, and new here
-        assert [x[:2] for x in pool.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens),
+        assert [x[:2] for x in pool.fleet_view.branch_state("s")] == [(tuple(long_.block_ids), long_.n_tokens),
                                                            (tuple(short.block_ids), short.n_tokens)]
         assert fleet.tier.stats()["gets"] == gets + 1 and fleet.tier.seen_version("s") == 2  # the one block it lacked
         fleet._sync_agent("s")
@@ -993,7 +993,7 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
     b = fleet.tier
     try:
         fleet._sync_agent("moved")
-        assert pool.branch_state("moved") is not None and b.seen_version("moved") == 1
+        assert pool.fleet_view.branch_state("moved") is not None and b.seen_version("moved") == 1
         assert a.erase("moved") and a.flush(10)
         # a save job of B's ending after the erasure: refused; B then drops its copy, and says so
         assert b.put(manifest("moved", hist)) and b.flush(10)
@@ -1003,9 +1003,9 @@ def test_the_fleet_erases_its_copy_before_its_puts_start_afresh(server, fp, tier
             return m is not None and m.seen
 
         deadline = time.monotonic() + 10
-        while (pool.branch_state("moved") is not None or not seen()) and time.monotonic() < deadline:
+        while (pool.fleet_view.branch_state("moved") is not None or not seen()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert pool.branch_state("moved") is None and seen()
+        assert pool.fleet_view.branch_state("moved") is None and seen()
         new = chain(fp, "moved", 1, seed=9)
         assert b.put(manifest("moved", new), {new[0].block_id: new[0]}) and b.flush(10)
         assert a.get_manifest("moved").block_ids == [new[0].block_id]
@@ -1105,7 +1105,7 @@ def fleet_pool(fp: str, root: Path, make_tier):
 
 def held(pool, agent: str) -> set:
     """The block ids of every branch the pool holds for the agent."""
-    return {b for br in pool.branch_state(agent) or () for b in br[0]}
+    return {b for br in pool.fleet_view.branch_state(agent) or () for b in br[0]}
 
 
 def test_an_erasure_holds_on_a_server_that_missed_its_tombstone(server, fp, tiers, tmp_path):
@@ -1149,9 +1149,9 @@ def test_an_erasure_holds_on_a_server_that_missed_its_tombstone(server, fp, tier
         assert b.put(manifest("y", y_old)) and b.flush(10)
         assert b.stats()["puts_erased"] == 1 and set(a.get_manifest("y").block_ids) == ids(y_new)
         deadline = time.monotonic() + 10
-        while (pool.branch_state("y") is not None or b.era("y") != a.era("y")) and time.monotonic() < deadline:
+        while (pool.fleet_view.branch_state("y") is not None or b.era("y") != a.era("y")) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert pool.branch_state("y") is None and b.era("y") == a.era("y")
+        assert pool.fleet_view.branch_state("y") is None and b.era("y") == a.era("y")
         fleet._sync_agent("y")
         assert held(pool, "y") == ids(y_new) and fleet.counts["erased_from_fleet"] == 2
 

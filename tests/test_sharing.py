@@ -181,8 +181,7 @@ def test_hot_budget_counts_a_shared_block_once(model, tmp_path):
     # and a budget squeeze drops them too.
     assert pool.erase("parent")
     check_accounting(pool)
-    pool.hot_budget = 0
-    pool._enforce_budget()
+    pool.set_hot_budget(0)
     assert pool.hot_bytes == 0
     check_accounting(pool)
     assert pool.lookup("w3", doc + [5, 6, 7])[1] == 66
@@ -259,7 +258,7 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
 
     local = [br.block_ids for br in b.agent("c").branches]
     done = []
-    fut = b.save_fetched("c", fetched, list(missing.values()), b.agent_version("c"), done.append)
+    fut = b.fleet_view.save_fetched("c", fetched, list(missing.values()), b.fleet_view.agent_version("c"), done.append)
     assert fut.result(30) and done and done[0] is not None
     # B's older copy of the fork (the same blocks but its partial tail, which the fetched branches'
     # tokens show they grew) is held by the fetched branches and goes; its own branch stays, the
@@ -274,7 +273,7 @@ def test_fetched_branches_are_chain_checked_and_merged_with_local_ones(model, tm
         assert_same_cache(got, want)
     assert b.lookup("c", tokens(30, seed=9) + [1])[1] == 30
     # an agent changed since the fetch began keeps its own state
-    assert b.save_fetched("c", fetched, [], (), done.append) is None
+    assert b.fleet_view.save_fetched("c", fetched, [], (), done.append) is None
     a.close()
     b.close()
 
@@ -369,7 +368,7 @@ def test_a_fetched_history_merges_with_the_local_one_by_recency(model, tmp_path)
         fetched = [Branch(list(x.block_ids), x.n_tokens, x.links, x.last_used) for x in src.agent("x").branches]
         blocks = [src.store.read_block(bid) for bid in src.agent("x").ids if not dst.store.has_block(bid)]
         done = []
-        assert dst.save_fetched("x", fetched, blocks, dst.agent_version("x"), done.append).result(30) and done[0]
+        assert dst.fleet_view.save_fetched("x", fetched, blocks, dst.fleet_view.agent_version("x"), done.append).result(30) and done[0]
         return fetched
 
     doc = tokens(20)  # one whole block of 16 and a partial one

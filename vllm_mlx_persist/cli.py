@@ -10,7 +10,7 @@ import sys
 # Subcommands that own their options: everything after the name goes to that module's main().
 ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
           "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize",
-          "splice-drift": "tools.splice_drift"}
+          "splice-drift": "tools.splice_drift", "batch-invariance": "tools.batch_invariance"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="only report whether the series is applied")
     mode.add_argument("--revert", action="store_true", help="restore the pristine vllm-mlx files")
     mode.add_argument("--stat", action="store_true", help="list the patches with the lines each adds and removes")
+    mode.add_argument("--upstream-tests", nargs=argparse.REMAINDER, metavar="ARGS",
+                      help="run vllm-mlx's own test suite on pristine and patched copies (the installed one is "
+                           "left alone) and list every test the seam breaks; ARGS: see --upstream-tests --help")
 
     m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
     m.add_argument("out_dir")
@@ -37,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("splice-drift", help="drift and recall of amortize's splice on the trained quality model",
                    add_help=False)
     sub.add_parser("scenario", help="run a multi-agent scenario against a server", add_help=False)
+    sub.add_parser("batch-invariance", help="answers alone vs batched through real servers, per family",
+                   add_help=False)
     sub.add_parser("retokenize-stats", help="measure re-tokenization misses over multi-turn chats", add_help=False)
 
     argv = sys.argv[1:] if argv is None else argv
@@ -50,6 +55,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.stat:
             return patcher.stat()
+        if args.upstream_tests is not None:
+            from .tools import upstream_tests
+
+            return upstream_tests.main(args.upstream_tests)
         return patcher.run("check" if args.check else "revert" if args.revert else "apply")
     if args.command == "make-model":
         from .tools.models import build_model_dir

@@ -28,9 +28,10 @@ DEFAULTS: dict[str, Any] = {
     "disk_mb": 16384.0,  # disk-tier budget for the whole cache root (see docs/operations.md)
     "ttl_hours": None,  # erase agents unused for this long (None: never)
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
-    "prefill_attention": "auto",  # see caches.floats.set_prefill_attention
+    "prefill_attention": "auto",  # see caches.floats.FloatCopies.set_prefill_attention
     "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
     "carry_float_mb": "auto",  # float copies carried to agents' next turns, MB (auto: 1024 on a CPU, 0 on a GPU)
+    "batch_prefill": False,  # prefill several prompts in one model call (vllm-mlx's default; see backend.py)
     "branches": 4,  # diverging continuations kept per agent (least recently used goes first)
     # Which agents a request may fork (read through X-Agent-Fork-From / metadata.fork_from): "open"
     # (any agent, but those set not forkable through the admin API), "listed" (only those set
@@ -107,7 +108,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "
             f"got {opts['prefill_attention']!r}"
         )
-    for key in ("durable_writes", "match_text", "warmup", "restore", "remote_cluster"):
+    for key in ("durable_writes", "match_text", "warmup", "restore", "remote_cluster", "batch_prefill"):
         if not isinstance(opts[key], bool):
             raise ValueError(f"persist_q4 {key} must be true or false")
     if opts["fork_policy"] not in FORK_POLICIES:

@@ -1,0 +1,203 @@
+"""The pool as the fleet sees it (fleet.FleetPool): what a sync compares, merges and adopts, and the
+local disk's blocks a put or a fetch needs.
+
+A sync reads an agent's record in Redis (a copy: its branches and removal records), and the pool
+merges it with the local record (branches by recency, then every removal record of either side
+applied: removals win) and adopts the merge once it is durable on the local disk. Owns nothing: it
+acts on the pool's core (pool_core.PoolCore) under its lock, which it never holds across I/O. Threads:
+the fleet's sync threads, the tier's writer thread, the persister thread (adoptions).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future
+from typing import Callable, Optional, Sequence
+
+from .blocks import Agent
+from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_removals, same_branches, surviving_removals
+from .disk_format import MAX_REMOVALS, BlockData
+from .pool_core import PoolCore
+from .store import DiskStore
+
+log = logging.getLogger("vllm_mlx_persist.pool")
+
+
+class FleetView:
+    """fleet.FleetPool over one pool (see the module docstring)."""
+
+    def __init__(self, core: PoolCore, store: DiskStore, max_branches: Callable[[], int],
+                 prefetch: Callable[[str], int], erase: Callable[..., bool], removal_ttl_s: float):
+        self.core, self.store = core, store
+        self._max_branches = max_branches
+        self.prefetch = prefetch  # the pool's read-ahead of an agent's cold blocks
+        self.erase = erase  # records.Records.erase
+        self.removal_ttl_s = removal_ttl_s
+
+    # ---- what the pool is -----------------------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        return self.core.block_size
+
+    @property
+    def max_branches(self) -> int:
+        return self._max_branches()
+
+    @property
+    def bounded_windows(self) -> bool:
+        """Whether the model has bounded sliding-window layers."""
+        return bool(self.core.codec.window_names())
+
+    @property
+    def disk_queue_bytes(self) -> Optional[int]:
+        """The disk tier's write queue, in bytes; None without a disk tier."""
+        return self.core.persister.queue_bytes if self.core.persister is not None else None
+
+    # ---- the local disk -------------------------------------------------------------------------
+
+    def has_disk_block(self, block_id: str) -> bool:
+        """Whether the disk holds the block's file (not verified: a read does that)."""
+        return self.store.has_block(block_id)
+
+    def read_disk_block(self, block_id: str) -> Optional[BlockData]:
+        """The block read from disk, verified; None when absent or bad."""
+        return self.store.read_block(block_id)
+
+    def chain_prefix(self, branch: Branch, fetched: dict[str, BlockData]) -> tuple[int, bool]:
+        """`Chains.prefix` of a branch fetched from the fleet, the disk's blocks held."""
+        return self.core.chains.prefix(branch, fetched, self.store.has_block)
+
+    # ---- an agent's record: compared, merged, adopted -------------------------------------------
+
+    def branch_state(self, namespace: str) -> Optional[tuple]:
+        """The agent's branches as ((block ids), tokens, links, last used, generation), least recently
+        used first (() when every branch was cut), or None if unknown; any thread."""
+        with self.core.lock:
+            agent = self.core.agents.get(namespace)
+            return None if agent is None else tuple((tuple(br.block_ids), br.n_tokens, br.links, br.last_used,
+                                                     br.generation) for br in agent.branches)
+
+    def agent_version(self, namespace: str) -> tuple:
+        """What `save_fetched` compares: when the agent was last erased, its branches (their last
+        uses included: a lookup since changes it) and its removal records."""
+        core = self.core
+        with core.lock:
+            agent = core.agents.get(namespace)
+            removals = (agent.removals, agent.spliced_cleared) if agent is not None else None
+            return core.erased.get(namespace, 0), self.branch_state(namespace), removals
+
+    def holds(self, namespace: str, expect: tuple, remote: Copy, then: Callable[[], None],
+              tokens: Optional[dict] = None) -> bool:
+        """Whether the agent is still as `expect` and merging `remote` (a copy of its record in the
+        fleet tier) would change nothing: it holds every branch of it as recently used, and every
+        removal record. If so, `then()` runs under the lock (so no erasure comes between; it must
+        not wait). `tokens`: block id -> tokens read ahead for removal records (`removal_blocks`).
+        No I/O."""
+        if not isinstance(remote, Copy):
+            remote = Copy(tuple(remote))
+        with self.core.lock:
+            agent = self.core.agents.get(namespace)
+            if agent is None or self.agent_version(namespace) != expect:
+                return False
+            branches, removals, cleared = self._merge(agent, remote, {}, tokens or {})
+            if (not same_branches(branches, agent.branches) or set(removals) != set(agent.removals)
+                    or cleared != agent.spliced_cleared):
+                return False
+            then()
+            return True
+
+    def removal_blocks(self, namespace: str, remote: Copy) -> list[str]:
+        """The blocks whose tokens the merge with `remote` needs to tell whether a branch grew a
+        removed partial tail (chain.Removal.tail), that no fetched block nor memory holds: the fleet
+        reads them from the local disk before it merges. Any thread, no I/O."""
+        core = self.core
+        with core.lock:
+            agent = core.agents.get(namespace)
+            removals = [r for r in (*(agent.removals if agent else ()), *remote.removals) if r.tail]
+            if not removals:
+                return []
+            wanted = set()
+            for br in [*(agent.branches if agent else ()), *remote.branches]:
+                for r in removals:
+                    i = r.index
+                    if len(br.block_ids) > i and (br.block_ids[i - 1] if i else None) == r.prev:
+                        block = core.table.blocks.get(br.block_ids[i])
+                        if block is None or not block.tokens:
+                            wanted.add(br.block_ids[i])
+            return sorted(wanted)
+
+    def save_fetched(self, namespace: str, fetched: Copy, blocks: list[BlockData], expect: tuple,
+                     on_done: Callable, tokens: Optional[dict] = None) -> Optional[Future]:
+        """Save a copy of the agent's record fetched from the fleet (`fetched`: its branches, least
+        recently used first, and removal records; `blocks`: those the local disk lacks) merged with
+        the agent's local record (see `_merge`), and once durable make it the agent's record with
+        COLD blocks, provided the agent is still as `expect` (`agent_version` before the fetch: an
+        erasure since, even of an agent unknown here, refuses it). `on_done(manifest or None)` runs
+        on the persister thread, in order with every other write. None when the agent changed."""
+        if not isinstance(fetched, Copy):  # a plain list of branches: a copy without removal records
+            fetched = Copy(tuple(fetched))
+        core = self.core
+        with core.lock:  # commits queue their saves under the lock too: the order is the pool's
+            if core.persister is None or self.agent_version(namespace) != expect:
+                return None
+            agent = core.agents.get(namespace)
+            data = {d.block_id: d for d in blocks}
+            record = Agent(namespace) if agent is None else agent
+            merged = self._merge(record, fetched, data, tokens or {})
+            branches, removals, cleared = merged
+            manifest = core.stamped(manifest_of(namespace, branches, record.pinned, core.clock(), removals=removals,
+                                                spliced_cleared=cleared, forkable=record.forkable))
+            named = set(manifest.block_ids)
+            blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
+
+            def on_durable() -> None:  # persister thread; on_done must not raise
+                try:
+                    adopted = self._adopt(namespace, merged, expect)
+                except Exception:
+                    log.exception("agent %r: registering its fetched history failed", namespace)
+                    adopted = False
+                on_done(manifest if adopted else None)
+
+            return core.persister.save(manifest, blocks, [], on_durable)
+
+    def _merge(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
+               ) -> tuple[list[Branch], tuple[Removal, ...], float]:
+        """(lock held) The agent's record merged with a fetched copy: branches by recency
+        (chain.merge_branches: a branch another holds goes, the `branches` most recently used stay,
+        from either side, honest and spliced apart), then every branch either side's removal records
+        remove (chain.surviving_removals: removals win over every older copy). A partial tail
+        another branch grew is recognised by the tokens at hand (`data`: fetched blocks; blocks in
+        memory; `tokens`: read ahead from disk), never by a read."""
+        core = self.core
+
+        def tokens_of(bid: str) -> Optional[Sequence[int]]:
+            got = data.get(bid)
+            if got is not None:
+                return got.tokens
+            block = core.table.blocks.get(bid)
+            return block.tokens if block is not None and block.tokens else tokens.get(bid)
+
+        removals = merge_removals(agent.removals, fetched.removals, MAX_REMOVALS, core.clock() - self.removal_ttl_s)
+        cleared = max(agent.spliced_cleared, fetched.spliced_cleared)
+        branches = merge_branches(agent.branches, list(fetched.branches), self.max_branches,
+                                  lambda c, b: core.chains.grew(c, b, tokens_of),
+                                  continued=not self.bounded_windows)
+        return surviving_removals(branches, removals, cleared, tokens_of), removals, cleared
+
+    def _adopt(self, namespace: str, merged: tuple, expect: tuple) -> bool:
+        """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
+        branches, removals, cleared = merged
+        core = self.core
+        with core.lock:
+            if self.agent_version(namespace) != expect:
+                return False  # a turn, an erasure or a cut since: the pool's own state stands
+            agent = core.agents.get(namespace)
+            if agent is None:
+                agent = Agent(namespace)
+                core.agents.add(agent)
+            agent.removals, agent.spliced_cleared = removals, cleared
+            core.table.name(agent, branches)
+            core.touch(agent)
+            core.epoch += 1
+            return True
