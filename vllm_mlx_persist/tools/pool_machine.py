@@ -654,8 +654,11 @@ class PoolMachine(RuleBasedStateMachine):
         return settled
 
     def _stored(self, pool: BlockPool, agent: Optional[str], tokens: list[int], n: int,
-                settled: Callable[[], tuple[bool, int]], durable: bool = True, spliced: bool = False) -> None:
-        """The model's side of a stored turn, once its save settled."""
+                settled: Callable[[], tuple[bool, int]], durable: bool = True, spliced: bool = False,
+                may_lose: bool = False) -> None:
+        """The model's side of a stored turn, once its save settled. On a sound disk (`durable`, and
+        not `may_lose`: no write fails and no erasure of the agent meets its save) this server's save
+        must become durable: the budget and the TTL never erase an agent whose save is queued."""
         if agent is None:
             self.anon.append(tokens)
             return
@@ -665,6 +668,8 @@ class PoolMachine(RuleBasedStateMachine):
         if pool is self.pool:
             self.saved_last.add(agent)
         ok, at = settled()
+        if durable and not may_lose and pool is self.pool:
+            assert ok, f"agent {agent!r}: a turn's save was lost on a sound disk"
         if ok and durable and pool is self.pool:
             if spliced:
                 self.acked_spliced[agent], self.acked_spliced_at[agent] = tokens, at
@@ -890,7 +895,7 @@ class PoolMachine(RuleBasedStateMachine):
                 self._finish(self.pool, rid, agent)
                 done.append((agent, served, n, self._ack(future)))
             for agent, served, n, settled in done:
-                self._stored(self.pool, agent, served, n, settled)
+                self._stored(self.pool, agent, served, n, settled, may_lose=True)
             watchdog(self.pool.close)
         finally:
             store_mod._FAULT = None
@@ -912,9 +917,10 @@ class PoolMachine(RuleBasedStateMachine):
     def queued(self, x: str, y: str, new_x: list[int], new_y: list[int], then: str, i: int, fail: bool) -> None:
         """Turns of x and y whose saves are still queued (the writer held inside x's save; `fail`: that
         attempt then fails and is retried after) while `then` runs: an erasure of x or y (of x while its
-        request is in flight: its turn must not be stored), a disk budget sweep at budget `i`, or (with
-        the fleet) an erasure of y through the other server. A queued save must neither bring back an
-        erased agent nor be lost to the budget once acknowledged."""
+        request is in flight: its turn must not be stored), a disk budget `i` met by the saves (i == 0: a
+        budget of none, for this step only), a sweep, or (with the fleet) an erasure of y through the
+        other server. A queued save must neither bring back an erased agent nor be lost to the budget
+        (the budget and the TTL never erase an agent whose save is queued)."""
         if then == "fleet_erase_y" and self.other is None:
             then = "erase_y"
         self.saved_last = set()
@@ -932,6 +938,7 @@ class PoolMachine(RuleBasedStateMachine):
         store_mod._FAULT = gate
         self.saving_now = {x, y}
         erasing: Optional[Future] = None
+        held: Optional[str] = None  # the agent whose save the gate holds (and fails when `fail`)
         try:
             done = []
             for agent, rid in zip((x, y), rids):
@@ -940,14 +947,16 @@ class PoolMachine(RuleBasedStateMachine):
                     assert n == 0, f"agent {x!r} erased while its request ran, and its turn was stored"
                 self._finish(self.pool, rid, agent)
                 done.append((agent, prompts[rid], n, self._ack(future)))
+                if held is None and future is not None:
+                    held = agent
                 if agent == x and future is not None:
                     gate.held.wait(5.0)  # the writer is inside x's save: y's stays queued
             if then in ("erase_x", "erase_y"):
                 target = x if then == "erase_x" else y
                 erasing = _ADMIN.submit(self.pool.erase, target, 30.0)
                 wait_until(lambda: self.pool.agent(target) is None)  # queued under the pool's lock with it
-            elif then == "budget":
-                self.disk = self.pool.persister.budget.disk_budget = DISK_BUDGETS[i]
+            elif then == "budget":  # i == 0: none, so every agent goes but those a queued save holds (and pinned ones)
+                self.disk = self.pool.persister.budget.disk_budget = ((0,) + DISK_BUDGETS[1:])[i]
             elif then == "sweep":
                 erasing = self.pool.persister.sweep()
             elif then == "fleet_erase_y":
@@ -959,8 +968,10 @@ class PoolMachine(RuleBasedStateMachine):
             gate.open()
             store_mod._FAULT = None
         self.saving_now = set()
-        for agent, tokens, n, settled in done:
-            self._stored(self.pool, agent, tokens, n, settled)
+        for agent, tokens, n, settled in done:  # an erasure of its agent, or x's failed attempt, may lose a save
+            lost = ((agent == held and fail) or (agent == x and then == "erase_x")
+                    or (agent == y and then in ("erase_y", "fleet_erase_y")))
+            self._stored(self.pool, agent, tokens, n, settled, may_lose=lost)
         if erasing is not None:
             erasing.result(OP_TIMEOUT_S)
         assert wait_until(lambda: self.pool.snapshot()["saves_retrying"] == 0, OP_TIMEOUT_S), "a retry never settled"
@@ -975,6 +986,8 @@ class PoolMachine(RuleBasedStateMachine):
                 wait_until(lambda: self.pool.agent(y) is None, OP_TIMEOUT_S)
             self._forget(y, here="b")
         self.keep, self.saved_last = {x, y}, {x, y}
+        if self.disk == 0:  # the budget of none was for this step only
+            self.disk = self.pool.persister.budget.disk_budget = DISK_BUDGETS[0]
 
     # ---- the fleet (a second pool sharing Redis) ------------------------------------------------------
 
