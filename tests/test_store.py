@@ -1084,6 +1084,34 @@ def test_a_retry_that_writes_no_manifest_leaves_no_block_behind(tmp_path, monkey
     p.close()
 
 
+def test_a_save_queued_after_an_erasure_of_its_agent_is_kept(tmp_path, monkeypatch):
+    """Regression (found by the state machine): an erasure dropped every save of its agent still queued,
+    those queued after it too: turns of the agent made anew once the pool had forgotten it (the pool
+    stores no turn of a request in flight during the erasure). Such a turn was never saved, on a sound
+    disk, until the agent's next one. Now only saves queued before the erasure go."""
+    import threading
+
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40)
+    p.load()
+    p.flush()
+    b0, b1 = make_block(40), make_block(41)
+    go = threading.Event()
+    monkeypatch.setattr(store_mod, "_FAULT", lambda step: go.wait(10))  # the writer held inside the first save
+    first = p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None)
+    erased = p.erase("alice")
+    again = p.save(Manifest("alice", [b1.block_id], 16, 2.0), [b1], [], lambda: None)
+    monkeypatch.setattr(store_mod, "_FAULT", None)
+    go.set()
+    assert first.result(10) is True and erased.result(10) is True
+    assert again.result(10) is True
+    assert s.read_manifest("alice").block_ids == [b1.block_id]
+    assert sorted(s.iter_block_ids()) == [b1.block_id]
+    p.close()
+
+
 def _record_dir_syncs(monkeypatch) -> list[Path]:
     """Spy on the store's directory fsyncs (the real ones still run); returns the paths synced."""
     synced: list[Path] = []

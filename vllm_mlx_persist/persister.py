@@ -415,12 +415,16 @@ class Persister:
 
     def _erase_job(self, job: _Job) -> None:
         namespace, why = job.args
-        self._finish(job, self._erase(namespace, why))
+        self._finish(job, self._erase(namespace, why, job.order))
 
-    def _erase(self, namespace: str, why: str) -> bool:
+    def _erase(self, namespace: str, why: str, before: Optional[int] = None) -> bool:
+        """Erase the agent's files and the saves of it queued before the erasure (`before`: its job's
+        submission order; None: every one). A save queued after it is a turn of the agent made anew
+        (the pool stores no turn of a request in flight during the erasure): it stays."""
         with self._cv:
             # a save of this agent still waiting for its retry must not bring it back
-            stale = [j for j in self._ready if j.run == self._save_job and j.args[0].namespace == namespace]
+            stale = [j for j in self._ready if j.run == self._save_job and j.args[0].namespace == namespace
+                     and (before is None or j.order < before)]
             for j in stale:
                 self._ready.remove(j)
                 self._release(j)
@@ -445,7 +449,11 @@ class Persister:
                     self.index.other_bytes = max(0, self.index.other_bytes - freed)
         if on_disk:
             self.counts["agents_erased"] += 1
-            self.on_erased(namespace)
+            with self._cv:  # a turn queued after the erasure is of the agent made anew: memory keeps it
+                anew = before is not None and any(j.run == self._save_job and j.args[0].namespace == namespace
+                                                  and j.order > before for j in self._ready)
+            if not anew:
+                self.on_erased(namespace)
         return on_disk
 
     def _pin_job(self, job: _Job) -> None:
