@@ -348,7 +348,7 @@ class Recency:
 
 HOT_BUDGETS = (1 << 30, 40 * TOKEN_BYTES, 120 * TOKEN_BYTES)
 DISK_BUDGETS = (1 << 40, 200 * TOKEN_BYTES, 600 * TOKEN_BYTES)
-QUEUED_THEN = ("erase_x", "erase_y", "erase_x_in_flight", "budget", "sweep", "fleet_erase_y")
+QUEUED_THEN = ("erase_x", "erase_y", "erase_x_in_flight", "erase_x_turn", "budget", "sweep", "fleet_erase_y")
 
 names = st.sampled_from(AGENTS)
 words = st.lists(st.sampled_from(WORDS + (7, 8, 7, 8)), min_size=1, max_size=24)
@@ -923,6 +923,8 @@ class PoolMachine(RuleBasedStateMachine):
         (the budget and the TTL never erase an agent whose save is queued)."""
         if then == "fleet_erase_y" and self.other is None:
             then = "erase_y"
+        if then == "erase_x_turn" and self.other is not None:  # (a sync racing the erasure: not modelled)
+            then = "erase_x"
         self.saved_last = set()
         rids = []
         prompts = {}
@@ -938,6 +940,7 @@ class PoolMachine(RuleBasedStateMachine):
         store_mod._FAULT = gate
         self.saving_now = {x, y}
         erasing: Optional[Future] = None
+        again: Optional[tuple] = None  # erase_x_turn's turn
         held: Optional[str] = None  # the agent whose save the gate holds (and fails when `fail`)
         try:
             done = []
@@ -951,10 +954,18 @@ class PoolMachine(RuleBasedStateMachine):
                     held = agent
                 if agent == x and future is not None:
                     gate.held.wait(5.0)  # the writer is inside x's save: y's stays queued
-            if then in ("erase_x", "erase_y"):
-                target = x if then == "erase_x" else y
+            if then in ("erase_x", "erase_y", "erase_x_turn"):
+                target = y if then == "erase_y" else x
                 erasing = _ADMIN.submit(self.pool.erase, target, 30.0)
                 wait_until(lambda: self.pool.agent(target) is None)  # queued under the pool's lock with it
+            if then == "erase_x_turn":  # x comes back: a turn whose save is queued after the erasure
+                self._forget(x)
+                self.rid += 1
+                rid = f"r{self.rid}"
+                _, served, _, _ = self._lookup(self.pool, x, new_x + [WORDS[2]], rid)
+                n, future = self._store(self.pool, x, served, rid)
+                self._finish(self.pool, rid, x)
+                again = (x, served, n, self._ack(future))
             elif then == "budget":  # i == 0: none, so every agent goes but those a queued save holds (and pinned ones)
                 self.disk = self.pool.persister.budget.disk_budget = ((0,) + DISK_BUDGETS[1:])[i]
             elif then == "sweep":
@@ -969,9 +980,13 @@ class PoolMachine(RuleBasedStateMachine):
             store_mod._FAULT = None
         self.saving_now = set()
         for agent, tokens, n, settled in done:  # an erasure of its agent, or x's failed attempt, may lose a save
+            if then == "erase_x_turn" and agent == x:
+                continue  # erased: the model forgot it before x's next turn
             lost = ((agent == held and fail) or (agent == x and then == "erase_x")
                     or (agent == y and then in ("erase_y", "fleet_erase_y")))
             self._stored(self.pool, agent, tokens, n, settled, may_lose=lost)
+        if again is not None:  # saved after the erasure: it must become durable
+            self._stored(self.pool, *again)
         if erasing is not None:
             erasing.result(OP_TIMEOUT_S)
         assert wait_until(lambda: self.pool.snapshot()["saves_retrying"] == 0, OP_TIMEOUT_S), "a retry never settled"
