@@ -115,7 +115,8 @@ def copy_with(m: Mutant | None, dest: Path) -> Path:
 
 
 def _env(root: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": str(root), "POOL_MACHINE_SHRINK": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+    return {**os.environ, "PYTHONPATH": str(root), "POOL_MACHINE_SHRINK": "0", "PYTHONDONTWRITEBYTECODE": "1",
+            "COLUMNS": "400"}  # pytest's summary line keeps the failed invariant's message
 
 
 def suite(root: Path, timeout: float) -> dict:
