@@ -8,8 +8,9 @@ the request aborted), amortize turns (spliced branches), histories sent again af
 forget, anonymous requests, erasure, pin and unpin, hot and disk budget changes, the TTL with a clock
 moved on, restart (close and reopen), crash (the disk fails with writes queued, then close), a kill
 before the Nth write step (in process: the store directory as it was at that step is what the restart
-finds), turns whose saves stay queued (the writer held) while an erasure, a disk budget sweep or a
-fleet erasure runs, and on the second pool: turns synced from the fleet, erasures and forget edits.
+finds), turns whose saves stay queued (the writer held) while an erasure (then, maybe, a new turn of
+the erased agent), a disk budget (none at all included), a sweep or a fleet erasure runs, and on the
+second pool: turns synced from the fleet, erasures and forget edits.
 
 Invariants, checked after every step (and the memory ones after every pool operation):
 - a served prefix covers only tokens of the request and comes from a history that agent may still be
@@ -35,6 +36,9 @@ Invariants, checked after every step (and the memory ones after every pool opera
 - after a flush, every block file is named by a manifest and every named block has its file, and
   every manifest on disk is of an agent the pool holds (an erased agent's never comes back);
 - after a kill, every manifest on disk names only blocks that are on disk and sound;
+- a save of this server's on a sound disk (no write failing, no erasure of its agent meeting it)
+  becomes durable: the budget and the TTL never erase an agent whose save is queued, and an erasure
+  keeps the saves of a new turn of its agent queued after it;
 - an acknowledged (durable) turn, honest or spliced, survives every restart, crash and kill, unless an
   erasure that the stats record removed its agent (the disk budget or the TTL) or the API erased it, or
   (the fleet merging both servers' branches by recency) `branches` branches used after it on the other
