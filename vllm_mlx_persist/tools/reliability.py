@@ -672,7 +672,7 @@ _WHAT = {
                      "agent the pool does not hold, after a kill a manifest naming a block missing or unsound, an "
                      "acknowledged turn not reused after a restart, crash or kill unless an erasure the stats record "
                      "removed the agent, a pinned agent erased by the budget or the TTL, a request in flight during "
-                     "its agent's erasure storing its turn. Trials are examples (sequences of steps). The defects "
+                     "its agent's erasure storing its turn, a save lost on a sound disk. Trials are examples (sequences of steps). The defects "
                      "injected by hand that this model catches are in the last section.",
     "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
             "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
@@ -708,7 +708,11 @@ def _report_state_machine(r: dict) -> list[str]:
             "the others of tests/test_compose.py. Found by earlier full runs of this campaign (2026-11-25), fixed, "
             "kept as tests: an unpin that left the hot tier over hot_mb until the next request (seed 30, "
             "tests/test_compose.py), and a fork served the first token of a parent history erased through the other "
-            "server, because only the child was synced before the lookup (seed 17, tests/test_state_machine.py)."]
+            "server, because only the child was synced before the lookup (seed 17, tests/test_state_machine.py). "
+            "Found by the extended model (issue #30), fixed, kept as tests: an erasure that left the blocks only "
+            "a dropped retry wrote, and a retry superseded or given up that left the blocks only it kept (tests/test_store.py), an anonymous "
+            "entry shadowed by a new one of the same name (tests/test_pool.py), and an erasure that dropped "
+            "the saves of its agent queued after it (tests/test_state_machine.py, tests/test_store.py)."]
 
 
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
