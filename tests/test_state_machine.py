@@ -9,7 +9,7 @@ the seeds on, POOL_MACHINE_SHRINK=0 reports a failure unshrunk (to time how fast
 
 Sized for CI (2 cores, the whole suite under 10 minutes): 6 seeds of the pool machine and 3 of the
 fleet one, 10 examples each (the fleet's 6), of up to 30 steps. This file, measured 2026-11-28 on 2
-cores at a load average of 11: 31 s of CPU, 110 s of wall time (90 s at a lower load). The defects
+cores shared with other work: about 31 s of CPU; 66 s of wall time at a load average of 5, 110 s at 11. The defects
 injected by hand that these runs catch, and how fast: docs/reliability.md, last section
 (`python -m vllm_mlx_persist.tools.mutants`)."""
 
