@@ -210,6 +210,31 @@ def test_agents_and_models_are_isolated(model, tmp_path):
     assert other.lookup("a", seq)[1] == 0
 
 
+def test_an_anonymous_entry_whose_history_changed_is_reused_not_shadowed(model, tmp_path):
+    """Regression (found by the state machine): an anonymous entry is named after its first block when
+    made, and a sequence that begins with its first block's tokens, or that they begin, takes the entry
+    over: its history is then that sequence. After a short one and then another continuation of it, a
+    sequence beginning with the entry's original first block matched no entry, and the entry made for
+    it had the existing entry's name: it was never registered (the name was taken), so the blocks it
+    named stayed in memory for good, counted by no registered entry (BlockTable.check broke; hot bytes
+    no budget could free). Now the entry of that name takes the sequence."""
+    pool = make_pool(model, tmp_path)
+    first = tokens(24, seed=7)  # a block and a tail
+    pool.commit(None, first, prefill(model, first)[0])
+    pool.commit(None, first[:3], prefill(model, first[:3])[0])  # takes the entry over...
+    other = first[:3] + tokens(21, seed=8)
+    pool.commit(None, other, prefill(model, other)[0])  # ...and so does another continuation of it
+    assert pool.snapshot()["anonymous_entries"] == 1
+    again = first + [3]
+    pool.commit(None, again, prefill(model, again)[0])
+    assert pool.check() == []
+    assert pool.snapshot()["anonymous_entries"] == 1
+    assert pool.lookup(None, again + [4])[1] == len(again)
+    pool.set_hot_budget(0)  # every entry leaves memory, and with it every block
+    assert pool.check() == [] and pool.hot_bytes == 0
+    pool.close()
+
+
 def test_saving_a_turn_writes_only_new_blocks(model, tmp_path):
     pool = make_pool(model, tmp_path)
     turn1 = tokens(40)  # 2 full blocks + a tail of 8

@@ -91,3 +91,15 @@ def test_quick_interactions_campaign_mixes_the_operations_and_checks_them(server
 def test_quick_interactions_campaign_finds_nothing(server_runs):
     c = server_runs["interactions"]
     assert c["failures"] == 0, c["failure_kinds"]
+
+
+def test_a_rewritten_report_keeps_the_state_machines_injected_defects(tmp_path):
+    """docs/reliability.md's last section (tools/mutants.py's table, written by hand) survives a campaign's
+    rewrite of the report."""
+    from vllm_mlx_persist.tools.reliability import KEPT_SECTION, write_report
+
+    kept = f"{KEPT_SECTION}\n\n| defect | suite |\n|---|---|\n| lru_reversed | caught |\n"
+    (tmp_path / "reliability.md").write_text("# old report\n\n" + kept)
+    write_report({"machine": "m", "date": "d", "campaigns": {}}, tmp_path, "cmd")
+    text = (tmp_path / "reliability.md").read_text()
+    assert text.startswith("# Reliability campaigns") and text.endswith(kept) and "# old report" not in text

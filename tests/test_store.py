@@ -1025,6 +1025,93 @@ def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatc
     assert p.counts["saves_superseded"] == 1
 
 
+def test_an_erasure_that_drops_a_queued_retry_leaves_no_block_behind(tmp_path, monkeypatch):
+    """Regression (found by the state machine): turn 1's save failed and waited for its retry; turn 2's
+    save made turn 0's block dead, but left its file, since the queued retry's manifest still named it;
+    then the agent was erased, which dropped the retry and deleted only what turn 2's manifest named.
+    Turn 0's block stayed on disk, unnamed, and counted in the disk's bytes until the next start. Now
+    the erasure also deletes what only the saves it drops named or carried."""
+    from vllm_mlx_persist import faults
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(30.0,))  # the retry waits while the rest runs
+    p.load()
+    b0, b1, b2 = make_block(30), make_block(31), make_block(32)
+    assert p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None).result(10)
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:write@{switch}"))
+    retried = p.save(Manifest("alice", [b1.block_id, b0.block_id], 32, 2.0), [b1], [], lambda: None)
+    assert retried.result(10) is False and p.stats()["saves_retrying"] == 1
+    switch.unlink()
+    assert p.save(Manifest("alice", [b2.block_id], 16, 3.0), [b2], [b0.block_id], lambda: None).result(10)
+    assert s.has_block(b0.block_id)  # the queued retry still names it
+    assert p.erase("alice").result(10) is True
+    assert p.stats()["saves_retrying"] == 0
+    assert sorted(s.iter_block_ids()) == [] and p.stats()["disk_blocks"] == 0
+    p.close()
+
+
+@pytest.mark.parametrize("retry", ["superseded", "given up"])
+def test_a_retry_that_writes_no_manifest_leaves_no_block_behind(tmp_path, monkeypatch, retry):
+    """The same leak when the retry itself leaves the queue without its manifest: superseded by the
+    newer turn (it writes its blocks, not its manifest), or given up. Turn 0's block, which the newer
+    turn's save left for it, stays on disk, unnamed and counted; now it goes with the retry."""
+    from vllm_mlx_persist import faults
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.5,))
+    p.load()
+    b0, b1, b2 = make_block(40), make_block(41), make_block(42)
+    assert p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None).result(10)
+    switch = tmp_path / "eio"
+    switch.touch()
+    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"EIO:write@{switch}"))
+    assert p.save(Manifest("alice", [b1.block_id, b0.block_id], 32, 2.0), [b1], [], lambda: None).result(10) is False
+    switch.unlink()
+    assert p.save(Manifest("alice", [b2.block_id], 16, 3.0), [b2], [b0.block_id], lambda: None).result(10)
+    assert s.has_block(b0.block_id)  # the queued retry still names it
+    if retry == "given up":
+        switch.touch()
+    deadline = time.time() + 10
+    while p.stats()["saves_retrying"] and time.time() < deadline:
+        time.sleep(0.02)
+    assert p.flush(10)
+    assert p.counts["saves_superseded" if retry == "superseded" else "saves_dropped"] == 1
+    assert sorted(s.iter_block_ids()) == [b2.block_id] and p.stats()["disk_blocks"] == 1
+    p.close()
+
+
+def test_a_save_queued_after_an_erasure_of_its_agent_is_kept(tmp_path, monkeypatch):
+    """Regression (found by the state machine): an erasure dropped every save of its agent still queued,
+    those queued after it too: turns of the agent made anew once the pool had forgotten it (the pool
+    stores no turn of a request in flight during the erasure). Such a turn was never saved, on a sound
+    disk, until the agent's next one. Now only saves queued before the erasure go."""
+    import threading
+
+    from vllm_mlx_persist.persister import Persister
+
+    s = open_store(tmp_path)
+    p = Persister(s, disk_budget=1 << 40)
+    p.load()
+    p.flush()
+    b0, b1 = make_block(40), make_block(41)
+    go = threading.Event()
+    monkeypatch.setattr(store_mod, "_FAULT", lambda step: go.wait(10))  # the writer held inside the first save
+    first = p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None)
+    erased = p.erase("alice")
+    again = p.save(Manifest("alice", [b1.block_id], 16, 2.0), [b1], [], lambda: None)
+    monkeypatch.setattr(store_mod, "_FAULT", None)
+    go.set()
+    assert first.result(10) is True and erased.result(10) is True
+    assert again.result(10) is True
+    assert s.read_manifest("alice").block_ids == [b1.block_id]
+    assert sorted(s.iter_block_ids()) == [b1.block_id]
+    p.close()
+
+
 def _record_dir_syncs(monkeypatch) -> list[Path]:
     """Spy on the store's directory fsyncs (the real ones still run); returns the paths synced."""
     synced: list[Path] = []

@@ -89,10 +89,13 @@ class Agents:
             first = self._first_tokens(agent)
             if first and (tuple(tokens[: len(first)]) == first or first[: len(tokens)] == tuple(tokens)):
                 return agent
+        key = ANON_PREFIX + hashlib.sha256(np.asarray(tokens[: self.block_size], np.int32).tobytes()).hexdigest()
+        taken = self.anonymous.get(key)
+        if taken is not None:  # made for this first block, then taken over by another sequence: it takes this one
+            return taken
         if len(self.anonymous) >= self.max_anonymous:
             self.stats["evicted_agents"] += 1
             self.drop(next(iter(self.anonymous.values())))
-        key = ANON_PREFIX + hashlib.sha256(np.asarray(tokens[: self.block_size], np.int32).tobytes()).hexdigest()
         return Agent(key, persistent=False)
 
     def _first_tokens(self, agent: Agent) -> tuple[int, ...]:

@@ -350,7 +350,7 @@ class Persister:
                 for bid, n in sizes.items():
                     if bid in self.index.block_refs:
                         self.index.set_size(bid, n)
-                unnamed = [b for b in sizes if not self.index.named(b) and b not in self.index.block_sizes]
+                unnamed = self._unkept([job])
             for b in unnamed:
                 self.store.delete_block(b)
             self._finish(job, False)
@@ -392,23 +392,45 @@ class Persister:
                 heapq.heappush(self._ready, job)
         if not can_retry:
             self._finish(job, False)
+            with self._cv:
+                unkept = [] if self._closed else self._unkept([job])  # at close, the next start's gc
+            for b in unkept:
+                self.store.delete_block(b)
             return
         log.warning("saving agent %r failed (%s); retry %d in %.0f s", job.args[0].namespace, error,
                     job.attempts, self.retry_delays[job.attempts - 1])
 
+    def _unkept(self, jobs: list[_Job]) -> list[str]:
+        """(lock held) Saves leaving the queue without their manifest (superseded, given up, or dropped
+        by an erasure): the blocks only they kept, which no manifest on disk nor queued save names now,
+        taken out of the index for the caller to delete. Those their manifests named (an earlier save
+        that stopped naming one left its file for them) and those they carried (an attempt may have
+        written some)."""
+        out = []
+        for b in dict.fromkeys(b for j in jobs for b in [*j.args[0].block_ids, *(d.block_id for d in j.args[1])]):
+            if not self.index.named(b):
+                self.index.drop_size(b)
+                out.append(b)
+        return out
+
     def _erase_job(self, job: _Job) -> None:
         namespace, why = job.args
-        self._finish(job, self._erase(namespace, why))
+        self._finish(job, self._erase(namespace, why, job.order))
 
-    def _erase(self, namespace: str, why: str) -> bool:
+    def _erase(self, namespace: str, why: str, before: Optional[int] = None) -> bool:
+        """Erase the agent's files and the saves of it queued before the erasure (`before`: its job's
+        submission order; None: every one). A save queued after it is a turn of the agent made anew
+        (the pool stores no turn of a request in flight during the erasure): it stays."""
         with self._cv:
             # a save of this agent still waiting for its retry must not bring it back
-            stale = [j for j in self._ready if j.run == self._save_job and j.args[0].namespace == namespace]
+            stale = [j for j in self._ready if j.run == self._save_job and j.args[0].namespace == namespace
+                     and (before is None or j.order < before)]
             for j in stale:
                 self._ready.remove(j)
                 self._release(j)
             heapq.heapify(self._ready)
             agent, gone = self.index.forget(namespace)
+            gone += [b for b in self._unkept(stale) if b not in gone]
         for j in stale:
             if not j.future.done():
                 j.future.set_result(False)
@@ -427,7 +449,11 @@ class Persister:
                     self.index.other_bytes = max(0, self.index.other_bytes - freed)
         if on_disk:
             self.counts["agents_erased"] += 1
-            self.on_erased(namespace)
+            with self._cv:  # a turn queued after the erasure is of the agent made anew: memory keeps it
+                anew = before is not None and any(j.run == self._save_job and j.args[0].namespace == namespace
+                                                  and j.order > before for j in self._ready)
+            if not anew:
+                self.on_erased(namespace)
         return on_disk
 
     def _pin_job(self, job: _Job) -> None:

@@ -657,15 +657,23 @@ _WHAT = {
     "state_machine": "A Hypothesis state machine (vllm_mlx_persist/tools/pool_machine.py) drives the real pool, "
                      "persister and store, and with a redis-server a second pool sharing the fleet tier, through "
                      "random sequences of turns, forks, concurrent branches of one agent, re-tokenized turns "
-                     "(matching by text), anonymous requests, erasures, pins, hot and disk budget changes, the TTL "
-                     "(a clock moved on), restarts and crashes (writes failing with turns queued), against a "
-                     "reference model of what every agent should hold. Failures: a served prefix not from the "
-                     "agent's (or its explicit fork parent's) histories or with other K/V bytes, text read that the "
-                     "client did not send, an operation past 60 s, a broken block-table invariant, hot or disk "
-                     "bytes past their budget plus one turn and the pinned agents, a block file no manifest names "
-                     "or a named block without its file, an acknowledged turn not reused after a restart or crash "
-                     "unless an erasure the stats record removed the agent, a pinned agent erased by the budget or "
-                     "the TTL, an erased agent served again. Trials are examples (sequences of steps).",
+                     "(matching by text), forget and amortize edits (spliced branches), histories sent again after "
+                     "an erasure or a forget, anonymous requests, erasures, pins, hot and disk budget changes, the "
+                     "TTL (a clock moved on), restarts, crashes (writes failing with turns queued), kills just "
+                     "before the Nth write step, and turns whose saves stay queued behind a held writer while an "
+                     "erasure, a disk budget or a sweep runs, against a reference model of what every agent should "
+                     "hold. Failures: a served prefix not from the agent's (or its explicit fork parent's) histories, "
+                     "from one an erasure removed or a forget superseded, or with other K/V bytes (a splice's served "
+                     "to an exact lookup), text read that the client did not send, an operation past 60 s, a broken "
+                     "block-table invariant, a branch held that is none of the agent's allowed histories, an agent "
+                     "evicted from memory while an unpinned one used less recently stays (the LRU order), a pinned "
+                     "agent leaving memory, hot or disk bytes past their budget plus one turn and the pinned agents, "
+                     "a block file no manifest names or a named block without its file, a manifest on disk of an "
+                     "agent the pool does not hold, after a kill a manifest naming a block missing or unsound, an "
+                     "acknowledged turn not reused after a restart, crash or kill unless an erasure the stats record "
+                     "removed the agent, a pinned agent erased by the budget or the TTL, a request in flight during "
+                     "its agent's erasure storing its turn, a save lost on a sound disk. Trials are examples (sequences of steps). The defects "
+                     "injected by hand that this model catches are in the last section.",
     "soak": "16 agents round-robin from 4 clients with growing histories (new session past 12 turns), hot_mb "
             "and disk_mb small enough that all three tiers occur. Failures: a failed request, RSS past the "
             "post-warm-up RSS + hot_mb + 1 GB (transient buffers of concurrent prefills), growth of the resident "
@@ -700,7 +708,11 @@ def _report_state_machine(r: dict) -> list[str]:
             "the others of tests/test_compose.py. Found by earlier full runs of this campaign (2026-11-25), fixed, "
             "kept as tests: an unpin that left the hot tier over hot_mb until the next request (seed 30, "
             "tests/test_compose.py), and a fork served the first token of a parent history erased through the other "
-            "server, because only the child was synced before the lookup (seed 17, tests/test_state_machine.py)."]
+            "server, because only the child was synced before the lookup (seed 17, tests/test_state_machine.py). "
+            "Found by the extended model (issue #30), fixed, kept as tests: an erasure that left the blocks only "
+            "a dropped retry wrote, and a retry superseded or given up that left the blocks only it kept (tests/test_store.py), an anonymous "
+            "entry shadowed by a new one of the same name (tests/test_pool.py), and an erasure that dropped "
+            "the saves of its agent queued after it (tests/test_state_machine.py, tests/test_store.py)."]
 
 
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
@@ -745,6 +757,11 @@ def _merged(results: dict, path: Path) -> dict:
     return {**results, **head, "campaigns": {n: campaigns[n] for n in CAMPAIGNS if n in campaigns}}
 
 
+# A section written by hand at the end of reliability.md (the state machine's injected defects,
+# from tools/mutants.py): a rewrite of the report keeps it.
+KEPT_SECTION = "## The state machine against injected defects"
+
+
 def write_report(results: dict, out: Path, command: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "reliability.json").write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
@@ -777,7 +794,9 @@ def write_report(results: dict, out: Path, command: str) -> None:
             lines += _SERVER_REPORT[name](r)
         for f in r["failure_cases"]:
             lines.append(f"- FAILURE (reproduce with `--campaigns {name} --seed {f['seed']}`): `{json.dumps(f)[:400]}`")
-    (out / "reliability.md").write_text("\n".join(lines) + "\n")
+    md = out / "reliability.md"
+    kept = md.read_text().partition(KEPT_SECTION)[1:] if md.exists() else ("", "")
+    md.write_text("\n".join(lines) + "\n" + ("\n" + "".join(kept) if kept[0] else ""))
 
 
 def _trials_arg(text: str) -> dict[str, int]:

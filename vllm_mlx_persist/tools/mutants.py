@@ -1,0 +1,214 @@
+"""Defects injected by hand, one at a time, into a temporary copy of the package: does the pool's state
+machine (tools/pool_machine.py) catch each, and how fast?
+
+    python -m vllm_mlx_persist.tools.mutants [--only NAME,...] [--hunt-seconds S] [--hunt-seed N]
+
+Per defect: the package is copied to a temporary directory with the defect applied as a text edit
+(the working tree is never touched), then
+- suite: tests/test_state_machine.py as CI runs it (its short seeded runs and the replayed examples),
+  stopped at the first failure, unshrunk (POOL_MACHINE_SHRINK=0): caught or not, and the seconds to it;
+- hunt (only when the suite missed it, with --hunt-seconds > 0): the campaign's way (a new seed every
+  10 examples of up to 50 steps, every fourth seed with the fleet rules, seeds from --hunt-seed on, not
+  the suite's) until a failure or the time is up.
+Prints a markdown table (docs/reliability.md, "The state machine's reference model"). Never imported
+by the runtime.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    area: str
+    path: str  # relative to the repository
+    edits: tuple[tuple[str, str], ...]  # (old, new): old must occur exactly once
+    what: str
+
+
+MUTANTS = (
+    Mutant("pinned_evicted", "pool", "vllm_mlx_persist/agents.py",
+           (("agent.hot_bytes and not agent.pinned", "agent.hot_bytes"),),
+           "the hot budget evicts pinned agents too"),
+    Mutant("lru_fifo", "pool", "vllm_mlx_persist/agents.py",
+           (("            entries.move_to_end(agent.namespace)", "            pass"),),
+           "a use does not move the agent to the LRU's recent end (eviction in first-made order)"),
+    Mutant("lru_reversed", "pool", "vllm_mlx_persist/agents.py",
+           (("            for agent in self.registry.values():", "            for agent in reversed(self.registry.values()):"),),
+           "the hot tier evicts the most recently used agent first"),
+    Mutant("erase_in_flight_stored", "pool", "vllm_mlx_persist/records.py",
+           (("                    entry[1] = True", "                    pass"),),
+           "an erasure does not stop a request of the agent in flight from storing its turn"),
+    Mutant("manifest_before_blocks", "persister", "vllm_mlx_persist/persister.py",
+           (("            sizes = {}\n            for b in blocks:",
+             "            sizes = {}\n            if not superseded:\n                self.store.write_manifest(manifest)\n"
+             "            for b in blocks:"),
+            ("            if not superseded:\n                self.store.write_manifest(manifest)\n        except OSError",
+             "        except OSError")),
+           "a save writes the manifest before its blocks"),
+    Mutant("erase_keeps_retrying_save", "persister", "vllm_mlx_persist/persister.py",
+           (("and (before is None or j.order < before)]", "and (before is None or j.order < before) and not j.attempts]"),),
+           "an erasure leaves the agent's save still queued for a retry (it brings the agent back)"),
+    Mutant("erase_drops_later_saves", "persister", "vllm_mlx_persist/persister.py",
+           (("and (before is None or j.order < before)]", "]"),),
+           "an erasure drops the agent's saves queued after it too (a turn of the agent made anew is lost)"),
+    Mutant("erase_leaves_retry_blocks", "persister", "vllm_mlx_persist/persister.py",
+           (("            gone += [b for b in self._unkept(stale) if b not in gone]\n", ""),),
+           "an erasure dropping a save queued for a retry leaves the blocks only that save wrote"),
+    Mutant("budget_erases_queued", "persister", "vllm_mlx_persist/disk_index.py",
+           (("busy = self.live.keys() | self.queued_agents.keys()", "busy = self.live.keys()"),),
+           "the disk budget may erase an agent whose save is still queued"),
+    Mutant("ttl_erases_pinned", "persister", "vllm_mlx_persist/disk_index.py",
+           (("a.last_used < cutoff and not a.pinned", "a.last_used < cutoff"),),
+           "the TTL erases pinned agents too"),
+    Mutant("failed_save_acked", "persister", "vllm_mlx_persist/persister.py",
+           (("                job.future.set_result(False)  # the caller goes on",
+             "                job.future.set_result(True)  # the caller goes on"),),
+           "a failed save is acknowledged as durable"),
+    Mutant("lookup_one_past", "lookup", "vllm_mlx_persist/lookup.py",
+           (("n = min(lcp(got.tokens, prompt[covered : covered + len(got.tokens)]), limit - covered)",
+             "n = min(lcp(got.tokens, prompt[covered : covered + len(got.tokens)]) + 1, len(got.tokens), "
+             "limit - covered)"),),
+           "a lookup serves one token past where the prompt and the block differ"),
+    Mutant("forget_keeps_superseded", "lookup", "vllm_mlx_persist/kv_edit/supersede.py",
+           (("    return [br for br in branches if not any(b in block_ids for b in br.block_ids)]",
+             "    return list(branches)"),),
+           "a forget edit keeps the branches it superseded (they may be served again)"),
+    Mutant("commit_tail_unsaved", "commit", "vllm_mlx_persist/commit.py",
+           (("and b.block_id in built.datas]", "and b.block_id in built.datas][:-1]"),),
+           "a turn's save leaves out its last new block (the manifest names a block never written)"),
+    Mutant("text_match_prefix", "text matching", "vllm_mlx_persist/text_match.py",
+           (('        if ts == tp and not ts.endswith("\\ufffd"):', '        if tp.startswith(ts) and not ts.endswith("\\ufffd"):'),),
+           "re-tokenized text counts as matched when the stored text is only a prefix of the prompt's"),
+)
+
+
+def copy_with(m: Mutant | None, dest: Path) -> Path:
+    """The package, the state machine's tests and pyproject.toml under `dest`, with `m` applied."""
+    shutil.copytree(REPO / "vllm_mlx_persist", dest / "vllm_mlx_persist",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    (dest / "tests").mkdir()
+    for f in ("tests/conftest.py", "tests/test_state_machine.py", "pyproject.toml"):
+        shutil.copy(REPO / f, dest / f)
+    if m is not None:
+        path = dest / m.path
+        text = path.read_text()
+        for old, new in m.edits:
+            assert text.count(old) == 1, f"{m.name}: {old!r} occurs {text.count(old)} times in {m.path}"
+            text = text.replace(old, new)
+        path.write_text(text)
+    return dest
+
+
+def _env(root: Path) -> dict:
+    return {**os.environ, "PYTHONPATH": str(root), "POOL_MACHINE_SHRINK": "0", "PYTHONDONTWRITEBYTECODE": "1",
+            "COLUMNS": "400"}  # pytest's summary line keeps the failed invariant's message
+
+
+def suite(root: Path, timeout: float) -> dict:
+    """tests/test_state_machine.py in the copy, to its first failure."""
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                            "-o", "addopts=-ra -p no:asyncio", "tests/test_state_machine.py"],
+                           cwd=root, env=_env(root), capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"caught": False, "seconds": round(time.monotonic() - t0, 1), "test": "timed out"}
+    seconds = round(time.monotonic() - t0, 1)
+    failed = re.search(r"^FAILED (\S+)(?: - (.*))?$", p.stdout, re.M)
+    if p.returncode not in (0, 1):
+        raise RuntimeError(f"pytest exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return {"caught": p.returncode == 1, "seconds": seconds,
+            "test": failed.group(1).split("::")[-1] if failed else "",
+            "problem": (failed.group(2) or "")[:200] if failed else ""}
+
+
+def hunt(seconds: float, seed: int) -> dict:
+    """(In the copy's process.) The campaign's way, unshrunk, until a failure or `seconds`."""
+    import logging
+
+    from hypothesis import HealthCheck, Phase, settings
+    from hypothesis import seed as use_seed
+    from hypothesis.stateful import run_state_machine_as_test
+
+    from .pool_machine import EXAMPLES_PER_SEED, STEPS, FleetMachine, PoolMachine, Redis
+
+    logging.getLogger("vllm_mlx_persist").setLevel(logging.CRITICAL)
+    t0, s = time.monotonic(), seed
+    while time.monotonic() - t0 < seconds:
+        fleet = (s - seed) % 4 == 1 and Redis.available()
+        machine = use_seed(s)(type(f"Hunt{s}", (FleetMachine if fleet else PoolMachine,), {}))
+        try:
+            run_state_machine_as_test(machine, settings=settings(
+                max_examples=EXAMPLES_PER_SEED, stateful_step_count=STEPS, deadline=None, database=None,
+                phases=[Phase.generate], suppress_health_check=list(HealthCheck)))
+        except BaseException as e:
+            return {"caught": True, "seconds": round(time.monotonic() - t0, 1), "seed": s, "fleet": fleet,
+                    "problem": f"{type(e).__name__}: {e}".splitlines()[0][:200]}
+        s += 1
+    return {"caught": False, "seconds": round(time.monotonic() - t0, 1), "seeds": s - seed}
+
+
+def hunt_in(root: Path, seconds: float, seed: int) -> dict:
+    p = subprocess.run([sys.executable, "-m", "vllm_mlx_persist.tools.mutants", "--hunt-here", str(seconds),
+                        "--hunt-seed", str(seed)], cwd=root, env=_env(root), capture_output=True, text=True,
+                       timeout=seconds + 300)
+    lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        raise RuntimeError(f"hunt exited {p.returncode}:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated names (default: all; 'none': no defect, the control)")
+    ap.add_argument("--suite-timeout", type=float, default=600.0)
+    ap.add_argument("--hunt-seconds", type=float, default=0.0, help="campaign-style search when the suite misses")
+    ap.add_argument("--hunt-seed", type=int, default=1000)
+    ap.add_argument("--hunt-here", type=float, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args(argv)
+    if args.hunt_here is not None:
+        print(json.dumps(hunt(args.hunt_here, args.hunt_seed)), flush=True)
+        return 0
+    wanted = [n for n in args.only.split(",") if n]
+    todo: list = [m for m in MUTANTS if not wanted or m.name in wanted]
+    if "none" in wanted:
+        todo.insert(0, None)
+    results = []
+    print("| defect | area | what | suite | suite s | failing test | campaign | campaign s |")
+    print("|---|---|---|---|---|---|---|---|", flush=True)
+    for m in todo:
+        with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+            root = copy_with(m, Path(tmp))
+            got = {"suite": suite(root, args.suite_timeout)}
+            if not got["suite"]["caught"] and args.hunt_seconds > 0 and m is not None:
+                got["hunt"] = hunt_in(root, args.hunt_seconds, args.hunt_seed)
+        name, area, what = (m.name, m.area, m.what) if m is not None else ("none", "-", "no defect (control)")
+        s, h = got["suite"], got.get("hunt")
+        camp = "-" if h is None else ("caught" if h["caught"] else "missed")
+        camp_s = "-" if h is None else (f"{h['seconds']}" + (f" (seed {h['seed']})" if h["caught"] else ""))
+        print(f"| {name} | {area} | {what} | {'caught' if s['caught'] else 'missed'} | {s['seconds']} | "
+              f"{s['test'] or '-'} | {camp} | {camp_s} |", flush=True)
+        results.append({"name": name, **got})
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
