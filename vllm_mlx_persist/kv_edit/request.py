@@ -101,6 +101,11 @@ def explain(reason: str, *, options: Optional[Mapping[str, Any]] = None, exact: 
     history); `stored`: the stored history's length; `stub`: tokens before the first reusable run."""
     o = {**OPTION_DEFAULTS, **(options or {})}
     after = f" (token {exact})" if exact is not None else ""
+    if reason == "no_realignment" and stored is not None and exact is not None \
+            and stored - exact < max(1, o["min_run_tokens"]):
+        return (f"the prompt parts from the stored history at token {exact}, {stored - exact} tokens before the "
+                "stored history ends (typically in the model's previous reply, as the client sent it back): "
+                "nothing stored after that point to reuse; the tokens from it on are prefilled")
     left = f"the {stored - exact} stored tokens after it" if stored is not None and exact is not None \
         else "the stored tokens after it"
     return {
