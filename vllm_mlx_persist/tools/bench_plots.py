@@ -339,6 +339,7 @@ def plot_edits_agent(plt: Any, ed: dict, res: dict):
         row[0].plot([int(t) for t in turns], prompt, ls=":", color="gray", label="prompt")
         for ax, what in ((row[0], "prompt tokens prefilled"), (row[1], "TTFT, s")):
             ax.set_yscale("log")
+            ax.set_xticks([int(t) for t in turns])
             ax.set_xlabel("turn (from 3: outputs older than two turns cut to a head/tail stub)")
             ax.set_ylabel(what)
             ax.set_title(f"{api} client: {what} per turn", fontsize=9)
