@@ -61,12 +61,36 @@ def isolated_home(tmp_path) -> dict[str, str]:
     return dict(os.environ, HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
 
 
-@pytest.fixture(params=["mirror_off", "mirror_on"])
-def decode_mirror(request):
-    """Run a test with batched decode on the 4-bit matmuls (budget 0), then on the float decode
-    mirror (a 256 MB budget); the process default ("auto") is restored after."""
-    from vllm_mlx_persist.caches import floats
+@pytest.fixture
+def float_copies():
+    """This test's own float-copy budgets and prefill mode (`caches.floats.FloatCopies`, the defaults):
+    hand it to the caches the test builds (`ModelCodec(float_copies=...)`, `codec.with_float_copies`,
+    `Q4KVCache(float_copies=...)`); the fixtures below set it, and nothing is left to reset."""
+    from vllm_mlx_persist.caches.floats import FloatCopies
 
-    floats.set_decode_float_budget(256 if request.param == "mirror_on" else 0)
-    yield request.param == "mirror_on"
-    floats.set_decode_float_budget("auto")
+    return FloatCopies()
+
+
+@pytest.fixture(params=["mirror_off", "mirror_on"])
+def decode_mirror(request, float_copies):
+    """Run a test with batched decode on the 4-bit matmuls (budget 0), then on the float decode
+    mirror (a 256 MB budget): the budget of the test's `float_copies`."""
+    float_copies.set_decode_float_budget(256 if request.param == "mirror_on" else 0)
+    return request.param == "mirror_on"
+
+
+@pytest.fixture
+def serving_backend(tmp_path, monkeypatch):
+    """persist_q4 serving in this process, as vllm-mlx makes it: the plugin's factory builds a backend
+    (tiny llama, cache under tmp_path) and registers it; no backend another test left open counts."""
+    import weakref
+
+    from vllm_mlx_persist import plugin
+    from vllm_mlx_persist.tools.models import build_model
+
+    monkeypatch.setattr(plugin, "_LIVE_BACKENDS", weakref.WeakSet())
+    model, _ = build_model("llama", "tiny", seed=0)
+    backend = plugin.create_backend(model=model, tokenizer=None, config=None, options={
+        "cache_dir": str(tmp_path / "cache"), "warmup": False, "restore": False})
+    yield backend
+    backend.close()

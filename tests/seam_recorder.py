@@ -157,10 +157,13 @@ def vllm_mlx_cache_backends() -> Mapping[str, Callable[..., Any]]:
 
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
-    """The namespace from an X-Test-Namespace header ("bad" is refused); None defers to the seam."""
+    """The namespace from an X-Test-Namespace header ("bad" is malformed, "secret" forbidden); None
+    defers to the seam."""
     value = headers.get("x-test-namespace")
     if value == "bad":
         raise ValueError("the test resolver refuses the namespace 'bad'")
+    if value == "secret":
+        raise PermissionError("the test resolver forbids the namespace 'secret'")
     if value is not None:
         log("namespace", ns=value, endpoint=endpoint)
     return value

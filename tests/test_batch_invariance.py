@@ -40,9 +40,9 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models import base as mlx_base
 from mlx_lm.models import switch_layers
 
-from vllm_mlx_persist.caches import ModelCodec, floats
+from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.attention import install_attention_fix
-from vllm_mlx_persist.caches.floats import set_prefill_attention
+from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 
@@ -59,10 +59,10 @@ ALL_ARCHS = BIT_ARCHS + ["deepseek_v3", "deepseek_v32"]
 
 
 @pytest.fixture(params=["quantized", "dequantized"])
-def prefill_mode(request):
-    set_prefill_attention(request.param)
-    yield request.param
-    set_prefill_attention("auto")
+def prefill_mode(request, float_copies):
+    """The prefill attention mode of the test's `float_copies` (conftest)."""
+    float_copies.set_prefill_attention(request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -92,13 +92,14 @@ def row_by_row(monkeypatch):
 _MODELS: dict = {}
 
 
-def _family(arch: str, bounded: bool = False):
+def _family(arch: str, bounded: bool, copies: FloatCopies):
+    """The family's model (built once) and a codec making its caches under the test's `copies`."""
     if arch not in _MODELS:
         model, _ = build_model(arch, SIZE, seed=0)
         _MODELS[arch] = (model, ModelCodec.for_model(model), ModelCodec.for_model(model, bounded=True))
     install_attention_fix()
     model, linear, window = _MODELS[arch]
-    return model, window if bounded else linear
+    return model, (window if bounded else linear).with_float_copies(copies)
 
 
 def _arch_params(archs: list) -> list:
@@ -160,8 +161,8 @@ def _max_rel_diff(a: list, b: list) -> float:
 
 
 @pytest.mark.parametrize("arch,bounded", _arch_params(BIT_ARCHS))
-def test_logits_bit_identical(arch, bounded, decode_mirror, prefill_mode, row_by_row):
-    model, codec = _family(arch, bounded)
+def test_logits_bit_identical(arch, bounded, decode_mirror, prefill_mode, row_by_row, float_copies):
+    model, codec = _family(arch, bounded, float_copies)
     alone, batched = _alone_and_batched(model, codec)
     for name, run in zip(("together", "staggered"), batched):
         for r, (toks, lps) in alone.items():
@@ -176,15 +177,12 @@ def test_logits_bit_identical_with_carried_floats(arch, bounded, row_by_row):
     """The returning agent carries its last turn's floats, which start the batch's mirror at the
     merge (the other rows' K/V dequantized into it): every row's logprobs alone == batched, and
     == the same runs with nothing carried (the mirror then built by dequantizing), bit for bit."""
-    floats.set_decode_float_budget(256)
-    try:
-        model, codec = _family(arch, bounded)
-        started = floats.MIRROR_COUNTS["carried"]
-        alone, batched = _alone_and_batched(model, codec, carried=True)
-        assert floats.MIRROR_COUNTS["carried"] > started
-        plain, _ = _alone_and_batched(model, codec)
-    finally:
-        floats.set_decode_float_budget("auto")
+    copies = FloatCopies(decode_float_mb=256)
+    model, codec = _family(arch, bounded, copies)
+    started = copies.mirror_counts["carried"]
+    alone, batched = _alone_and_batched(model, codec, carried=True)
+    assert copies.mirror_counts["carried"] > started
+    plain, _ = _alone_and_batched(model, codec)
     for name, run in zip(("together", "staggered", "nothing carried"), batched + [plain]):
         for r, (toks, lps) in alone.items():
             assert run[r][0] == toks, (arch, name, r)
@@ -192,8 +190,8 @@ def test_logits_bit_identical_with_carried_floats(arch, bounded, row_by_row):
 
 
 @pytest.mark.parametrize("arch,bounded", _arch_params(ALL_ARCHS))
-def test_greedy_invariant(arch, bounded, decode_mirror):
-    model, codec = _family(arch, bounded)
+def test_greedy_invariant(arch, bounded, decode_mirror, float_copies):
+    model, codec = _family(arch, bounded, float_copies)
     alone, batched = _alone_and_batched(model, codec)
     worst = max(_max_rel_diff(lps, run[r][1]) for run in batched for r, (_, lps) in alone.items())
     print(arch, f"max |Δlogprob| / max |logprob|, alone vs batched: {worst:.1e}")
@@ -205,7 +203,7 @@ def test_greedy_invariant(arch, bounded, decode_mirror):
 
 @pytest.mark.parametrize("window,sinks,bounded", [
     (None, False, False), (16, False, False), (16, True, False), (16, False, True), (16, True, True)])
-def test_attention_rows_bit_identical(decode_mirror, prefill_mode, window, sinks, bounded):
+def test_attention_rows_bit_identical(decode_mirror, prefill_mode, window, sinks, bounded, float_copies):
     """Through the installed dispatcher, rows of 40, 23 and 57 cached tokens batched (left padding)
     attend bit for bit as each alone: a decode step, then a 16-token prefill chunk in which the rows
     have 5, 2 and 16 real tokens (right padding), with a sliding-window mask and attention sinks,
@@ -216,7 +214,7 @@ def test_attention_rows_bit_identical(decode_mirror, prefill_mode, window, sinks
     n_q, n_kv, D, lengths = 4, 2, 64, [40, 23, 57]
     rows = []
     for n in lengths:
-        c = Q4KVCache(window=window if bounded else None)
+        c = Q4KVCache(window=window if bounded else None, float_copies=float_copies)
         c.update_and_fetch(mx.random.normal((1, n_kv, n, D)), mx.random.normal((1, n_kv, n, D)))
         rows.append(c)
     sink = mx.random.normal((n_q,)) if sinks else None

@@ -122,6 +122,25 @@ def test_bad_fork_source_is_400(server, how):
     assert Chat("after-bad").send(server, doc_messages("x"))[0] is not None
 
 
+def test_a_fork_its_parent_does_not_allow_is_403_on_every_api(server):
+    """The parent's own setting (admin API) closes it to forks: OpenAI and Anthropic clients get 403 and
+    learn nothing of its history; reopened, the same fork reuses its prefix."""
+    import anthropic
+
+    _, _, doc_tokens = Chat("guarded").send(server, doc_messages("keep this"))
+    assert call(server, "DELETE", "/v1/agents/guarded/forkable", key=None)[0] == 200
+    assert call(server, "GET", "/v1/agents/guarded", key=None)[1]["forkable"] is False
+    with pytest.raises(openai.PermissionDeniedError, match="may not fork"):
+        Worker("peek", "guarded", "header").send(server, doc_messages("guess"))
+    claude = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0, timeout=120)
+    with pytest.raises(anthropic.PermissionDeniedError, match="may not fork"):
+        claude.messages.create(model=server.model, messages=[{"role": "user", "content": DOC}], max_tokens=4,
+                               extra_headers={"X-Agent-ID": "peek", "X-Agent-Fork-From": "guarded"})
+    assert call(server, "PUT", "/v1/agents/guarded/forkable", key=None)[0] == 200
+    _, cached, _ = Worker("peek", "guarded", "header").send(server, doc_messages("guess"))
+    assert cached >= doc_tokens - 40, server.log_tail()
+
+
 def test_three_concurrent_branches_each_reuse_their_own(server):
     base = Chat("brancher")
     base.turn(server, 0)

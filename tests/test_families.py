@@ -24,7 +24,8 @@ import pytest
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
-from vllm_mlx_persist.caches import ModelCodec, StateCache, floats
+from vllm_mlx_persist.caches import ModelCodec, StateCache
+from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache
 from vllm_mlx_persist.pool import BlockPool
@@ -101,10 +102,11 @@ def _same(a, b):
     return len(xs) == len(ys) and all(x.dtype == y.dtype and mx.array_equal(x, y).item() for x, y in zip(xs, ys))
 
 
-def test_batched_equals_per_sequence(family, decode_mirror):
+def test_batched_equals_per_sequence(family, decode_mirror, float_copies):
     """Also with the float decode mirror on (the 4-bit layers' batch caches decode on it; MLA,
     recurrent and CacheList layers are untouched), against the same per-sequence 4-bit reference."""
     arch, model, codec = family
+    codec = codec.with_float_copies(float_copies)
     prompts = [_prompt(n, s) for s, n in enumerate([40, 9, 27, 33])]
     max_tokens = [6, 9, 4, 7]
     # sequence 3 starts from a cache rebuilt by the pool (20 tokens of its prompt)
@@ -250,27 +252,23 @@ def test_decode_mirror_with_window_and_sinks(arch):
 
     model, _ = build_model(arch, SIZE, seed=0)
     install_attention_fix()
-    codec = ModelCodec.for_model(model)
     logits = {}
-    try:
-        for budget in (0, 256):
-            floats.set_decode_float_budget(budget)
-            rows = []
-            for i, n in enumerate([40, 25, 33]):
-                c = codec.make_cache()
-                _logits(model, c, _prompt(n, 20 + i))
-                rows.append(c)
-            batch = _merge_caches(rows)
-            out = []
-            for s in range(2 * WINDOW):
-                y = mx.array([[(s * 7 + b) % SIZE.vocab] for b in range(3)])
-                out.append(model(y, cache=batch)[:, -1])
-                mx.eval(out[-1])
-            q4 = [c for c in batch if isinstance(c, BatchQ4KVCache)]
-            assert q4 and all((c.float_kv() is not None) == (budget > 0) for c in q4)
-            logits[budget] = mx.stack(out)
-    finally:
-        floats.set_decode_float_budget("auto")
+    for budget in (0, 256):
+        codec = ModelCodec.for_model(model, float_copies=FloatCopies(decode_float_mb=budget))
+        rows = []
+        for i, n in enumerate([40, 25, 33]):
+            c = codec.make_cache()
+            _logits(model, c, _prompt(n, 20 + i))
+            rows.append(c)
+        batch = _merge_caches(rows)
+        out = []
+        for s in range(2 * WINDOW):
+            y = mx.array([[(s * 7 + b) % SIZE.vocab] for b in range(3)])
+            out.append(model(y, cache=batch)[:, -1])
+            mx.eval(out[-1])
+        q4 = [c for c in batch if isinstance(c, BatchQ4KVCache)]
+        assert q4 and all((c.float_kv() is not None) == (budget > 0) for c in q4)
+        logits[budget] = mx.stack(out)
     rel = (mx.abs(logits[256] - logits[0]).max() / logits[0].std()).item()
     print(arch, f"max |Δlogit| / std, mirror on vs off: {rel:.2e}")
     assert rel < 1e-4

@@ -37,7 +37,7 @@ def test_a_bad_mode_is_refused_naming_the_modes(headers, metadata):
         kv_edit.resolve_mode(_req(**metadata), headers)
 
 
-def test_the_route_carries_agent_fork_and_mode():
+def test_the_route_carries_agent_fork_and_mode(serving_backend):
     ns = vllm_mlx_cache_namespace(_req(agent_id="kid", fork_from="mom"), {"x-kv-edit": "forget"}, "/v1/chat/completions")
     assert ns == "kid\0fork:mom\0edit:forget"
     assert Route.parse(ns) == Route("kid", "mom", "forget")
@@ -50,7 +50,7 @@ def test_the_route_carries_agent_fork_and_mode():
         assert Route.parse(route.encode()) == route
 
 
-def test_a_mode_without_an_agent_is_400():
+def test_a_mode_without_an_agent_is_400(serving_backend):
     with pytest.raises(ValueError, match="needs an agent id"):
         vllm_mlx_cache_namespace(_req(), {"x-kv-edit": "forget"}, "/v1/chat/completions")
 

@@ -27,10 +27,10 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
-from vllm_mlx_persist.caches import attention, floats
+from vllm_mlx_persist.caches import ModelCodec, attention, floats
 from vllm_mlx_persist.caches.attention import install_attention_fix
-from vllm_mlx_persist.caches.floats import set_prefill_attention
-from vllm_mlx_persist.caches.kinds import UnsupportedModelError, check_model_supported
+from vllm_mlx_persist.caches.floats import FloatCopies
+from vllm_mlx_persist.caches.kinds import Q4, UnsupportedModelError, check_model_supported
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 
 VOCAB = 512
@@ -78,12 +78,12 @@ def model():
 
 
 @pytest.fixture(params=["quantized", "dequantized"])
-def attention_mode(request):
+def attention_mode(request, float_copies):
     """Run a test with prefill chunks on mlx's quantized matmuls, then on transient dequantized K/V
-    (the CPU default). Decode steps use the quantized matmuls either way."""
-    set_prefill_attention(request.param)
-    yield request.param
-    set_prefill_attention("auto")
+    (the CPU default): the mode of the test's `float_copies`. Decode steps use the quantized matmuls
+    either way."""
+    float_copies.set_prefill_attention(request.param)
+    return request.param
 
 
 def _prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -96,10 +96,10 @@ def _prefill(model, cache, tokens):
         mx.eval(model(mx.array([tokens]), cache=cache))
 
 
-def _reference(model, prompt, n, bits=4, group_size=64, cache=None):
+def _reference(model, prompt, n, bits=4, group_size=64, cache=None, float_copies=None):
     """Per-sequence greedy decode on one Q4KVCache per layer, prefilled like BatchGenerator does
     (all but the last prompt token, then one token at a time). Returns (tokens, logprobs, cache)."""
-    cache = cache if cache is not None else make_q4_prompt_cache(model, bits, group_size)
+    cache = cache if cache is not None else make_q4_prompt_cache(model, bits, group_size, float_copies=float_copies)
     _prefill(model, cache, prompt[:-1])
     tokens, logprobs, y = [], [], prompt[-1]
     for _ in range(n):
@@ -165,20 +165,22 @@ def mirror_used(monkeypatch):
     return seen
 
 
-def test_batched_matches_per_sequence(model, extend_sides, attention_mode, decode_mirror, mirror_used):
+def test_batched_matches_per_sequence(model, extend_sides, attention_mode, decode_mirror, mirror_used,
+                                      float_copies):
     """Staggered inserts, prompt lengths 3..29 (right padding), chunked prefill, a prefix-cached
     insert and per-sequence max_tokens: batched 4-bit greedy == per-sequence 4-bit greedy, with
     decode on the 4-bit matmuls and on the float decode mirror (the reference never has one)."""
+    fresh = lambda: make_q4_prompt_cache(model, float_copies=float_copies)  # noqa: E731
     prompts = _prompts(6, 3, 30, seed=1)
     max_tokens = [5, 9, 3, 12, 7, 6]
     prefix_len = 7
-    prefix_cache = make_q4_prompt_cache(model)
+    prefix_cache = fresh()
     _prefill(model, prefix_cache, prompts[4][:prefix_len])
     prefix_ref_cache = copy.deepcopy(prefix_cache)
     prefix_snapshot = [mx.array(x) for c in prefix_cache for x in c.state[0] + c.state[1]]
 
     inserts = [
-        (p, m, prefix_cache if i == 4 else make_q4_prompt_cache(model))
+        (p, m, prefix_cache if i == 4 else fresh())
         for i, (p, m) in enumerate(zip(prompts, max_tokens))
     ]
     inserts[4] = (prompts[4][prefix_len:], max_tokens[4], prefix_cache)
@@ -191,7 +193,7 @@ def test_batched_matches_per_sequence(model, extend_sides, attention_mode, decod
             suffix = prompts[4][prefix_len:]
             ref, ref_lps, _ = _reference(model, suffix, max_tokens[4], cache=prefix_ref_cache)
         else:
-            ref, ref_lps, _ = _reference(model, prompts[i], max_tokens[i])
+            ref, ref_lps, _ = _reference(model, prompts[i], max_tokens[i], float_copies=float_copies)
         tokens, lps, cache, all_tokens = out[uid]
         assert tokens == ref, f"sequence {i}"
         err = max(mx.abs(a - b).max().item() for a, b in zip(lps, ref_lps))
@@ -213,40 +215,40 @@ def test_batched_matches_per_sequence(model, extend_sides, attention_mode, decod
     assert all(mx.array_equal(a, b).item() for a, b in zip(prefix_snapshot, after))
 
 
-def test_extracted_cache_continues_like_reference(model, decode_mirror):
+def test_extracted_cache_continues_like_reference(model, decode_mirror, float_copies):
     """A second turn inserted on the cache extracted after the first equals the reference that
     keeps decoding on its own per-sequence cache."""
     p1, p2 = _prompts(2, 5, 15, seed=2)
     gen = _batch_gen(model)
-    fresh = lambda: make_q4_prompt_cache(model)
+    fresh = lambda: make_q4_prompt_cache(model, float_copies=float_copies)
     out, uids = _run(gen, {0: [(p1, 6, fresh()), (p2, 4, fresh())]})
     toks1, _, cache1, _ = out[uids[0]]
 
     turn2 = [7, 8, 9, 10]
     out2, uids2 = _run(gen, {0: [(turn2, 5, cache1), (p2, 3, fresh())]})
 
-    ref1, _, ref_cache = _reference(model, p1, 6)
+    ref1, _, ref_cache = _reference(model, p1, 6, float_copies=float_copies)
     assert toks1 == ref1
     # The reference cache holds p1 + all but the last generated token; feed that one too.
     ref2, _, _ = _reference(model, [ref1[-1]] + turn2, 5, cache=ref_cache)
     assert out2[uids2[0]][0] == ref2
 
 
-def test_gqa_batch_equals_kv_heads(model, monkeypatch, attention_mode):
+def test_gqa_batch_equals_kv_heads(model, monkeypatch, attention_mode, float_copies):
     """B == n_kv_heads == 2 with left padding matches the per-sequence reference. The batch cache
     attends one row at a time (batch invariance), so a (B, 1, L, T) mask never reaches the quantized
     SDPA and even mlx-lm 0.31's unpatched function, which mis-broadcasts it (silently wrong at
     B == n_kv_heads, `test_attention_fix_function_level`), gives the right answer here. (Decode on
     the quantized matmuls: the float decode mirror would bypass them.)"""
-    monkeypatch.setattr(floats, "_decode_float_mb", 0)
+    float_copies.set_decode_float_budget(0)
     prompts = [[5, 17, 300, 42, 8, 99, 100, 1, 2, 3, 4], [77, 3, 250]]
 
     def first_logprobs():
         gen = _batch_gen(model)
-        out, uids = _run(gen, {0: [(p, 3, make_q4_prompt_cache(model)) for p in prompts]})
+        out, uids = _run(gen, {0: [(p, 3, make_q4_prompt_cache(model, float_copies=float_copies)) for p in prompts]})
         return [out[u] for u in uids]
 
-    refs = [_reference(model, p, 3) for p in prompts]
+    refs = [_reference(model, p, 3, float_copies=float_copies) for p in prompts]
     fixed = first_logprobs()
     for (toks, lps, _, _), (rt, rlps, _) in zip(fixed, refs):
         assert toks == rt
@@ -307,19 +309,17 @@ def test_prefill_attention_modes_agree(model):
     prefix, chunk = _prompts(2, 200, 301, seed=5)
     logits = {}
     for mode in ("quantized", "dequantized", "auto"):
-        set_prefill_attention(mode)
-        cache = make_q4_prompt_cache(model)
+        cache = make_q4_prompt_cache(model, float_copies=FloatCopies(prefill_attention=mode))
         _prefill(model, cache, prefix)
         logits[mode] = model(mx.array([chunk]), cache=cache)
-    set_prefill_attention("auto")
     assert mx.abs(logits["quantized"] - logits["dequantized"]).max().item() < 1e-4
     assert mx.array_equal(logits["auto"], logits["dequantized"]).item()  # tests run on the CPU
     assert floats.DEQUANT_MIN_QUERIES > 1
-    set_prefill_attention("dequantized")
-    assert not floats.dequantize_for(1)  # decode stays on the quantized matmuls
-    set_prefill_attention("auto")
+    assert not FloatCopies(prefill_attention="dequantized").dequantize_for(1)  # decode stays on the quantized matmuls
     with pytest.raises(ValueError, match="prefill_attention"):
-        set_prefill_attention("fp16")
+        FloatCopies().set_prefill_attention("fp16")
+    with pytest.raises(ValueError, match="prefill_attention"):
+        FloatCopies(prefill_attention="fp16")
 
 
 def test_attention_fix_patch_file(tmp_path):
@@ -343,17 +343,17 @@ def test_attention_fix_patch_file(tmp_path):
 
 
 @pytest.mark.parametrize("bits,group_size", [(8, 32), (6, 64), (2, 128)])
-def test_other_formats(bits, group_size, attention_mode, decode_mirror):
+def test_other_formats(bits, group_size, attention_mode, decode_mirror, float_copies):
     """Other bit widths and group sizes batch exactly like their per-sequence reference."""
     install_attention_fix()
     model = _llama(head_dim=128, seed=1)
     prompts = _prompts(3, 4, 20, seed=bits)
     gen = _batch_gen(model, prefill_step_size=16)
     out, uids = _run(
-        gen, {0: [(p, 4, make_q4_prompt_cache(model, bits, group_size)) for p in prompts]}
+        gen, {0: [(p, 4, make_q4_prompt_cache(model, bits, group_size, float_copies=float_copies)) for p in prompts]}
     )
     for p, uid in zip(prompts, uids):
-        ref, _, _ = _reference(model, p, 4, bits, group_size)
+        ref, _, _ = _reference(model, p, 4, bits, group_size, float_copies=float_copies)
         assert out[uid][0] == ref
         assert all((c.bits, c.group_size) == (bits, group_size) for c in out[uid][2])
 
@@ -531,12 +531,12 @@ def _check_mirror(c: BatchQ4KVCache, want: bool = True):
         assert mx.array_equal(kv[1], _deq(c.values, c.size())).item()
 
 
-def _mirror_ops(budget_mb):
+def _mirror_ops(copies: FloatCopies, budget_mb):
     """Every batch-cache operation BatchGenerator uses, on random K/V (the same with any budget):
     merge, decode updates across a buffer growth, extend (with a mirrored, an unmirrored and an
     empty side), trim, filter, a right-padded chunk with prepare/finalize, deepcopy, state. Returns
-    every row's extracted cache and the mirror bytes seen after each step."""
-    floats.set_decode_float_budget(budget_mb)
+    every row's extracted cache and the mirror bytes seen after each step (all under `copies`)."""
+    copies.set_decode_float_budget(budget_mb)
     mx.random.seed(11)
     kv = lambda B, n: (mx.random.normal((B, 2, n, 64)), mx.random.normal((B, 2, n, 64)))
     on = budget_mb > 0
@@ -544,7 +544,7 @@ def _mirror_ops(budget_mb):
     def merged(lens):
         rows = []
         for n in lens:
-            c = Q4KVCache()
+            c = Q4KVCache(float_copies=copies)
             c.update_and_fetch(*kv(1, n))
             rows.append(c)
         return Q4KVCache.merge(rows)
@@ -558,7 +558,7 @@ def _mirror_ops(budget_mb):
         a.update_and_fetch(*kv(3, 1))
         if i in (0, 255, 256, 259):
             _check_mirror(a, on)
-            seen.append(floats.decode_float_bytes())
+            seen.append(copies.decode_float_bytes())
     b = merged([30, 12])
     b.update_and_fetch(*kv(2, 1))  # b has its own mirror
     a.extend(b)
@@ -566,7 +566,7 @@ def _mirror_ops(budget_mb):
     assert b.float_kv() is None  # moved into a
     a.extend(merged([60]))  # a side without a mirror is dequantized into a's
     _check_mirror(a, on)
-    empty = Q4KVCache.merge([Q4KVCache()])
+    empty = Q4KVCache.merge([Q4KVCache(float_copies=copies)])
     a.extend(empty)
     _check_mirror(a, on)
     a.update_and_fetch(*kv(7, 1))
@@ -582,34 +582,34 @@ def _mirror_ops(budget_mb):
     _check_mirror(a, on)
     a.update_and_fetch(*kv(4, 1))
     _check_mirror(a, on)
-    seen.append(floats.decode_float_bytes())
+    seen.append(copies.decode_float_bytes())
     d = copy.deepcopy(a)
     _check_mirror(d, on)  # shares a's mirror: a deep copy of an array is the same data
     d.update_and_fetch(*kv(4, 1))
     _check_mirror(d, on)
     _check_mirror(a, on)  # the copies are independent (MLX copies a shared buffer on write)
     if on:
-        floats.set_decode_float_budget(floats.decode_float_bytes() / 2**20)  # full
+        copies.set_decode_float_budget(copies.decode_float_bytes() / 2**20)  # full
         _check_mirror(copy.deepcopy(a), True)  # a deep copy allocates nothing: shared whatever the budget
         rows = [a.extract(i) for i in range(4)]
         for r in rows:
             r.floats = None  # else the merge would start the mirror from them (test_carried_floats_*)
-        refused = floats.MIRROR_COUNTS["refused"]
+        refused = copies.mirror_counts["refused"]
         d2 = Q4KVCache.merge(rows)
         d2.update_and_fetch(*kv(4, 1))
         d2.update_and_fetch(*kv(4, 1))
         _check_mirror(d2, False)  # no room: none built at its decode steps
-        assert floats.MIRROR_COUNTS["refused"] == refused + 1  # one cache refused, not one per step
+        assert copies.mirror_counts["refused"] == refused + 1  # one cache refused, not one per step
         packed = lambda c: sum(x.nbytes for x in c.keys + c.values)  # noqa: E731
         assert a.nbytes == packed(a) + a.mirror_nbytes > packed(a)  # nbytes counts the mirror
         assert d2.nbytes == packed(d2)
-        floats.set_decode_float_budget(budget_mb)
+        copies.set_decode_float_budget(budget_mb)
         d2.update_and_fetch(*kv(4, 1))
         _check_mirror(d2, True)  # room again: built
         d2.filter([])
     out = [a.extract(i) for i in range(4)] + [d.extract(i) for i in range(4)]
     assert all(type(c) is Q4KVCache and c.keys[0].dtype == mx.uint32 for c in out)
-    g = BatchQ4KVCache([0], 4, 64)
+    g = BatchQ4KVCache([0], 4, 64, float_copies=copies)
     g.update_and_fetch(*kv(1, 1))
     g.state = b.state
     _check_mirror(g, False)  # new storage: the old mirror is dropped
@@ -621,30 +621,28 @@ def _mirror_ops(budget_mb):
 def test_mirror_follows_every_op_and_storage_is_unchanged():
     """The mirror equals dequantize(packed) bit for bit after each op, and what is stored and
     extracted is bit-identical with and without it (the mirror never feeds the storage)."""
+    copies = FloatCopies()
     gc.collect()
-    base = floats.decode_float_bytes()
-    try:
-        with_mirror, seen = _mirror_ops(256)
-        without, seen_off = _mirror_ops(0)
-    finally:
-        floats.set_decode_float_budget("auto")
+    base = copies.decode_float_bytes()
+    with_mirror, seen = _mirror_ops(copies, 256)
+    without, seen_off = _mirror_ops(copies, 0)
     assert all(n > base for n in seen) and all(n == base for n in seen_off)
     assert seen[0] == seen[1] < seen[2] == seen[3]  # the growth was accounted
     for x, y in zip(with_mirror, without):
         assert x.offset == y.offset
         assert all(mx.array_equal(p, q).item() for p, q in zip(x.keys + x.values, y.keys + y.values))
     gc.collect()
-    assert floats.decode_float_bytes() == base  # filtered to nothing / freed: nothing held
+    assert copies.decode_float_bytes() == base  # filtered to nothing / freed: nothing held
 
 
-def _teacher_forced(model, lens, steps, budget_mb, seed=0):
-    """Batched decode of fixed tokens (the same inputs whatever the logits) on merged 4-bit rows;
-    returns the logits per step, the peak mirror bytes and the batch caches."""
-    floats.set_decode_float_budget(budget_mb)
+def _teacher_forced(model, lens, steps, copies: FloatCopies, seed=0):
+    """Batched decode of fixed tokens (the same inputs whatever the logits) on merged 4-bit rows
+    under `copies` (its decode budget); returns the logits per step, the peak mirror bytes and the
+    batch caches."""
     rows = []
     rng = random.Random(seed)
     for n in lens:
-        c = make_q4_prompt_cache(model)
+        c = make_q4_prompt_cache(model, float_copies=copies)
         _prefill(model, c, [rng.randrange(VOCAB) for _ in range(n)])
         rows.append(c)
     batch = [BatchQ4KVCache.merge([r[l] for r in rows]) for l in range(len(model.layers))]
@@ -653,7 +651,7 @@ def _teacher_forced(model, lens, steps, budget_mb, seed=0):
         y = mx.array([[(s * 7 + b) % VOCAB] for b in range(len(lens))])
         logits.append(model(y, cache=batch)[:, -1])
         mx.eval(logits[-1])
-        peak = max(peak, floats.decode_float_bytes())
+        peak = max(peak, copies.decode_float_bytes())
     return mx.stack(logits), peak, batch
 
 
@@ -662,12 +660,9 @@ def test_mirror_logits_match_quantized_decode(model):
     steps across the 256-token buffer growth. Same K/V values, so the only difference is float32
     rounding order (the fused float kernel vs quantized_matmul's on-the-fly dequantization, each
     ~1e-7 relative), carried through 2 layers: measured 4e-6 of the logit std; asserted 1e-4."""
-    try:
-        off, peak_off, _ = _teacher_forced(model, [245, 230, 180], 20, 0)
-        on, peak_on, batch = _teacher_forced(model, [245, 230, 180], 20, 256)
-        assert all(c.float_kv() is not None for c in batch)
-    finally:
-        floats.set_decode_float_budget("auto")
+    off, peak_off, _ = _teacher_forced(model, [245, 230, 180], 20, FloatCopies(decode_float_mb=0))
+    on, peak_on, batch = _teacher_forced(model, [245, 230, 180], 20, FloatCopies(decode_float_mb=256))
+    assert all(c.float_kv() is not None for c in batch)
     rel = (mx.abs(on - off).max() / off.std()).item()
     print(f"max |Δlogit| / std, mirror on vs off: {rel:.2e}")
     assert rel < 1e-4
@@ -688,32 +683,30 @@ def test_a_returning_turn_dequantizes_once(model):
     new = [rng.randrange(VOCAB) for _ in range(12)]
 
     def turn(chunk_budget_mb: float):
-        cache = make_q4_prompt_cache(model)
+        copies = FloatCopies()
+        cache = make_q4_prompt_cache(model, float_copies=copies)
         _prefill(model, cache, history)
         batch = [BatchQ4KVCache.merge([c]) for c in cache]
-        builds = floats.MIRROR_COUNTS["builds"]
-        floats.set_decode_float_budget(chunk_budget_mb)
+        builds = copies.mirror_counts["builds"]
+        copies.set_decode_float_budget(chunk_budget_mb)
         logits = [model(mx.array([new]), cache=batch)[:, -1]]
-        in_chunk = floats.MIRROR_COUNTS["builds"] - builds
-        floats.set_decode_float_budget(256)
+        in_chunk = copies.mirror_counts["builds"] - builds
+        copies.set_decode_float_budget(256)
         for y in (3, 5, 7):
             logits.append(model(mx.array([[y]]), cache=batch)[:, -1])
         mx.eval(logits)
         assert all(c.float_kv() is not None for c in batch)
-        return logits, in_chunk, floats.MIRROR_COUNTS["builds"] - builds
+        return logits, in_chunk, copies.mirror_counts["builds"] - builds
 
-    try:
-        logits, in_chunk, total = turn(256)
-        ref, ref_in_chunk, ref_total = turn(0)
-    finally:
-        floats.set_decode_float_budget("auto")
+    logits, in_chunk, total = turn(256)
+    ref, ref_in_chunk, ref_total = turn(0)
     n = len(model.layers)
     assert (in_chunk, total) == (n, n)  # built by the chunk, kept by the decode steps
     assert (ref_in_chunk, ref_total) == (0, n)  # built again by the first decode step
     assert all(mx.array_equal(a, b).item() for a, b in zip(logits, ref))
     # A full-size chunk of a long prompt attends on a transient copy: no mirror held through a
     # cold prefill (the chunks after it would keep a float copy of the whole history).
-    batch = [BatchQ4KVCache.merge([c]) for c in make_q4_prompt_cache(model)]
+    batch = [BatchQ4KVCache.merge([c]) for c in make_q4_prompt_cache(model, float_copies=FloatCopies())]
     model(mx.array([[1] * floats.MIRROR_PREFILL_MAX_QUERIES]), cache=batch)
     assert all(c.float_kv() is None for c in batch)
 
@@ -722,64 +715,123 @@ def test_mirror_budget_bounds_and_drops(model):
     """A budget too small for any mirror: none is built, decode is on the 4-bit matmuls and still
     equals the per-sequence reference. A budget that fits the first mirror but not its growth: the
     mirror is dropped at the growth (the batch goes on on 4-bit), and the bytes never exceed it."""
+    copies = FloatCopies()
     gc.collect()
-    base = floats.decode_float_bytes()
-    try:
-        floats.set_decode_float_budget(0.01)  # 10 KB
-        prompts = _prompts(3, 5, 20, seed=4)
-        gen = _batch_gen(model)
-        out, uids = _run(gen, {0: [(p, 6, make_q4_prompt_cache(model)) for p in prompts]})
-        assert floats.decode_float_bytes() == base
-        for p, u in zip(prompts, uids):
-            assert out[u][0] == _reference(model, p, 6)[0]
+    base = copies.decode_float_bytes()
+    copies.set_decode_float_budget(0.01)  # 10 KB
+    prompts = _prompts(3, 5, 20, seed=4)
+    gen = _batch_gen(model)
+    out, uids = _run(gen, {0: [(p, 6, make_q4_prompt_cache(model, float_copies=copies)) for p in prompts]})
+    assert copies.decode_float_bytes() == base
+    for p, u in zip(prompts, uids):
+        assert out[u][0] == _reference(model, p, 6, float_copies=copies)[0]
 
-        # 3 rows at capacity 245 + 256 = 501 tokens: 1.47 MB per layer; growing to 757 needs 2.22 MB.
-        # 3.5 MB fits both layers' mirrors, not layer 0's growth (3.69 MB): layer 0 drops its mirror,
-        # which leaves room for layer 1's growth (2.22 MB).
-        _, peak, batch = _teacher_forced(model, [245, 230, 180], 4, 3.5)
-        assert all(c.float_kv() is not None for c in batch) and peak <= 3.5 * 2**20
-        y = mx.zeros((3, 1), dtype=mx.int32)
-        for _ in range(260):
-            mx.eval(model(y, cache=batch))
-            assert floats.decode_float_bytes() - base <= 3.5 * 2**20
-        assert batch[0].float_kv() is None and batch[1].float_kv() is not None
-        _check_mirror(batch[1])
-        assert batch[0].size() == 245 + 4 + 260
-    finally:
-        floats.set_decode_float_budget("auto")
+    # 3 rows at capacity 245 + 256 = 501 tokens: 1.47 MB per layer; growing to 757 needs 2.22 MB.
+    # 3.5 MB fits both layers' mirrors, not layer 0's growth (3.69 MB): layer 0 drops its mirror,
+    # which leaves room for layer 1's growth (2.22 MB).
+    copies.set_decode_float_budget(3.5)
+    _, peak, batch = _teacher_forced(model, [245, 230, 180], 4, copies)
+    assert all(c.float_kv() is not None for c in batch) and peak <= 3.5 * 2**20
+    y = mx.zeros((3, 1), dtype=mx.int32)
+    for _ in range(260):
+        mx.eval(model(y, cache=batch))
+        assert copies.decode_float_bytes() - base <= 3.5 * 2**20
+    assert batch[0].float_kv() is None and batch[1].float_kv() is not None
+    _check_mirror(batch[1])
+    assert batch[0].size() == 245 + 4 + 260
     with pytest.raises(ValueError, match="decode_float_mb"):
-        floats.set_decode_float_budget(-1)
+        copies.set_decode_float_budget(-1)
     with pytest.raises(ValueError, match="decode_float_mb"):
-        floats.set_decode_float_budget("fast")
-    assert floats.decode_float_budget_bytes() == floats.DECODE_FLOAT_AUTO_MB * 2**20  # CPU default
+        copies.set_decode_float_budget("fast")
+    with pytest.raises(ValueError, match="decode_float_mb"):
+        FloatCopies(decode_float_mb=-1)
+    assert FloatCopies().decode_float_budget_bytes() == floats.DECODE_FLOAT_AUTO_MB * 2**20  # CPU default
+    assert floats.DEFAULT.decode_float_budget_bytes() == floats.DECODE_FLOAT_AUTO_MB * 2**20
     del batch
     gc.collect()
-    assert floats.decode_float_bytes() == base
+    assert copies.decode_float_bytes() == base
 
 
 def test_mirror_accounting_returns_to_zero(model):
     """Through mlx-lm's BatchGenerator (extract of each finished row, filter, and the batch list
     cleared when the last one finishes): the mirror bytes go back to where they started."""
+    copies = FloatCopies(decode_float_mb=256)
+    fresh = lambda: make_q4_prompt_cache(model, float_copies=copies)  # noqa: E731
     gc.collect()
-    base = floats.decode_float_bytes()
-    try:
-        floats.set_decode_float_budget(256)
-        gen = _batch_gen(model)
-        peak = []
-        orig_next = gen.next
+    base = copies.decode_float_bytes()
+    gen = _batch_gen(model)
+    peak = []
+    orig_next = gen.next
 
-        def next_():
-            r = orig_next()
-            peak.append(floats.decode_float_bytes() - base)
-            return r
+    def next_():
+        r = orig_next()
+        peak.append(copies.decode_float_bytes() - base)
+        return r
 
-        gen.next = next_
-        prompts = _prompts(4, 5, 40, seed=6)
-        out, uids = _run(gen, {0: [(p, m, make_q4_prompt_cache(model)) for p, m in zip(prompts[:2], (4, 9))],
-                               2: [(p, m, make_q4_prompt_cache(model)) for p, m in zip(prompts[2:], (3, 5))]})
-        assert max(peak) > 0
-        assert all(isinstance(c, Q4KVCache) for u in uids for c in out[u][2])
-    finally:
-        floats.set_decode_float_budget("auto")
+    gen.next = next_
+    prompts = _prompts(4, 5, 40, seed=6)
+    out, uids = _run(gen, {0: [(p, m, fresh()) for p, m in zip(prompts[:2], (4, 9))],
+                           2: [(p, m, fresh()) for p, m in zip(prompts[2:], (3, 5))]})
+    assert max(peak) > 0
+    assert all(isinstance(c, Q4KVCache) for u in uids for c in out[u][2])
     gc.collect()
-    assert floats.decode_float_bytes() == base
+    assert copies.decode_float_bytes() == base
+
+
+def test_two_float_copies_are_independent():
+    """Caches under two `FloatCopies` share no budget, registry or counter: one's decode budget
+    full does not refuse the other's mirror, one's carried copies do not evict the other's. A batch
+    keeps its rows' object through extend, extract and deepcopy; caches under different ones do not
+    batch; a codec hands its own to every cache; `floats.DEFAULT`'s settings cannot be changed."""
+    mx.random.seed(2)
+    kv = lambda B, n: (mx.random.normal((B, 2, n, 64)), mx.random.normal((B, 2, n, 64)))  # noqa: E731
+
+    def decoding(copies: FloatCopies) -> BatchQ4KVCache:
+        rows = []
+        for n in (100, 60):
+            c = Q4KVCache(float_copies=copies)
+            c.update_and_fetch(*kv(1, n))
+            rows.append(c)
+        batch = Q4KVCache.merge(rows)
+        batch.update_and_fetch(*kv(2, 1))  # a decode step: builds the mirror if it fits
+        return batch
+
+    one, other = FloatCopies(decode_float_mb=256), FloatCopies(decode_float_mb=256)
+    a = decoding(one)
+    _check_mirror(a)
+    one.set_decode_float_budget(one.decode_float_bytes() / 2**20)  # full
+    _check_mirror(decoding(one), False)
+    b = decoding(other)
+    _check_mirror(b)  # the other's budget is its own
+    assert one.decode_float_bytes() == a.mirror_nbytes and other.decode_float_bytes() == b.mirror_nbytes
+    assert one.mirror_counts == {"builds": 1, "carried": 0, "refused": 1}
+    assert other.mirror_counts == {"builds": 1, "carried": 0, "refused": 0}
+
+    assert a.float_copies is one and a.extract(0).float_copies is one
+    assert copy.deepcopy(a).float_copies is one and copy.deepcopy(Q4KVCache(float_copies=one)).float_copies is one
+    with pytest.raises(ValueError, match="FloatCopies"):
+        Q4KVCache.merge([Q4KVCache(float_copies=one), Q4KVCache(float_copies=other)])
+    with pytest.raises(ValueError, match="FloatCopies"):
+        a.extend(b)
+
+    mib = lambda: {0: (mx.zeros((1, 2, 1024, 64)), mx.zeros((1, 2, 1024, 64)))}  # noqa: E731 - 1 MiB
+    one.set_carry_float_budget(1)
+    other.set_carry_float_budget(1)
+    x, y = one.carry_floats(mib(), 1024), other.carry_floats(mib(), 1024)
+    assert x.layers is not None and y.layers is not None  # each within its own 1 MiB
+    assert one.carry_float_bytes() == other.carry_float_bytes() == 1 << 20
+    z = one.carry_floats(mib(), 1024)
+    assert x.layers is None and y.layers is not None and z.layers is not None  # `one` evicted its own
+    assert (one.carry_counts["evicted"], other.carry_counts["evicted"]) == (1, 0)
+
+    codec = ModelCodec([Q4, Q4], float_copies=other)
+    assert all(c.float_copies is other for c in codec.make_cache())
+    own = ModelCodec([Q4, Q4])
+    assert own.float_copies not in (one, other, floats.DEFAULT)
+    assert all(c.float_copies is own.float_copies for c in own.make_cache())
+    assert all(c.float_copies is one for c in own.with_float_copies(one).make_cache())
+    assert Q4KVCache().float_copies is floats.DEFAULT and BatchQ4KVCache([0]).float_copies is floats.DEFAULT
+    with pytest.raises(RuntimeError, match="DEFAULT"):
+        floats.DEFAULT.set_decode_float_budget(0)
+    with pytest.raises(RuntimeError, match="DEFAULT"):
+        floats.DEFAULT.set_prefill_attention("quantized")

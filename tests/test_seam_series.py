@@ -24,11 +24,9 @@ import anthropic
 import openai
 import pytest
 
-from vllm_mlx_persist import patcher
 from vllm_mlx_persist.tools.serving import Server
+from vllm_mlx_persist.tools.upstream import make_tree
 
-SPEC = patcher.VLLM_MLX
-SERIES = {p.name[:4]: p for p in patcher.read_series(patcher.patches_dir() / SPEC.path)}
 RECORDER = Path(__file__).with_name("seam_recorder.py")
 # Imported first by the server's Python (it is first on PYTHONPATH): hides the plugins that other
 # installed distributions register (persist_q4), so that the server sees the recorder's hooks only.
@@ -58,15 +56,7 @@ def make_site(tmp_path: Path, numbers: tuple[str, ...], plugins: Optional[dict[s
     (in series order; each hunk's exact context is matched where it is, since the patches between
     are absent), the recorder plugin with its entry point, and `plugins` ({module name: source}),
     more plugin modules registered next to it."""
-    site = tmp_path / "site"
-    shutil.copytree(patcher.find_root(SPEC) / SPEC.package, site / SPEC.package,
-                    ignore=shutil.ignore_patterns("__pycache__"))
-    assert patcher.run("revert", site, specs=[SPEC]) == 0  # the installed copy may carry the series
-    for number in sorted(numbers):
-        for fd in SERIES[number].diffs:
-            path = site / fd.path
-            before = path.read_text() if path.exists() else None
-            patcher._write_atomic(path, patcher.apply_hunks(before, fd, offsets=True))
+    site = make_tree(tmp_path / "site", numbers)
     shutil.copy(RECORDER, site / RECORDER.name)
     modules = {"recorder": RECORDER.stem}
     for module, source in (plugins or {}).items():
@@ -404,7 +394,8 @@ def test_namespace_reaches_the_backend_from_every_route(tmp_path, model, started
     resolved = [(e["endpoint"], e["ns"]) for e in s.events() if e["event"] == "namespace"]
     assert resolved == [(ep, ns) for ep, ns in expected if ns not in ("bob", "dave", None)], resolved
 
-    # the resolver's ValueError is a 400 in each API's error shape, and nothing is queued
+    # the resolver's ValueError is a 400 and its PermissionError a 403 in each API's error shape, and
+    # nothing is queued
     mark = len(s.events())
     code, body = s.post("/v1/chat/completions", {"model": s.srv.model, "messages": msgs, "max_tokens": 4},
                         {"X-Test-Namespace": "bad"})
@@ -412,6 +403,12 @@ def test_namespace_reaches_the_backend_from_every_route(tmp_path, model, started
     code, body = s.post("/v1/messages", {"model": s.srv.model, "messages": msgs, "max_tokens": 4},
                         {"X-Test-Namespace": "bad"})
     assert code == 400 and body["type"] == "error" and body["error"]["type"] == "invalid_request_error", body
+    code, body = s.post("/v1/completions", {"model": s.srv.model, "prompt": text(18), "max_tokens": 4},
+                        {"X-Test-Namespace": "secret"})
+    assert code == 403 and body["error"]["type"] == "PermissionDeniedError" and "forbids" in body["error"]["message"]
+    code, body = s.post("/v1/messages", {"model": s.srv.model, "messages": msgs, "max_tokens": 4},
+                        {"X-Test-Namespace": "secret"})
+    assert code == 403 and body["error"]["type"] == "permission_error", body
     assert not [e for e in s.events(mark) if e["event"] == "fetch"]
 
 

@@ -29,7 +29,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.generate import BatchGenerator
 
-from vllm_mlx_persist.caches import ModelCodec, floats
+from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.codec import WIN_FROM
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache
@@ -166,12 +167,13 @@ def _generate(model, codec, prompts, max_tokens, step, schedule) -> dict:
     return {i: (toks[i], caches[i], mx.stack(lps[i])) for i in caches}
 
 
-def test_batched_storage_bounded(family, decode_mirror, monkeypatch):
+def test_batched_storage_bounded(family, decode_mirror, monkeypatch, float_copies):
     """Through BatchGenerator (staggered inserts, right-padded chunks of 24 > window, left-padded
     decode, rows finishing first): every update of a window batch cache leaves it within bounds;
     the answers equal the linear caches' and the per-sequence loop's; each extracted cache holds
     its row's last tokens, byte for byte the linear run's, and says which."""
     arch, model, linear, bounded = family
+    linear, bounded = linear.with_float_copies(float_copies), bounded.with_float_copies(float_copies)
     prompts = [_tokens(n, 10 + n) for n in (70, 41, 23, 90)]
     max_tokens = [40, 25, 50, 30]
     schedule = [0, 0, 3, 9]
@@ -237,15 +239,16 @@ def _check_mirror(c: BatchQ4KVCache, on: bool) -> None:
 def _contract(budget_mb: float) -> list:
     """merge (different lengths and starts) / decode across drops / extend (an empty side, a side
     with its own mirror, one without) / trim / filter / a right-padded chunk longer than the window
-    in which one row ends early / deepcopy / state, each checked against what the rows were fed."""
-    floats.set_decode_float_budget(budget_mb)
+    in which one row ends early / deepcopy / state, each checked against what the rows were fed,
+    on caches under a decode budget of `budget_mb`."""
+    copies = FloatCopies(decode_float_mb=budget_mb)
     on = budget_mb > 0
     mx.random.seed(5)
     rows = Rows()
     kv = lambda B, n: (mx.random.normal((B, 2, n, 64)), mx.random.normal((B, 2, n, 64)))
 
     def single(row: int, chunks: list[int]) -> Q4KVCache:
-        c = Q4KVCache(window=WINDOW)
+        c = Q4KVCache(window=WINDOW, float_copies=copies)
         for n in chunks:
             k, v = kv(1, n)
             c.update_and_fetch(k, v)
@@ -283,7 +286,7 @@ def _contract(budget_mb: float) -> list:
     a.extend(Q4KVCache.merge([single(5, [33])]))  # no mirror: dequantized into a's
     ids += [5]
     _check_mirror(a, on)
-    empty = Q4KVCache.merge([Q4KVCache(window=WINDOW)])
+    empty = Q4KVCache.merge([Q4KVCache(window=WINDOW, float_copies=copies)])
     a.extend(empty)
     ids += [6]
     for _ in range(3):
@@ -344,11 +347,8 @@ def test_batch_contract_with_window():
     """What every row holds after each batch operation is exactly its last tokens (quantized as
     fed) from `start` on, at least its window; the mirror follows bit for bit; what is extracted is
     bit-identical with and without the mirror."""
-    try:
-        with_mirror = _contract(256)
-        without = _contract(0)
-    finally:
-        floats.set_decode_float_budget("auto")
+    with_mirror = _contract(256)
+    without = _contract(0)
     for x, y in zip(with_mirror, without):
         assert (x.offset, x.start) == (y.offset, y.start)
         assert all(mx.array_equal(p, q).item() for p, q in zip(x.keys + x.values, y.keys + y.values))

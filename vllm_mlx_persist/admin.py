@@ -82,36 +82,30 @@ def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
             return _error(404, f"no agent {agent_id!r}")
         return {"id": agent_id, "deleted": True}
 
-    async def pin(agent_id: str, pinned: bool):
+    async def setting(agent_id: str, name: str, value: bool):
+        """Set one of the agent's settings (`pinned`: pool.set_pinned; `forkable`: pool.set_forkable)."""
         pool, err = agent_and_pool(agent_id)
         if err:
             return err
-        if not await asyncio.to_thread(pool.set_pinned, agent_id, pinned):
+        setter = pool.set_pinned if name == "pinned" else pool.set_forkable
+        if not await asyncio.to_thread(setter, agent_id, value):
             return _error(404, f"no agent {agent_id!r}")
-        return {"id": agent_id, "pinned": pinned}
-
-    async def forkable(agent_id: str, value: bool):
-        pool, err = agent_and_pool(agent_id)
-        if err:
-            return err
-        if not await asyncio.to_thread(pool.set_forkable, agent_id, value):
-            return _error(404, f"no agent {agent_id!r}")
-        return {"id": agent_id, "forkable": value}
-
-    @router.put("/v1/agents/{agent_id}/forkable")
-    async def allow_forks(agent_id: str):
-        return await forkable(agent_id, True)
-
-    @router.delete("/v1/agents/{agent_id}/forkable")
-    async def refuse_forks(agent_id: str):
-        return await forkable(agent_id, False)
+        return {"id": agent_id, name: value}
 
     @router.put("/v1/agents/{agent_id}/pin")
     async def pin_agent(agent_id: str):
-        return await pin(agent_id, True)
+        return await setting(agent_id, "pinned", True)
 
     @router.delete("/v1/agents/{agent_id}/pin")
     async def unpin_agent(agent_id: str):
-        return await pin(agent_id, False)
+        return await setting(agent_id, "pinned", False)
+
+    @router.put("/v1/agents/{agent_id}/forkable")
+    async def allow_forks(agent_id: str):
+        return await setting(agent_id, "forkable", True)
+
+    @router.delete("/v1/agents/{agent_id}/forkable")
+    async def refuse_forks(agent_id: str):
+        return await setting(agent_id, "forkable", False)
 
     return router

@@ -20,17 +20,7 @@ from typing import Any, Callable, Optional
 from .cache_root import CacheDirLock
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
-from .caches.floats import (
-    CARRY_COUNTS,
-    MIRROR_COUNTS,
-    carry_float_budget_bytes,
-    carry_float_bytes,
-    decode_float_budget_bytes,
-    decode_float_bytes,
-    set_carry_float_budget,
-    set_decode_float_budget,
-    set_prefill_attention,
-)
+from .caches.floats import FloatCopies
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
@@ -65,7 +55,11 @@ def prefill_one_prompt_per_call(config: Any) -> None:
 
 
 class PersistQ4Backend:
-    """Per-agent persistent 4-bit prefix cache for vllm-mlx's continuous-batching scheduler."""
+    """Per-agent persistent 4-bit prefix cache for vllm-mlx's continuous-batching scheduler.
+
+    Owns the budgets of the float copies its 4-bit caches attend on (`float_copies`, built from the
+    options prefill_attention, decode_float_mb and carry_float_mb), which its codec hands to every
+    cache it makes; get_stats reads their byte counts and counters."""
 
     def __init__(self, *, model: Any, tokenizer: Any, config: Any = None, options: Optional[dict] = None):
         try:
@@ -76,15 +70,15 @@ class PersistQ4Backend:
                 from .fleet import FleetSettings
 
                 self.fleet_settings = FleetSettings.from_options(opts)
+            # The float copies the 4-bit caches attend on: their prefill mode and budgets, for every
+            # cache the codec makes; get_stats reads their byte counts (HTTP thread).
+            self.float_copies = FloatCopies(opts["prefill_attention"], opts["decode_float_mb"], opts["carry_float_mb"])
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True,
-                                              latent_bits=opts["latent_bits"])
+                                              latent_bits=opts["latent_bits"], float_copies=self.float_copies)
         except ValueError as e:
             raise refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
-        set_prefill_attention(opts["prefill_attention"])
-        set_decode_float_budget(opts["decode_float_mb"])
-        set_carry_float_budget(opts["carry_float_mb"])
         if not opts["batch_prefill"]:
             prefill_one_prompt_per_call(config)
         self.model, self.tokenizer, self.opts = model, tokenizer, opts
@@ -162,7 +156,8 @@ class PersistQ4Backend:
                 "persist_q4: %d-bit KV, group %d, blocks of %d tokens, hot tier %.0f MB, prefill attention %s, "
                 "float decode mirror %.0f MB, carried floats %.0f MB, dir %s (model %s)",
                 self.bits, self.group_size, opts["block_size"], opts["hot_mb"], opts["prefill_attention"],
-                decode_float_budget_bytes() / 2**20, carry_float_budget_bytes() / 2**20,
+                self.float_copies.decode_float_budget_bytes() / 2**20,
+                self.float_copies.carry_float_budget_bytes() / 2**20,
                 store.model_dir if store else "none", self.fingerprint[:16],
             )
         return self._pool
@@ -299,13 +294,16 @@ class PersistQ4Backend:
             return {"backend": "persist_q4", **warm}
         disk = {"disk_tier": "disabled", "disk_error": self.disk_error} if self.disk_error else {"disk_tier": "on"}
         # "health" is what the seam copies into /health (as "cache_backend"): small, O(1).
+        fc = self.float_copies
+        mirrors = fc.mirror_counts
         out = {"backend": "persist_q4", "fingerprint": self.fingerprint[:16], **disk,
                "health": {"backend": "persist_q4", **disk}, **self._pool.snapshot(), **warm,
-               "decode_float_bytes": decode_float_bytes(), "decode_float_budget_bytes": decode_float_budget_bytes(),
-               "decode_float_builds": MIRROR_COUNTS["builds"], "decode_float_refused": MIRROR_COUNTS["refused"],
-               "decode_float_from_carry": MIRROR_COUNTS["carried"], "carry_float_bytes": carry_float_bytes(),
-               "carry_float_budget_bytes": carry_float_budget_bytes(),
-               **{f"carry_float_{k}": v for k, v in CARRY_COUNTS.items()}}
+               "decode_float_bytes": fc.decode_float_bytes(),
+               "decode_float_budget_bytes": fc.decode_float_budget_bytes(),
+               "decode_float_builds": mirrors["builds"], "decode_float_refused": mirrors["refused"],
+               "decode_float_from_carry": mirrors["carried"], "carry_float_bytes": fc.carry_float_bytes(),
+               "carry_float_budget_bytes": fc.carry_float_budget_bytes(),
+               **{f"carry_float_{k}": v for k, v in fc.carry_counts.items()}}
         if self.fleet is not None:
             out["remote"] = self.fleet.stats()
         return out

@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--check", action="store_true", help="only report whether the series is applied")
     mode.add_argument("--revert", action="store_true", help="restore the pristine vllm-mlx files")
     mode.add_argument("--stat", action="store_true", help="list the patches with the lines each adds and removes")
+    mode.add_argument("--upstream-tests", nargs=argparse.REMAINDER, metavar="ARGS",
+                      help="run vllm-mlx's own test suite on pristine and patched copies (the installed one is "
+                           "left alone) and list every test the seam breaks; ARGS: see --upstream-tests --help")
 
     m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
     m.add_argument("out_dir")
@@ -54,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if args.stat:
             return patcher.stat()
+        if args.upstream_tests is not None:
+            from .tools import upstream_tests
+
+            return upstream_tests.main(args.upstream_tests)
         return patcher.run("check" if args.check else "revert" if args.revert else "apply")
     if args.command == "make-model":
         from .tools.models import build_model_dir

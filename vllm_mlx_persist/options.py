@@ -28,7 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "disk_mb": 16384.0,  # disk-tier budget for the whole cache root (see docs/operations.md)
     "ttl_hours": None,  # erase agents unused for this long (None: never)
     "write_timeout_s": 30.0,  # longest a turn waits for its write (a hung disk); then it goes on uncached
-    "prefill_attention": "auto",  # see caches.floats.set_prefill_attention
+    "prefill_attention": "auto",  # see caches.floats.FloatCopies.set_prefill_attention
     "decode_float_mb": "auto",  # float decode mirror budget, MB (auto: 1024 on a CPU, 0 on a GPU)
     "carry_float_mb": "auto",  # float copies carried to agents' next turns, MB (auto: 1024 on a CPU, 0 on a GPU)
     "batch_prefill": False,  # prefill several prompts in one model call (vllm-mlx's default; see backend.py)

@@ -114,7 +114,12 @@ class ForkRefused(PermissionError):
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
     """A request's route (agent id, fork parent, edit mode) as the one string vllm-mlx carries;
-    ValueError (HTTP 400) for a malformed one, PermissionError (HTTP 403) for a fork not allowed."""
+    ValueError (HTTP 400) for a malformed one, PermissionError (HTTP 403) for a fork not allowed. None,
+    without reading the request, unless persist_q4 is the backend serving in this process: vllm-mlx
+    calls every plugin's hook, whichever backend --cache-backend selected."""
+    backends = [b for b in list(_LIVE_BACKENDS) if not getattr(b, "closed", False)]
+    if not backends:
+        return None
     agent_id = resolve_agent_id(request, headers)
     parent = resolve_fork_from(request, headers)
     if parent is not None and agent_id is None:
@@ -128,7 +133,6 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
                          "(X-Agent-ID, metadata.agent_id or prompt_cache_key): it edits that agent's history")
     if agent_id is None:
         return None
-    backends = [b for b in list(_LIVE_BACKENDS) if not getattr(b, "closed", False)]
     if parent is not None and any(not b.may_fork(parent) for b in backends):
         # Refused before any lookup, the same way for an unknown parent: nothing about the parent's
         # history (or existence) reaches the client, through cached_tokens or otherwise.

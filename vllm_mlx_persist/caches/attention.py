@@ -2,10 +2,11 @@
 
 Models pick mlx-lm's quantized attention path by duck typing (`hasattr(cache, "bits")`), which has
 a mask-broadcasting bug under grouped-query attention with a batched mask and takes no attention
-sinks; `install_attention_fix` replaces it with ours (see patches/README.md), which also, on the
-CPU, runs chunks of many queries (prefill) through the fast SDPA on a transient dequantized copy of
-the layer's K/V (`floats.set_prefill_attention`). Attention on a `BatchQ4KVCache` runs row by row on each row's
-own keys (`batch_attention`), on its float decode mirror when it has one, so a sequence's logits are
+sinks; `install_attention_fix` replaces it with ours (see patches/README.md). Its dispatcher also,
+on the CPU, runs chunks of many queries (prefill) through the fast SDPA on a transient dequantized
+copy of the layer's K/V, as the cache's `FloatCopies` says (`float_copies.dequantize_for`, the
+prefill attention mode). Attention on a `BatchQ4KVCache` runs row by row on each row's own keys
+(`batch_attention`), on its float decode mirror when it has one, so a sequence's logits are
 bit-identical alone and batched, whatever its companions.
 
 Owns nothing but the functions it installs into mlx-lm's modules (module globals there, rebound once
@@ -20,7 +21,7 @@ from typing import Any, Optional
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
-from .floats import DEQUANT_MIN_QUERIES, decode_float_budget_bytes, dequantize_for
+from .floats import DEFAULT, DEQUANT_MIN_QUERIES
 from .q4 import BatchQ4KVCache, QTuple
 
 
@@ -68,6 +69,10 @@ def _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, 
 
 
 def _make_fixed(original):
+    """mlx-lm's quantized SDPA, replaced: always ours, not mlx-lm's: it takes sinks and per-head
+    masks (mlx-lm 0.32 still mis-broadcasts those), fixes 0.31's batched GQA mask, and is faster on
+    the CPU. Whether a chunk runs on dequantized K/V instead is the dispatcher's call (it has the cache)."""
+
     def quantized_scaled_dot_product_attention(
         queries: mx.array,
         q_keys: tuple[mx.array, mx.array, mx.array],
@@ -78,14 +83,6 @@ def _make_fixed(original):
         bits: int = 8,
         sinks: Optional[mx.array] = None,
     ) -> mx.array:
-        if dequantize_for(queries.shape[2]):
-            keys = mx.dequantize(*q_keys, group_size=group_size, bits=bits)
-            values = mx.dequantize(*q_values, group_size=group_size, bits=bits)
-            return mx.fast.scaled_dot_product_attention(
-                queries, keys, values, scale=scale, mask=mask, sinks=sinks
-            )
-        # Always ours, not mlx-lm's: it takes sinks and per-head masks (mlx-lm 0.32 still
-        # mis-broadcasts those), fixes 0.31's batched GQA mask, and is faster on the CPU.
         return _sdpa_with_sinks(queries, q_keys, q_values, scale, mask, sinks, group_size, bits)
 
     quantized_scaled_dot_product_attention._vllm_mlx_persist_original = original
@@ -114,8 +111,9 @@ def _attend_row(queries, keys: QTuple, values: QTuple, mirror, cache: "BatchQ4KV
     decode-sized rows when there is a mirror, or would be one (`n_batch` too long to build it);
     else mlx's quantized matmuls."""
     n = queries.shape[2]
-    use_float = dequantize_for(n) or (n < DEQUANT_MIN_QUERIES and (
-        mirror is not None or (n_batch >= DEQUANT_MIN_QUERIES and decode_float_budget_bytes() > 0)))
+    copies = cache.float_copies
+    use_float = copies.dequantize_for(n) or (n < DEQUANT_MIN_QUERIES and (
+        mirror is not None or (n_batch >= DEQUANT_MIN_QUERIES and copies.decode_float_budget_bytes() > 0)))
     if not use_float:
         kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
         return _mlx_base.quantized_scaled_dot_product_attention(
@@ -169,13 +167,20 @@ def batch_attention(queries: mx.array, keys: QTuple, values: QTuple, cache: "Bat
 
 def _make_dispatcher(original):
     """base.scaled_dot_product_attention, with quantized caches going to our quantized SDPA, which
-    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), and batch caches to
-    `batch_attention` (per row, on the float decode mirror when there is one)."""
+    takes sinks (mlx-lm's dispatcher raises for sinks on a quantized cache), or, for a chunk the
+    cache's `FloatCopies` dequantizes (prefill on the CPU), to the float SDPA on a transient
+    dequantized copy; and batch caches to `batch_attention` (per row, on the float decode mirror
+    when there is one)."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         if isinstance(cache, BatchQ4KVCache):
             return batch_attention(queries, keys, values, cache, scale, mask, sinks)
         if hasattr(cache, "bits"):
+            # mlx-lm's own QuantizedKVCache has none: the defaults
+            if getattr(cache, "float_copies", DEFAULT).dequantize_for(queries.shape[2]):
+                fk = mx.dequantize(*keys, group_size=cache.group_size, bits=cache.bits)
+                fv = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+                return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
             kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
             return _mlx_base.quantized_scaled_dot_product_attention(
                 queries, keys, values, scale=scale, mask=mask,
@@ -219,8 +224,8 @@ def _model_modules():
 
 def install_attention_fix() -> None:
     """Patch mlx-lm's quantized SDPA (idempotent) with ours: batched and per-head GQA masks (mlx-lm
-    0.31 mis-broadcasts them, see `mask_needs_fix`), dequantized prefill on the CPU, attention sinks,
-    and a GQA layout that mlx's CPU kernels run faster.
+    0.31 mis-broadcasts them, see `mask_needs_fix`), attention sinks, and a GQA layout that mlx's CPU
+    kernels run faster; and its dispatcher, which adds dequantized prefill on the CPU and batch caches.
 
     `base.quantized_scaled_dot_product_attention` is looked up as a module global at call time.
     The dispatcher `scaled_dot_product_attention` is imported by name into each model module, so it

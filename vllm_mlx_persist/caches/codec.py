@@ -28,12 +28,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import copy
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import CacheList, KVCache
 
-from .floats import CarriedFloats, carry_floats
+from .floats import CarriedFloats, FloatCopies
 from .kinds import FULL, LIST, Q4, STATE, layer_kinds, layer_windows
 from .latent import LATENT_BITS, dequantize_latent, quantize_latent
 from .q4 import Q4KVCache
@@ -50,13 +52,17 @@ WIN_FROM = "win.from"  # where a block's sliding-layer arrays begin (bounded win
 
 
 class ModelCodec:
-    """Layer kinds of one model and the block <-> cache conversions for them."""
+    """Layer kinds of one model and the block <-> cache conversions for them. Every 4-bit cache it
+    makes (`make_cache`, `build`) holds its `float_copies`, which also keeps what `carry` keeps."""
 
     def __init__(self, kinds: Sequence[Any], bits: int = 4, group_size: int = 64,
                  state_sizes: Optional[dict[int, int]] = None, windows: Optional[dict[int, int]] = None,
-                 bounded: bool = False, latent_bits: Optional[int] = None, latent_dtype: mx.Dtype = mx.float32):
+                 bounded: bool = False, latent_bits: Optional[int] = None, latent_dtype: mx.Dtype = mx.float32,
+                 float_copies: Optional[FloatCopies] = None):
         """`latent_bits` (None, 8 or 4): blocks hold FULL (MLA latent) layers packed in that many
-        bits, dequantized to `latent_dtype` (the model's) when a cache is built from them."""
+        bits, dequantized to `latent_dtype` (the model's) when a cache is built from them.
+        `float_copies`: the budgets of the float copies its 4-bit caches attend on (the backend's);
+        without one the codec owns its own, with the defaults."""
         if latent_bits is not None and latent_bits not in LATENT_BITS:
             raise ValueError(f"latent_bits must be None or one of {LATENT_BITS}, got {latent_bits}")
         self.kinds = list(kinds)
@@ -67,10 +73,11 @@ class ModelCodec:
         self.windows = dict(windows or {})
         self.bounded = bounded
         self.latent_bits, self.latent_dtype = latent_bits, latent_dtype
+        self.float_copies = FloatCopies() if float_copies is None else float_copies
 
     @classmethod
     def for_model(cls, model: Any, bits: int = 4, group_size: int = 64, bounded: bool = False,
-                  latent_bits: Optional[int] = None) -> "ModelCodec":
+                  latent_bits: Optional[int] = None, float_copies: Optional[FloatCopies] = None) -> "ModelCodec":
         """Raises `UnsupportedModelError` (naming the model type and why) for what cannot work."""
         kinds = layer_kinds(model, group_size)
         sizes = {l: len(c.cache) for l, c in enumerate(model.make_cache() if hasattr(model, "make_cache") else [])
@@ -78,7 +85,13 @@ class ModelCodec:
         windows = {l: w for l, w in layer_windows(model).items() if kinds[l] == Q4}
         dtype = next((p.dtype for _, p in tree_flatten(model.parameters())
                       if mx.issubdtype(p.dtype, mx.floating)), mx.float32)
-        return cls(kinds, bits, group_size, sizes, windows, bounded, latent_bits, dtype)
+        return cls(kinds, bits, group_size, sizes, windows, bounded, latent_bits, dtype, float_copies)
+
+    def with_float_copies(self, float_copies: FloatCopies) -> "ModelCodec":
+        """The same codec, its caches under `float_copies` (a test's or a tool's own budgets)."""
+        other = copy.copy(self)
+        other.float_copies = float_copies
+        return other
 
     def window(self, l: int) -> Optional[int]:
         """The window layer l's live caches keep, or None when they keep every token."""
@@ -192,7 +205,8 @@ class ModelCodec:
 
     def _fresh(self, kind, l: int):
         if kind == Q4:
-            return Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window(l))
+            return Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window(l),
+                             float_copies=self.float_copies)
         if kind == FULL:
             return KVCache()
         if kind == STATE:
@@ -357,7 +371,7 @@ class ModelCodec:
                 lo = 0 if w is None else max(0, covered - w)  # a bounded layer: only its window
                 parts = [cat(f"{l}.{p}", lo) for p in _Q4_PARTS]
                 cache.append(Q4KVCache.from_arrays(tuple(parts[:3]), tuple(parts[3:]), self.bits, self.group_size,
-                                                   window=w, offset=covered))
+                                                   window=w, offset=covered, float_copies=self.float_copies))
             elif k == FULL and self.latent_bits is not None:
                 deq = lambda x: dequantize_latent(*(cat(f"{l}.{x}.{p}") for p in "csb"), self.latent_bits,
                                                   self.latent_dtype)
@@ -378,8 +392,8 @@ class ModelCodec:
     def carry(self, cache: list, n: int) -> Optional[CarriedFloats]:
         """The float copies of a stored turn's first n positions, for its next turn: the plain 4-bit
         layers' `Q4KVCache.floats` (what the turn's batch mirror held), kept within the carry
-        budget (`floats.carry_floats`); None when there are none or they do not fit. All layers
-        or none: a layer without would dequantize its history anyway."""
+        budget of `float_copies` (`FloatCopies.carry_floats`); None when there are none or they do
+        not fit. All layers or none: a layer without would dequantize its history anyway."""
         layers = {}
         for l, (c, k) in enumerate(zip(cache, self.kinds)):
             if k == Q4 and self.window(l) is None:
@@ -387,7 +401,7 @@ class ModelCodec:
                 if f is None or f[0].shape[2] < n:
                     return None
                 layers[l] = f
-        return carry_floats(layers, n)
+        return self.float_copies.carry_floats(layers, n)
 
     # ---- disk -----------------------------------------------------------------------------------
 

@@ -6,11 +6,13 @@ quantized components (packed uint32, scales, biases). mlx quantizes along the he
 so every token is quantized on its own: padding, rolling and slicing along the sequence axis are
 exact, and a token quantizes the same way however the prompt was chunked or batched.
 
-Attention on them is `caches.attention`'s (the dispatch fix). `caches.floats` decides when it runs
-on float copies of the K/V and bounds those copies: the *decode mirror* a `BatchQ4KVCache` keeps on
-the CPU, and the floats a `Q4KVCache` carries from one turn to the agent's next. `caches.kinds`
-decides which layers get these classes. Cache objects are built, updated and read on the worker
-thread only (MLX work).
+Attention on them is `caches.attention`'s (the dispatch fix). Each cache holds a
+`floats.FloatCopies` (`float_copies`: its codec's, or `floats.DEFAULT`), which decides when attention
+runs on float copies of the K/V and bounds those copies: the *decode mirror* a `BatchQ4KVCache`
+keeps on the CPU, and the floats a `Q4KVCache` carries from one turn to the agent's next. A batch
+cache takes its rows' and hands it to what it extracts; caches under different ones do not batch.
+`caches.kinds` decides which layers get these classes. Cache objects are built, updated and read on
+the worker thread only (MLX work).
 
 Sliding-window layers (`window=w` on both classes; `caches.ModelCodec(bounded=True)` sets it from
 the layer's mlx-lm `RotatingKVCache`) hold only their window. The storage stays linear and
@@ -53,16 +55,7 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
-from .floats import (
-    DEQUANT_MIN_QUERIES,
-    MIRROR_COUNTS,
-    MIRROR_PREFILL_MAX_QUERIES,
-    carry_float_budget_bytes,
-    decode_float_budget_bytes,
-    decode_float_bytes,
-    dequantize_for,
-    track_mirror,
-)
+from .floats import DEFAULT, DEQUANT_MIN_QUERIES, MIRROR_PREFILL_MAX_QUERIES, FloatCopies
 from .kinds import Q4, UnsupportedModelError, layer_kinds, layer_windows, model_type_of
 
 QTuple = tuple  # (packed uint32, scales, biases), each (B, n_kv_heads, T, ·)
@@ -165,8 +158,12 @@ class Q4KVCache(QuantizedKVCache):
     # from an earlier turn (see `CarriedFloats`), which `BatchQ4KVCache.merge` takes as the batch's
     # float mirror instead of dequantizing. Never stored or persisted; any write drops it.
     floats: Optional[tuple] = None
+    # The budgets and prefill mode this cache attends under (class default: from_state builds
+    # caches without one); a batch merged from it holds the same.
+    float_copies: FloatCopies = DEFAULT
 
-    def __init__(self, group_size: int = 64, bits: int = 4, window: Optional[int] = None):
+    def __init__(self, group_size: int = 64, bits: int = 4, window: Optional[int] = None,
+                 float_copies: Optional[FloatCopies] = None):
         _check_format(bits, group_size)
         if window is not None and window < 1:
             raise ValueError(f"window must be >= 1, got {window}")
@@ -174,6 +171,7 @@ class Q4KVCache(QuantizedKVCache):
         self.window = window
         self.start = 0
         self.floats = None
+        self.float_copies = DEFAULT if float_copies is None else float_copies
 
     @property
     def held(self) -> int:
@@ -258,7 +256,7 @@ class Q4KVCache(QuantizedKVCache):
     @classmethod
     def from_arrays(
         cls, keys: QTuple, values: QTuple, bits: int, group_size: int,
-        window: Optional[int] = None, offset: Optional[int] = None,
+        window: Optional[int] = None, offset: Optional[int] = None, float_copies: Optional[FloatCopies] = None,
     ) -> "Q4KVCache":
         """A cache holding the given (1, n_kv_heads, T, ·) components as the tokens just before
         `offset` (default T): positions [offset - T, offset).
@@ -278,7 +276,7 @@ class Q4KVCache(QuantizedKVCache):
         if start < 0 or (start > 0 and (window is None or T < window)):
             need = "[0" if window is None else f"[{max(0, offset - window)}"
             raise ValueError(f"arrays of {T} tokens ending at {offset} do not cover {need}, {offset})")
-        c = cls(group_size=group_size, bits=bits, window=window)
+        c = cls(group_size=group_size, bits=bits, window=window, float_copies=float_copies)
         lo = T - window if window is not None and T > window else 0
         # Fresh array objects (views, no copy) so that in-place writes after a trim never reach
         # the caller's arrays.
@@ -308,7 +306,8 @@ class BatchQ4KVCache(_BaseCache):
 
     `_mirror` is the optional float decode mirror (see above): (keys, values) float arrays laid out
     exactly like the packed storage (same rows, same capacity), built on the first decode-sized
-    update and then following every operation on the packed storage.
+    update and then following every operation on the packed storage, within the budget of
+    `float_copies` (the rows'), which also counts it.
     """
 
     step = 256
@@ -319,9 +318,10 @@ class BatchQ4KVCache(_BaseCache):
     # the write index it started at: which queries of a chunk are real tokens (`real_queries`).
     _lengths: Optional[List[int]] = None
     _lengths_at = 0
+    float_copies: FloatCopies = DEFAULT  # class default: from_state builds objects without __init__
 
     def __init__(self, left_padding: List[int], bits: int = 4, group_size: int = 64,
-                 window: Optional[int] = None):
+                 window: Optional[int] = None, float_copies: Optional[FloatCopies] = None):
         _check_format(bits, group_size)
         self.keys: Optional[QTuple] = None
         self.values: Optional[QTuple] = None
@@ -332,6 +332,7 @@ class BatchQ4KVCache(_BaseCache):
         self.bits = bits
         self.group_size = group_size
         self.window = window
+        self.float_copies = DEFAULT if float_copies is None else float_copies
 
     def _drop(self, S: int) -> int:
         """Leading columns the next update of S tokens drops (always 0 without a window). In a
@@ -356,7 +357,7 @@ class BatchQ4KVCache(_BaseCache):
         self._idx += S - drop
         if self._mirror is not None:
             self._mirror_write(prev, cap, qk, qv, drop)
-        elif S < DEQUANT_MIN_QUERIES or (S < MIRROR_PREFILL_MAX_QUERIES and dequantize_for(S)):
+        elif S < DEQUANT_MIN_QUERIES or (S < MIRROR_PREFILL_MAX_QUERIES and self.float_copies.dequantize_for(S)):
             # decode, or a short prefill chunk (a returning agent's new text, a prompt's last chunk)
             # whose attention would dequantize all of the layer's K/V anyway: dequantize once into
             # the mirror, which the chunk's attention reads and the decode steps keep (such a turn
@@ -381,7 +382,7 @@ class BatchQ4KVCache(_BaseCache):
 
     def _set_mirror(self, mirror: Optional[tuple]) -> None:
         self._mirror = mirror
-        track_mirror(self, mirror is not None)
+        self.float_copies.track_mirror(self, mirror is not None)
 
     def _float_bytes(self, B: int, T: int, like: Optional["BatchQ4KVCache"] = None) -> int:
         """Bytes of a float mirror of B rows and T tokens (K and V, the scales' dtype)."""
@@ -392,8 +393,9 @@ class BatchQ4KVCache(_BaseCache):
 
     def _mirror_fits(self, nbytes: int, released: int = 0) -> bool:
         """Whether `nbytes` more mirror bytes fit the budget once `released` bytes are given back."""
-        budget = decode_float_budget_bytes()
-        return budget > 0 and decode_float_bytes() - released + nbytes <= budget
+        copies = self.float_copies
+        budget = copies.decode_float_budget_bytes()
+        return budget > 0 and copies.decode_float_bytes() - released + nbytes <= budget
 
     def dequantize(self, q: QTuple) -> mx.array:
         if q[0].size == 0:  # mx.dequantize cannot reshape an empty array
@@ -402,15 +404,15 @@ class BatchQ4KVCache(_BaseCache):
         return mx.dequantize(*q, group_size=self.group_size, bits=self.bits)
 
     def _mirror_build(self) -> None:
-        if self.keys is None or decode_float_budget_bytes() == 0:
+        if self.keys is None or self.float_copies.decode_float_budget_bytes() == 0:
             return
         B, _, cap, _ = self.keys[0].shape
         if self._mirror_fits(self._float_bytes(B, cap)):
             self._set_mirror((self.dequantize(self.keys), self.dequantize(self.values)))
-            MIRROR_COUNTS["builds"] += 1
+            self.float_copies.mirror_counts["builds"] += 1
             self._mirror_refused = False
         elif not self._mirror_refused:
-            MIRROR_COUNTS["refused"] += 1
+            self.float_copies.mirror_counts["refused"] += 1
             self._mirror_refused = True
 
     def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple, drop: int = 0) -> None:
@@ -422,7 +424,7 @@ class BatchQ4KVCache(_BaseCache):
         if cap != old_cap or drop:
             if not self._mirror_fits(self._float_bytes(fk.shape[0], cap), released=self.mirror_nbytes):
                 self._set_mirror(None)
-                MIRROR_COUNTS["refused"] += 1
+                self.float_copies.mirror_counts["refused"] += 1
                 return
             fk, fv = _regrow((fk, fv), drop, prev, cap)
             self._set_mirror((fk, fv))
@@ -594,7 +596,7 @@ class BatchQ4KVCache(_BaseCache):
             B = self.offset.shape[0] + other.offset.shape[0]
             released = self.mirror_nbytes + other.mirror_nbytes
             mirrored = self._mirror_fits(self._float_bytes(B, max_size, like), released)
-            MIRROR_COUNTS["refused"] += not mirrored
+            self.float_copies.mirror_counts["refused"] += not mirrored
 
         def pad(c: "BatchQ4KVCache"):
             k, v, f = c.keys, c.values, c._mirror
@@ -628,7 +630,8 @@ class BatchQ4KVCache(_BaseCache):
     def extract(self, idx: int) -> Q4KVCache:
         """A contiguous per-sequence copy of row `idx`'s valid tokens (with a window: every token
         the row holds, positions [starts()[idx], offset[idx]))."""
-        cache = Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window)
+        cache = Q4KVCache(group_size=self.group_size, bits=self.bits, window=self.window,
+                          float_copies=self.float_copies)
         if self.keys is None:
             return cache
         pad = self.left_padding[idx].item()
@@ -652,7 +655,7 @@ class BatchQ4KVCache(_BaseCache):
         fk, fv = self._mirror
         if fk.shape[0] == 1:
             return fk[..., pad : self._idx, :], fv[..., pad : self._idx, :]
-        if self._float_bytes(1, self._idx - pad) > carry_float_budget_bytes():
+        if self._float_bytes(1, self._idx - pad) > self.float_copies.carry_float_budget_bytes():
             return None
         out = tuple(mx.contiguous(x[idx : idx + 1, :, pad : self._idx]) for x in (fk, fv))
         mx.eval(out)
@@ -660,9 +663,10 @@ class BatchQ4KVCache(_BaseCache):
 
     @classmethod
     def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQ4KVCache":
-        """Left-pad per-sequence quantized caches into one batch cache."""
+        """Left-pad per-sequence quantized caches into one batch cache, under their `float_copies`."""
         bits, group_size = caches[0].bits, caches[0].group_size
         window = getattr(caches[0], "window", None)
+        copies = getattr(caches[0], "float_copies", DEFAULT)
         for c in caches:
             if (c.bits, c.group_size) != (bits, group_size):
                 raise ValueError(
@@ -671,12 +675,14 @@ class BatchQ4KVCache(_BaseCache):
                 )
             if getattr(c, "window", None) != window:
                 raise ValueError(f"cannot batch caches with windows {getattr(c, 'window', None)} and {window}")
+            if getattr(c, "float_copies", DEFAULT) is not copies:
+                raise ValueError("cannot batch caches under different FloatCopies (their float budgets)")
         # `offset`, not `size()`: a plain QuantizedKVCache reports size() == 0. Tokens held, not
         # positions: a window cache holds [start, offset).
         lengths = [c.offset - getattr(c, "start", 0) if c.keys is not None else 0 for c in caches]
         max_length = max(lengths)
         if max_length == 0:
-            return cls([0] * len(caches), bits, group_size, window)
+            return cls([0] * len(caches), bits, group_size, window, copies)
 
         padding = [max_length - l for l in lengths]
         src = next(c for c in caches if c.keys is not None)
@@ -684,7 +690,7 @@ class BatchQ4KVCache(_BaseCache):
         if B == 1:
             # One sequence (a returning agent's prompt, usually): its arrays as they are, no copy;
             # the first write grows them into new storage (_append), so they are never written.
-            cache = cls([0], bits, group_size, window)
+            cache = cls([0], bits, group_size, window, copies)
             cache.keys, cache.values = _qslice(src.keys, max_length), _qslice(src.values, max_length)
             cache.offset = mx.array([src.offset])
             cache._idx = max_length
@@ -698,7 +704,7 @@ class BatchQ4KVCache(_BaseCache):
             for dst, s in zip(keys + values, c.keys + c.values):
                 dst[i : i + 1, :, p : p + n] = s[..., :n, :]
 
-        cache = cls(padding, bits, group_size, window)
+        cache = cls(padding, bits, group_size, window, copies)
         cache.keys, cache.values = keys, values
         cache.offset = mx.array([c.offset if c.keys is not None else 0 for c in caches])
         cache._idx = max_length
@@ -713,11 +719,12 @@ class BatchQ4KVCache(_BaseCache):
         if self.window is not None or all(f is None for f in rows):
             return
         B, T = len(caches), self._idx
+        counts = self.float_copies.mirror_counts
         if not self._mirror_fits(self._float_bytes(B, T)):
-            MIRROR_COUNTS["refused"] += 1
+            counts["refused"] += 1
             self._mirror_refused = True
             return
-        MIRROR_COUNTS["carried"] += 1
+        counts["carried"] += 1
         if B == 1:
             self._set_mirror(tuple(x[..., :T, :] for x in rows[0]))
             return
@@ -740,6 +747,8 @@ class BatchQ4KVCache(_BaseCache):
             raise ValueError("cannot extend a batch cache with one of a different format")
         if other.window != self.window:
             raise ValueError(f"cannot extend a batch cache of window {self.window} with one of {other.window}")
+        if other.float_copies is not self.float_copies:
+            raise ValueError("cannot extend a batch cache with one under different FloatCopies (float budgets)")
 
     def size(self) -> int:
         return self._idx
@@ -753,11 +762,12 @@ class BatchQ4KVCache(_BaseCache):
         return _qnbytes(self.keys) + _qnbytes(self.values) + self.mirror_nbytes
 
 
-def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64,
-                         bounded: bool = False) -> list[Q4KVCache]:
+def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64, bounded: bool = False,
+                         float_copies: Optional[FloatCopies] = None) -> list[Q4KVCache]:
     """One fresh `Q4KVCache` per layer, for models whose layers are all of the Q4 kind (plain and
     sliding-window attention); `caches.ModelCodec` builds the caches of every other model.
-    `bounded`: sliding-window layers hold only their window (else every token, masked)."""
+    `bounded`: sliding-window layers hold only their window (else every token, masked).
+    `float_copies`: the budgets they attend under (default `floats.DEFAULT`)."""
     _check_format(bits, group_size)
     kinds = layer_kinds(model, group_size)
     if any(k != Q4 for k in kinds):
@@ -765,4 +775,5 @@ def make_q4_prompt_cache(model: nn.Module, bits: int = 4, group_size: int = 64,
             f"model type {model_type_of(model)!r} has non-attention or latent layers; use caches.ModelCodec"
         )
     windows = layer_windows(model) if bounded else {}
-    return [Q4KVCache(group_size=group_size, bits=bits, window=windows.get(l)) for l in range(len(kinds))]
+    return [Q4KVCache(group_size=group_size, bits=bits, window=windows.get(l), float_copies=float_copies)
+            for l in range(len(kinds))]

@@ -74,7 +74,8 @@ def apply(model: Any, codec: ModelCodec, verdicts: Sequence[LayerShift], cache: 
                 new = tuple(moved[f"{layer}.{x}.{p}"] for p in _PARTS)
                 old = held[0 if x == "k" else 1] if held is not None else None
                 parts.append(new if old is None else tuple(mx.concatenate([a, b], axis=2) for a, b in zip(old, new)))
-            out.append(Q4KVCache.from_arrays(parts[0], parts[1], codec.bits, codec.group_size, window=w, offset=end))
+            out.append(Q4KVCache.from_arrays(parts[0], parts[1], codec.bits, codec.group_size, window=w, offset=end,
+                                             float_copies=codec.float_copies))
         elif kind == FULL:
             out.append(_full(c, moved[f"{layer}.k"], moved[f"{layer}.v"], end))
         else:

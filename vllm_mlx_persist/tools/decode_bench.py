@@ -22,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from ..caches import floats
+from ..caches.floats import FloatCopies
 from ..caches.attention import install_attention_fix
 from ..caches.q4 import BatchQ4KVCache, Q4KVCache
 from .models import SIZES, build_model
@@ -56,6 +56,12 @@ def _rows(full: list[KVCache], B: int, T: int, bits: int, group_size: int):
         fl.append(f_row)
         q4.append(q_row)
     return fl, q4
+
+
+def _under(rows: list[list[Q4KVCache]], copies: FloatCopies) -> list[list[Q4KVCache]]:
+    """The same 4-bit rows (views of their arrays, no copy) under `copies`' budgets."""
+    return [[Q4KVCache.from_arrays(*c.to_arrays(), c.bits, c.group_size, float_copies=copies) for c in r]
+            for r in rows]
 
 
 def _merge(rows, cls) -> list:
@@ -105,14 +111,12 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
     pads = [i * _ROW_STAGGER for i in range(B)]
     fc = BatchKVCache(pads)
     fc.update_and_fetch(k, v)
-    qc = BatchQ4KVCache(pads, bits, group_size)
+    qc = BatchQ4KVCache(pads, bits, group_size, float_copies=FloatCopies(decode_float_mb=0))  # never one
     qc.update_and_fetch(k, v)
-    mc = BatchQ4KVCache(pads, bits, group_size)  # with the float decode mirror
-    mc.update_and_fetch(k, v)
+    mc = BatchQ4KVCache(pads, bits, group_size, float_copies=FloatCopies(decode_float_mb=1 << 20))
+    mc.update_and_fetch(k, v)  # with the float decode mirror (built by its first decode step, below)
     mx.eval(fc.keys, [x for x in qc.keys], [x for x in mc.keys])
-    floats.set_decode_float_budget(1 << 20)
     mc.update_and_fetch(nk, nv)  # a decode step: builds the mirror
-    floats.set_decode_float_budget(0)  # qc stays without one
 
     def upd(c):
         def f():
@@ -138,7 +142,6 @@ def profile_layer(B: int, T: int, n_q: int, n_kv: int, D: int, bits: int, group_
                                              mx.dequantize(*qv, group_size=group_size, bits=bits)), n),
         "sdpa on dequantized": _time_ops(lambda: mx.fast.scaled_dot_product_attention(q, dk, dv, scale=0.125, mask=mask), n),
     }
-    floats.set_decode_float_budget("auto")
     return {k: round(v) for k, v in out.items()}
 
 
@@ -167,19 +170,19 @@ def main(argv: list[str] | None = None) -> int:
           "q4+mirror/float (wall) | float CPU ms | q4 CPU ms | q4+mirror CPU ms | q4/float (CPU) | range | "
           "q4+mirror/float (CPU) | range | mirror build step CPU ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    systems = [("f", BatchKVCache, 0), ("q", BatchQ4KVCache, 0), ("m", BatchQ4KVCache, a.mirror_mb)]
+    systems = [("f", BatchKVCache), ("q", BatchQ4KVCache), ("m", BatchQ4KVCache)]
+    # the q4 rows under a budget of 0 (no mirror) and the same rows under --mirror-mb
+    budgets = {"q": FloatCopies(decode_float_mb=0), "m": FloatCopies(decode_float_mb=a.mirror_mb)}
     for T in [int(x) for x in a.context.split(",")]:
         full = _prefill(model, n_layers, T)
         for B in [int(x) for x in a.batch.split(",")]:
             rows = dict(zip(("f", "q"), _rows(full, B, T, a.bits, a.group_size)))
-            rows["m"] = rows["q"]
-            got: dict[str, list] = {k: [] for k, _, _ in systems}
+            rows.update({k: _under(rows["q"], copies) for k, copies in budgets.items()})
+            got: dict[str, list] = {k: [] for k, _ in systems}
             for rep in range(a.reps):
                 order = systems[rep % 3:] + systems[:rep % 3]  # rotate who goes first
-                for name, cls, mb in order:
-                    floats.set_decode_float_budget(mb)
+                for name, cls in order:
                     got[name].append(_decode(model, _merge(rows[name], cls), B, a.steps))
-            floats.set_decode_float_budget("auto")
             col = lambda k, i: [r[i] for r in got[k]]
             ratio = lambda k, i: [f / x for f, x in zip(col("f", i), col(k, i))]
             med = lambda xs: statistics.median(xs) * 1e3

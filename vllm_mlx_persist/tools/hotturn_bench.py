@@ -53,7 +53,8 @@ from mlx_lm.generate import BatchGenerator, _merge_caches
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache
 
-from vllm_mlx_persist.caches import ModelCodec, floats
+from vllm_mlx_persist.caches import ModelCodec
+from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.pool import BlockPool
@@ -132,16 +133,16 @@ class DefaultSystem:
 
 
 class Q4System:
-    """persist_q4's pool (hot tier in memory, disk tier in a temporary directory) and 4-bit caches.
-    `carry_mb`: its carry_float_mb, set around each of its turns (the budget is process-wide)."""
+    """persist_q4's pool (hot tier in memory, disk tier in a temporary directory) and 4-bit caches,
+    under budgets of its own (`float_copies`: `mirror_mb` and `carry_mb`, the backend's
+    decode_float_mb and carry_float_mb), as a server's backend owns them."""
 
     def __init__(self, model, history: list[int], caches: list, bits: int, group_size: int, root: Path,
-                 carry_mb: Any = "auto"):
+                 carry_mb: Any = "auto", mirror_mb: Any = "auto"):
         self.model = model
-        self.carry_mb = carry_mb
-        self._carry(carry_mb)
+        self.float_copies = FloatCopies(decode_float_mb=mirror_mb, carry_float_mb=carry_mb)
         fmt = {"bits": bits, "group_size": group_size, "block_size": 256}
-        codec = ModelCodec.for_model(model, bits, group_size)
+        codec = ModelCodec.for_model(model, bits, group_size, float_copies=self.float_copies)
         self.pool = BlockPool(fingerprint=FP, n_layers=codec.n_layers, bits=bits, group_size=group_size,
                               block_size=256, hot_bytes=8 << 30, store=DiskStore(root, FP, {"bench": "hotturn"}, fmt),
                               codec=codec)
@@ -151,12 +152,7 @@ class Q4System:
             raise RuntimeError("the pool did not take the history")
         self.turns = 0
 
-    @staticmethod
-    def _carry(mb: Any) -> None:
-        floats.set_carry_float_budget(mb)
-
     def turn(self, prompt: list[int], max_tokens: int) -> dict:
-        self._carry(self.carry_mb)
         self.turns += 1
         rid = f"r{self.turns}"
         t0, c0 = time.perf_counter(), time.process_time()
@@ -199,7 +195,6 @@ def profile_turn(system, prompt: list[int], max_tokens: int) -> tuple[dict, list
     out: dict = {}
     model = system.model
     if isinstance(system, Q4System):
-        system._carry(system.carry_mb)
         m = _timed(out, "lookup", lambda: system.pool.match("agent", prompt, "profile"))
         cache, rest = m.cache, prompt[m.num_tokens:]
     else:
@@ -372,7 +367,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     systems = a.systems.split(",")
     model, _ = build_model("llama", a.size)
     install_attention_fix()
-    floats.set_decode_float_budget(a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb))
+    mirror_mb = a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb)
+    counts: list[str] = []  # per context and 4-bit system: its mirrors' and carried floats' counters
     vocab = model.args.vocab_size
     print(f"model llama/{a.size}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
           f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}")
@@ -393,7 +389,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for s in Q4_SYSTEMS:
                 if s in systems:
                     made[s] = Q4System(model, history, q4, a.bits, a.group_size, Path(root) / s,
-                                       0 if s.endswith("nocarry") else a.carry_mb)
+                                       0 if s.endswith("nocarry") else a.carry_mb, mirror_mb)
             del fl, q4
             prompts = {s: list(history) for s in systems}
             got: dict[str, list] = {s: [] for s in systems}
@@ -425,13 +421,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 line += f"{med('lookup'):.1f} | {med('turn'):.0f} | {med('store'):.1f} | "
                 line += f"{med('durable'):.1f} |" if "durable" in got[s][0] else "|"
                 print(line, flush=True)
-            for s in made.values():
+            for name, s in made.items():
+                if isinstance(s, Q4System):
+                    counts.append(f"{T} {name}: mirrors {s.float_copies.mirror_counts}, "
+                                  f"carried {s.float_copies.carry_counts}")
                 if hasattr(s, "close"):
                     s.close()
             del made
             mx.clear_cache()
     print("load average %.2f %.2f %.2f" % os.getloadavg())
-    print(f"\nmirrors {floats.MIRROR_COUNTS}, carried {floats.CARRY_COUNTS}")
+    print("\n" + "\n".join(counts))
     if a.profile:
         print("\nStages of one turn, serialized (ms):\n")
         print("| context | system | " + " | ".join(STAGES) + " |")

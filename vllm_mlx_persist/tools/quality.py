@@ -287,9 +287,9 @@ def agreement(model: Any, prompts: Sequence[Sequence[int]], cfg: MeasureConfig,
 # latents in 4 or 8 bits) are measured with a float cache whose every new key and value is first
 # sent through mx.quantize and mx.dequantize: attention then sees exactly the values a quantized
 # cache would hold. On the CPU the served `Q4KVCache` attends multi-token chunks on the same
-# dequantized values (`floats.set_prefill_attention`), so the simulated "4-bit, group 64" row
-# reproduces the served one's perplexity (checked in the report); one-token decode steps differ
-# only in float rounding (the served cache multiplies by the packed values directly).
+# dequantized values (`FloatCopies.dequantize_for`, prefill mode "auto"), so the simulated "4-bit,
+# group 64" row reproduces the served one's perplexity (checked in the report); one-token decode
+# steps differ only in float rounding (the served cache multiplies by the packed values directly).
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ import mlx.core as mx
 from mlx_lm.generate import _merge_caches
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from vllm_mlx_persist.caches import floats
+from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.tools.models import SIZES, build_model
@@ -35,8 +35,10 @@ from vllm_mlx_persist.tools.models import SIZES, build_model
 SYSTEMS = ("mlx-lm", "q4-linear", "q4-window")
 
 
-def _fill(model, T: int, systems: list[str], bits: int, group_size: int, seed: int = 0) -> dict[str, list]:
-    """One per-sequence cache per system, every layer holding what it would after T tokens."""
+def _fill(model, T: int, systems: list[str], bits: int, group_size: int, copies: FloatCopies,
+          seed: int = 0) -> dict[str, list]:
+    """One per-sequence cache per system, every layer holding what it would after T tokens (the
+    4-bit ones under `copies`' decode budget)."""
     mx.random.seed(seed)
     a = model.args
     kinds = make_prompt_cache(model)
@@ -57,13 +59,14 @@ def _fill(model, T: int, systems: list[str], bits: int, group_size: int, seed: i
             out["mlx-lm"].append(f)
         qk, qv = mx.quantize(k, group_size, bits), mx.quantize(v, group_size, bits)
         if "q4-linear" in systems:
-            out["q4-linear"].append(Q4KVCache.from_arrays(qk, qv, bits, group_size))
+            out["q4-linear"].append(Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies))
         if "q4-window" in systems:
             if w is None:
-                out["q4-window"].append(Q4KVCache.from_arrays(qk, qv, bits, group_size))
+                out["q4-window"].append(Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies))
             else:
                 cut = lambda q: tuple(mx.array(x[..., lo:, :]) for x in q)
-                out["q4-window"].append(Q4KVCache.from_arrays(cut(qk), cut(qv), bits, group_size, window=w, offset=T))
+                out["q4-window"].append(Q4KVCache.from_arrays(cut(qk), cut(qv), bits, group_size, window=w, offset=T,
+                                                              float_copies=copies))
         mx.eval([x for caches in out.values() for x in _arrays(caches[-1])])
     return out
 
@@ -108,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     systems = a.systems.split(",")
     mirror = a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb)
+    copies = FloatCopies(decode_float_mb=mirror)  # the 4-bit systems' (mlx-lm's caches have no mirror)
 
     model, _ = build_model(a.arch, a.size)
     install_attention_fix()
@@ -117,17 +121,15 @@ def main(argv: list[str] | None = None) -> int:
     print("| context | system | ms/step (wall) | CPU ms/step | tok/s (CPU) | vs mlx-lm (CPU) | range | KV MB after | of which mirror |")
     print("|---|---|---|---|---|---|---|---|---|")
     for T in [int(x) for x in a.context.split(",")]:
-        rows = _fill(model, T, systems, a.bits, a.group_size)
+        rows = _fill(model, T, systems, a.bits, a.group_size, copies)
         got: dict[str, list] = {s: [] for s in systems}
         size: dict[str, tuple] = {}
         for rep in range(a.reps):
             for s in systems[rep % len(systems):] + systems[: rep % len(systems)]:  # rotate who goes first
-                floats.set_decode_float_budget(mirror if s != "mlx-lm" else 0)
                 batch = _merge_caches([rows[s]])
                 got[s].append(_decode(model, batch, a.steps))
                 size[s] = _nbytes(batch)
                 del batch
-        floats.set_decode_float_budget("auto")
         med = lambda s, i: statistics.median(r[i] for r in got[s])
         for s in systems:
             line = f"| {T} | {s} | {med(s, 0) * 1e3:.1f} | {med(s, 1) * 1e3:.1f} | {1 / med(s, 1):.2f} | "
