@@ -111,7 +111,8 @@ def test_point_kinds_and_the_kind_paths(setup):
     assert got["block"] == [5] and got["line"] == [9] and got["mid"] == [2, 6, 7, 10]
     T = tokens(120, 8)
     j, span, L = 60, 10, 24
-    lps = sd.kind_paths(setup, T, j, span, T[j - 1 - span:j - 1], L, 8, (0, 3))
+    lps = sd.kind_paths(setup, T, j, span, T[j - 1 - span:j - 1], L, 8, (0, 3, 16))
+    assert "splice_16" not in lps  # 8 tokens left to move: the planner would re-prefill the run
     ev = T[j + L + 1:][:8]
     for k in (0, 3):
         assert sd.compare(lps["cold"][:-1], lps[f"splice_{k}"][:-1], ev)["kl"] < 1e-6

@@ -71,7 +71,7 @@ class DriftConfig:
 
 QUICK = DriftConfig(seqs=3, prefix=32, run=32, eval_len=16, edits=((16, 4), (8, 12)), chain_span=16,
                     chain_stubs=(4, 10, 2), facts=4, fact_span=16, fact_runs=(8,), kind_seqs=3, kind_span=8,
-                    kind_runs=(8,), kind_eval=8, recompute=(0, 2))
+                    kind_runs=(20,), kind_eval=8, recompute=(0, 2))
 # Where a splice's run starts, in this model's own text (Python source): `block`, a statement at column
 # 0 after a blank line (a new top-level definition: the analog of a message start, where the text
 # before matters least); `line`, a line start inside a block (the planner's line point: the token
@@ -303,11 +303,20 @@ def point_kinds(tokens: Sequence[int], text: Callable[[int], str], lo: int, hi: 
     return out
 
 
+def recomputed_run(L: int, k: int) -> bool:
+    """Whether a run of L tokens still splices with its first k re-prefilled: the planner's
+    `recompute` keeps a run only while at least `min_run_tokens` of it are left to move."""
+    from ..kv_edit.plan import MIN_RUN_TOKENS
+
+    return k == 0 or L - k >= MIN_RUN_TOKENS
+
+
 def kind_paths(s: Setup, T: Sequence[int], j: int, span: int, stub: Sequence[int], L: int, E: int,
                ks: Sequence[int]) -> dict[str, Any]:
     """An edit that removes the `span` tokens before T[j-1] (the token before the point, kept) and puts
     `stub` there; the run T[j:j+L] spliced from the point (`splice_k`/`splice_q4_k`: its first k
-    tokens re-prefilled). Log-probs over T[j+L : j+L+E+1] of cold, cold_q4 and each splice."""
+    tokens re-prefilled; only k that leave `recomputed_run(L, k)`, as the server's planner would).
+    Log-probs over T[j+L : j+L+E+1] of cold, cold_q4 and each splice."""
     T, stub = list(T), list(stub)
     i = j - 1 - span
     P = T[:i] + stub + T[j - 1:]
@@ -315,7 +324,7 @@ def kind_paths(s: Setup, T: Sequence[int], j: int, span: int, stub: Sequence[int
     ev = T[j + L:j + L + E + 1]
     src_f, src_q = prefill(s.model, s.fl, T[:j + L]), prefill(s.model, s.q4, T[:j + L])
     caches = {"cold": prefill(s.model, s.fl, P[:at + L]), "cold_q4": prefill(s.model, s.q4, P[:at + L])}
-    for k in ks:
+    for k in (k for k in ks if recomputed_run(L, k)):
         caches[f"splice_{k}"] = spliced(s.model, s.fl, s.verdicts, src_f, P, i, at + k, j + k, L - k)
         caches[f"splice_q4_{k}"] = spliced(s.model, s.q4, s.verdicts, src_q, P, i, at + k, j + k, L - k)
     return {k: logprobs(s.model, c, ev) for k, c in caches.items()}
@@ -346,10 +355,11 @@ def kinds_run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
             row = {"run": L, "kind": kind, "points": len(pts), "candidates": len(found[kind]), **_summarise(trials)}
             rows.append(row)
             kl = lambda p: 1e3 * row[p]["kl"]["mean"]  # noqa: E731
+            ks = [k for k in cfg.recompute if f"splice_{k}" in row]
             log(f"kind {kind:5s} run {L:3d} ({len(pts)} of {len(found[kind])} points): KL 1e-3 vs cold: "
                 f"cold_q4 {kl('cold_q4'):.3f}; float splice " + " ".join(
-                    f"k={k}:{kl(f'splice_{k}'):.4f}" for k in cfg.recompute) + "; 4-bit splice " + " ".join(
-                    f"k={k}:{kl(f'splice_q4_{k}'):.3f}" for k in cfg.recompute))
+                    f"k={k}:{kl(f'splice_{k}'):.4f}" for k in ks) + "; 4-bit splice " + " ".join(
+                    f"k={k}:{kl(f'splice_q4_{k}'):.3f}" for k in ks))
     return rows
 
 
@@ -499,8 +509,9 @@ def render_kinds(r: dict[str, Any]) -> list[str]:
              "|---:|---|---:|---:|" + "---:|" * (2 * len(ks))]
     for row in r["kinds"]:
         lines.append(f"| {row['run']} | {row['kind']} | {row['points']} | {_kl(row['cold_q4']['kl'])} | "
-                     + " | ".join(_kl(row[f"splice_{k}"]["kl"]) for k in ks) + " | "
-                     + " | ".join(_kl(row[f"splice_q4_{k}"]["kl"]) for k in ks) + " |")
+                     + " | ".join(_pm(row[f"splice_{k}"]["kl"], ".4f", 1e3) if f"splice_{k}" in row else "–" for k in ks) + " | "
+                     + " | ".join(_kl(row[f"splice_q4_{k}"]["kl"]) if f"splice_q4_{k}" in row else "–" for k in ks)
+                     + " |")
     lines += ["", "Top-1 agreement with the cold float prefill (k = 0): " + "; ".join(
         f"run {row['run']} {row['kind']}: float splice {100 * row['splice_0']['top1']['mean']:.1f}%, 4-bit splice "
         f"{100 * row['splice_q4_0']['top1']['mean']:.1f}%, cold 4-bit {100 * row['cold_q4']['top1']['mean']:.1f}%"
@@ -643,6 +654,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--kinds-only", action="store_true",
                    help="only the drift by where the run starts (block, line, mid-line) and recomputed tokens")
+    p.add_argument("--kind-seqs", type=int, help="points per kind and run length of the kinds part (default 48)")
+    p.add_argument("--kind-runs", help="run lengths of the kinds part, e.g. 16,64,256 (the default)")
+    p.add_argument("--recompute", help="recomputed tokens k of the kinds part, e.g. 0,1,2,4,8,16 (the default)")
     p.add_argument("--render", metavar="JSON", help="only write the report (md, png) of an earlier run's JSON")
     return p.parse_args(list(argv))
 
@@ -659,7 +673,10 @@ def main(argv: Sequence[str]) -> int:
     if sys.platform == "linux" and os.path.exists(OPENBLAS) and "openblas" not in os.environ.get("LD_PRELOAD", ""):
         log(f"warning: OpenBLAS is not preloaded; float32 runs 15-35x slower. Run with LD_PRELOAD={OPENBLAS}")
     cfg = QUICK if args.quick else DriftConfig()
-    cfg = replace(cfg, **{k: v for k, v in (("seqs", args.seqs), ("facts", args.facts)) if v is not None})
+    ints = lambda v: None if v is None else tuple(int(x) for x in v.split(","))  # noqa: E731
+    cfg = replace(cfg, **{k: v for k, v in (("seqs", args.seqs), ("facts", args.facts), ("kind_seqs", args.kind_seqs),
+                                             ("kind_runs", ints(args.kind_runs)), ("recompute", ints(args.recompute)))
+                          if v is not None})
     model_dir = Path(args.model_dir or (".models/quality-quick/model" if args.quick else ".models/quality"))
     out = Path(args.out or (".models/splice-drift-quick" if args.quick else "docs/results"))
     if not (model_dir / "config.json").exists():  # never retrain a model that is there
