@@ -507,11 +507,11 @@ def render_kinds(r: dict[str, Any]) -> list[str]:
              "| run | kind | points | cold 4-bit | " + " | ".join(f"float splice k={k}" for k in ks) + " | "
              + " | ".join(f"4-bit splice k={k}" for k in ks) + " |",
              "|---:|---|---:|---:|" + "---:|" * (2 * len(ks))]
+    cell = lambda row, p, fmt: _pm(row[p]["kl"], fmt, 1e3) if p in row else "–"  # noqa: E731
     for row in r["kinds"]:
         lines.append(f"| {row['run']} | {row['kind']} | {row['points']} | {_kl(row['cold_q4']['kl'])} | "
-                     + " | ".join(_pm(row[f"splice_{k}"]["kl"], ".4f", 1e3) if f"splice_{k}" in row else "–" for k in ks) + " | "
-                     + " | ".join(_kl(row[f"splice_q4_{k}"]["kl"]) if f"splice_q4_{k}" in row else "–" for k in ks)
-                     + " |")
+                     + " | ".join(cell(row, f"splice_{k}", ".4f") for k in ks) + " | "
+                     + " | ".join(cell(row, f"splice_q4_{k}", ".3f") for k in ks) + " |")
     lines += ["", "Top-1 agreement with the cold float prefill (k = 0): " + "; ".join(
         f"run {row['run']} {row['kind']}: float splice {100 * row['splice_0']['top1']['mean']:.1f}%, 4-bit splice "
         f"{100 * row['splice_q4_0']['top1']['mean']:.1f}%, cold 4-bit {100 * row['cold_q4']['top1']['mean']:.1f}%"
