@@ -647,8 +647,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny model and a few trials (seconds): smoke test")
     p.add_argument("--model-dir", help="a trained quality llama (default .models/quality, trained there by the "
                                        "quality tool's config if absent; --quick: .models/quality-quick/model)")
-    p.add_argument("--out", help="where splice_drift.{json,md,png} go (default docs/results; "
-                                 "--quick: .models/splice-drift-quick)")
+    p.add_argument("--out", help="where splice_drift.{json,md,png} go (default docs/results; --kinds-only: "
+                                 "docs/results/splice-drift-kinds; --quick: .models/splice-drift-quick)")
     p.add_argument("--seqs", type=int, help="held-out windows")
     p.add_argument("--facts", type=int, help="recall trials per run length")
     p.add_argument("--no-plot", action="store_true")
@@ -678,7 +678,8 @@ def main(argv: Sequence[str]) -> int:
                                              ("kind_runs", ints(args.kind_runs)), ("recompute", ints(args.recompute)))
                           if v is not None})
     model_dir = Path(args.model_dir or (".models/quality-quick/model" if args.quick else ".models/quality"))
-    out = Path(args.out or (".models/splice-drift-quick" if args.quick else "docs/results"))
+    out = Path(args.out or (".models/splice-drift-quick" if args.quick else
+                            "docs/results/splice-drift-kinds" if args.kinds_only else "docs/results"))
     if not (model_dir / "config.json").exists():  # never retrain a model that is there
         train(QUICK_CONFIG if args.quick else TrainConfig(), model_dir, log=log)
 
