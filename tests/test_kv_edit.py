@@ -57,9 +57,11 @@ def test_a_mode_without_an_agent_is_400(serving_backend):
 
 def test_the_server_option():
     assert parse_options({})["kv_edit"] == {"enabled": True, "max_rotations": 4, "min_run_tokens": 16,
-                                           "max_stub_tokens": 4096}
+                                           "max_stub_tokens": 4096, "boundaries": "lines", "recompute_tokens": 0}
     assert parse_options({"kv_edit": {"enabled": False}})["kv_edit"]["enabled"] is False
-    for bad in ({"enabled": "yes"}, {"max_rotations": -1}, {"max_rotations": 2.5}, {"rotations": 3}, "on"):
+    assert parse_options({"kv_edit": {"boundaries": "messages"}})["kv_edit"]["boundaries"] == "messages"
+    for bad in ({"enabled": "yes"}, {"max_rotations": -1}, {"max_rotations": 2.5}, {"rotations": 3}, "on",
+                {"boundaries": "words"}, {"recompute_tokens": -2}):
         with pytest.raises(ValueError, match="kv_edit"):
             parse_options({"kv_edit": bad})
 
@@ -70,3 +72,8 @@ def test_the_report():
                  "recomputed_tokens": 60, "fallback": None, "superseded_branches": 1}
     with pytest.raises(ValueError):
         kv_edit.report("amortize", False, 0, 10, fallback="because")
+    # a fallback comes with a sentence that says what to do about it
+    r = kv_edit.report("amortize", False, 40, 100, fallback="no_realignment")
+    assert r["fallback"] == "no_realignment" and "min_run_tokens" in r["detail"]
+    for reason in kv_edit.FALLBACKS:
+        assert kv_edit.request.explain(reason) != reason, reason

@@ -1,12 +1,14 @@
 """Per-token rotation counts (issue #21): the pure bookkeeping (kv_edit/rotations.py), its manifest form, and
 the backend in process on a real model: a run whose tokens reached `max_rotations` is re-prefilled
 while the rest of it is still spliced, the counts persist across a restart, and no stored token is
-ever rotated more than the cap."""
+ever rotated more than the cap; and the kv_edit options `boundaries` and `recompute_tokens` reach the
+served plan."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Optional
 
 import mlx.core as mx
 import pytest
@@ -64,7 +66,8 @@ def model_dir(tmp_path_factory) -> Path:
 class Agent:
     """One agent's turns through an in-process backend: fetch, prefill what the cache lacks, store."""
 
-    def __init__(self, model_dir: Path, cache_dir: Path, max_rotations: int, **options):
+    def __init__(self, model_dir: Path, cache_dir: Path, max_rotations: int, kv_edit: Optional[dict] = None,
+                 **options):
         from mlx_lm import load
 
         from vllm_mlx_persist.backend import PersistQ4Backend
@@ -72,7 +75,8 @@ class Agent:
         self.model, self.tok = load(str(model_dir))
         self.backend = PersistQ4Backend(model=self.model, tokenizer=self.tok, options={
             "block_size": 16, "hot_mb": 64, "match_text": False, "cache_dir": str(cache_dir), "warmup": False,
-            "kv_edit": {"enabled": True, "max_rotations": max_rotations, "min_run_tokens": 8}, **options})
+            "kv_edit": {"enabled": True, "max_rotations": max_rotations, "min_run_tokens": 8, **(kv_edit or {})},
+            **options})
         self.backend.load()
         self.n = 0
 
@@ -198,3 +202,30 @@ def test_a_splice_puts_keys_stored_in_a_key_format_in_place(model_dir, tmp_path,
         assert a.layer0_keys_off_cold() <= 2
     finally:
         a.close()
+
+
+def test_the_boundaries_and_recompute_tokens_options_reach_the_served_plan(model_dir, tmp_path):
+    """An edit inside the last message (a tool output before a note, one user message as vllm-mlx
+    merges them): spliced at the note's line start by default; with recompute_tokens 4 the run's
+    first 4 tokens are prefilled with the stub instead (keys still in place); with boundaries:
+    messages nothing after the edit starts a message, so it is served exact with the reason."""
+    msgs = lambda out: [{"role": "user", "content": _text("task", 20, 1)},  # noqa: E731
+                        {"role": "assistant", "content": _text("ok", 12, 2)},
+                        {"role": "user", "content": out + "\n\n" + _text("note", 30, 3)}]
+    got = {}
+    for name, opts in (("lines", {}), ("k4", {"recompute_tokens": 4}), ("messages", {"boundaries": "messages"})):
+        a = Agent(model_dir, tmp_path / name, max_rotations=4, kv_edit=opts)
+        try:
+            a.turn(msgs(_tool_output(4)), None)
+            got[name] = a.turn(msgs("tool output: (truncated)"), "amortize")
+            if got[name]["applied"]:
+                assert a.layer0_keys_off_cold() <= 2
+        finally:
+            a.close()
+    lines, k4, messages = got["lines"], got["k4"], got["messages"]
+    assert lines["applied"] and [p["boundary"] for p in lines["plan"]] == ["line"], lines
+    assert k4["applied"] and k4["plan"][0]["run_tokens"] == lines["plan"][0]["run_tokens"] - 4, k4
+    assert k4["plan"][0]["stub_tokens"] == lines["plan"][0]["stub_tokens"] + 4
+    assert k4["recomputed_tokens"] == lines["recomputed_tokens"] + 4
+    assert messages["applied"] is False and messages["fallback"] == "no_realignment", messages
+    assert "kv_edit.boundaries: lines" in messages["detail"]

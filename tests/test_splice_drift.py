@@ -99,3 +99,21 @@ def test_recall_probe_wiring(setup):
     assert not math.isclose(got["control"][0], got["unedited"][0], abs_tol=1e-3)
     got = sd.recall(setup, A, F, B, copy, F + list(copy.tokens))
     assert got["amortize"][0] == pytest.approx(got["unedited"][0], abs=1e-3)
+
+
+def test_point_kinds_and_the_kind_paths(setup):
+    """Points by where the run starts (issue #32): a column-0 statement after a blank line (block), a
+    line start (line), inside a line (mid); an edit that removes nothing splices to the cold prefill
+    whatever the point and the recomputed tokens."""
+    text = {10: "def", 11: " f", 12: "():", 13: "\n", 14: "\n    ", 15: "return", 16: " x"}.get
+    toks = [10, 11, 12, 13, 13, 10, 11, 12, 14, 15, 16, 13]
+    got = sd.point_kinds(toks, text, 0, len(toks))
+    assert got["block"] == [5] and got["line"] == [9] and got["mid"] == [2, 6, 7, 10]
+    T = tokens(120, 8)
+    j, span, L = 60, 10, 24
+    lps = sd.kind_paths(setup, T, j, span, T[j - 1 - span:j - 1], L, 8, (0, 3, 16))
+    assert "splice_16" not in lps  # 8 tokens left to move: the planner would re-prefill the run
+    ev = T[j + L + 1:][:8]
+    for k in (0, 3):
+        assert sd.compare(lps["cold"][:-1], lps[f"splice_{k}"][:-1], ev)["kl"] < 1e-6
+        assert sd.compare(lps["cold"][:-1], lps[f"splice_q4_{k}"][:-1], ev)["kl"] > 0  # 4-bit: quantized

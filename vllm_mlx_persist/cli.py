@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--size", default="small", help="preset size (see tools/models.py SIZES)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")
+    m.add_argument("--template", default="chatml", choices=("chatml", "qwen"),
+                   help="chat template: ChatML, or Qwen 2.5's with <tool_call>/<tool_response> tags")
 
     sub.add_parser("bench", help="benchmark persist_q4 against vllm-mlx's own caches", add_help=False)
     sub.add_parser("quality", help="train a small model and measure what 4-bit KV costs", add_help=False)
@@ -63,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "make-model":
         from .tools.models import build_model_dir
 
-        path = build_model_dir(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force)
+        path = build_model_dir(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force,
+                               template=args.template)
         print(path)
         return 0
     return 2

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Optional
 
+from ..chain import lcp
 from ..namespace import spliced_seed
 from . import rotations
-from .plan import ModelSplicing, Splice
-from .request import AMORTIZE, FORGET
+from .plan import ModelSplicing, Splice, snap
+from .request import AMORTIZE, FORGET, explain
 from .request import report as kv_edit_report
 from .rotations import Segments, clip
 
@@ -48,7 +49,8 @@ class SpanDirectives:
         if mode == FORGET:
             report = kv_edit_report(FORGET, True, m.num_tokens, n_prompt, superseded_branches=m.superseded)
         elif not self.enabled:
-            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled")
+            report = kv_edit_report(AMORTIZE, False, m.num_tokens, n_prompt, fallback="disabled",
+                                    detail=explain("disabled", options=self.opts))
         else:
             self.probe()
             gen, honest, counts = self._source(m)
@@ -60,13 +62,18 @@ class SpanDirectives:
             reused = m.num_tokens - honest  # spliced tokens read back from a spliced history
             if not isinstance(done, str):
                 report = kv_edit_report(AMORTIZE, True, honest, n_prompt, spliced=reused + sum(n for _, n in used))
-                report["plan"] = [{"stub_tokens": p.stub, "run_tokens": n, "delta": p.delta} for p, n in used]
+                report["plan"] = [{"stub_tokens": p.stub, "run_tokens": n, "delta": p.delta, "boundary": p.boundary}
+                                  for p, n in used]
                 report["over_budget_tokens"] = over
                 request.cache_usage = {"kv_edit": report}
                 log.info("[persist_q4] kv_edit %s", report)
                 return done
-            report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused,
-                                    fallback=None if reused > 0 and done == "no_edit" else done)
+            fallback = None if reused > 0 and done == "no_edit" else done
+            report = kv_edit_report(AMORTIZE, reused > 0, honest, n_prompt, spliced=reused, fallback=fallback,
+                                    detail=fallback and explain(fallback, options=self.opts, exact=lcp(m.stored or (),
+                                                                                                      prompt),
+                                                                stored=len(m.stored or ()),
+                                                                layer=self._splicing.refused_layer))
             if over:
                 report["over_budget_tokens"] = over
         request.cache_usage = {"kv_edit": report}
@@ -119,26 +126,39 @@ class SpanDirectives:
         if not splice.supported(self.codec):
             return "splice_not_built", [], 0
         opts = self.opts
-        stretches: list[tuple[int, int, int]] = []  # (at, stored at, length): what may move
+        stretches: list[tuple[int, int, int, str]] = []  # (at, stored at, length, boundary): what may move
         over = 0
+        points = self._splicing.points(opts)
         for plan in plans:
             n_run = min(plan.length, len(prompt) - 1 - plan.at)  # a token is always left to prefill
             if n_run < opts["min_run_tokens"]:
                 break  # the rest of the prompt is prefilled
             got, late = rotations.split_run(counts, plan.src, n_run, opts["max_rotations"], opts["min_run_tokens"])
             over += late
-            stretches += [(plan.at + off, plan.src + off, k) for off, k in got]
+            for off, k in got:
+                if off == 0:  # the plan's own start: a realignment point (and its recomputed tokens)
+                    stretches.append((plan.at, plan.src, k, plan.boundary))
+                    continue
+                # a stretch after tokens over the rotation budget starts at the next realignment
+                # point in it, never inside a template tag; the tokens before it are prefilled
+                cut = snap(points, prompt, plan.at + off, k, opts["min_run_tokens"], opts["recompute_tokens"])
+                if cut is not None:
+                    at, k2, kind = cut
+                    over += k - k2
+                    stretches.append((at, plan.src + (at - plan.at), k2, kind))
+                else:
+                    over += k
         if not stretches:
             return ("rotation_budget" if over else "no_realignment"), [], over
         runs, end = [], m.num_tokens
-        for at, stored_at, k in stretches:
+        for at, stored_at, k, kind in stretches:
             run = pool.run_arrays(m.source, stored_at, stored_at + k)
             if run is None:
                 return "unreadable", [], over
             k = self.codec.run_length(run)  # bounded sliding windows: cut to where theirs is held
             if k >= opts["min_run_tokens"]:  # else prefilled, with what lies before the next piece
                 # a piece's stub: all that is prefilled before it (stubs, over-budget stretches)
-                runs.append((Splice(end, at, stored_at, k), run))
+                runs.append((Splice(end, at, stored_at, k, kind), run))
                 end = at + k
         if not runs:
             return "window_not_held", [], over

@@ -62,7 +62,7 @@ from .bench_kit import (COMMON_ARGS, FAMILIES, FAMILY_TURNS, FIXED_REPLY, LABELS
 from .serving import RssSampler, Server, openblas_path
 
 from .bench_capacity import CAPACITY_FAMILIES, headline_capacity, md_capacity, section_capacity
-from .bench_edits import EDIT_SYSTEMS, headline_edits, md_edits, section_edits
+from .bench_edits import AGENT_APIS, EDIT_PARTS, EDIT_SYSTEMS, headline_edits, md_edits, section_edits
 from .bench_workloads import (headline_workloads, md_concurrency, md_long, md_stall, section_concurrency,
                               section_long, section_stall)
 
@@ -1300,6 +1300,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="edits: TTFT over every point of the grid of --edit-histories (not the subset)")
     p.add_argument("--edit-trace-turns", type=int, default=None, help="edits: turns of the truncation trace (default 8)")
     p.add_argument("--edit-systems", default=None, help=f"edits: subset of {','.join(EDIT_SYSTEMS)}")
+    p.add_argument("--edit-parts", default=None, help=f"edits: subset of {','.join(EDIT_PARTS)} (default all)")
+    p.add_argument("--edit-agent-turns", type=int, default=None, help="edits: turns of the agent trace (default 10)")
+    p.add_argument("--edit-agent-calls", type=int, default=None, help="edits: agent trace tool calls per turn (2)")
+    p.add_argument("--edit-agent-tool-tokens", type=int, default=None,
+                   help="edits: tokens of each agent trace tool output (default 400)")
+    p.add_argument("--edit-agent-apis", default=None, help=f"edits: subset of {','.join(AGENT_APIS)}")
     p.add_argument("--persist-options", default=None,
                    help='extra persist_q4 options (JSON) for every persist_q4 server, e.g. \'{"decode_float_mb": 0}\'')
     p.add_argument("--merge", action="store_true",
@@ -1383,6 +1389,13 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.edit_trace_turns = max(1, args.edit_trace_turns)
     if args.edit_systems:
         plan.edit_systems = _family_list(args.edit_systems, EDIT_SYSTEMS, "edit systems")
+    if args.edit_parts:
+        plan.edit_parts = _family_list(args.edit_parts, EDIT_PARTS, "edit parts")
+    if args.edit_agent_apis:
+        plan.edit_agent_apis = _family_list(args.edit_agent_apis, AGENT_APIS, "agent trace APIs")
+    for name in ("edit_agent_turns", "edit_agent_calls", "edit_agent_tool_tokens"):
+        if getattr(args, name) is not None:
+            setattr(plan, name, max(1, getattr(args, name)))
     if args.systems:
         systems = [s.strip() for s in args.systems.split(",") if s.strip()]
         bad = set(systems) - set(SYSTEMS)

@@ -16,10 +16,20 @@ template (a task, then assistant tool calls each answered by a user-role tool ou
   against what the planner predicted for the same prompts.
 - A multi-turn trace: a tool call per turn, and the harness's truncation policy (tool outputs older
   than two turns replaced by a stub), so from turn 3 on every turn is an edit plus an append.
+- An agent trace through the official openai and anthropic clients (issue #32): each turn the
+  assistant calls several tools at once (OpenAI `tool_calls` answered by `tool` messages; Anthropic
+  `tool_use` blocks answered by one user message of `tool_result` blocks), and a Leyline-like policy
+  cuts every tool output older than two turns to a 200-character head/tail stub, so every turn from
+  the third edits inside a message (vllm-mlx merges the tool results into one user message, and
+  the stub keeps the output's tail). Per turn: TTFT and the prompt tokens each system re-prefilled
+  (amortize, exact, vllm-mlx's default cache).
+
+`--edit-parts` picks the parts (accounting, ttft, trace, agent).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import shutil
@@ -30,7 +40,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .. import chain
-from ..kv_edit.plan import ModelSplicing, Splice, message_anchor
+from ..kv_edit.plan import ModelSplicing, Points, Splice, message_anchor, realign_points
 from ..kv_edit import OPTION_DEFAULTS
 from .bench_kit import (COMMON_ARGS, FIXED_REPLY, Ctx, Prompts, Session, make_server, say, section_failed,
                         seed_of, send)
@@ -47,6 +57,10 @@ CALL_WORDS = 14  # an assistant tool call: ~30 tokens, a run longer than kv_edit
 NEW_TOOL_WORDS = 24  # the tool output the edited turn appends
 FILLER_TOKENS = (60, 200)  # other tool outputs
 TAIL_TOKENS = 64  # room a grid point keeps after its edited messages
+EDIT_PARTS = ("accounting", "ttft", "trace", "agent")
+AGENT_SYSTEMS = ("amortize", "exact", "vllm_default")
+AGENT_APIS = ("openai", "anthropic")
+AGENT_SYSTEM_PROMPT = "You are a coding agent. Call tools to read, search and test the repository."
 
 
 # ---------------------------------------------------------------------------------------------
@@ -59,6 +73,7 @@ class Chat:
     def __init__(self, prompts: Prompts):
         self.tok = prompts.tok
         self.anchor = message_anchor(self.tok)
+        self.realign = realign_points(self.tok)  # where the server's planner realigns (kv_edit.plan)
         self._one = len(self.ids([{"role": "user", "content": "a"}], gen=False))
 
     def ids(self, messages: list[dict], gen: bool = True) -> list[int]:
@@ -180,13 +195,185 @@ def trace_requests(chat: Chat, seed: int, turns: int, tool_tokens: int) -> list[
 
 
 # ---------------------------------------------------------------------------------------------
+# The agent trace (issue #32): tool calls and results as the APIs carry them
+
+
+TOOLS = ("read_file", "grep", "run_tests", "list_dir")
+
+
+def tool_output(rng: random.Random, tok: Any, tool: str, n_tokens: int) -> str:
+    """A tool's output of about `n_tokens` tokens: lines as the tool would print them."""
+    lines: list[str] = []
+    while len(tok.encode("\n".join(lines), add_special_tokens=False)) < n_tokens:
+        k = len(lines)
+        if tool == "grep":
+            lines.append(f"src/pkg/mod{rng.randrange(40)}.py:{rng.randrange(1, 900)}: " + Prompts.words(rng, 8))
+        elif tool == "run_tests":
+            lines.append(f"tests/test_{rng.randrange(30)}.py::test_{Prompts.words(rng, 2).replace(' ', '_')} "
+                         + rng.choice(("PASSED", "PASSED", "FAILED", "SKIPPED")))
+        elif tool == "list_dir":
+            lines.append(f"{rng.choice(('-rw-r--r--', 'drwxr-xr-x'))} {rng.randrange(100, 99999):>6} "
+                         f"{Prompts.words(rng, 1)}_{k}.py")
+        else:
+            lines.append(("    " * rng.randrange(0, 3)) + Prompts.words(rng, 9))
+    return "\n".join(lines)
+
+
+def head_tail(text: str, chars: int) -> str:
+    """The policy's stub: the first and last chars/2 characters of a tool output, the cut marked."""
+    if len(text) <= chars + 40:
+        return text
+    h = chars // 2
+    return f"{text[:h]}\n[... {len(text) - chars} characters truncated ...]\n{text[-h:]}"
+
+
+@dataclass(frozen=True)
+class AgentTurn:
+    """One turn of the agent: its tool calls (name, arguments, output)."""
+
+    calls: tuple[tuple[str, dict, str], ...]
+
+
+def agent_turns(tok: Any, seed: int, turns: int, calls: int, tool_tokens: int) -> tuple[str, list[AgentTurn]]:
+    """(the task, the turns): each turn `calls` tool calls with outputs of about `tool_tokens` tokens."""
+    rng = random.Random(seed)
+    task = f"task {seed:016x}: " + Prompts.words(rng, 40)
+    out = []
+    for t in range(turns):
+        cs = []
+        for c in range(calls):
+            name = TOOLS[(t * calls + c) % len(TOOLS)]
+            args = {"path": f"src/pkg/mod{rng.randrange(40)}.py"} if name in ("read_file", "list_dir") else \
+                {"query": Prompts.words(rng, 2)}
+            cs.append((name, args, tool_output(rng, tok, name, tool_tokens)))
+        out.append(AgentTurn(tuple(cs)))
+    return task, out
+
+
+def _policy(turns: Sequence[AgentTurn], t: int, stub_chars: int) -> list[list[str]]:
+    """The outputs turn t (1-based) sends: those of turns older than two (i <= t - 2) cut to stubs."""
+    return [[head_tail(o, stub_chars) if i <= t - 2 else o for _, _, o in turn.calls]
+            for i, turn in enumerate(turns[:t], start=1)]
+
+
+def openai_messages(task: str, turns: Sequence[AgentTurn], t: int, stub_chars: int) -> list[dict]:
+    """Turn t's request as the openai client sends it: assistant tool_calls, then one tool message each."""
+    msgs: list[dict] = [{"role": "system", "content": AGENT_SYSTEM_PROMPT}, {"role": "user", "content": task}]
+    for i, (turn, outs) in enumerate(zip(turns, _policy(turns, t, stub_chars)), start=1):
+        ids = [f"call_{i}_{c}" for c in range(len(turn.calls))]
+        msgs.append({"role": "assistant", "content": None, "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            for cid, (name, args, _) in zip(ids, turn.calls)]})
+        msgs += [{"role": "tool", "tool_call_id": cid, "content": o} for cid, o in zip(ids, outs)]
+    return msgs
+
+
+def anthropic_messages(task: str, turns: Sequence[AgentTurn], t: int, stub_chars: int) -> list[dict]:
+    """Turn t's request as the anthropic client sends it: tool_use blocks, then one user message of
+    tool_result blocks."""
+    msgs: list[dict] = [{"role": "user", "content": task}]
+    for i, (turn, outs) in enumerate(zip(turns, _policy(turns, t, stub_chars)), start=1):
+        ids = [f"toolu_{i}_{c}" for c in range(len(turn.calls))]
+        msgs.append({"role": "assistant", "content": [{"type": "tool_use", "id": cid, "name": name, "input": args}
+                                                      for cid, (name, args, _) in zip(ids, turn.calls)]})
+        msgs.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": cid, "content": o}
+                                                 for cid, o in zip(ids, outs)]})
+    return msgs
+
+
+def _scheduled(server: Server, pos: int) -> Optional[int]:
+    """The tokens vllm-mlx's scheduler prefilled for the request whose log starts at `pos`."""
+    for _ in range(20):  # the line is written before the first token; let it reach the file
+        with open(server.log_path, errors="replace") as f:
+            f.seek(pos)
+            found = _SCHEDULE_RE.findall(f.read())
+        if found:
+            return int(found[-1][1])
+        time.sleep(0.05)
+    return None
+
+
+def agent_turn(s: Session, api: str, messages: list[dict], agent: str, max_tokens: int, system: str) -> dict:
+    """One streamed request through the official client of `api`: TTFT (send to first text), prompt
+    and cached tokens, usage.kv_edit, and the tokens prefilled (amortize: usage.kv_edit; else the
+    scheduler's count)."""
+    srv = s.server
+    pos = srv.log_path.stat().st_size
+    headers = {"X-Agent-ID": agent, **(_headers(system) or {})}
+    t0 = time.perf_counter()
+    first, usage = None, {}
+    if api == "openai":
+        stream = s.client.chat.completions.create(
+            model=srv.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}, extra_headers=headers)
+        for chunk in stream:
+            if first is None and chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+                first = time.perf_counter()
+            if getattr(chunk, "usage", None):
+                usage = chunk.usage.model_dump()
+        prompt = usage.get("prompt_tokens")
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    else:
+        import anthropic
+
+        client = anthropic.Anthropic(base_url=srv.url, api_key="bench", max_retries=0, timeout=7200)
+        start: dict = {}
+        for ev in client.messages.create(model=srv.model, messages=messages, system=AGENT_SYSTEM_PROMPT,
+                                         max_tokens=max_tokens, stream=True, extra_headers=headers,
+                                         extra_body={"temperature": 0.0}):
+            if ev.type == "message_start":
+                start = ev.message.usage.model_dump()
+            elif ev.type == "content_block_delta" and first is None and getattr(ev.delta, "text", None):
+                first = time.perf_counter()
+            elif ev.type == "message_delta" and ev.usage is not None:
+                usage = {**start, **{k: v for k, v in ev.usage.model_dump().items() if v is not None}}
+        cached = usage.get("cache_read_input_tokens") or 0
+        prompt = (usage.get("input_tokens") or 0) + cached
+    end = time.perf_counter()
+    kv = usage.get("kv_edit")
+    return {"ttft_s": round((first or end) - t0, 4), "prompt_tokens": prompt, "cached_tokens": cached,
+            "kv_edit": kv, "prefilled": kv["recomputed_tokens"] if kv else _scheduled(srv, pos)}
+
+
+def run_agent_trace(plan: Any, tok: Any, sessions: dict, result: dict) -> None:
+    """The agent trace over every API and system (the systems take turns at each turn); fills
+    result["agent"] with one record per (api, system, turn)."""
+    apis = [a for a in AGENT_APIS if a in plan.edit_agent_apis]
+    systems = [x for x in AGENT_SYSTEMS if x in sessions]
+    task, turns = agent_turns(tok, seed_of("edits-agent"), plan.edit_agent_turns, plan.edit_agent_calls,
+                              plan.edit_agent_tool_tokens)
+    build = {"openai": openai_messages, "anthropic": anthropic_messages}
+    say(f"edits: agent trace, {len(turns)} turns x {plan.edit_agent_calls} tool calls of ~"
+        f"{plan.edit_agent_tool_tokens} tokens, APIs {', '.join(apis)}, systems {', '.join(systems)}")
+    for api in apis:
+        for t in range(1, len(turns) + 1):
+            msgs = build[api](task, turns, t, plan.edit_agent_stub_chars)
+            for system in systems:
+                s = sessions[system]
+                if system in result["errors"]:
+                    continue
+                try:
+                    r = agent_turn(s, api, msgs, f"edit-agent-{api}-{system}", plan.edit_max_tokens, system)
+                except Exception as e:
+                    section_failed(result["errors"], "edits", system, s, e)
+                    continue
+                result["agent"].append({"api": api, "system": system, "turn": t, **r})
+                kv = r["kv_edit"] or {}
+                say(f"  agent {api:<9} {system:<12} turn {t:2d} ttft {r['ttft_s']:7.3f}s prompt {r['prompt_tokens']} "
+                    f"cached {r['cached_tokens']} prefilled {r['prefilled']}"
+                    + (f" applied {kv.get('applied')} fallback {kv.get('fallback')} "
+                       f"{[p.get('boundary') for p in kv.get('plan', [])]}" if kv else ""))
+
+
+# ---------------------------------------------------------------------------------------------
 # Accounting
 
 
-def reprefill(stored: Sequence[int], prompt: Sequence[int], anchor: Optional[int],
+def reprefill(stored: Sequence[int], prompt: Sequence[int], anchor: Points,
               options: Optional[dict] = None) -> dict:
     """Prompt tokens each system prefills when `prompt` follows a turn that stored `stored`.
-    amortize: the server's plan (ModelSplicing.decide) and its cut of each run (kv_edit.serve: a
+    amortize: the server's plan (ModelSplicing.decide, at the realignment points `anchor`: a Realign,
+    or a message-start token for message starts only) and its cut of each run (kv_edit.serve: a
     token is always left to prefill; a run cut under min_run_tokens ends the splices)."""
     opts = {**OPTION_DEFAULTS, **(options or {})}
     n, lcp = len(prompt), chain.lcp(stored, prompt)
@@ -242,7 +429,7 @@ def account_point(chat: Chat, point: EditPoint) -> dict:
     stored = chat.ids(history)
     prompt = chat.ids(edited_turn(history, targets, seed_of("edits-new", point.key)))
     return {"point": point.key, **asdict(point), "edit_at": edit_position(chat, history, targets),
-            **reprefill(stored, prompt, chat.anchor)}
+            **reprefill(stored, prompt, chat.realign)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,19 +511,29 @@ def section_edits(ctx: Ctx) -> dict:
                     "anchor": chat.anchor, "systems": {s: _flags(s if s in ("vllm_default", "no_cache") else
                                                                "persist_q4", plan.ttft_cache_mb) for s in systems},
                     "samples": [], "trace": [], "events": [], "errors": {}}
-    say(f"edits: accounting over {len(grid(plan))} grid points")
-    result["accounting"] = [account_point(chat, p) for p in grid(plan)]
+    parts = [x for x in EDIT_PARTS if x in plan.edit_parts]
+    result["parts"] = parts
+    result["accounting"] = []
+    if "accounting" in parts:
+        say(f"edits: accounting over {len(grid(plan))} grid points")
+        result["accounting"] = [account_point(chat, p) for p in grid(plan)]
 
-    points = ttft_points(plan)
+    points = ttft_points(plan) if "ttft" in parts else []
     convs = {}
     for p in points:
         history, targets = edit_history(chat, seed_of("edits", p.key), p)
         edited = edited_turn(history, targets, seed_of("edits-new", p.key))
-        convs[p.key] = (history, edited, reprefill(chat.ids(history), chat.ids(edited), chat.anchor),
+        convs[p.key] = (history, edited, reprefill(chat.ids(history), chat.ids(edited), chat.realign),
                         edit_position(chat, history, targets))
-    trace = trace_requests(chat, seed_of("edits-trace"), plan.edit_trace_turns, plan.edit_trace_tool_tokens)
+    trace = trace_requests(chat, seed_of("edits-trace"), plan.edit_trace_turns, plan.edit_trace_tool_tokens) \
+        if "trace" in parts else []
     trace_ids = [chat.ids(m) for m in trace]
-    trace_expected = [None] + [reprefill(a, b, chat.anchor) for a, b in zip(trace_ids, trace_ids[1:])]
+    trace_expected = [None] + [reprefill(a, b, chat.realign) for a, b in zip(trace_ids, trace_ids[1:])]
+    if "agent" in parts:
+        result["agent"] = []
+        if not (points or trace):  # the agent trace alone: its systems only
+            systems = [s for s in systems if s in AGENT_SYSTEMS]
+            result["systems"] = {s: v for s, v in result["systems"].items() if s in systems}
     say(f"edits: TTFT at {len(points)} points, trace of {len(trace)} turns, systems {', '.join(systems)}")
     # Every server runs for the whole section and the systems take turns at each point (and each
     # trace turn), so load from other jobs on a shared machine falls on all of them alike.
@@ -389,6 +586,8 @@ def section_edits(ctx: Ctx) -> dict:
                 say(f"  trace {system:<12} turn {t} ttft {r['ttft_s']:7.3f}s prompt {r['prompt_tokens']} "
                     f"prefilled {rec['prefilled']} (planned {rec['expected']})"
                     + (f" {r['kv_edit']}" if r.get("kv_edit") and system == "amortize" else ""))
+        if "agent" in parts:
+            run_agent_trace(plan, chat.tok, sessions, result)
     finally:
         for s in started:
             s.stop(signal.SIGTERM, "end")
@@ -425,8 +624,29 @@ def summarize(result: dict, points: Sequence[EditPoint]) -> dict:
             "kv_edit": x.get("kv_edit")}
     mismatches = [f"{x['point']} {x['system']}: prefilled {x['prefilled']}, planned {x['expected']}"
                   for x in result["samples"] if x["prefilled"] != x["expected"]]
-    return {"ttft": ttft, "trace": trace, "accounting_checked": len(result["samples"]),
+    agent: dict = {}
+    for x in result.get("agent", []):
+        kv = x.get("kv_edit") or {}
+        agent.setdefault(x["api"], {}).setdefault(str(x["turn"]), {})[x["system"]] = {
+            "ttft_s": x["ttft_s"], "prompt": x["prompt_tokens"], "cached": x["cached_tokens"],
+            "prefilled": x["prefilled"], "applied": kv.get("applied"), "fallback": kv.get("fallback"),
+            "boundaries": [p.get("boundary") for p in kv.get("plan", [])]}
+    return {"ttft": ttft, "trace": trace, "agent": agent, "accounting_checked": len(result["samples"]),
             "accounting_mismatches": mismatches}
+
+
+def agent_totals(agent: dict) -> dict:
+    """Per API and system over the turns from 3 on (every one an edit): prefilled tokens and TTFT
+    summed, and the amortize turns that spliced."""
+    out: dict = {}
+    for api, turns in agent.items():
+        rows = [v for t, v in turns.items() if int(t) >= 3]
+        out[api] = {s: {"prefilled": sum(r[s]["prefilled"] or 0 for r in rows if s in r),
+                        "ttft_s": round(sum(r[s]["ttft_s"] for r in rows if s in r), 3),
+                        "turns": sum(1 for r in rows if s in r),
+                        "applied": sum(1 for r in rows if s in r and r[s].get("applied"))}
+                    for s in AGENT_SYSTEMS if any(s in r for r in rows)}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -549,5 +769,50 @@ def md_edits(ed: dict, plan: dict) -> list[str]:
                              + (f", {fb}" if fb else ""))
             L.append(f"| {t} | {prompt} | " + " | ".join(cells) + " |")
         L.append("")
-    L += ["![Span directives](edits.png)", ""]
+    if sm.get("agent"):
+        L += md_agent(ed, plan)
+    if ed.get("accounting") or sm.get("ttft") or sm.get("trace"):
+        L += ["![Span directives](edits.png)", ""]
+    return L
+
+
+def md_agent(ed: dict, plan: dict) -> list[str]:
+    sm = ed["summary"]
+    systems = [s for s in AGENT_SYSTEMS if s in ed.get("systems", {})]
+    L = ["### Agent trace through the openai and anthropic clients (issue #32)", "",
+         f"One agent per API and system, {plan.get('edit_agent_turns')} turns. Each turn the assistant calls "
+         f"{plan.get('edit_agent_calls')} tools at once (OpenAI: `tool_calls` answered by `tool` messages; "
+         "Anthropic: `tool_use` blocks answered by one user message of `tool_result` blocks), outputs of "
+         f"~{plan.get('edit_agent_tool_tokens')} tokens (grep hits, test runs, listings, file text); a "
+         "Leyline-like policy cuts every output older than two turns to a "
+         f"{plan.get('edit_agent_stub_chars')}-character head/tail stub, so from turn 3 on each turn edits "
+         "inside a message (vllm-mlx renders tool results as user messages and merges consecutive ones) "
+         "and appends a turn. The harness sends its own scripted tool calls (the random model's replies "
+         "are not tool calls). Per turn: TTFT in s, prompt tokens prefilled (amortize: "
+         "usage.kv_edit.recomputed_tokens; the others: vllm-mlx's scheduler), and for amortize the "
+         "realignment points its splices used (l = line, m = message, i = item) or its fallback.", ""]
+    for api, turns in sm["agent"].items():
+        L += [f"**{api}**:", "", "| turn | prompt | " + " | ".join(systems) + " |", "|---|---|" + "---|" * len(systems)]
+        for t, row in sorted(turns.items(), key=lambda kv: int(kv[0])):
+            prompt = next(v["prompt"] for v in row.values())
+            cells = []
+            for s in systems:
+                v = row.get(s)
+                if not v:
+                    cells.append("–")
+                    continue
+                extra = ""
+                if s == "amortize":
+                    extra = (" " + "".join(b[0] for b in v["boundaries"])) if v["boundaries"] else \
+                        (f", {v['fallback']}" if v["fallback"] else "")
+                cells.append(f"{v['ttft_s']:.2f} s; {v['prefilled']} tok{extra}")
+            L.append(f"| {t} | {prompt} | " + " | ".join(cells) + " |")
+        L.append("")
+    tot = agent_totals(sm["agent"])
+    if tot:
+        L += ["Turns 3 on, summed (prefilled tokens; TTFT s; amortize turns that spliced): " + "; ".join(
+            f"{api}: " + ", ".join(f"{s} {v['prefilled']} tok / {v['ttft_s']:.2f} s"
+                                   + (f" ({v['applied']}/{v['turns']} spliced)" if s == "amortize" else "")
+                                   for s, v in per.items()) for api, per in tot.items()) + ".", ""]
+    L += ["![Agent trace](edits_agent.png)", ""]
     return L

@@ -128,6 +128,13 @@ class Plan:
     edit_max_tokens: int = 4
     edit_systems: list[str] = field(default_factory=lambda: ["amortize", "forget", "exact", "vllm_default",
                                                              "no_cache"])
+    # the parts of the section; "agent": the agent trace through the openai and anthropic clients
+    edit_parts: list[str] = field(default_factory=lambda: ["accounting", "ttft", "trace", "agent"])
+    edit_agent_turns: int = 10
+    edit_agent_calls: int = 2  # tool calls per turn
+    edit_agent_tool_tokens: int = 400
+    edit_agent_stub_chars: int = 200  # the policy's head/tail stub
+    edit_agent_apis: list[str] = field(default_factory=lambda: ["openai", "anthropic"])
 
     def reps_for(self, context: int) -> int:
         return self.reps_by_context.get(context, self.reps)
@@ -146,6 +153,7 @@ QUICK = Plan(
     capacity_contexts=[4096], capacity_turns=2,
     edit_size="tiny", edit_grid_histories=[1024, 2048], edit_spans=[64, 256], edit_counts=[1, 2],
     edit_histories=[512, 1024], edit_span=64, edit_sweep_history=1024, edit_trace_turns=4, edit_trace_tool_tokens=128,
+    edit_agent_turns=4, edit_agent_tool_tokens=96,
 )
 
 # ---------------------------------------------------------------------------------------------

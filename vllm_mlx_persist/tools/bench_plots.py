@@ -40,16 +40,18 @@ def write_plots(res: dict, out: Path) -> list[str]:
     plt = _pyplot()
     secs = res["sections"]
     written = []
-    for name, fn in (("ttft", plot_ttft), ("agents", plot_agents), ("batch", plot_batch), ("reload", plot_reload),
-                     ("families", plot_families), ("fanout", plot_fanout),
-                     ("stall", plot_stall), ("capacity", plot_capacity), ("edits", plot_edits)):
+    for name, fn, file in (("ttft", plot_ttft, None), ("agents", plot_agents, None), ("batch", plot_batch, None),
+                           ("reload", plot_reload, None), ("families", plot_families, None),
+                           ("fanout", plot_fanout, None), ("stall", plot_stall, None),
+                           ("capacity", plot_capacity, None), ("edits", plot_edits, None),
+                           ("edits", plot_edits_agent, "edits_agent")):
         data = secs.get(name)
         if not data or ("summary" not in data and "systems" not in data):
             continue
         fig = fn(plt, data, res)
         if fig is None:
             continue
-        path = out / f"{name}.png"
+        path = out / f"{file or name}.png"
         fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path.name)
@@ -314,10 +316,48 @@ def plot_capacity(plt: Any, cap: dict, res: dict):
     return fig
 
 
+def plot_edits_agent(plt: Any, ed: dict, res: dict):
+    """The agent trace (issue #32): per API, prompt tokens prefilled and TTFT per turn, per system."""
+    agent = (ed.get("summary") or {}).get("agent") or {}
+    if not agent:
+        return None
+    apis = list(agent)
+    fig, axes = plt.subplots(len(apis), 2, figsize=(12, 3.8 * len(apis)), squeeze=False)
+    labels = {"amortize": "persist_q4, X-KV-Edit: amortize", "exact": "persist_q4 exact",
+              "vllm_default": "vllm-mlx default cache"}
+    for row, api in zip(axes, apis):
+        turns = sorted(agent[api], key=int)
+        for s in ("amortize", "exact", "vllm_default"):
+            pts = [(int(t), agent[api][t][s]) for t in turns if s in agent[api][t]]
+            if not pts:
+                continue
+            color, marker = EDIT_STYLE[s]
+            row[0].plot([t for t, _ in pts], [max(1, v["prefilled"] or 0) for _, v in pts], marker=marker,
+                        color=color, label=labels[s])
+            row[1].plot([t for t, _ in pts], [v["ttft_s"] for _, v in pts], marker=marker, color=color, label=labels[s])
+        prompt = [agent[api][t][next(iter(agent[api][t]))]["prompt"] for t in turns]
+        row[0].plot([int(t) for t in turns], prompt, ls=":", color="gray", label="prompt")
+        for ax, what in ((row[0], "prompt tokens prefilled"), (row[1], "TTFT, s")):
+            ax.set_yscale("log")
+            ax.set_xticks([int(t) for t in turns])
+            ax.set_xlabel("turn (from 3: outputs older than two turns cut to a head/tail stub)")
+            ax.set_ylabel(what)
+            ax.set_title(f"{api} client: {what} per turn", fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+    m = ed.get("model", {})
+    fig.suptitle(f"Agent trace with tool calls, {m.get('size')} model ({m.get('layers')} layers, hidden "
+                 f"{m.get('hidden')}, float32), {res['machine']['cpu']} x{res['machine']['cores']}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
 def plot_edits(plt: Any, ed: dict, res: dict):
     """Span directives: re-prefilled tokens against history (accounting), TTFT after an edit against
     history (real servers), and TTFT per turn of the truncation trace."""
     acc, sm = ed.get("accounting") or [], ed.get("summary") or {}
+    if not (acc or sm.get("ttft") or sm.get("trace")):
+        return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.4))
     systems = [s for s in EDIT_STYLE if s in ed.get("systems", {})]
     if acc:

@@ -60,6 +60,57 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
 )
 
+# Qwen 2.5's chat template, as its tool-calling models render conversations (trimmed of the default
+# system prompt): assistant tool calls as <tool_call> JSON lines, and consecutive tool results inside
+# ONE user turn, each in a <tool_response> block. `template="qwen"` models carry it with the four tags
+# as added, non-special tokens (as Qwen's tokenizer has them); vllm-mlx renders role "tool" natively
+# with it when served with a native tool parser (--enable-auto-tool-choice --tool-call-parser hermes).
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+QWEN_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+    "<args-json-object>}\n</tool_call><|im_end|>\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['content'] is string %}{%- set content = message['content'] %}"
+    "{%- elif message['content'] is iterable %}{%- set ns = namespace(t='') %}"
+    "{%- for part in message['content'] %}{%- if part is string %}{%- set ns.t = ns.t + part %}"
+    "{%- elif part['type'] == 'text' %}{%- set ns.t = ns.t + part['text'] %}{%- endif %}{%- endfor %}"
+    "{%- set content = ns.t %}"
+    "{%- else %}{%- set content = '' %}{%- endif %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if content %}{{- '\n' + content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' }}{{- content }}{{- '\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
+)
+TEMPLATES = {"chatml": CHAT_TEMPLATE, "qwen": QWEN_TEMPLATE}
+
 # Training text for the tokenizer: pure-Python stdlib modules present in CPython 3.8 to 3.14,
 # mostly English docstrings and comments. Missing files are skipped.
 TOKENIZER_SOURCES = (
@@ -265,8 +316,10 @@ def _stdlib_text(cap: int = TOKENIZER_TEXT_CAP) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def train_tokenizer(vocab_size: int) -> str:
-    """A byte-level BPE tokenizer of exactly `vocab_size` tokens, as tokenizer.json text."""
+def train_tokenizer(vocab_size: int, added: tuple[str, ...] = ()) -> str:
+    """A byte-level BPE tokenizer of exactly `vocab_size` tokens, as tokenizer.json text. `added`:
+    tokens given the ids after the special tokens, as added tokens that are not special (Qwen's tool
+    tags: atomic in encoding, shown in decoding)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -274,7 +327,7 @@ def train_tokenizer(vocab_size: int) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(SPECIAL_TOKENS) + list(added),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -283,12 +336,18 @@ def train_tokenizer(vocab_size: int) -> str:
     tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"tokenizer has {tok.get_vocab_size()} tokens, wanted {vocab_size}")
-    for i, t in enumerate(SPECIAL_TOKENS):
+    for i, t in enumerate(SPECIAL_TOKENS + tuple(added)):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
-    return tok.to_str()
+    if not added:
+        return tok.to_str()
+    doc = json.loads(tok.to_str())
+    for entry in doc["added_tokens"]:
+        if entry["content"] in added:
+            entry["special"] = False
+    return json.dumps(doc, ensure_ascii=False)
 
 
-def tokenizer_config(clean_up_spaces: bool = False) -> dict[str, Any]:
+def tokenizer_config(clean_up_spaces: bool = False, template: str = "chatml") -> dict[str, Any]:
     """tokenizer_config.json for the trained tokenizer.
 
     `clean_up_spaces`: decode as a tokenizer whose config sets `clean_up_tokenization_spaces` does
@@ -308,14 +367,16 @@ def tokenizer_config(clean_up_spaces: bool = False) -> dict[str, Any]:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 32768,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": TEMPLATES[template],
         **extra,
     }
 
 
 def _stamp(arch: str, size: str, seed: int, clean_up_spaces: bool = False,
-           overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+           overrides: dict[str, Any] | None = None, template: str = "chatml") -> dict[str, Any]:
     stamp = {"arch": arch, "size": size, "seed": seed, "format": BUILD_FORMAT}
+    if template != "chatml":  # likewise
+        stamp["template"] = template
     if clean_up_spaces:  # only when set: directories built before the option stay valid
         stamp["clean_up_spaces"] = True
     if overrides:  # likewise
@@ -332,11 +393,12 @@ def read_stamp(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def _is_built(path: Path, arch: str, size: str, seed: int, clean_up_spaces: bool = False,
-              overrides: dict[str, Any] | None = None) -> bool:
+              overrides: dict[str, Any] | None = None, template: str = "chatml") -> bool:
     stamp = read_stamp(path)
-    want = _stamp(arch, size, seed, clean_up_spaces, overrides)
+    want = _stamp(arch, size, seed, clean_up_spaces, overrides, template)
     if stamp is None or any(stamp.get(k) != v for k, v in want.items()) \
             or stamp.get("clean_up_spaces", False) != clean_up_spaces \
+            or stamp.get("template", "chatml") != template \
             or stamp.get("overrides", {}) != want.get("overrides", {}):
         return False
     return all((path / f).is_file() for f in MODEL_FILES)
@@ -347,7 +409,7 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def write_model_files(dest: Path, model: Any, config: dict[str, Any], tokenizer_json: str,
-                      stamp: dict[str, Any], clean_up_spaces: bool = False) -> None:
+                      stamp: dict[str, Any], clean_up_spaces: bool = False, template: str = "chatml") -> None:
     """Write a servable model's files into the existing directory `dest`; the stamp goes last,
     marking the directory complete."""
     import mlx.core as mx
@@ -357,7 +419,7 @@ def write_model_files(dest: Path, model: Any, config: dict[str, Any], tokenizer_
     mx.save_safetensors(str(dest / "model.safetensors"), weights, metadata={"format": "mlx"})
     _write_json(dest / "config.json", config)
     (dest / "tokenizer.json").write_text(tokenizer_json)
-    _write_json(dest / "tokenizer_config.json", tokenizer_config(clean_up_spaces))
+    _write_json(dest / "tokenizer_config.json", tokenizer_config(clean_up_spaces, template))
     _write_json(dest / "generation_config.json",
                 {"bos_token_id": BOS_ID, "eos_token_id": EOS_IDS, "pad_token_id": PAD_ID})
     _write_json(dest / STAMP_FILE, stamp)
@@ -372,11 +434,14 @@ def build_model_dir(
     force: bool = False,
     clean_up_spaces: bool = False,
     overrides: dict[str, Any] | None = None,
+    template: str = "chatml",
 ) -> Path:
     """Write a servable model directory at `out_dir`; return its absolute path.
 
     `clean_up_spaces`: a tokenizer config that cleans up tokenization spaces (see tokenizer_config).
     `overrides`: config.json keys set over the preset's (see build_model), recorded in the stamp.
+    `template`: the chat template, "chatml" (CHAT_TEMPLATE) or "qwen" (QWEN_TEMPLATE, with its tool
+    tags as added tokens).
 
     Does nothing when `out_dir` already holds a model built with the same (arch, size, seed) unless
     `force`. Builds into a sibling temp dir and renames it into place, so a half-built directory is
@@ -385,20 +450,22 @@ def build_model_dir(
     out = Path(out_dir).expanduser().resolve()
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose from {', '.join(SIZES)}")
-    if not force and _is_built(out, arch, size, seed, clean_up_spaces, overrides):
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown template {template!r}; choose from {', '.join(TEMPLATES)}")
+    if not force and _is_built(out, arch, size, seed, clean_up_spaces, overrides, template):
         return out
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and read_stamp(out) is None)):
         raise FileExistsError(f"{out} exists and is not a model built by vllm-mlx-persist; not replacing it")
 
     model, config = build_model(arch, size, seed, overrides)
-    tokenizer_json = train_tokenizer(config["vocab_size"])
+    tokenizer_json = train_tokenizer(config["vocab_size"], TOOL_TAGS if template == "qwen" else ())
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        stamp = _stamp(arch, size, seed, clean_up_spaces, overrides)
+        stamp = _stamp(arch, size, seed, clean_up_spaces, overrides, template)
         stamp["tokenizer_sha256"] = hashlib.sha256(tokenizer_json.encode()).hexdigest()
-        write_model_files(tmp, model, config, tokenizer_json, stamp, clean_up_spaces)
+        write_model_files(tmp, model, config, tokenizer_json, stamp, clean_up_spaces, template)
 
         old = None
         if out.exists():
@@ -408,7 +475,7 @@ def build_model_dir(
             os.rename(tmp, out)
         except OSError:
             # Another process put a model there meanwhile; keep it if it is the one asked for.
-            if not _is_built(out, arch, size, seed, clean_up_spaces, overrides):
+            if not _is_built(out, arch, size, seed, clean_up_spaces, overrides, template):
                 raise
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)

@@ -61,10 +61,24 @@ class DriftConfig:
     bits: int = 4
     group_size: int = 64
     seed: int = 0
+    # where the run starts (issue #32): KINDS, each at `kind_seqs` held-out points per run length
+    kind_seqs: int = 48
+    kind_span: int = 64  # tokens removed before the point (replaced by STUB_TEXT's first line)
+    kind_runs: tuple[int, ...] = (16, 64, 256)
+    kind_eval: int = 64
+    recompute: tuple[int, ...] = (0, 1, 2, 4, 8, 16)  # the run's first k tokens re-prefilled
 
 
 QUICK = DriftConfig(seqs=3, prefix=32, run=32, eval_len=16, edits=((16, 4), (8, 12)), chain_span=16,
-                    chain_stubs=(4, 10, 2), facts=4, fact_span=16, fact_runs=(8,))
+                    chain_stubs=(4, 10, 2), facts=4, fact_span=16, fact_runs=(8,), kind_seqs=3, kind_span=8,
+                    kind_runs=(20,), kind_eval=8, recompute=(0, 2))
+# Where a splice's run starts, in this model's own text (Python source): `block`, a statement at column
+# 0 after a blank line (a new top-level definition: the analog of a message start, where the text
+# before matters least); `line`, a line start inside a block (the planner's line point: the token
+# before it ends a line, indentation included); `mid`, inside a line (no point: what the planner
+# never splices at). The trained model never saw a chat template, so message starts themselves
+# cannot be measured on it.
+KINDS = ("block", "line", "mid")
 
 
 # ---- paths ---------------------------------------------------------------------------------------
@@ -276,6 +290,79 @@ def recall(s: Setup, A: Sequence[int], F: Sequence[int], B: Sequence[int], fact:
     return out
 
 
+def point_kinds(tokens: Sequence[int], text: Callable[[int], str], lo: int, hi: int) -> dict[str, list[int]]:
+    """The positions j in [lo, hi) of `tokens` by KINDS (module docstring of DriftConfig's KINDS)."""
+    out: dict[str, list[int]] = {k: [] for k in KINDS}
+    for j in range(max(2, lo), hi):
+        before, here = text(tokens[j - 1]), text(tokens[j])
+        if re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
+            top = re.search(r"\n[ \t]*\n\Z", text(tokens[j - 2]) + before) is not None and not here[:1].isspace()
+            out["block" if top else "line"].append(j)
+        elif "\n" not in before and "\n" not in here:
+            out["mid"].append(j)
+    return out
+
+
+def recomputed_run(L: int, k: int) -> bool:
+    """Whether a run of L tokens still splices with its first k re-prefilled: the planner's
+    `recompute` keeps a run only while at least `min_run_tokens` of it are left to move."""
+    from ..kv_edit.plan import MIN_RUN_TOKENS
+
+    return k == 0 or L - k >= MIN_RUN_TOKENS
+
+
+def kind_paths(s: Setup, T: Sequence[int], j: int, span: int, stub: Sequence[int], L: int, E: int,
+               ks: Sequence[int]) -> dict[str, Any]:
+    """An edit that removes the `span` tokens before T[j-1] (the token before the point, kept) and puts
+    `stub` there; the run T[j:j+L] spliced from the point (`splice_k`/`splice_q4_k`: its first k
+    tokens re-prefilled; only k that leave `recomputed_run(L, k)`, as the server's planner would).
+    Log-probs over T[j+L : j+L+E+1] of cold, cold_q4 and each splice."""
+    T, stub = list(T), list(stub)
+    i = j - 1 - span
+    P = T[:i] + stub + T[j - 1:]
+    at = i + len(stub) + 1
+    ev = T[j + L:j + L + E + 1]
+    src_f, src_q = prefill(s.model, s.fl, T[:j + L]), prefill(s.model, s.q4, T[:j + L])
+    caches = {"cold": prefill(s.model, s.fl, P[:at + L]), "cold_q4": prefill(s.model, s.q4, P[:at + L])}
+    for k in (k for k in ks if recomputed_run(L, k)):
+        caches[f"splice_{k}"] = spliced(s.model, s.fl, s.verdicts, src_f, P, i, at + k, j + k, L - k)
+        caches[f"splice_q4_{k}"] = spliced(s.model, s.q4, s.verdicts, src_q, P, i, at + k, j + k, L - k)
+    return {k: logprobs(s.model, c, ev) for k, c in caches.items()}
+
+
+def kinds_run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
+              log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Drift by where the run starts (KINDS) and by recomputed tokens k, per run length: `kind_seqs`
+    points of each kind drawn from the held-out text, each in its own window."""
+    rng = np.random.default_rng(cfg.seed + 1)
+    vocab = {}
+    text = lambda t: vocab.setdefault(t, tokenizer.decode([int(t)]))  # noqa: E731
+    stub = tokenizer.encode(STUB_TEXT.strip(), add_special_tokens=False).ids
+    before, rows = cfg.prefix + cfg.kind_span + 1, []
+    toks = [int(t) for t in tokens]
+    for L in cfg.kind_runs:
+        after = L + cfg.kind_eval + 1
+        found = point_kinds(toks, text, before, len(toks) - after)
+        for kind in KINDS:
+            pts = sorted(rng.choice(found[kind], size=min(cfg.kind_seqs, len(found[kind])), replace=False).tolist())
+            trials = []
+            for j in pts:  # a window of `prefix` tokens before the edit, the point at `before`
+                T = toks[j - before:j + after]
+                lps = kind_paths(s, T, before, cfg.kind_span, stub, L, cfg.kind_eval, cfg.recompute)
+                targets = T[before + L + 1:][:cfg.kind_eval]
+                m = {p: compare(lps["cold"][:-1], lps[p][:-1], targets) for p in lps if p != "cold"}
+                trials.append(m)
+            row = {"run": L, "kind": kind, "points": len(pts), "candidates": len(found[kind]), **_summarise(trials)}
+            rows.append(row)
+            kl = lambda p: 1e3 * row[p]["kl"]["mean"]  # noqa: E731
+            ks = [k for k in cfg.recompute if f"splice_{k}" in row]
+            log(f"kind {kind:5s} run {L:3d} ({len(pts)} of {len(found[kind])} points): KL 1e-3 vs cold: "
+                f"cold_q4 {kl('cold_q4'):.3f}; float splice " + " ".join(
+                    f"k={k}:{kl(f'splice_{k}'):.4f}" for k in ks) + "; 4-bit splice " + " ".join(
+                    f"k={k}:{kl(f'splice_q4_{k}'):.3f}" for k in ks))
+    return rows
+
+
 # ---- the run -------------------------------------------------------------------------------------
 
 
@@ -296,14 +383,23 @@ def _summarise(trials: Sequence[dict[str, dict[str, float]]]) -> dict[str, dict[
     return {p: {m: _mean_sem([t[p][m] for t in trials]) for m in trials[0][p]} for p in trials[0]}
 
 
+PARTS = ("edits", "chain", "recall", "kinds")
+
+
 def run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every measurement of the module docstring; returns the results as plain data."""
+        log: Callable[[str], None] = print, parts: Sequence[str] = PARTS) -> dict[str, Any]:
+    """The measurements of the module docstring (`parts` of PARTS); returns the results as plain data."""
     rng = np.random.default_rng(cfg.seed)
     need = cfg.prefix + max([sp for sp, _ in cfg.edits] + [cfg.chain_span]) + cfg.run + cfg.eval_len + 1
     wins = windows(tokens, need, cfg.seqs)
     stub_of = lambda n: tokens[(a := int(rng.integers(0, len(tokens) - n))):a + n].tolist()  # noqa: E731
     res: dict[str, Any] = {"config": asdict(cfg), "seconds": {}}
+    if "kinds" in parts:
+        t0 = time.perf_counter()
+        res["kinds"] = kinds_run(s, tokens, tokenizer, cfg, log)
+        res["seconds"]["kinds"] = time.perf_counter() - t0
+    if "edits" not in parts:
+        return res
 
     t0 = time.perf_counter()
     edits = []
@@ -395,8 +491,43 @@ def _kl(d: dict[str, float]) -> str:
     return _pm(d, ".3f", 1e3)
 
 
+def render_kinds(r: dict[str, Any]) -> list[str]:
+    """The section on where the run starts (issue #32) and what recomputing its first k tokens buys."""
+    cfg = r["config"]
+    ks = cfg["recompute"]
+    lines = ["## Where the run starts: block, line, mid-line; recomputed tokens (issue #32)", "",
+             f"An edit removes the {cfg['kind_span']} tokens before the token that precedes a point j (that token "
+             f"is kept, so the point stays one) and puts `{STUB_TEXT.strip()}` there; the run from j is spliced "
+             f"and the next {cfg['kind_eval']} tokens are teacher-forced. Points drawn from the held-out text "
+             "by kind: **block** = a statement at column 0 after a blank line (a new top-level definition, "
+             "this model's analog of a message start); **line** = a line start inside a block (the planner's "
+             "line point); **mid** = inside a line (never a splice point). KL in 10⁻³ nats per token against "
+             "the cold float prefill of the edited prompt (mean ± s.e. over the points); k = the run's first "
+             "k tokens re-prefilled with the stub (boundary recomputation).", "",
+             "| run | kind | points | cold 4-bit | " + " | ".join(f"float splice k={k}" for k in ks) + " | "
+             + " | ".join(f"4-bit splice k={k}" for k in ks) + " |",
+             "|---:|---|---:|---:|" + "---:|" * (2 * len(ks))]
+    cell = lambda row, p, fmt: _pm(row[p]["kl"], fmt, 1e3) if p in row else "–"  # noqa: E731
+    for row in r["kinds"]:
+        lines.append(f"| {row['run']} | {row['kind']} | {row['points']} | {_kl(row['cold_q4']['kl'])} | "
+                     + " | ".join(cell(row, f"splice_{k}", ".4f") for k in ks) + " | "
+                     + " | ".join(cell(row, f"splice_q4_{k}", ".3f") for k in ks) + " |")
+    lines += ["", "Top-1 agreement with the cold float prefill (k = 0): " + "; ".join(
+        f"run {row['run']} {row['kind']}: float splice {100 * row['splice_0']['top1']['mean']:.1f}%, 4-bit splice "
+        f"{100 * row['splice_q4_0']['top1']['mean']:.1f}%, cold 4-bit {100 * row['cold_q4']['top1']['mean']:.1f}%"
+        for row in r["kinds"]) + ".", ""]
+    return lines
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     cfg, m = r["config"], r["machine"]
+    if "edits" not in r:  # a run of the kinds part only
+        return "\n".join([
+            "# Splice drift by where the run starts (amortize, issue #32)", "",
+            f"Generated by `{r['command']}` in {r['seconds']['total'] / 60:.1f} min on {m.get('cpu', '?')} "
+            f"({m.get('cores', '?')} cores, shared with other jobs), model `{r['model_dir']}` ({r['model']}). "
+            "Method and reading: [span-directives.md](../../span-directives.md#drift-at-sub-message-points).", "",
+            *render_kinds(r)])
     lines = [
         "# Splice drift and recall (amortize, issue #21 item 6)", "",
         f"Generated by `{r['command']}` in {r['seconds']['total'] / 60:.1f} min on {m.get('cpu', '?')} "
@@ -454,6 +585,8 @@ def render_markdown(r: dict[str, Any]) -> str:
     lines += ["", "Conditions: unedited = the 4-bit history with the fact; amortize = the server's 4-bit splice "
               "(amortize_float: the same on float K/V); forget = a 4-bit prefill of the edited prompt; "
               "control = the history without the fact.", "", "![splice drift](splice_drift.png)", ""]
+    if "kinds" in r:
+        lines += render_kinds(r)
     return "\n".join(lines)
 
 
@@ -500,7 +633,7 @@ def write_report(res: dict[str, Any], out: Path, plots: bool = True) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "splice_drift.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "splice_drift.md").write_text(render_markdown(res))
-    if plots:
+    if plots and "edits" in res:
         plot(res, out / "splice_drift.png")
 
 
@@ -514,11 +647,16 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a tiny model and a few trials (seconds): smoke test")
     p.add_argument("--model-dir", help="a trained quality llama (default .models/quality, trained there by the "
                                        "quality tool's config if absent; --quick: .models/quality-quick/model)")
-    p.add_argument("--out", help="where splice_drift.{json,md,png} go (default docs/results; "
-                                 "--quick: .models/splice-drift-quick)")
+    p.add_argument("--out", help="where splice_drift.{json,md,png} go (default docs/results; --kinds-only: "
+                                 "docs/results/splice-drift-kinds; --quick: .models/splice-drift-quick)")
     p.add_argument("--seqs", type=int, help="held-out windows")
     p.add_argument("--facts", type=int, help="recall trials per run length")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--kinds-only", action="store_true",
+                   help="only the drift by where the run starts (block, line, mid-line) and recomputed tokens")
+    p.add_argument("--kind-seqs", type=int, help="points per kind and run length of the kinds part (default 48)")
+    p.add_argument("--kind-runs", help="run lengths of the kinds part, e.g. 16,64,256 (the default)")
+    p.add_argument("--recompute", help="recomputed tokens k of the kinds part, e.g. 0,1,2,4,8,16 (the default)")
     p.add_argument("--render", metavar="JSON", help="only write the report (md, png) of an earlier run's JSON")
     return p.parse_args(list(argv))
 
@@ -535,9 +673,13 @@ def main(argv: Sequence[str]) -> int:
     if sys.platform == "linux" and os.path.exists(OPENBLAS) and "openblas" not in os.environ.get("LD_PRELOAD", ""):
         log(f"warning: OpenBLAS is not preloaded; float32 runs 15-35x slower. Run with LD_PRELOAD={OPENBLAS}")
     cfg = QUICK if args.quick else DriftConfig()
-    cfg = replace(cfg, **{k: v for k, v in (("seqs", args.seqs), ("facts", args.facts)) if v is not None})
+    ints = lambda v: None if v is None else tuple(int(x) for x in v.split(","))  # noqa: E731
+    cfg = replace(cfg, **{k: v for k, v in (("seqs", args.seqs), ("facts", args.facts), ("kind_seqs", args.kind_seqs),
+                                             ("kind_runs", ints(args.kind_runs)), ("recompute", ints(args.recompute)))
+                          if v is not None})
     model_dir = Path(args.model_dir or (".models/quality-quick/model" if args.quick else ".models/quality"))
-    out = Path(args.out or (".models/splice-drift-quick" if args.quick else "docs/results"))
+    out = Path(args.out or (".models/splice-drift-quick" if args.quick else
+                            "docs/results/splice-drift-kinds" if args.kinds_only else "docs/results"))
     if not (model_dir / "config.json").exists():  # never retrain a model that is there
         train(QUICK_CONFIG if args.quick else TrainConfig(), model_dir, log=log)
 
@@ -551,7 +693,7 @@ def main(argv: Sequence[str]) -> int:
     tokens, files = corpus(EVAL_SOURCES, tokenizer)
     s = make_setup(model, cfg.bits, cfg.group_size)
     log(f"model {model_dir}: {model.args.num_hidden_layers} layers; {len(tokens)} held-out tokens of {len(files)} files")
-    res = run(s, tokens, tokenizer, cfg, log=log)
+    res = run(s, tokens, tokenizer, cfg, log=log, parts=("kinds",) if args.kinds_only else PARTS)
 
     from mlx.utils import tree_flatten
 
