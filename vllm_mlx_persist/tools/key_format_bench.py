@@ -8,6 +8,8 @@ per-sequence caches (the server's codec caches, float decode budgets as on this 
 and `--steps` greedy decode steps of the real model. Reports median wall and CPU times (the
 process's, all threads: what a shared machine disturbs least) and each format's speed ratio to q4
 (q4's time over the format's, median over reps: > 1 is faster). "scaled" uses unit scales (the arithmetic is the same).
+`float` is the baseline of vllm-mlx's own cache: mlx-lm's float KVCache per sequence, merged into its
+BatchKVCache.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..caches.floats import FloatCopies
 from ..caches.key_formats import LayerKeys
 from .models import build_model
 
-FORMATS = ("q4", "k8v4", "scaled", "hadamard")
+FORMATS = ("q4", "k8v4", "scaled", "hadamard", "float")
 
 
 def _formats(model, codec: ModelCodec) -> dict[str, list]:
@@ -43,6 +45,7 @@ def _tokens(n: int, seed: int) -> list[int]:
 def run(size: str = "bench", context: int = 1024, batch: int = 4, steps: int = 16, reps: int = 3,
         formats: tuple[str, ...] = FORMATS) -> dict:
     from mlx_lm.generate import _merge_caches
+    from mlx_lm.models.cache import make_prompt_cache
 
     install_attention_fix()
     model, _ = build_model("llama", size, seed=0)
@@ -52,11 +55,11 @@ def run(size: str = "bench", context: int = 1024, batch: int = 4, steps: int = 1
     times: dict[str, dict[str, list[float]]] = {f: {k: [] for k in keys} for f in formats}
     for rep in range(reps):
         for name in formats:
-            codec = base.with_key_formats(fmts[name])
+            codec = base.with_key_formats(fmts[name]) if name != "float" else None
             rows = []
             for b in range(batch):
                 toks = _tokens(context - 7 * b, b)
-                cache = codec.make_cache()
+                cache = codec.make_cache() if codec is not None else make_prompt_cache(model)
                 t0, c0 = time.perf_counter(), time.process_time()
                 for s in range(0, len(toks), 512):
                     mx.eval(model(mx.array([toks[s : s + 512]]), cache=cache))
@@ -66,7 +69,7 @@ def run(size: str = "bench", context: int = 1024, batch: int = 4, steps: int = 1
                 rows.append(cache)
             merged = _merge_caches(rows)
             y = mx.array([[1]] * batch)
-            mx.eval(model(y, cache=merged))  # first step: builds the float mirror
+            mx.eval(model(y, cache=merged))  # first step: builds the float mirror (4-bit formats)
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 y = mx.argmax(model(y, cache=merged)[:, -1:, :], axis=-1)

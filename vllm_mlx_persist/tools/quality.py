@@ -25,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from ..caches.key_formats import hadamard
 from .serving import cpu_name
 from .train import (
     EVAL_SOURCES,
@@ -320,16 +321,6 @@ class QSpec:
     @property
     def tag(self) -> str:
         return f"{self.bits}b g{self.group_size}" + (f" {self.transform}" if self.transform else "")
-
-
-def hadamard(n: int) -> np.ndarray:
-    """The orthonormal Sylvester-Hadamard matrix of order n (a power of two)."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"Hadamard rotation needs a power-of-two dimension, got {n}")
-    h = np.ones((1, 1), dtype=np.float32)
-    while h.shape[0] < n:
-        h = np.block([[h, h], [h, -h]])
-    return h / np.float32(math.sqrt(n))
 
 
 def fake_quantize(x: Any, spec: QSpec | None, scales: Any = None) -> Any:
