@@ -44,14 +44,14 @@ def hadamard(n: int) -> np.ndarray:
     return h / np.float32(math.sqrt(n))
 
 
-_HADAMARD: dict[int, mx.array] = {}
-
-
-def _hadamard_mx(n: int) -> mx.array:
-    h = _HADAMARD.get(n)
-    if h is None:
-        h = _HADAMARD[n] = mx.array(hadamard(n))
-    return h
+def _rotate(x: mx.array) -> mx.array:
+    """`x @ hadamard(D)` along the last axis, float32: MLX's fast Walsh-Hadamard transform (the same
+    Sylvester matrix, O(D log D) instead of a dense matmul). Its own inverse (the matrix is symmetric
+    and orthonormal)."""
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard rotation needs a power-of-two head dimension, got {n}")
+    return mx.hadamard_transform(x.astype(mx.float32), scale=1.0 / math.sqrt(n))
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +91,7 @@ class LayerKeys:
             return keys
         if self.transform == "scaled":
             return (keys.astype(mx.float32) / self.scales).astype(keys.dtype)
-        return (keys.astype(mx.float32) @ _hadamard_mx(keys.shape[-1])).astype(keys.dtype)
+        return _rotate(keys).astype(keys.dtype)
 
     def decode(self, keys: mx.array) -> mx.array:
         """Stored (dequantized) keys back to the model's keys: `encode` undone, float32."""
@@ -100,7 +100,7 @@ class LayerKeys:
             return keys
         if self.transform == "scaled":
             return keys * self.scales
-        return keys @ _hadamard_mx(keys.shape[-1]).T
+        return _rotate(keys)
 
     def queries(self, queries: mx.array) -> mx.array:
         """Queries (B, n_q_heads, L, D) that attend on the stored keys as the originals did on the
@@ -108,7 +108,7 @@ class LayerKeys:
         if self.transform is None:
             return queries
         if self.transform == "hadamard":
-            return (queries.astype(mx.float32) @ _hadamard_mx(queries.shape[-1])).astype(queries.dtype)
+            return _rotate(queries).astype(queries.dtype)
         B, n_q, L, D = queries.shape
         n_kv = self.scales.shape[0]
         q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * self.scales[:, None]
