@@ -12,8 +12,10 @@ carry outlier channels, reporting what it measured in get_stats.
 from __future__ import annotations
 
 import copy
+import json
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache
 
@@ -280,3 +282,86 @@ def test_auto_picks_q4_for_plain_keys_and_a_fix_for_outlier_keys(tiny, tok):
     assert m["q4"]["predicted_pct"] > 1.0
     assert report["chosen"] != "q4" and m[next(reversed(m))]["predicted_pct"] <= 1.0
     assert any(f is not None for f in fmts)
+
+
+def test_a_calibrated_choice_is_remembered_per_model_and_calibration(tiny, tok, tmp_path, monkeypatch):
+    """`auto` and `scaled` calibrate once per model and cache root: a restart reads the choice back
+    (same formats, scales bit for bit, same model identity) without running the calibration; a
+    corrupt or foreign file is measured again and rewritten; another model never reads it."""
+    from vllm_mlx_persist import backend as backend_mod
+    from vllm_mlx_persist import key_choice
+    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.quality import Outliers, add_key_outliers
+
+    outl = build_model("llama", "tiny", seed=0)[0]
+    add_key_outliers(outl, Outliers(pairs=2, scale=32.0))
+    first = {}
+    for option in ("auto", "scaled"):
+        b = _backend(outl, tok, tmp_path, option)
+        b.load()
+        first[option] = (b.fingerprint, b.key_report)
+        assert "remembered" not in b.key_report and b.key_report["chosen"] != "q4"
+        b.close()
+    files = sorted((tmp_path / key_choice.CHOICES_DIR).glob("*.json"))
+    assert len(files) == 2
+
+    real = backend_mod.resolve_keys
+
+    def no_calibration(option, *a, **k):
+        assert option not in ("auto", "scaled"), "calibrated again"
+        return real(option, *a, **k)
+
+    monkeypatch.setattr(backend_mod, "resolve_keys", no_calibration)
+    for option in ("auto", "scaled"):
+        b = _backend(outl, tok, tmp_path, option)
+        b.load()
+        fp, report = first[option]
+        assert b.fingerprint == fp  # the identity hashes the formats, scales' bytes included
+        assert report["chosen"] == b.key_report["chosen"] and b.key_report["remembered"].endswith(".json")
+        assert "remembered" in b.get_stats()["key_format"]
+        b.close()
+
+    # the plain model on the same root: its own calibration (q4), not the outlier model's choice
+    monkeypatch.setattr(backend_mod, "resolve_keys", real)
+    b = _backend(tiny, tok, tmp_path, "auto")
+    b.load()
+    assert b.key_report["chosen"] == "q4" and "remembered" not in b.key_report
+    b.close()
+
+    # a damaged file, and one for another key (renamed): measured again, then remembered again
+    for damage in (lambda p: p.write_bytes(p.read_bytes()[:40]),
+                   lambda p: p.write_text(p.read_text().replace('"key": "', '"key": "0'))):
+        for f in files:
+            damage(f)
+        for option in ("auto", "scaled"):
+            b = _backend(outl, tok, tmp_path, option)
+            b.load()
+            assert "remembered" not in b.key_report and b.fingerprint == first[option][0]
+            b.close()
+    for option in ("auto", "scaled"):
+        b = _backend(outl, tok, tmp_path, option)
+        b.load()
+        assert "remembered" in b.key_report
+        b.close()
+
+
+def test_a_remembered_choice_with_foreign_scales_is_refused(tmp_path):
+    """Scales of another shape, or not finite and positive, never reach a cache."""
+    import base64
+
+    from vllm_mlx_persist import key_choice
+
+    good = LayerKeys(4, "scaled", mx.ones((2, 1, 64)))
+    key_choice.save(tmp_path, "k" * 32, [good, None], {"chosen": "scaled"})
+    shapes = [(2, 1, 64), None]
+    formats, report = key_choice.load(tmp_path, "k" * 32, shapes)
+    assert formats[0].digest() == good.digest() and formats[1] is None and report["chosen"] == "scaled"
+    assert key_choice.load(tmp_path, "k" * 32, [(4, 1, 64), None]) is None  # another model's heads
+    assert key_choice.load(tmp_path, "k" * 32, [None, None]) is None  # a format where no 4-bit keys are
+    for bad in (mx.zeros((2, 1, 64)), mx.full((2, 1, 64), float("nan"))):
+        key_choice.save(tmp_path, "k" * 32, [LayerKeys(4, "scaled", mx.ones((2, 1, 64))), None], {})
+        path = tmp_path / key_choice.CHOICES_DIR / f"{'k' * 32}.json"
+        data = json.loads(path.read_text())
+        data["layers"][0]["scales"] = base64.b64encode(np.asarray(bad, dtype=np.float32).tobytes()).decode()
+        path.write_text(json.dumps(data))
+        assert key_choice.load(tmp_path, "k" * 32, shapes) is None

@@ -25,6 +25,8 @@ from .caches.kinds import Q4
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
+from . import key_choice
+from .key_calibration import calibration_params, scale_shapes
 from .key_calibration import describe as describe_keys
 from .key_calibration import identity as keys_identity
 from .key_calibration import resolve as resolve_keys
@@ -107,6 +109,7 @@ class PersistQ4Backend:
         # The key_format option resolved per layer (`_resolve_keys`, on the worker: "auto" and "scaled"
         # run the model); until then the codec's caches store keys like values. Read by get_stats.
         self.key_report: Optional[dict] = None
+        self._q4_fp: Optional[str] = None  # the model identity with q4 keys, hashed once (worker)
         # span directives (kv_edit/): a request's usage.kv_edit, and an amortize request's splice
         self.edits = SpanDirectives(model, tokenizer, self.codec, opts["kv_edit"], opts["block_size"])
         self.closed = False
@@ -122,18 +125,13 @@ class PersistQ4Backend:
         if self._pool is None:
             self._resolve_keys()
             opts = self.opts
-            cache_format = {
-                "format_version": FORMAT_VERSION,
-                "bits": self.bits,
-                "group_size": self.group_size,
-                "block_size": opts["block_size"],
-            }
-            if opts["latent_bits"] is not None:  # other blocks: kept apart (another model directory)
-                cache_format["latent_bits"] = opts["latent_bits"]
+            cache_format = self._cache_format()
             keys_id = keys_identity(self.codec.key_formats)
             if keys_id is not None:  # keys stored otherwise: another model directory (q4's is unchanged)
                 cache_format["key_format"] = keys_id
-            self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
+                self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
+            else:
+                self.fingerprint = self._q4_fingerprint()
             n_layers = self.codec.n_layers
             model_type = getattr(getattr(self.model, "args", None), "model_type", None)
             try:
@@ -177,20 +175,49 @@ class PersistQ4Backend:
             )
         return self._pool
 
+    def _cache_format(self) -> dict:
+        """What the model identity records of the cache format, keys stored as q4."""
+        cache_format = {"format_version": FORMAT_VERSION, "bits": self.bits, "group_size": self.group_size,
+                        "block_size": self.opts["block_size"]}
+        if self.opts["latent_bits"] is not None:  # other blocks: kept apart (another model directory)
+            cache_format["latent_bits"] = self.opts["latent_bits"]
+        return cache_format
+
+    def _q4_fingerprint(self) -> str:
+        """The model identity with keys stored as q4 (hashed once: the key choice's file and the pool)."""
+        if self._q4_fp is None:
+            self._q4_fp = model_fingerprint(self.model, self.tokenizer, self._cache_format())
+        return self._q4_fp
+
     def _resolve_keys(self) -> None:
         """Resolve the key_format option into the codec's per-layer key formats, once, before any
-        cache is made (worker thread: "auto" and "scaled" run the model on a calibration text)."""
+        cache is made (worker thread: "auto" and "scaled" run the model on a calibration text,
+        unless this model's choice is remembered in the cache root: key_choice.py)."""
         if self.key_report is not None:
             return
         option = self.opts["key_format"]
         try:
-            formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)
+            if option in ("auto", "scaled") and Q4 in self.codec.kinds:
+                formats, report = self._remembered_keys(option)
+            else:
+                formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)
         except Exception as e:  # never fatal: keys are then stored like values, and the stats say why
             log.exception("persist_q4: key_format %s could not be resolved; keys stored as q4", option)
             formats = [None] * self.codec.n_layers
             report = {"option": option, "chosen": "q4", "error": f"{type(e).__name__}: {e}"}
         self.codec.key_formats = formats  # in place: SpanDirectives holds this codec too
         self.key_report = report
+
+    def _remembered_keys(self, option: str) -> tuple[list, dict]:
+        """A calibrating option's per-layer formats: read back from the cache root when this model
+        and calibration chose before, else measured and remembered there."""
+        key = key_choice.choice_key(self._q4_fingerprint(), option, calibration_params())
+        got = key_choice.load(self.cache_dir, key, scale_shapes(self.model, self.codec))
+        if got is not None:
+            return got
+        formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)
+        key_choice.save(self.cache_dir, key, formats, report)
+        return formats, report
 
     def _decode(self, tokens: list[int]) -> str:
         """Text for matching by text: equal only when the model reads the same (match_decode.py);

@@ -22,6 +22,7 @@ MLX work: runs on the worker thread (the backend resolves on first use), once; k
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import time
@@ -229,6 +230,20 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
     return chosen[1], report
 
 
+def calibration_params(limit_pct: float = LIMIT_PCT) -> dict[str, Any]:
+    """Everything a calibration's choice depends on besides the model (key_choice.py's file key)."""
+    return {"text": hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest(), "tokens": CALIBRATION_TOKENS,
+            "order": ORDER, "mixed": MIXED_SHARES, "near": (NEAR_FRACTION, NEAR_PCT), "limit_pct": limit_pct}
+
+
+def scale_shapes(model: Any, codec: ModelCodec) -> list[Optional[tuple[int, ...]]]:
+    """Per layer: None without 4-bit keys, else the shape scaled keys' scales have there,
+    (n_kv_heads, 1, head_dim), from one token read on float caches (() where unknown)."""
+    keys = float_keys(model, [0])
+    return [None if k != Q4 else ((int(keys[l].shape[0]), 1, int(keys[l].shape[-1])) if l in keys else ())
+            for l, k in enumerate(codec.kinds)]
+
+
 def near_best(predicted: Sequence[tuple[str, float]]) -> str:
     """Of (name, predicted %) in cost order, the first predicted within NEAR_FRACTION (at least
     NEAR_PCT points) of the best."""
@@ -252,14 +267,16 @@ def describe(report: dict[str, Any]) -> str:
     if "error" in report:
         return f"key format {chosen}: key_format={report.get('option')} failed ({report['error']})"
     if report.get("option") != "auto" or "measured" not in report:
-        return f"key format {chosen} (option key_format={report.get('option')})"
+        again = ", remembered" if "remembered" in report else ""
+        return f"key format {chosen} (option key_format={report.get('option')}{again})"
     m = report.get("measured", {})
     parts = ", ".join(f"{n} {v['predicted_pct']:+.2f}% ({v['bytes_per_token']:.0f} B/token)" for n, v in m.items())
     extra = f" on layers {report['k8_layers']}" if "k8_layers" in report else ""
     verdict = (f"predicted perplexity change within {report['limit_pct']}%" if report.get("within_limit", True)
                else f"none predicted within {report['limit_pct']}%: the cheapest near the best")
+    again = f"; remembered in {report['remembered']}, not measured again" if "remembered" in report else ""
     return (f"key format {chosen}{extra} chosen by auto ({verdict}, measured on {report['calibration_tokens']} calibration tokens in "
-            f"{report['s']:.1f} s: {parts})")
+            f"{report['s']:.1f} s: {parts}{again})")
 
 
 __all__ = ["LIMIT_PCT", "calibration_tokens", "describe", "hadamard", "identity", "measure", "resolve"]

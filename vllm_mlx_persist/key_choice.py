@@ -1,0 +1,114 @@
+"""The key format a calibration chose, remembered in the cache root: a restart of the same model with
+the same calibration reads its choice back instead of running the model on the calibration text again.
+
+One small JSON file per (model, calibration) under `<cache root>/key-formats/`, named by a hash of the
+model's q4 fingerprint and everything the calibration depends on (its text and length, candidates,
+limit, mlx's version): another model, another limit or another calibration never reads it. A file
+that does not parse, is for another key, or holds formats this model cannot use is ignored (the model
+is calibrated again and the file rewritten); a file that cannot be written costs only the next start's
+calibration. Files only, no lock (written by rename); the worker thread, once at load.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .caches.key_formats import TRANSFORMS, LayerKeys
+
+log = logging.getLogger("vllm_mlx_persist")
+
+CHOICES_DIR = "key-formats"
+VERSION = 1
+MAX_FILE_BYTES = 8 << 20  # scales of a few hundred layers; anything larger is not ours
+
+
+def choice_key(fingerprint: str, option: str, calibration: dict) -> str:
+    """The file's name: a hash of the model's fingerprint, the option and what its calibration used."""
+    blob = json.dumps({"v": VERSION, "model": fingerprint, "option": option, "calibration": calibration,
+                       "mlx": mx.__version__}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _encode(fmt: Optional[LayerKeys]) -> Optional[dict]:
+    if fmt is None:
+        return None
+    out: dict[str, Any] = {"bits": fmt.bits, "transform": fmt.transform}
+    if fmt.scales is not None:
+        a = np.asarray(fmt.scales, dtype=np.float32)
+        out.update(shape=list(a.shape), scales=base64.b64encode(a.tobytes()).decode())
+    return out
+
+
+def _decode(d: Optional[dict], scale_shape: Optional[tuple[int, ...]]) -> Optional[LayerKeys]:
+    if d is None:
+        return None
+    if scale_shape is None:
+        raise ValueError("a format on a layer without 4-bit keys")
+    bits, transform = d["bits"], d["transform"]
+    if bits not in (4, 8) or transform not in TRANSFORMS:
+        raise ValueError(f"unknown key format {bits}/{transform}")
+    scales = None
+    if transform == "scaled":
+        a = np.frombuffer(base64.b64decode(d["scales"], validate=True), dtype=np.float32)
+        if tuple(d["shape"]) != scale_shape or a.size != math.prod(scale_shape) or not np.all(np.isfinite(a)) \
+                or not np.all(a > 0):
+            raise ValueError("scales of another shape, or not finite and positive")
+        scales = mx.array(a.reshape(scale_shape))
+    return LayerKeys(bits, transform, scales)
+
+
+def load(root: Path, key: str,
+         scale_shapes: Sequence[Optional[tuple[int, ...]]]) -> Optional[tuple[list[Optional[LayerKeys]], dict]]:
+    """The remembered (per-layer formats, report) for `key`, or None. `scale_shapes`: per layer, None
+    where no format may be (no 4-bit keys), else the shape of its scaled keys' scales,
+    (n_kv_heads, 1, head_dim)."""
+    path = Path(root) / CHOICES_DIR / f"{key}.json"
+    try:
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError("too large")
+        data = json.loads(path.read_text())
+        if data.get("key") != key or len(data["layers"]) != len(scale_shapes):
+            raise ValueError("written for another model or calibration")
+        formats = [_decode(d, shape) for d, shape in zip(data["layers"], scale_shapes)]
+        report = dict(data["report"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        log.warning("persist_q4: ignoring the remembered key format %s (%s); calibrating again", path, e)
+        return None
+    report["remembered"] = str(path)
+    return formats, report
+
+
+def save(root: Path, key: str, formats: Sequence[Optional[LayerKeys]], report: dict) -> None:
+    """Remember a calibration's choice (atomically: a reader sees the old file, the new one or none).
+    Never raises: a choice not written is calibrated again at the next start."""
+    folder = Path(root) / CHOICES_DIR
+    tmp = None
+    try:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        data = {"key": key, "version": VERSION, "report": report, "layers": [_encode(f) for f in formats]}
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, folder / f"{key}.json")
+        tmp = None
+    except (OSError, TypeError, ValueError) as e:
+        log.warning("persist_q4: could not remember the key format in %s: %s", folder, e)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
