@@ -118,7 +118,7 @@ def test_quick_training_is_deterministic_and_reused(tmp_path):
 
     from vllm_mlx_persist.tools.train import QUICK_CONFIG, train
 
-    cfg = replace(QUICK_CONFIG, steps=40, heldout_windows=2)  # both phases, short and long
+    cfg = replace(QUICK_CONFIG, steps=8, heldout_windows=2)  # both phases: 6 short steps, then 2 long
     logs: list[str] = []
     a = train(cfg, tmp_path / "a", log=logs.append)
     b = train(cfg, tmp_path / "b", log=logs.append)
