@@ -19,6 +19,7 @@ import anthropic
 import openai
 import pytest
 
+from vllm_mlx_persist.disk_format import MODEL_DIR_RE
 from vllm_mlx_persist.tools.serving import Server
 from vllm_mlx_persist.tools.models import build_model_dir
 
@@ -213,7 +214,7 @@ def test_cache_from_another_model_is_never_served(models, tmp_path):
         chat.turn(s, 0)
         chat.turn(s, 1)
     cache_root = home / ".cache" / "vllm-mlx-persist"
-    (llama_dir,) = [p for p in cache_root.iterdir() if p.is_dir()]
+    (llama_dir,) = _model_dirs(cache_root)
 
     other = Server(models["other"], home, options=OPTIONS).start()
     try:
@@ -221,7 +222,7 @@ def test_cache_from_another_model_is_never_served(models, tmp_path):
         assert cached == 0
         other.stop()
         # Plant the first model's agent manifests and blocks in the other model's directory.
-        (other_dir,) = [p for p in cache_root.iterdir() if p.is_dir() and p != llama_dir]
+        (other_dir,) = [p for p in _model_dirs(cache_root) if p != llama_dir]
         for src in llama_dir.rglob("*"):
             if src.is_file() and src.parent.name != "tmp" and src.name != "model.json":
                 dst = other_dir / src.relative_to(llama_dir)
@@ -320,8 +321,13 @@ def test_responses_api_carries_the_agent_and_reports_cached_tokens(server):
                                 metadata={"agent_id": "../etc"})
 
 
+def _model_dirs(root: Path) -> list[Path]:
+    """The model directories of a cache root, whatever their model.json holds (not key-formats/)."""
+    return [p for p in root.iterdir() if p.is_dir() and MODEL_DIR_RE.fullmatch(p.name)]
+
+
 def _model_cache_dir(home: Path) -> Path:
-    (d,) = [p for p in (home / ".cache" / "vllm-mlx-persist").iterdir() if p.is_dir()]
+    (d,) = _model_dirs(home / ".cache" / "vllm-mlx-persist")
     return d
 
 
