@@ -2,7 +2,8 @@
 window (gemma3_text), sliding window + sinks + MoE (gpt_oss), linear-attention and convolution
 hybrids (qwen3_next, lfm2), latent MLA (deepseek_v3). Tiny random float32 models.
 
-Per family, one reference server and one that is SIGKILLed between turns:
+Per family, one server: a reference agent's turns, then the same conversation as another agent with
+the server SIGKILLed between its turns:
 * a second turn reuses the first (cached tokens in usage): attention models at least the whole
   previous prompt; recurrent hybrids at least the previous prompt but its last token (their state
   checkpoint is where the prefill ended);
@@ -45,21 +46,18 @@ def _alone_and_batched(srv: Server) -> tuple[list, list]:
     return alone, batched
 
 
-def _killed_between_turns_answers_as(reference: Chat, model, home, options: dict) -> None:
-    """Alice's three turns on a server SIGKILLed between turns: the same replies and cached counts
-    as `reference` (a server never killed)."""
-    chat = Chat("alice")
-    srv = Server(model, home, options=options).start()
-    try:
-        chat.turn(srv, 0)
-        srv.restart(signal.SIGKILL)
-        chat.turn(srv, 1)
-        srv.restart(signal.SIGKILL)
-        chat.turn(srv, 2)
-        assert chat.outputs == reference.outputs, srv.log_tail()
-        assert chat.cached == reference.cached, srv.log_tail()
-    finally:
-        srv.stop()
+def _killed_between_turns_answers_as(reference: Chat, srv: Server) -> None:
+    """Alice's conversation again, as another agent, on `srv` SIGKILLed between its turns: the same
+    replies and cached counts as `reference` (whose turns all ran before the first kill, on a server
+    never killed until then; agents never share a cache, so its blocks serve nothing here)."""
+    chat = Chat("alice-killed", text_of=reference.text_of)
+    chat.turn(srv, 0)
+    srv.restart(signal.SIGKILL)
+    chat.turn(srv, 1)
+    srv.restart(signal.SIGKILL)
+    chat.turn(srv, 2)
+    assert chat.outputs == reference.outputs, srv.log_tail()
+    assert chat.cached == reference.cached, srv.log_tail()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -68,18 +66,18 @@ def test_family_end_to_end(arch, tmp_path):
     slack = 1 if arch in HYBRIDS else 0
 
     reference = Chat("alice")
-    with Server(model, tmp_path / "ref", options=OPTIONS) as ref:
+    with Server(model, tmp_path / "home", options=OPTIONS) as srv:
         for turn in range(3):
-            reference.turn(ref, turn)
-        alone, batched = _alone_and_batched(ref)
-        log = ref.log_tail()
-    assert reference.cached[0] == 0
-    for t in (1, 2):
-        assert reference.prompt_tokens[t - 1] - slack <= reference.cached[t] < reference.prompt_tokens[t], (
-            reference.cached, reference.prompt_tokens, log)
-    assert batched == alone, log
+            reference.turn(srv, turn)
+        alone, batched = _alone_and_batched(srv)
+        log = srv.log_tail()
+        assert reference.cached[0] == 0
+        for t in (1, 2):
+            assert reference.prompt_tokens[t - 1] - slack <= reference.cached[t] < reference.prompt_tokens[t], (
+                reference.cached, reference.prompt_tokens, log)
+        assert batched == alone, log
 
-    _killed_between_turns_answers_as(reference, model, tmp_path / "home", OPTIONS)
+        _killed_between_turns_answers_as(reference, srv)
 
 
 def test_a_long_gemma_agent_holds_its_window_and_resumes_after_sigkill(tmp_path):
@@ -119,19 +117,19 @@ def test_mla_latents_packed_in_8_bits_resume_exactly_after_sigkill(tmp_path):
     model = build_model_dir(tmp_path / "model", arch="deepseek_v3", size="tiny")
     packed = {**OPTIONS, "latent_bits": 8}
     reference, plain = Chat("alice"), Chat("alice")
-    with Server(model, tmp_path / "ref", options=packed) as ref:
-        for turn in range(3):
-            reference.turn(ref, turn)
-        packed_bytes = ref.get_json("/v1/agents/alice")["bytes_hot"]
     with Server(model, tmp_path / "plain", options=OPTIONS) as srv:
         for turn in range(3):
             plain.turn(srv, turn)
         plain_bytes = srv.get_json("/v1/agents/alice")["bytes_hot"]
-    assert reference.cached[0] == 0 and all(
-        reference.prompt_tokens[t - 1] <= reference.cached[t] < reference.prompt_tokens[t] for t in (1, 2))
-    assert packed_bytes < 0.5 * plain_bytes, (packed_bytes, plain_bytes)
+    with Server(model, tmp_path / "home", options=packed) as srv:
+        for turn in range(3):
+            reference.turn(srv, turn)
+        packed_bytes = srv.get_json("/v1/agents/alice")["bytes_hot"]
+        assert reference.cached[0] == 0 and all(
+            reference.prompt_tokens[t - 1] <= reference.cached[t] < reference.prompt_tokens[t] for t in (1, 2))
+        assert packed_bytes < 0.5 * plain_bytes, (packed_bytes, plain_bytes)
 
-    _killed_between_turns_answers_as(reference, model, tmp_path / "home", packed)
+        _killed_between_turns_answers_as(reference, srv)
 
 
 def test_latent_bits_is_checked(tmp_path):

@@ -41,15 +41,16 @@ def user_text(agent: str, turn: int) -> str:
 class Chat:
     """One agent's conversation, replayed turn by turn through one API."""
 
-    def __init__(self, agent: str | None, api: str = "openai", id_via: str = "metadata"):
+    def __init__(self, agent: str | None, api: str = "openai", id_via: str = "metadata", text_of: str | None = None):
         self.agent, self.api, self.id_via = agent, api, id_via
+        self.text_of = text_of or agent or "anon"  # whose conversation it sends (another agent's, replayed)
         self.messages: list[dict] = []
         self.outputs: list[str] = []
         self.cached: list[int] = []
         self.prompt_tokens: list[int] = []
 
     def turn(self, server: Server, turn: int) -> str:
-        self.messages.append({"role": "user", "content": user_text(self.agent or "anon", turn)})
+        self.messages.append({"role": "user", "content": user_text(self.text_of, turn)})
         text, cached, prompt = self.send(server, self.messages)
         self.messages.append({"role": "assistant", "content": text})
         self.outputs.append(text)
