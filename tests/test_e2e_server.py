@@ -167,16 +167,15 @@ def _block_files(home: Path) -> list[Path]:
 
 
 def test_restarts_reload_and_match_a_server_never_restarted(models, tmp_path):
-    reference = Chat("alice")
-    with Server(models["llama"], tmp_path / "ref", options=OPTIONS) as ref:
-        for turn in range(3):
-            reference.turn(ref, turn)
-    assert reference.cached[0] == 0 and all(c > 0 for c in reference.cached[1:])
-
+    # The reference: alice's turns before any restart. Then the same conversation as another agent
+    # (agents never share a cache), with the server restarted between its turns.
     home = tmp_path / "home"
-    chat = Chat("alice")
+    reference, chat = Chat("alice"), Chat("alice-restarted", text_of="alice")
     srv = Server(models["llama"], home, options=OPTIONS).start()
     try:
+        for turn in range(3):
+            reference.turn(srv, turn)
+        assert reference.cached[0] == 0 and all(c > 0 for c in reference.cached[1:])
         chat.turn(srv, 0)
         srv.restart(signal.SIGTERM)
         chat.turn(srv, 1)
