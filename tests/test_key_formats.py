@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -365,3 +366,11 @@ def test_a_remembered_choice_with_foreign_scales_is_refused(tmp_path):
         data["layers"][0]["scales"] = base64.b64encode(np.asarray(bad, dtype=np.float32).tobytes()).decode()
         path.write_text(json.dumps(data))
         assert key_choice.load(tmp_path, "k" * 32, shapes) is None
+    # a FIFO or a symlink in its place is not read (a FIFO would block the worker at start-up)
+    path.unlink()
+    os.mkfifo(path)
+    assert key_choice.load(tmp_path, "k" * 32, shapes) is None
+    path.unlink()
+    key_choice.save(tmp_path / "elsewhere", "k" * 32, [good, None], {"chosen": "scaled"})
+    path.symlink_to(tmp_path / "elsewhere" / key_choice.CHOICES_DIR / f"{'k' * 32}.json")
+    assert key_choice.load(tmp_path, "k" * 32, shapes) is None
