@@ -82,3 +82,15 @@ def read_exact(fd: int, size: int, offset: int = 0) -> bytearray:
             raise BadFile(f"file shrank while reading ({got} of {size} bytes)")
         got += n
     return buf
+
+
+def read_capped(path: Path, cap: int) -> bytes:
+    """A whole small file's bytes: FileNotFoundError when absent; BadFile when it is not a regular
+    file (open_regular) or holds more than `cap` bytes."""
+    fd, size = open_regular(path)
+    try:
+        if size > cap:
+            raise BadFile(f"{size} bytes, over the {cap}-byte cap")
+        return bytes(read_exact(fd, size))
+    finally:
+        os.close(fd)

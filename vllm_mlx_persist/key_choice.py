@@ -25,7 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .caches.key_formats import TRANSFORMS, LayerKeys
-from .files import BadFile, open_regular, read_exact
+from .files import BadFile, read_capped
 
 log = logging.getLogger("vllm_mlx_persist")
 
@@ -76,7 +76,7 @@ def load(root: Path, key: str,
     (n_kv_heads, 1, head_dim)."""
     path = Path(root) / CHOICES_DIR / f"{key}.json"
     try:
-        data = json.loads(_read(path))
+        data = json.loads(read_capped(path, MAX_FILE_BYTES))  # never a FIFO or symlink
         if data.get("key") != key or len(data["layers"]) != len(scale_shapes):
             raise ValueError("written for another model or calibration")
         formats = [_decode(d, shape) for d, shape in zip(data["layers"], scale_shapes)]
@@ -88,18 +88,6 @@ def load(root: Path, key: str,
         return None
     report["remembered"] = str(path)
     return formats, report
-
-
-def _read(path: Path) -> bytes:
-    """The file's bytes: a regular file (never a FIFO or a symlink, which could hang or redirect the
-    read) of at most MAX_FILE_BYTES."""
-    fd, size = open_regular(path)
-    try:
-        if size > MAX_FILE_BYTES:
-            raise ValueError(f"{size} bytes, more than a remembered choice holds")
-        return bytes(read_exact(fd, size))
-    finally:
-        os.close(fd)
 
 
 def save(root: Path, key: str, formats: Sequence[Optional[LayerKeys]], report: dict) -> None:

@@ -27,7 +27,7 @@ from .disk_format import (AGENTS_DIR, BLOCK_ID_RE, BLOCK_SUFFIX, BLOCKS_DIR, DIR
                           block_relpath, canonical_json, decode_block, decode_manifest, decode_model_json,
                           described_size, encode_manifest, encode_model_json, header_length,
                           manifest_name, FormatError)
-from .files import DIR_MODE, FILE_MODE, BadFile, fsync, fsync_dir, open_regular, read_exact, write_all
+from .files import DIR_MODE, FILE_MODE, BadFile, fsync, fsync_dir, open_regular, read_capped, read_exact, write_all
 from .quarantine import STALE_TMP_S, Quarantine, clean_tmp
 
 logger = logging.getLogger("vllm_mlx_persist.store")
@@ -148,15 +148,9 @@ class DiskStore:
     def _read_model_json(path: Path) -> Optional[bytes]:
         """model.json's bytes, None when absent; BadFile when not a regular file or over the cap."""
         try:
-            fd, size = open_regular(path)
+            return read_capped(path, MAX_MODEL_JSON_BYTES)
         except FileNotFoundError:
             return None
-        try:
-            if size > MAX_MODEL_JSON_BYTES:
-                raise BadFile(f"{size} bytes, over the {MAX_MODEL_JSON_BYTES}-byte cap")
-            return bytes(read_exact(fd, size))
-        finally:
-            os.close(fd)
 
     # -- paths, durable writes ---------------------------------------------------------------
 
