@@ -353,7 +353,10 @@ def test_a_remembered_choice_with_foreign_scales_is_refused(tmp_path):
     from vllm_mlx_persist import key_choice
 
     good = LayerKeys(4, "scaled", mx.ones((2, 1, 64)))
+    (tmp_path / key_choice.CHOICES_DIR).mkdir()
+    (tmp_path / key_choice.CHOICES_DIR / ".tmp-crashed.json").write_text("{")  # a save cut short by a crash
     key_choice.save(tmp_path, "k" * 32, [good, None], {"chosen": "scaled"})
+    assert [p.name for p in (tmp_path / key_choice.CHOICES_DIR).iterdir()] == [f"{'k' * 32}.json"]
     shapes = [(2, 1, 64), None]
     formats, report = key_choice.load(tmp_path, "k" * 32, shapes)
     assert formats[0].digest() == good.digest() and formats[1] is None and report["chosen"] == "scaled"

@@ -6,7 +6,8 @@ model's q4 fingerprint and everything the calibration depends on (its text and l
 limit, mlx's version): another model, another limit or another calibration never reads it. A file
 that does not parse, is for another key, or holds formats this model cannot use is ignored (the model
 is calibrated again and the file rewritten); a file that cannot be written costs only the next start's
-calibration. Files only, no lock (written by rename); the worker thread, once at load.
+calibration. Files only, written by rename; a save cut short by a crash leaves a `.tmp-*` file that
+the next save removes (the root's lock: no other save is live). The worker thread, once at load.
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ def save(root: Path, key: str, formats: Sequence[Optional[LayerKeys]], report: d
     tmp = None
     try:
         folder.mkdir(mode=0o700, exist_ok=True)
+        for stale in folder.glob(".tmp-*"):  # a save cut short by a crash (one server per root: none is live)
+            stale.unlink(missing_ok=True)
         data = {"key": key, "version": VERSION, "report": report, "layers": [_encode(f) for f in formats]}
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
         with os.fdopen(fd, "w") as f:
