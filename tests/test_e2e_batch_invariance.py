@@ -40,7 +40,7 @@ def family(request, tmp_path_factory):
     work = tmp_path_factory.mktemp(arch)
     model = build_model_dir(work / "model", arch=arch, size="tiny", overrides=FAMILIES[arch] or None)
     names = ["vllm-mlx", "persist_q4"] + (["persist_q4 quantized"] if arch == "gemma3_text" else [])
-    servers = start_servers(model, work, names)
+    servers = start_servers(model, work, names, options={"key_format": "q4"})  # auto's choice here, uncalibrated
     try:
         results = run_family(servers, prompts(N_PROMPTS, first=FIRST_PROMPT), MAX_TOKENS)
         logs = {name: srv.log_tail(30) for name, srv in servers.items()}

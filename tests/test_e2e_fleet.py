@@ -41,7 +41,7 @@ def options(root, url: str) -> dict:
     # on the same re-rendered messages, i.e. the same prompt tokens (see tests/test_e2e_server.py).
     return {"block_size": BLOCK, "hot_mb": 64, "cache_dir": str(root), "remote_url": url,
             "remote_wait_s": 10.0,  # generous: a bound checked elsewhere, not a timing
-            "match_text": False}
+            "match_text": False, "key_format": "q4"}  # what auto chooses here, without calibrating
 
 
 @pytest.fixture(scope="module")

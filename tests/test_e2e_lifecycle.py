@@ -17,7 +17,10 @@ from vllm_mlx_persist.tools.models import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 KEY = "test"  # Chat's clients send this key; the server is started with --api-key test
-OPTIONS = {"block_size": 32, "hot_mb": 64}
+# key_format q4 is what `auto` chooses on these tiny models (their server logs say so): pinned, a fresh
+# server skips the calibration (1.5 s of CPU each on mlx-cpu's own BLAS). `auto` at start-up is
+# tested end to end by test_key_formats.py and test_e2e_families.py.
+OPTIONS = {"block_size": 32, "hot_mb": 64, "key_format": "q4"}
 
 
 def call(server: Server, method: str, path: str, key: str | None = KEY) -> tuple[int, dict]:

@@ -43,7 +43,7 @@ def tok(model_dir):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    options = {"block_size": 32, "hot_mb": 64, "cache_dir": str(home / "kv")}
+    options = {"block_size": 32, "hot_mb": 64, "cache_dir": str(home / "kv"), "key_format": "q4"}  # auto's choice here
     with Server(model_dir, home, options=options) as s:
         s.cache_dir = home / "kv"
         yield s

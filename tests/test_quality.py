@@ -5,15 +5,19 @@ The quality numbers themselves are the full run's business (docs/quality.md); he
 hold whatever the model: controls, orderings that follow from the arithmetic, the simulation
 matching the served cache, the outlier construction leaving the float model unchanged.
 
-The quick run trains its models, so its numbers move with the machine's float kernels (the BLAS and
-its kernel choice change the trained weights, not only the last bits). Every margin asserted on the
-quick run held on four kernels: OpenBLAS 0.3.21 as `./dev` preloads it (Zen: Haswell kernels),
-`OPENBLAS_CORETYPE=Sandybridge`, `OPENBLAS_CORETYPE=Nehalem` and mlx-cpu's own BLAS (no preload).
-Measured there (min / max over the four) and asserted:
-- outlier keys, 4-bit group 64 KL over Hadamard-rotated keys: 2.58 / 7.26, asserted > 1.5;
-- over 8-bit keys with 4-bit values: 46.8 / 290, asserted > 10;
-- plain llama, 4-bit over 8-bit KL: 224 / 486, asserted > 1; latents 4-bit over 8-bit: 177 / 396, > 1;
-- key outlier sweep, max/median of the strongest over the plain model: 39 / 48.7, asserted > 10.
+The quick run trains its models, so its numbers move with the machine's float kernels (the BLAS, its
+kernel choice and its thread count change the trained weights, not only the last bits). Every margin
+asserted on the quick run held on four kernels, one BLAS thread as `./dev test` runs them: OpenBLAS
+0.3.21 as `./dev` preloads it (Zen: Haswell kernels), `OPENBLAS_CORETYPE=Sandybridge`,
+`OPENBLAS_CORETYPE=Nehalem` and mlx-cpu's own BLAS (no preload), with the other families trained
+`QUICK_FAMILY_STEPS` (40) steps. Measured there (min / max over the four; the issue that asked for
+this saw 2.6 for the first on another machine) and asserted:
+- outlier keys, 4-bit group 64 KL over Hadamard-rotated keys: 5.18 / 11.5, asserted > 1.5;
+- over 8-bit keys with 4-bit values: 174 / 290, asserted > 10;
+- plain llama, 4-bit over 8-bit KL: 112 / 486, asserted > 1;
+- latents: 8-bit KL is float noise (-2.2e-8 to -2.4e-9), 4-bit 7.1e-7 to 9.6e-7: asserted 8-bit < 4-bit;
+- key outlier sweep, max/median of the strongest over the plain model: 39 / 49.8, asserted > 10;
+- the other families' held-out loss 5.08 / 5.36 against log(512) = 6.24 for a uniform guess.
 The random-weight checks below (no training) gave the same figures on all four kernels.
 """
 
@@ -89,8 +93,8 @@ def test_quick_quality(tmp_path, capsys):
     # rotation or 8-bit keys take it back
     o = fams["llama_outliers"]["perplexity"]
     assert o["q4g64sim"]["ppl"] == pytest.approx(o["q4g64"]["ppl"], rel=1e-4)
-    assert o["q4g64"]["kl_from_full"] > 1.5 * o["q4g64h"]["kl_from_full"]  # 2.58-7.26 measured (module docstring)
-    assert o["q4g64"]["kl_from_full"] > 10 * o["k8v4"]["kl_from_full"]  # 46.8-290 measured
+    assert o["q4g64"]["kl_from_full"] > 1.5 * o["q4g64h"]["kl_from_full"]  # 5.18-11.5 measured (module docstring)
+    assert o["q4g64"]["kl_from_full"] > 10 * o["k8v4"]["kl_from_full"]  # 174-290 measured
     # served key formats (issue #33): 8-bit keys and Hadamard-rotated keys served are their
     # simulations; served per-channel scales (calibrated at load) take most of the loss back too
     assert o["k8v4srv"]["ppl"] == pytest.approx(o["k8v4"]["ppl"], rel=1e-4)

@@ -75,6 +75,7 @@ class Agent:
         self.model, self.tok = load(str(model_dir))
         self.backend = PersistQ4Backend(model=self.model, tokenizer=self.tok, options={
             "block_size": 16, "hot_mb": 64, "match_text": False, "cache_dir": str(cache_dir), "warmup": False,
+            "key_format": "q4",  # auto's choice on this model, without calibrating (tests below set others)
             "kv_edit": {"enabled": True, "max_rotations": max_rotations, "min_run_tokens": 8, **(kv_edit or {})},
             **options})
         self.backend.load()

@@ -45,7 +45,8 @@ def tok(tmp_path_factory):
 @pytest.fixture
 def backend(model, tok, tmp_path):
     b = PersistQ4Backend(model=model, tokenizer=tok, options={
-        "cache_dir": str(tmp_path), "block_size": 16, "warmup": False, "restore": False})
+        "cache_dir": str(tmp_path), "block_size": 16, "warmup": False, "restore": False,
+        "key_format": "q4"})  # auto's choice on this model, without calibrating
     yield b
     b.close()
 
@@ -195,7 +196,8 @@ def test_the_first_tokens_leading_space_is_not_lost(model, tmp_path):
     prompt differing from the stored tokens in its very first token was served as them."""
     tok = _metaspace_tokenizer(1000)
     b = PersistQ4Backend(model=model, tokenizer=tok, options={
-        "cache_dir": str(tmp_path), "block_size": 16, "warmup": False, "restore": False})
+        "cache_dir": str(tmp_path), "block_size": 16, "warmup": False, "restore": False,
+        "key_format": "q4"})  # auto's choice on this model, without calibrating
     try:
         rest = tok.encode(" cache keeps what the agent has read so that a returning agent only", add_special_tokens=False)
         spaced, bare = tok.convert_tokens_to_ids("▁the"), tok.convert_tokens_to_ids("the")
