@@ -54,7 +54,7 @@ def _words(seed: int, n: int) -> str:
     return " ".join(rng.choice(words) for _ in range(n))
 
 
-LONG, LONG2 = _lines(1, 24), _lines(2, 24)
+LONG, LONG2 = _lines(1, 8), _lines(2, 8)  # ~340 tokens each, a stub of ~10 replaces them
 KEPT = _lines(3, 6)  # a tool output kept as it is
 TASK = {"role": "user", "content": "Fix the failing parser test. " + _words(4, 30)}
 NOTE = "Note: the tests live under tests/parser and use the fixtures of conftest.py; " + _words(5, 30)
