@@ -38,9 +38,7 @@ MAX_TOKENS = 8
 BLOCK = 32
 # Matching by text off: replies are compared with a cold agent on the same re-rendered messages,
 # i.e. the same prompt tokens (see tests/test_e2e_server.py).
-# key_format q4 is what `auto` chooses on these tiny models (their server logs say so): pinned, a fresh
-# server skips the calibration (1.5 s of CPU each on mlx-cpu's own BLAS). `auto` at start-up is
-# tested end to end by test_key_formats.py and test_e2e_families.py.
+# key_format q4: auto's choice here, without calibrating (tests/test_e2e_server.py says why).
 OPTIONS = {"block_size": BLOCK, "hot_mb": 64, "match_text": False, "key_format": "q4"}
 REQUEST_TIMEOUT_S = 30.0  # a tiny-model turn takes well under a second; past this it is a hang
 HEALTH_LIMIT_S = 1.0

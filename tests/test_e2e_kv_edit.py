@@ -24,9 +24,7 @@ from vllm_mlx_persist.tools.models import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 MAX_TOKENS = 8
-# key_format q4 is what `auto` chooses on these tiny models (their server logs say so): pinned, a fresh
-# server skips the calibration (1.5 s of CPU each on mlx-cpu's own BLAS). `auto` at start-up is
-# tested end to end by test_key_formats.py and test_e2e_families.py.
+# key_format q4: auto's choice here, without calibrating (tests/test_e2e_server.py says why).
 OPTIONS = {"block_size": 32, "hot_mb": 64, "match_text": False, "key_format": "q4"}
 WORDS = "the agent reads a file then runs the tests and looks at what failed before it edits".split()
 

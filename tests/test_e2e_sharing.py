@@ -25,9 +25,7 @@ from vllm_mlx_persist.tools.serving import Server
 # Room for 8 branches: this model's replies hold bytes that are not UTF-8, which the client gets as
 # U+FFFD and which are never matched by text (tests/test_text_match.py), so a replayed reply starts a
 # new branch beside the one it replays; three concurrent branches and their follow-ups are 6.
-# key_format q4 is what `auto` chooses on these tiny models (their server logs say so): pinned, a fresh
-# server skips the calibration (1.5 s of CPU each on mlx-cpu's own BLAS). `auto` at start-up is
-# tested end to end by test_key_formats.py and test_e2e_families.py.
+# key_format q4: auto's choice here, without calibrating (tests/test_e2e_server.py says why).
 OPTIONS = {"block_size": 32, "hot_mb": 64, "branches": 8, "key_format": "q4"}
 DOC = "shared document: " + user_text("doc", 9) + " " + user_text("doc", 10)
 

@@ -17,9 +17,7 @@ from vllm_mlx_persist.tools import retokenize
 from vllm_mlx_persist.tools import scenario as runner
 from vllm_mlx_persist.tools.scenario_spec import ScenarioError, load_scenario, shipped_scenarios
 
-# key_format q4 is what `auto` chooses on these tiny models (their server logs say so): pinned, a fresh
-# server skips the calibration (1.5 s of CPU each on mlx-cpu's own BLAS). `auto` at start-up is
-# tested end to end by test_key_formats.py and test_e2e_families.py.
+# key_format q4: auto's choice here, without calibrating (tests/test_e2e_server.py says why).
 OPTIONS = {"block_size": 32, "hot_mb": 64, "key_format": "q4"}
 SMALL = {  # params that keep each shipped scenario to a few seconds on 2 cores
     "negotiation": {"terms_words": 30, "reply_tokens": 6},
