@@ -9,7 +9,13 @@ from typing import Callable
 
 import pytest
 
+from vllm_mlx_persist.tools import forkserver
 from vllm_mlx_persist.tools.models import build_model_dir
+
+# Servers the tests start (tools/serving.Server) fork from a process that has imported vllm-mlx once
+# per worker instead of paying ~2 s of imports each (tools/forkserver.py; ~170 starts a run).
+# VLLM_MLX_PERSIST_FORKSERVER=0 starts each as a fresh `vllm-mlx serve` process.
+os.environ.setdefault(forkserver.ENV_SWITCH, "1")
 
 
 # Test files by their measured cost, most expensive first (`./dev test` hands whole files to its
