@@ -946,12 +946,28 @@ def test_fault_hook_is_off_unless_the_environment_names_one():
     assert r.stdout.strip() == "True" and "fault injection ON" in r.stderr
 
 
-@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x"])
+@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x", "kill@2:seek"])
 def test_malformed_fault_spec_is_refused(spec):
     from vllm_mlx_persist import faults
 
     with pytest.raises(ValueError):
         faults.parse(spec)
+
+
+def test_a_kind_targeted_kill_counts_only_its_kind():
+    """kill@N:kind (the crash campaign's deterministic trials): the Nth step of that kind, whatever
+    other steps come before it. Checked in a child, which the hook SIGKILLs."""
+    r = run_py("""
+        import os
+        from vllm_mlx_persist import faults
+        hook = faults.parse("kill@2:dirsync")
+        for step in ["open", "write", "fsync", "rename", "dirsync", "read", "open", "write", "fsync",
+                     "rename", "dirsync", "open"]:
+            print(step, flush=True)
+            hook(step)
+    """)
+    assert r.returncode == -9 and r.stdout.split()[-1] == "dirsync" and r.stdout.count("dirsync") == 2
+    assert "FAULT kill before write step 2 (dirsync)" in r.stderr
 
 
 def test_injected_read_error_is_a_miss_that_keeps_a_sound_file(tmp_path, monkeypatch):

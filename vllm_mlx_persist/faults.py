@@ -5,6 +5,7 @@ The store calls `store._FAULT(step)` before each system-call-level step of a wri
 installed that is one global lookup. A hook is installed at import of `store` from the environment:
 
     VLLM_MLX_PERSIST_FAULT=kill@N              SIGKILL this process just before its Nth write step
+    VLLM_MLX_PERSIST_FAULT=kill@N:dirsync      ... just before its Nth write step of that kind
     VLLM_MLX_PERSIST_FAULT=ENOSPC:write,fsync@/path/switch
                                                 raise OSError(ENOSPC) at those steps while /path/switch exists
     VLLM_MLX_PERSIST_FAULT=sleep=1.5:read@/path/switch
@@ -40,7 +41,10 @@ def parse(spec: str) -> Callable[[str], None]:
                 h(step)
         return all_of
     if spec.startswith("kill@"):
-        return _killer(int(spec[5:]))
+        n, _, kind = spec[5:].partition(":")
+        if kind and kind not in WRITE_STEPS:
+            raise ValueError(f"{ENV}={spec!r}: expected kill@N or kill@N:step (steps {WRITE_STEPS})")
+        return _killer(int(n), kind or None)
     head, sep, switch = spec.partition("@")
     name, _, steps = head.partition(":")
     if name.startswith("sleep="):
@@ -51,15 +55,15 @@ def parse(spec: str) -> Callable[[str], None]:
     code = getattr(errno, name, None)
     wanted = set(steps.split(",")) if steps else set(STEPS)
     if not sep or not switch or not isinstance(code, int) or not wanted <= set(STEPS):
-        raise ValueError(f"{ENV}={spec!r}: expected kill@N or ERRNO:step,step@/switch/file (steps {STEPS})")
+        raise ValueError(f"{ENV}={spec!r}: expected kill@N[:step] or ERRNO:step,step@/switch/file (steps {STEPS})")
     return _raiser(code, frozenset(wanted), switch)
 
 
-def _killer(n: int) -> Callable[[str], None]:
+def _killer(n: int, kind: Optional[str] = None) -> Callable[[str], None]:
     lock, count = threading.Lock(), [0]
 
     def hook(step: str) -> None:
-        if step not in WRITE_STEPS:
+        if step not in WRITE_STEPS or (kind is not None and step != kind):
             return
         with lock:
             count[0] += 1

@@ -40,6 +40,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .. import faults
 from ..disk_format import BlockData, Manifest
 from ..store import DiskStore, StoreError
 
@@ -97,8 +98,8 @@ class _Worker:
     (no interpreter start-up: ~5x more trials per second) unless MLX is loaded here (forking after
     Metal is initialised is unsafe), else a fresh interpreter; either way killed with SIGKILL."""
 
-    def __init__(self, root: Path, acked: dict, point: Optional[int]):
-        from .. import faults, store as store_mod
+    def __init__(self, root: Path, acked: dict, point: Optional[str]):
+        from .. import store as store_mod
 
         self.proc: Optional[subprocess.Popen] = None
         if hasattr(os, "fork") and "mlx.core" not in sys.modules:
@@ -150,10 +151,19 @@ class _Worker:
 DET_STEPS = 40  # deterministic kill points cycle over the first 40 write steps (~3 turns of syscalls)
 
 
+def det_point(k: int) -> str:
+    """The kill point of the kth deterministic trial: `N:kind`, the Nth write step of that kind,
+    kinds in turn (open, write, fsync, rename, dir fsync), N cycling over 1..DET_STEPS/5. Counted per
+    kind, every kind is hit whatever the writer's start-up writes (a count over all steps shifts
+    with what earlier trials left in the store: one run in several missed dirsync)."""
+    kinds = faults.WRITE_STEPS
+    return f"{1 + (k // len(kinds)) % (DET_STEPS // len(kinds))}:{kinds[k % len(kinds)]}"
+
+
 def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dict:
-    """Even trials SIGKILL the writer deterministically just before its Nth write step (open, write,
-    fsync, rename, dir fsync: the store's fault hook, faults.py), N cycling over 1..DET_STEPS; odd
-    trials SIGKILL it from outside at a random moment."""
+    """Even trials SIGKILL the writer deterministically just before a chosen write step (open, write,
+    fsync, rename, dir fsync: the store's fault hook, faults.py; det_point); odd trials SIGKILL it
+    from outside at a random moment."""
     rng = random.Random(seed)
     root = work / "crash"
     acked = {f"agent-{k}": -1 for k in range(n_agents)}
@@ -161,7 +171,7 @@ def crash_campaign(trials: int, seed: int, work: Path, n_agents: int = 4) -> dic
     stats: dict[str, Any] = {"acked_turns": 0, "killed_before_ready": 0, "tmp_removed": 0, "orphans_removed": 0,
                              "deterministic_trials": 0, "points": {}}
     for trial in range(trials):
-        point = 1 + (trial // 2) % DET_STEPS if trial % 2 == 0 else None
+        point = det_point(trial // 2) if trial % 2 == 0 else None
         delay = rng.choice([0.0, rng.uniform(0, 0.002), rng.uniform(0, 0.05), rng.uniform(0, 0.3)])
         proc = _Worker(root, acked, point)
         lines: list[str] = []
@@ -783,7 +793,7 @@ def write_report(results: dict, out: Path, command: str) -> None:
             lines.append(f"Acknowledged turns: {r['acked_turns']}; temp files removed at restart: "
                          f"{r['tmp_removed']}; unreferenced blocks removed at restart: {r['orphans_removed']}; "
                          f"kills during start-up: {r['killed_before_ready']}; kills at a chosen write step "
-                         f"(before the Nth open/write/fsync/rename/dir fsync, N = 1..{DET_STEPS}): "
+                         f"(before the Nth open, write, fsync, rename or dir fsync, N = 1..{DET_STEPS // 5} per kind): "
                          f"{r['deterministic_trials']} ("
                          + ", ".join(f"{k} {v}" for k, v in sorted(r["points"].items())) + ").")
         if name == "fuzz":
