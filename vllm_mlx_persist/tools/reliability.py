@@ -703,7 +703,8 @@ _WHAT = {
                     "agent gone after a restart with no erasure logged, a request failing or past 15 s while the "
                     "server is up, /health slower than 1 s, hot_bytes, disk or RSS past their bounds. Full run: "
                     "`./dev reliability --campaigns interactions` (700 steps, about 12 minutes on 2 cores); "
-                    "`--quick`: 100 steps, about 2 minutes.",
+                    "`--quick`: 100 steps, about 2 minutes. A run of any length makes every kind of step: its "
+                    "last steps make those not drawn yet (erase, then revisit).",
 }
 
 

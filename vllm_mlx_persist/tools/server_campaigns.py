@@ -764,6 +764,10 @@ I_DOCS = ["shared document A: " + user_text("docA", 9, 60), "shared document B: 
 I_OPS = (("turn", 30), ("concurrent", 14), ("fork", 12), ("branch", 8), ("rewind", 6), ("erase", 5), ("revisit", 4),
          ("pin", 4), ("unpin", 3), ("probe", 4), ("anonymous", 3), ("kill", 5), ("kill-mid", 3),
          ("write-point", 2))
+# Kinds of step a run of any length makes (the quick run in tests/test_reliability.py: 30 steps):
+# where a run's last steps are too few for the ones not drawn yet, they are made in this order
+# (erase before revisit, which needs an erased agent).
+I_COVER = ("concurrent", "fork", "branch", "erase", "revisit", "pin", "kill", "kill-mid")
 _ERASED_RE = re.compile(r"erased agent '([^']+)' \(([^)]+)\)")
 _UNCACHED_RE = re.compile(r"agent '([^']+)': (\d+) unsaved block\(s\) left memory uncached")
 
@@ -1464,7 +1468,11 @@ class _Interactions:
                     else:
                         self.fail("died", f"the server died between steps: {self.srv.log_tail(8)[-600:]}")
                         self.restart("after-died")
-                self.op = op = self.rng.choices(ops, weights)[0]
+                missing = [k for k in I_COVER if k not in self.st["ops"]]
+                if missing and n_steps - self.step <= len(missing):
+                    self.op = op = missing[0]
+                else:
+                    self.op = op = self.rng.choices(ops, weights)[0]
                 desc = self.do_step(op)
                 self.count("ops", desc.split()[0])  # what it did (an op with nothing to act on falls back)
                 self.steps.append(f"{self.step} {desc}")
