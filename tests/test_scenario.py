@@ -8,6 +8,8 @@ reuse and cold prefill give the same greedy tokens on these models, as in test_e
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -44,17 +46,28 @@ def test_every_shipped_scenario_is_tested():
     assert set(shipped_scenarios()) == set(SMALL)
 
 
+@pytest.fixture(scope="module")
+def shipped(server, tmp_path_factory) -> dict[str, tuple[dict, str, int]]:
+    """Each shipped scenario run once through the CLI, with its no-cache comparison:
+    name -> (the --json report, the printed table, text matches the server made during the run)."""
+    runs = {}
+    for name in sorted(SMALL):
+        out = tmp_path_factory.mktemp(name) / "report.json"
+        args = [name, "--url", server.url, "--json", str(out)]
+        for k, v in SMALL[name].items():
+            args += ["--param", f"{k}={v}"]
+        before = retokenize.text_match_stats(server.url)
+        table = io.StringIO()
+        with contextlib.redirect_stdout(table):
+            assert runner.main(args) == 0, server.log_tail()
+        matched = retokenize.text_match_stats(server.url)["text_matches"] - before["text_matches"]
+        runs[name] = (json.loads(out.read_text()), table.getvalue(), matched)
+    return runs
+
+
 @pytest.mark.parametrize("name", sorted(SMALL))
-def test_shipped_scenario_runs_and_reuses_only_what_it_may(server, name, tmp_path, capsys):
-    out = tmp_path / "report.json"
-    args = [name, "--url", server.url, "--json", str(out)]
-    for k, v in SMALL[name].items():
-        args += ["--param", f"{k}={v}"]
-    before = retokenize.text_match_stats(server.url)
-    assert runner.main(args) == 0, server.log_tail()
-    matched = retokenize.text_match_stats(server.url)["text_matches"] - before["text_matches"]
-    table = capsys.readouterr().out
-    report = json.loads(out.read_text())
+def test_shipped_scenario_runs_and_reuses_only_what_it_may(shipped, name):
+    report, table, matched = shipped[name]
     sc = load_scenario(name, SMALL[name])
     reqs, cmp = report["requests"], report["compare_requests"]
 
@@ -88,11 +101,9 @@ def test_shipped_scenario_runs_and_reuses_only_what_it_may(server, name, tmp_pat
     assert total["prefill_tokens"] < total["compare"]["prefill_tokens"]
 
 
-def test_permanent_agents_carry_across_phases_and_ephemeral_agents_do_not(server):
+def test_permanent_agents_carry_across_phases_and_ephemeral_agents_do_not(shipped):
     sc = load_scenario("negotiation", SMALL["negotiation"])
-    report = runner.run_scenario(sc, server.url, compare=False)
-    reqs = report["requests"]
-    assert report["compare_requests"] is None
+    reqs = shipped["negotiation"][0]["requests"]
     mediator = [r for r in reqs if r["agent"] == "mediator"]
     later = [r for r in mediator if r["phase"] != "buyer_room"]
     # The first request of a permanent agent in a later phase extends its earlier phases' cache.
@@ -110,6 +121,7 @@ def test_permanent_agents_carry_across_phases_and_ephemeral_agents_do_not(server
 def test_private_memories_stay_private(server):
     """Gossip: in the reunion, Bob's prompt holds nothing of Alice and Eve's private talk; Alice's does."""
     report = runner.run_scenario(load_scenario("gossip", SMALL["gossip"]), server.url, compare=False)
+    assert report["compare_requests"] is None
     last = {r["agent"]: r for r in report["requests"]}
     text = lambda r: "\n".join(m["content"] for m in r["messages"])
     assert "[eve, alice_eve]" not in text(last["bob"]) and "alice_eve" not in text(last["bob"])
@@ -117,12 +129,11 @@ def test_private_memories_stay_private(server):
     assert "[alice, alice_bob]" not in text(last["eve"]) and "[bob, alice_bob]" not in text(last["eve"])
 
 
-def test_fork_from_is_sent_and_workers_reuse_the_coordinators_document(server):
+def test_fork_from_is_sent_and_workers_reuse_the_coordinators_document(shipped):
     """Each worker names the coordinator as its parent and its first turn starts from the coordinator's
     blocks: at least every whole block of the coordinator's prompt (system prompt + document; forks
     share whole blocks only, the parent's partial tail is prefilled by the child)."""
-    report = runner.run_scenario(load_scenario("fanout", SMALL["fanout"]), server.url, compare=False)
-    reqs = report["requests"]
+    reqs = shipped["fanout"][0]["requests"]
     coord = reqs[0]
     workers = [r for r in reqs if r["phase"] == "fanout"]
     assert len(workers) == 8 and all(w["fork_from"] == coord["agent_id"] for w in workers)
