@@ -5,7 +5,8 @@ carrying only some patches of the series, registers it as a pluggy plugin (entry
 `vllm_mlx.plugins`) implementing every hook the series defines (a hook the patches present do not
 define is ignored), and serves a tiny model through it. The backend keeps finished sequences' mlx-lm KVCache in memory and
 hands back their longest shared prefix; every call the seam makes is appended as a JSON line (the
-call, its thread, the request id and namespace, a monotonic time) to the file $SEAM_LOG names.
+call, its thread, the request id and namespace, a monotonic time) to $HOME/seam.jsonl (each test's
+server has its own HOME).
 
 Options (--cache-backend-options): ready_delay_s / durable_delay_s make `ready` / `store` return a
 future done that much later (from a timer thread); ready_timeout_s / durable_timeout_s are the
@@ -30,7 +31,7 @@ _LOCK = threading.Lock()
 def log(event: str, **fields: Any) -> None:
     line = {"event": event, "t": time.monotonic(), "thread": threading.get_ident(),
             "thread_name": threading.current_thread().name, **fields}
-    with _LOCK, open(os.environ["SEAM_LOG"], "a") as f:
+    with _LOCK, open(os.path.join(os.environ["HOME"], "seam.jsonl"), "a") as f:
         f.write(json.dumps(line) + "\n")
 
 

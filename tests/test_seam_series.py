@@ -51,11 +51,23 @@ def text(seed: int, n: int = 40) -> str:
     return " ".join(WORDS[(seed * 5 + i) % len(WORDS)] for i in range(n))
 
 
+_SITES: dict[tuple, Path] = {}  # (numbers, plugins) -> its site, made once per run
+
+
 def make_site(tmp_path: Path, numbers: tuple[str, ...], plugins: Optional[dict[str, str]] = None) -> Path:
     """A folder to put first on PYTHONPATH: vllm_mlx with only the patches `numbers` of the series
     (in series order; each hunk's exact context is matched where it is, since the patches between
     are absent), the recorder plugin with its entry point, and `plugins` ({module name: source}),
-    more plugin modules registered next to it."""
+    more plugin modules registered next to it. Made once per run for each (numbers, plugins), left
+    unchanged by the servers: tests that share one also share its fork server (tools/forkserver.py),
+    whose key is the servers' import-time environment, PYTHONPATH included."""
+    key = (numbers, tuple(sorted((plugins or {}).items())))
+    if key not in _SITES:
+        _SITES[key] = _make_site(tmp_path, numbers, plugins)
+    return _SITES[key]
+
+
+def _make_site(tmp_path: Path, numbers: tuple[str, ...], plugins: Optional[dict[str, str]]) -> Path:
     site = make_tree(tmp_path / "site", numbers)
     shutil.copy(RECORDER, site / RECORDER.name)
     modules = {"recorder": RECORDER.stem}
@@ -104,10 +116,9 @@ def serve(tmp_path: Path, model: Path, numbers: tuple[str, ...], *, backend: Opt
           options: Optional[dict] = None, extra_args: tuple[str, ...] = (),
           plugins: Optional[dict[str, str]] = None) -> Served:
     site = make_site(tmp_path, numbers, plugins)
-    log = tmp_path / "seam.jsonl"
     srv = Server(model, tmp_path / "home", backend=backend, options=options, extra_args=extra_args,
-                 env={"PYTHONPATH": str(site), "SEAM_LOG": str(log)})
-    return Served(srv, log)
+                 env={"PYTHONPATH": str(site)})
+    return Served(srv, tmp_path / "home" / "seam.jsonl")  # where the recorder writes
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +172,8 @@ def test_seam_calls_the_backend_where_the_builtin_caches_are(seam):
     a cold prefill does); each request is stored as prompt + output and finished exactly once; the
     MLX calls run on one worker thread, `ready` on another (the event loop)."""
     imported = seam.events()[0]
-    assert imported["event"] == "imported" and imported["vllm_mlx"].startswith(str(seam.log.parent)), imported
+    site = make_site(seam.log.parent, ("0001",))  # the one this server runs
+    assert imported["event"] == "imported" and imported["vllm_mlx"] == str(site / "vllm_mlx" / "__init__.py"), imported
     assert [e["event"] for e in seam.events()][1:3] == ["created", "load"]
 
     mark = len(seam.events())
@@ -317,7 +329,7 @@ def test_seam_without_cache_backend_loads_no_plugin(tmp_path, model, started):
 
 def test_usage_reports_cached_tokens_of_the_builtin_cache(tmp_path, model, started):
     s = start(started, serve(tmp_path, model, ("0002",), backend=None))
-    assert not (s.log.parent / "site" / "vllm_mlx" / "cache_backend.py").exists()
+    assert not (make_site(tmp_path, ("0002",)) / "vllm_mlx" / "cache_backend.py").exists()
     # vllm-mlx keeps entries of at least 128 tokens (MemoryCacheConfig.min_prefix_tokens)
     messages = [{"role": "user", "content": text(8, 80)}]
     a = s.chat(messages)
