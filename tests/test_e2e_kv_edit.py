@@ -42,7 +42,7 @@ def _tool_output(seed: int) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    return build_model_dir(tmp_path_factory.mktemp("models") / "llama", arch="llama", size="tiny", seed=0)
+    return build_model_dir(tmp_path_factory.mktemp("models") / "llama", arch="llama", size="micro", seed=0)
 
 
 def _chat(server: Server, messages: list[dict], agent: str | None = None, mode: str | None = None,

@@ -69,7 +69,7 @@ def servers(tmp_path_factory):
     out = {}
     try:
         for name, args in (("chatml", ()), ("qwen", NATIVE_TOOLS)):
-            model = build_model_dir(root / f"model-{name}", arch="llama", size="tiny", seed=0, template=name)
+            model = build_model_dir(root / f"model-{name}", arch="llama", size="micro", seed=0, template=name)
             out[name] = Server(model, root / f"home-{name}", options=OPTIONS, extra_args=args).start()
         yield out
     finally:

@@ -30,8 +30,8 @@ SMALL = {  # params that keep each shipped scenario to a few seconds on 2 cores
 
 
 @pytest.fixture(scope="module")
-def server(tiny_llama_dir, tmp_path_factory):
-    with Server(tiny_llama_dir, tmp_path_factory.mktemp("home"), options=OPTIONS) as s:
+def server(model_dir, tmp_path_factory):
+    with Server(model_dir("llama", "micro"), tmp_path_factory.mktemp("home"), options=OPTIONS) as s:
         yield s
 
 
