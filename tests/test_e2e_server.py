@@ -28,7 +28,7 @@ MAX_TOKENS = 12
 # agent's output with a cold agent on the same re-rendered messages, i.e. the same prompt tokens;
 # with it on, an agent is served as the tokens it generated (equal to a cold run on *those*:
 # tests/test_e2e_sharing.py).
-# key_format q4 is what `auto` chooses on the tiny and micro test models (their server logs say so): pinned, a fresh
+# key_format q4 is what `auto` chooses on these tiny models and the micro ones (their server logs say so): pinned, a fresh
 # server skips the calibration (1.5 s of CPU each on mlx-cpu's own BLAS). `auto` at start-up is
 # tested end to end by test_key_formats.py and test_e2e_families.py.
 OPTIONS = {"block_size": 32, "hot_mb": 64, "match_text": False, "key_format": "q4"}
@@ -91,8 +91,8 @@ class Chat:
 def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("models")
     return {
-        "llama": build_model_dir(root / "llama", arch="llama", size="micro", seed=0),
-        "other": build_model_dir(root / "other", arch="llama", size="micro", seed=1),
+        "llama": build_model_dir(root / "llama", arch="llama", size="tiny", seed=0),
+        "other": build_model_dir(root / "other", arch="llama", size="tiny", seed=1),
     }
 
 
