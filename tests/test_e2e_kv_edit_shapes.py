@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import anthropic
 import openai

@@ -59,6 +59,15 @@ class _ChildState:
         self.returncode: Optional[int] = None
 
 
+def _has_exited(pid: int) -> bool:
+    """Whether the process has ended: a zombie its fork server has not reaped yet, or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except (OSError, IndexError):
+        return True
+
+
 class ForkedProcess:
     """A server forked by a ForkServer: the part of subprocess.Popen that Server and its callers use
     (pid, returncode, poll, wait, send_signal, terminate, kill). Thread-safe."""
@@ -71,6 +80,11 @@ class ForkedProcess:
         return self._state.returncode
 
     def poll(self) -> Optional[int]:
+        if self._state.returncode is None and _has_exited(self.pid):
+            try:  # as Popen.poll: ended means a return code; the fork server reports it within ms
+                self.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
         return self._state.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:

@@ -1085,7 +1085,12 @@ class _Interactions:
                 problem = repr(e)[:100]
             dt = time.monotonic() - t
             if problem is not None and not self._pause.is_set():
-                time.sleep(0.5)  # a reset while a write-point kill takes it down: not a health failure
+                # a reset while a write-point kill takes it down is not a health failure: give its
+                # death up to 2 s to show (a loaded machine, a fork server reporting the exit)
+                for _ in range(10):
+                    if not self.alive():
+                        break
+                    time.sleep(0.2)
             if self._pause.is_set() or not self.alive():
                 continue
             with self._lock:
