@@ -35,12 +35,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from typing import Optional
 
 ENV_SWITCH = "VLLM_MLX_PERSIST_FORKSERVER"  # "1": Server starts through a fork server (tests/conftest.py)
 # Read at run time only (by vllm-mlx, our package, pytest), so they may differ between a fork
 # server and its children: HOME and the cache dirs, vllm-mlx's and our settings, pytest's bookkeeping.
 IMPORT_TIME_EXEMPT = ("HOME", "XDG_CACHE_HOME", "PYTEST_", "VLLM_MLX_")
+LOST_STATUS = 255  # a child's return code where its fork server died before it (its real status is lost)
 MAX_FORK_SERVERS = 3  # per process: distinct import-time environments kept warm (each ~300 MB)
 
 
@@ -88,9 +90,21 @@ class ForkedProcess:
         return self._state.returncode
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        with self._server.changed:
-            if not self._server.changed.wait_for(lambda: self._state.returncode is not None, timeout):
+        """As Popen.wait. Where the fork server died first, nobody reports this child's status (its
+        orphan is reaped by init): wait until /proc says it ended, and return LOST_STATUS."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        changed = self._server.changed
+        with changed:
+            changed.wait_for(lambda: self._state.returncode is not None or not self._server.alive, timeout)
+        while self._state.returncode is None:
+            if not self._server.alive and _has_exited(self.pid):
+                with changed:
+                    if self._state.returncode is None:
+                        self._state.returncode = LOST_STATUS
+                break
+            if deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
         return self._state.returncode
 
     def send_signal(self, sig: int) -> None:
@@ -233,13 +247,14 @@ def _child(request: dict, status_out) -> None:
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     status_out.close()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # let go of the fork server's pipes first: its reader must see EOF when it dies
+        os.dup2(null, fd)
+    os.close(null)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
