@@ -1,6 +1,6 @@
 """Batch invariance: a sequence's answer does not depend on which other sequences it is batched with.
 
-Per family (tiny random float32 models built with mlx-lm's own classes, sliding window 16), four
+Per family (micro random float32 models built with mlx-lm's own classes, sliding window 16), four
 prompts longer than the window and of different lengths go through mlx-lm's BatchGenerator as
 vllm-mlx drives it: each alone, then all four inserted together (right-padded chunked prefill,
 left-padded decode, companions finishing first) and staggered (rows joining a running batch), one
@@ -47,7 +47,7 @@ from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.tools.models import SIZES, Size, build_model
 
 WINDOW = 16
-SIZE = Size(**{**SIZES["tiny"].__dict__, "sliding_window": WINDOW, "vocab": 512})
+SIZE = Size(**{**SIZES["micro"].__dict__, "sliding_window": WINDOW, "vocab": 512})
 STEP = 16  # prefill chunk: prompts span several chunks, rows end mid-chunk
 LENGTHS = [50, 35, 23, 61]  # all > WINDOW; 35 and 50 end their prefill with a 2- and 1-token chunk
 MAX_TOKENS = [9, 5, 12, 7]
