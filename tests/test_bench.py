@@ -29,14 +29,14 @@ def quick(tmp_path_factory) -> tuple[dict, Path, str]:
     # last block is too large a share to hold within 1.1x of the analytical bytes. key_format q4: what
     # `auto` chose on every one of these models (tests/test_e2e_server.py says why it is pinned), so
     # the ten fresh cache roots skip their calibration. The micro model (tests/test_scenario.py says why)
-    # where a section's model size is free: the TTFT, reload, long, concurrency, stall and edits
-    # sections; families and capacity keep their tiny models of each family.
+    # everywhere: each section's checks are about the cache (reuse, tiers, bytes against the formulas
+    # on the model's own shape), not the model's size.
     cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "bench", "--quick", "--sections", ",".join(QUICK_SECTIONS),
            "--systems", "persist_q4,vllm_default", "--families", "gemma3_text", "--long-contexts", "1024",
            "--contexts", "128,256", "--reload-sizes", "256,1024", "--edit-histories", "512",
            "--edit-sweep-history", "512", "--edit-grid-histories", "1024", "--edit-parts", "accounting,ttft,trace",
            "--persist-options", json.dumps({"key_format": "q4"}), "--model-size", "micro", "--long-size", "micro",
-           "--edit-size", "micro",
+           "--edit-size", "micro", "--family-size", "micro", "--capacity-size", "micro",
            "--out", str(out), "--work", str(tmp / "work")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -1283,6 +1283,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(CAPACITY_FAMILIES)} for the capacity section's measurements")
     p.add_argument("--capacity-contexts", default=None, help="contexts of the capacity section, published scale "
                                                              "(default 4096,16384,32768; --quick: 4096)")
+    p.add_argument("--capacity-size", default=None, help="models.SIZES preset the capacity section scales down "
+                                                          "(default tiny)")
     p.add_argument("--capacity-scale", type=int, default=None,
                    help="capacity: divide windows, block size and contexts by this on the measured models (default 8)")
     p.add_argument("--capacity-turns", type=int, default=None, help="capacity: turns of the grown agent (default 8)")
@@ -1368,6 +1370,8 @@ def build_plan(args: argparse.Namespace) -> Plan:
         plan.capacity_archs = _family_list(args.capacity_families, CAPACITY_FAMILIES, "capacity families")
     if args.capacity_contexts:
         plan.capacity_contexts = [int(x) for x in args.capacity_contexts.split(",")]
+    if args.capacity_size:
+        plan.capacity_size = args.capacity_size
     if args.capacity_scale is not None:
         if args.capacity_scale < 1 or 256 % args.capacity_scale or 256 // args.capacity_scale < 16:
             raise SystemExit("--capacity-scale must divide 256 and leave a block of at least 16 tokens (1..16)")
