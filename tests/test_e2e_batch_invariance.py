@@ -2,7 +2,7 @@
 on every family, wherever vllm-mlx's own cache's answers do not either.
 
 Per family (plain llama; gemma3_text with two sliding and two global layers, window 32; gpt_oss:
-sliding window 32, sinks, MoE; qwen3_next: recurrent hybrid; deepseek_v3: MLA), tiny random-weight
+sliding window 32, sinks, MoE; qwen3_next: recurrent hybrid; deepseek_v3: MLA), micro random-weight
 models, one module-scoped set of servers: vllm-mlx's own cache (no --cache-backend) and persist_q4
 (for gemma3_text also with the float decode mirror off and prefill attention quantized). Three
 prompts longer than the window (227-297 tokens), 16 greedy tokens, sent to each server alone, then
@@ -38,7 +38,7 @@ MAX_TOKENS = 16
 def family(request, tmp_path_factory):
     arch = request.param
     work = tmp_path_factory.mktemp(arch)
-    model = build_model_dir(work / "model", arch=arch, size="tiny", overrides=FAMILIES[arch] or None)
+    model = build_model_dir(work / "model", arch=arch, size="micro", overrides=FAMILIES[arch] or None)
     names = ["vllm-mlx", "persist_q4"] + (["persist_q4 quantized"] if arch == "gemma3_text" else [])
     servers = start_servers(model, work, names, options={"key_format": "q4"})  # auto's choice here, uncalibrated
     try:

@@ -1,6 +1,7 @@
 """End to end per model family on the real `vllm-mlx serve --cache-backend persist_q4`: sliding
 window (gemma3_text), sliding window + sinks + MoE (gpt_oss), linear-attention and convolution
-hybrids (qwen3_next, lfm2), latent MLA (deepseek_v3). Tiny random float32 models.
+hybrids (qwen3_next, lfm2), latent MLA (deepseek_v3). Micro random float32 models (hidden 128, 2
+heads over 1 K/V head).
 
 Per family, one server: a reference agent's turns, then the same conversation as another agent with
 the server SIGKILLed between its turns:
@@ -62,7 +63,7 @@ def _killed_between_turns_answers_as(reference: Chat, srv: Server) -> None:
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_family_end_to_end(arch, tmp_path):
-    model = build_model_dir(tmp_path / "model", arch=arch, size="tiny")
+    model = build_model_dir(tmp_path / "model", arch=arch, size="micro")
     slack = 1 if arch in HYBRIDS else 0
 
     reference = Chat("alice")
@@ -88,7 +89,7 @@ def test_a_long_gemma_agent_holds_its_window_and_resumes_after_sigkill(tmp_path)
     import json
     import urllib.request
 
-    model = build_model_dir(tmp_path / "model", arch="gemma3_text", size="tiny")
+    model = build_model_dir(tmp_path / "model", arch="gemma3_text", size="micro")
     chat = Chat("long")
     srv = Server(model, tmp_path / "home", options=OPTIONS).start()
     try:
@@ -114,7 +115,7 @@ def test_mla_latents_packed_in_8_bits_resume_exactly_after_sigkill(tmp_path):
     turn reuses the first; a server SIGKILLed between turns answers exactly as one never killed
     (hot and reloaded blocks are the same packed bytes), and the agent costs fewer bytes than with
     latents in the model's dtype."""
-    model = build_model_dir(tmp_path / "model", arch="deepseek_v3", size="tiny")
+    model = build_model_dir(tmp_path / "model", arch="deepseek_v3", size="micro")
     packed = {**OPTIONS, "latent_bits": 8}
     reference, plain = Chat("alice"), Chat("alice")
     with Server(model, tmp_path / "plain", options=OPTIONS) as srv:
