@@ -48,7 +48,7 @@ def options(root, url: str) -> dict:
 def fleet(tmp_path_factory):
     """(redis, server A, server B): started once for the module."""
     tmp = tmp_path_factory.mktemp("fleet")
-    model = build_model_dir(tmp / "model", arch="llama", size="tiny", seed=0)
+    model = build_model_dir(tmp / "model", arch="llama", size="micro", seed=0)
     rds = RedisServer(tmp)
     secret_file = tmp / "fleet.secret"
     secret_file.write_text(SECRET + "\n")

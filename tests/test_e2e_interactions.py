@@ -1,6 +1,6 @@
 """End to end, features used together: forks, branches, erasure, pins, hot and disk budgets, slow
 disks and SIGKILL restarts on real `vllm-mlx serve --continuous-batching --cache-backend persist_q4`
-subprocesses (tiny local llama), driven by the official openai client. Each test is a scenario a
+subprocesses (micro local llama), driven by the official openai client. Each test is a scenario a
 user runs, most of them a defect found where features meet (each test's docstring names it).
 
 Tolerances:
@@ -40,10 +40,10 @@ BLOCK = 32
 # i.e. the same prompt tokens (see tests/test_e2e_server.py).
 # key_format q4: auto's choice here, without calibrating (tests/test_e2e_server.py says why).
 OPTIONS = {"block_size": BLOCK, "hot_mb": 64, "match_text": False, "key_format": "q4"}
-REQUEST_TIMEOUT_S = 30.0  # a tiny-model turn takes well under a second; past this it is a hang
+REQUEST_TIMEOUT_S = 30.0  # a micro-model turn takes well under a second; past this it is a hang
 HEALTH_LIMIT_S = 1.0
 HUNG_S = 15.0  # where a scenario goes on after a hung request: shorter, the answer itself takes < 1 s
-TINY_HOT_MB = 0.005  # 5 kB: less than one 32-token block of the tiny llama (9 kB), so every lookup
+TINY_HOT_MB = 0.002  # 2 kB: less than one 32-token block of the micro llama (5 kB), so every lookup
 # and every commit runs the hot budget's eviction loop
 DOC = [{"role": "system", "content": "shared document: " + user_text("doc", 9, 60)}]
 
@@ -220,7 +220,7 @@ def restart(server: Server, watch: Optional[HealthWatch] = None, **options) -> N
 
 @pytest.fixture
 def llama(model_dir) -> Path:
-    return model_dir("llama", "tiny", 0)
+    return model_dir("llama", "micro", 0)
 
 
 def new_server(model: Path, tmp_path: Path, name: str = "srv", env: Optional[dict] = None, **options) -> Server:
@@ -419,7 +419,7 @@ def test_erasing_a_fork_parent_leaves_only_its_childs_link_to_it(llama, tmp_path
 
 
 def test_erasure_through_one_model_removes_the_agent_under_every_model(model_dir, tmp_path):
-    a_model, b_model = model_dir("llama", "tiny", 0), model_dir("llama", "tiny", 1)
+    a_model, b_model = model_dir("llama", "micro", 0), model_dir("llama", "micro", 1)
     root = tmp_path / "shared-root"  # one cache root, one subdirectory per model fingerprint
     a = Server(a_model, tmp_path / "a-home", options={**OPTIONS, "cache_dir": str(root)}, env=BATCH_INVARIANT_ENV)
     b = Server(b_model, tmp_path / "b-home", options={**OPTIONS, "cache_dir": str(root)}, env=BATCH_INVARIANT_ENV)
