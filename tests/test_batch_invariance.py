@@ -13,11 +13,12 @@ and on, and prefill attention on the 4-bit matmuls and on dequantized K/V.
   also on caches that hold only their window (`Q4KVCache(window=16)`).
 * `test_logits_bit_identical`: every step's logprobs alone == batched, bit for bit, on every
   family whose layers persist_q4 runs (4-bit attention, sliding windows, sinks, recurrent state).
-  The model's own projections (Linear, MoE experts) are evaluated one token row at a time here:
-  OpenBLAS (preloaded into tests and servers) rounds a matrix product's rows differently with the
-  number of rows in it, which changes logits by ~1e-6 with any cache, mlx-lm's own included
-  (docs/design.md, "Batch invariance"); row by row takes that out, so what is compared is everything
-  else, the cache and attention first. Fails on the code before per-row attention (the float SDPA
+  The model's own projections (Linear, MoE experts, short convolutions) are evaluated one token row
+  at a time here: OpenBLAS (preloaded into tests and servers) rounds a matrix product's rows
+  differently with the number of rows in it, which changes logits by ~1e-6 with any cache, mlx-lm's
+  own included (docs/design.md, "Batch invariance"; qwen3_next's depthwise convolution, a product
+  over the chunk's positions, does so on OpenBLAS's Nehalem kernels); row by row takes that out, so
+  what is compared is everything else, the cache and attention first. Fails on the code before per-row attention (the float SDPA
   over a padded batch: mirror decode, dequantized prefill). The sliding-window families also run
   with bounded sliding layers (`ModelCodec.for_model(model, bounded=True)`), whose rows drop their
   oldest columns at times that depend on the batch.
@@ -84,7 +85,16 @@ def row_by_row(monkeypatch):
         x = self.down_proj(self.activation(self.up_proj(x, indices), self.gate_proj(x, indices)), indices)
         return x.squeeze(-2)
 
+    conv1d = nn.Conv1d.__call__
+
+    def conv_rows(self, x):  # a short convolution (qwen3_next, lfm2) one output position at a time
+        assert self.padding == 0 and self.stride == 1 and self.dilation == 1
+        k = self.weight.shape[1]
+        rows = [[conv1d(self, x[b : b + 1, t : t + k]) for t in range(x.shape[1] - k + 1)] for b in range(x.shape[0])]
+        return mx.concatenate([mx.concatenate(r, axis=1) for r in rows], axis=0)
+
     monkeypatch.setattr(nn.Linear, "__call__", linear)
+    monkeypatch.setattr(nn.Conv1d, "__call__", conv_rows)
     monkeypatch.setattr(nn.Embedding, "as_linear", lambda self, x: rows(x, self.weight))
     monkeypatch.setattr(switch_layers.SwitchGLU, "__call__", switch_glu)
 
