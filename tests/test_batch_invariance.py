@@ -18,10 +18,10 @@ and on, and prefill attention on the 4-bit matmuls and on dequantized K/V.
   differently with the number of rows in it, which changes logits by ~1e-6 with any cache, mlx-lm's
   own included (docs/design.md, "Batch invariance"; qwen3_next's depthwise convolution, a product
   over the chunk's positions, does so on OpenBLAS's Nehalem kernels); row by row takes that out, so
-  what is compared is everything else, the cache and attention first. Fails on the code before per-row attention (the float SDPA
-  over a padded batch: mirror decode, dequantized prefill). The sliding-window families also run
-  with bounded sliding layers (`ModelCodec.for_model(model, bounded=True)`), whose rows drop their
-  oldest columns at times that depend on the batch.
+  what is compared is everything else, the cache and attention first. Fails on the code before
+  per-row attention (the float SDPA over a padded batch: mirror decode, dequantized prefill). The
+  sliding-window families also run with bounded sliding layers (`ModelCodec.for_model(model,
+  bounded=True)`), whose rows drop their oldest columns at times that depend on the batch.
 * `test_greedy_invariant`: the model as served, every family: greedy tokens alone == batched and
   logprobs within REL_TOL of the step's largest |logprob| (what is left is the projections' BLAS
   rounding, measured up to 7e-7 of it; MLA layers keep mlx-lm's own cache and attention arithmetic,

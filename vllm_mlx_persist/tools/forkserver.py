@@ -248,7 +248,7 @@ def _child(request: dict, status_out) -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     status_out.close()
     null = os.open(os.devnull, os.O_RDWR)
-    for fd in (0, 1, 2):  # let go of the fork server's pipes first: its reader must see EOF when it dies
+    for fd in (0, 1):  # let go of the fork server's pipes first: its reader must see EOF when it dies
         os.dup2(null, fd)
     os.close(null)
     log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
