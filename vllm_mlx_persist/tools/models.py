@@ -144,7 +144,7 @@ class Size:
 # hidden == heads * head_dim everywhere, so every arch (qwen2 derives head_dim) gets the same shapes.
 SIZES: dict[str, Size] = {
     # tests whose float work is most of their cost on a slow BLAS (prefill-heavy workloads that check
-    # the cache, not the model): 0.46M params (llama), ~1/4 of tiny's float work per token, still GQA
+    # the cache, not the model): 0.56M params (llama), ~1/3 of tiny's float work per token, still GQA
     "micro": Size(layers=2, hidden=128, heads=2, kv_heads=1, head_dim=64, intermediate=256, vocab=1024),
     # tests: 1.7M params (llama)
     "tiny": Size(layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, vocab=1024),
