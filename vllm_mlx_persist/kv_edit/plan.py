@@ -385,6 +385,17 @@ class ModelSplicing:
             refused = next((f"layer {i}: {v.reason}" for i, v in enumerate(verdicts) if not v.ok), None)
         return cls(realign_points(tokenizer), recurrent, refused, verdicts)
 
+    def summary(self) -> str:
+        """One log line: the boundaries found and the layers' verdicts, counted (not every token id)."""
+        r = self.realign
+        where = ("no message-start token: amortize serves as exact" if r is None else
+                 f"message start {r.anchor}, {len(r.openers)} item openers, {len(r.line_ends)} line-end tokens, "
+                 f"{len(r.special)} special")
+        kinds = sorted({"/".join(s.kind for s in v.slots) for v in self.verdicts})
+        layers = (f"{len(self.verdicts)} layers ({', '.join(kinds)})" if self.verdicts else
+                  "recurrent state: splices re-prefill" if self.recurrent else "no layers probed")
+        return f"{where}; {layers}; refused: {self.refused_layer or 'none'}"
+
     def points(self, options: dict) -> Optional[Realign]:
         """Where runs may start under the kv_edit option's `boundaries`."""
         level = options.get("boundaries", "lines")

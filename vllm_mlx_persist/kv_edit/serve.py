@@ -89,7 +89,7 @@ class SpanDirectives:
             self._splicing = ModelSplicing.probe(self.model, self.tokenizer, self.codec.has_state)
         except Exception as e:  # a model the probe cannot drive is never spliced
             self._splicing = ModelSplicing(None, self.codec.has_state, f"probe failed: {type(e).__name__}")
-        log.info("persist_q4: amortize on this model: %s", self._splicing)
+        log.info("persist_q4: amortize on this model: %s", self._splicing.summary())
 
     def _source(self, m: Any) -> tuple[int, int, Segments]:
         """(generation, honest tokens, rotation counts) of an amortize lookup's source: one of the
