@@ -80,10 +80,13 @@ def test_prompt_kv_bit_identical(family):
             assert got["kv"] == {m: [] for m in MODES}, (arch, name, table({arch: results}))
 
 
-LOG = """INFO:vllm_mlx.scheduler:[schedule] request=bba7734d-b05 uid=3 prompt_tokens=297 tokens_to_prefill=297 max_tokens=16 running=1 waiting=2
-INFO:vllm_mlx.server:Chat completion: 16 tokens in 0.22s (71.5 tok/s)
-INFO:vllm_mlx.scheduler:[schedule] request=1f0fafe9-31b uid=4 prompt_tokens=286 tokens_to_prefill=286 max_tokens=16 running=2 waiting=1
-"""
+LOG = (
+    "INFO:vllm_mlx.scheduler:[schedule] request=bba7734d-b05 uid=3 prompt_tokens=297 tokens_to_prefill=297 "
+    "max_tokens=16 running=1 waiting=2\n"
+    "INFO:vllm_mlx.server:Chat completion: 16 tokens in 0.22s (71.5 tok/s)\n"
+    "INFO:vllm_mlx.scheduler:[schedule] request=1f0fafe9-31b uid=4 prompt_tokens=286 tokens_to_prefill=286 "
+    "max_tokens=16 running=2 waiting=1\n"
+)
 
 
 def test_overlap_is_read_from_the_servers_admissions():

@@ -5,9 +5,10 @@ sent to each server alone (one after another), then several at once, `together` 
 same instant) and `staggered` (each released when the one before it has streamed its first token,
 so it joins a batch already decoding), in groups of `group`; greedy answers (streamed) are compared
 with the prompt's answer alone on the same server. Whether each group was batched for real is read
-from the server's own log (vllm-mlx's running count as it admitted each request), not from timing. Servers: vllm-mlx's own cache (no --cache-backend) and
-persist_q4 variants (`SERVERS`). Each request of each mode has its own agent id, so nothing is reused
-between modes.
+from the server's own log (vllm-mlx's running count as it admitted each request), not from timing,
+and a group that was not is reported. Servers: vllm-mlx's own cache (no --cache-backend) and
+persist_q4 variants (`SERVERS`). Each request of each mode has its own agent id, so nothing is
+reused between modes.
 
 Printed: a table family x server x answers that differ from alone (per mode) and, for persist_q4
 servers, prompts whose stored 4-bit K/V differ from alone (read back from the disk tier: answers flip
@@ -434,6 +435,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             finally:
                 for s in servers.values():
                     s.stop()
+            for name, got in results[arch].items():
+                for m in MODES:
+                    if not got[m].overlapped():
+                        print(f"{arch}: {name}, {m}: not batched (not every request was admitted while another "
+                              f"ran; running counts per group: {got[m].admissions})", file=sys.stderr, flush=True)
             tokens = results[arch]["vllm-mlx"]["alone"].prompt_tokens
             print(f"{arch}: prompts of {min(tokens)}-{max(tokens)} tokens", file=sys.stderr, flush=True)
             extra = unexplained(results[arch])
