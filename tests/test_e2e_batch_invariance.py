@@ -6,9 +6,13 @@ sliding window 32, sinks, MoE; qwen3_next: recurrent hybrid; deepseek_v3: MLA), 
 models, one module-scoped set of servers: vllm-mlx's own cache (no --cache-backend) and persist_q4
 (for gemma3_text also with the float decode mirror off and prefill attention quantized). Three
 prompts longer than the window (227-297 tokens), 16 greedy tokens, sent to each server alone, then
-together (released at once) and staggered (50 ms apart, joining a batch already decoding); each
-request its own agent (tools/batch_invariance.py, which also runs the full sweep as the
-`vllm-mlx-persist batch-invariance` command).
+together (released at once) and staggered (each released when the one before it has streamed its
+first token, joining a batch already decoding); each request its own agent (tools/batch_invariance.py,
+which also runs the full sweep as the `vllm-mlx-persist batch-invariance` command). Nothing waits on
+a clock.
+
+* `test_requests_were_batched`: in each batched mode every request was admitted by the server while
+  another one was running (vllm-mlx's own `[schedule] ... running=N` log lines, not client timing).
 
 * `test_answers_differ_only_where_vllm_mlx_does`: a persist_q4 answer batched differs from alone
   only where vllm-mlx's answer to that prompt in that mode does too. Where vllm-mlx's own answers
@@ -25,8 +29,8 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mlx_persist.tools.batch_invariance import (FAMILIES, MODES, differing, prompts, run_family,
-                                                     start_servers, table, unexplained)
+from vllm_mlx_persist.tools.batch_invariance import (FAMILIES, MODES, Answers, admissions, differing, prompts,
+                                                     run_family, start_servers, table, unexplained)
 from vllm_mlx_persist.tools.models import build_model_dir
 
 N_PROMPTS = 3  # the issue's "three at a time"
@@ -56,7 +60,7 @@ def test_requests_were_batched(family):
     for name, got in results.items():
         assert all(p > 200 for p in got["alone"].prompt_tokens), (arch, got["alone"].prompt_tokens)
         for mode in MODES:
-            assert got[mode].overlapped(), (arch, name, mode, got[mode].spans)
+            assert got[mode].overlapped(), (arch, name, mode, got[mode].admissions, logs[name])
 
 
 def test_answers_differ_only_where_vllm_mlx_does(family):
@@ -74,3 +78,22 @@ def test_prompt_kv_bit_identical(family):
     for name, got in results.items():
         if "kv" in got:
             assert got["kv"] == {m: [] for m in MODES}, (arch, name, table({arch: results}))
+
+
+LOG = (
+    "INFO:vllm_mlx.scheduler:[schedule] request=bba7734d-b05 uid=3 prompt_tokens=297 tokens_to_prefill=297 "
+    "max_tokens=16 running=1 waiting=2\n"
+    "INFO:vllm_mlx.server:Chat completion: 16 tokens in 0.22s (71.5 tok/s)\n"
+    "INFO:vllm_mlx.scheduler:[schedule] request=1f0fafe9-31b uid=4 prompt_tokens=286 tokens_to_prefill=286 "
+    "max_tokens=16 running=2 waiting=1\n"
+)
+
+
+def test_overlap_is_read_from_the_servers_admissions():
+    """Batched means: every request after a group's first was admitted while another was running."""
+    assert admissions(LOG) == [1, 2]
+    answers = lambda groups: Answers([], [], [], groups)  # noqa: E731
+    assert answers([[1, 2, 3]]).overlapped() and answers([[1, 2, 2], [1, 2]]).overlapped()
+    assert not answers([[1, 1, 1]]).overlapped()  # one at a time (vllm-mlx --max-num-seqs 1)
+    assert not answers([[1, 2, 1]]).overlapped()  # the third arrived after the others had finished
+    assert not answers([[1]]).overlapped() and not answers([[]]).overlapped()  # no log lines: no evidence

@@ -508,7 +508,11 @@ def test_health_answers_while_a_large_turn_is_written_slowly_and_another_agent_i
         t0 = time.monotonic()
         t = threading.Thread(target=lambda: out.setdefault("big", ask(srv, big_msgs, "big", timeout=120)))
         t.start()
-        time.sleep(0.5)  # the big turn's blocks are being written
+        deadline, queued = time.time() + 120, 0
+        while not queued and time.time() < deadline:  # until the big turn's blocks are being written
+            queued = cache_stats(srv).get("write_queue_bytes", 0)
+            time.sleep(0 if queued else 0.02)
+        assert queued, "the big turn's blocks were never seen queued for writing"
         got = ask(srv, reader_msgs, "reader", timeout=120)
         t.join(120)
         took = time.monotonic() - t0

@@ -71,18 +71,27 @@ def patched(chains: dict[str, patcher.Chain]) -> dict[str, str]:
     return {rel: c.hashes[-1] for rel, c in chains.items()}
 
 
-def apply_old_single_patch(site: Path, *, keep_record: bool = True, only: tuple[str, ...] = ()) -> None:
-    """Put `site` where an older vllm-mlx-persist left it: its single patch applied (or, `only`,
-    just those files of it: an interrupted run), with or without the copy it kept."""
-    old_path = patcher.patches_dir() / SPEC.previous[0]
-    old = patcher.read_series(old_path)
-    files = patcher.chains(old)
+def apply_old_single_patch(site: Path, *, keep_record: bool = True, only: tuple[str, ...] = ()) -> dict[str, str]:
+    """Put `site` (pristine) where an older vllm-mlx-persist left it: its single patch applied (or,
+    `only`, just those files of it: an interrupted run), with or without the copy it kept. The
+    patch is made up here (no state of it is a state of the series); returns its files' pristine
+    hashes."""
+    texts = {rel: (site / rel).read_text() for rel in ("vllm_mlx/scheduler.py", "vllm_mlx/server.py")}
+    old = {rel: text.replace("\n", "\n# older seam\n", 1) for rel, text in texts.items()}
+    old["vllm_mlx/plugins.py"] = "OLDER_SEAM = True\n"
+    record = site / "vllm_mlx" / f"{LEGACY_RECORD}.patch"
+    record.write_text("Subject: the older single patch\n---\n"
+                      + "".join(udiff(rel, texts.get(rel), new) for rel, new in old.items()))
+    patcher.record(record, site)  # its .sha256, from the pristine files
+    files = patcher.chains(patcher.read_series(record))
+    pristine_hashes = {rel: c.hashes[0] for rel, c in files.items()}
     if only:
         files = {rel: c for rel, c in files.items() if rel in only}
     patcher._write(site, patcher._plan(site, files, patcher._states(site, files), back=False))
-    if keep_record:
-        shutil.copy(old_path, site / "vllm_mlx" / f"{LEGACY_RECORD}.patch")
-        shutil.copy(old_path.with_suffix(".sha256"), site / "vllm_mlx" / f"{LEGACY_RECORD}.sha256")
+    if not keep_record:
+        record.unlink()
+        record.with_suffix(".sha256").unlink()
+    return pristine_hashes
 
 
 def test_series_files_and_manifests_chain(series, chains):
@@ -173,11 +182,10 @@ def test_files_between_patches_of_the_series(site, chains, capsys):
         assert sha(site / "vllm_mlx/server.py") == want
 
 
-@pytest.mark.parametrize("kept_record", [True, False], ids=["with-record", "record-lost"])
-def test_upgrade_from_the_single_patch(site, chains, capsys, kept_record):
+def test_upgrade_from_the_single_patch(site, chains, capsys):
     """An environment an older vllm-mlx-persist patched with its single patch: check says so, apply
-    undoes it (from the copy it kept, or from the copy shipped in patches/) and applies the series."""
-    apply_old_single_patch(site, keep_record=kept_record)
+    undoes it (from the copy it kept) and applies the series."""
+    old = apply_old_single_patch(site)
     assert hashes(site, chains) != pristine(chains)
     rc, out = run("check", site, capsys)
     assert rc == 1 and "older version" in out, out
@@ -189,16 +197,24 @@ def test_upgrade_from_the_single_patch(site, chains, capsys, kept_record):
     assert names == [".applied-vllm-mlx-0.6.0.json"], names
     assert run("revert", site, capsys)[0] == 0
     assert hashes(site, chains) == pristine(chains)
-    old = patcher.chains(patcher.read_series(patcher.patches_dir() / SPEC.previous[0]))
-    assert hashes(site, old) == pristine(old), "a file of the single patch was left patched"
+    assert {rel: sha(site / rel) for rel in old} == old, "a file of the single patch was left patched"
+
+
+def test_single_patch_without_its_copy_is_refused_untouched(site, capsys):
+    """The copy it kept lost: its files match no state of the series, so nothing is touched."""
+    apply_old_single_patch(site, keep_record=False)
+    before = snapshot(site)
+    for action in ("apply", "revert"):
+        rc, out = run(action, site, capsys)
+        assert rc != 0 and "Nothing was changed" in out, out
+    assert snapshot(site) == before
 
 
 def test_revert_undoes_the_single_patch(site, capsys):
-    apply_old_single_patch(site)
-    old = patcher.chains(patcher.read_series(patcher.patches_dir() / SPEC.previous[0]))
+    old = apply_old_single_patch(site)
     rc, out = run("revert", site, capsys)
     assert rc == 0 and "reverted an older version" in out, out
-    assert hashes(site, old) == pristine(old)
+    assert {rel: sha(site / rel) for rel in old} == old
     assert not list((site / "vllm_mlx").glob(".applied-*"))
 
 
@@ -208,8 +224,7 @@ def test_upgrade_from_an_interrupted_single_patch(site, chains, capsys):
     assert rc == 0 and "reverted an older version" in out, out
     assert hashes(site, chains) == patched(chains)
     # the single patch's plugins.py was undone before the series wrote its own
-    old = patcher.chains(patcher.read_series(patcher.patches_dir() / SPEC.previous[0]))
-    assert sha(site / "vllm_mlx" / "plugins.py") not in old["vllm_mlx/plugins.py"].hashes
+    assert "OLDER_SEAM" not in (site / "vllm_mlx" / "plugins.py").read_text()
 
 
 def test_wrong_version_is_refused(site, capsys):

@@ -39,7 +39,7 @@ def results(tmp_path_factory) -> dict[str, Comparison]:
         src = upstream.fetch_tests(upstream.default_cache_dir())
     except upstream.Unavailable as e:
         pytest.skip(f"vllm-mlx's own tests are not available here: {e}")
-    upstream.install_test_deps()
+    upstream.require_test_deps()  # the `dev` extra: a clear error, not a run-time install, without it
     work = tmp_path_factory.mktemp("upstream")
     trees = {PRISTINE: upstream.make_tree(work / PRISTINE, ()),
              "series": upstream.make_tree(work / "series", None),
@@ -73,6 +73,18 @@ def test_an_unreachable_index_is_a_reason_to_skip(tmp_path, monkeypatch):
     with pytest.raises(upstream.Unavailable, match="could not download the vllm-mlx 0.6.0 sdist"):
         upstream.fetch_tests(tmp_path)
     assert not (tmp_path / "vllm-mlx-0.6.0-tests").exists()
+
+
+def test_missing_test_deps_are_named_not_installed(tmp_path, monkeypatch):
+    """Without a package vllm-mlx's tests import, the check stops before downloading anything and
+    says what to install (the `dev` extra, or the package by name)."""
+    monkeypatch.setitem(upstream.TEST_DEPS, "no_such_module_for_vllm_mlx_tests", "no-such-dist")
+    assert "no-such-dist" in upstream.missing_test_deps()
+    with pytest.raises(upstream.MissingTestDeps, match=r'pip install -e "\.\[dev\]".*pip install .*no-such-dist'):
+        upstream.require_test_deps()
+    with pytest.raises(upstream.MissingTestDeps, match="no-such-dist"):
+        upstream_tests.check(cache_dir=tmp_path, verbose=False)
+    assert list(tmp_path.iterdir()) == [], "nothing is downloaded before the packages are there"
 
 
 def test_make_tree_carries_exactly_the_patches_asked_for(tmp_path):

@@ -43,8 +43,6 @@ class PatchSpec:
     version: str  # the only version the series applies to
     path: str  # under the patches directory: a folder with a `series` file, or one .patch file
     title: str  # what the series does, for messages
-    # Older versions shipped for environments that lost the copy apply keeps (paths like `path`).
-    previous: tuple[str, ...] = ()
 
 
 VLLM_MLX = PatchSpec(
@@ -53,7 +51,6 @@ VLLM_MLX = PatchSpec(
     version="0.6.0",
     path="vllm-mlx-0.6.0",
     title="cache-backend seam",
-    previous=("vllm-mlx-0.6.0/previous/vllm-mlx-0.6.0-cache-backend.patch",),
 )
 PATCHES: tuple[PatchSpec, ...] = (VLLM_MLX,)
 
@@ -438,11 +435,9 @@ def run_one(spec: PatchSpec, action: str, root: Path) -> int:
     series = read_series(patches_dir() / spec.path)
     files = chains(series)
 
-    # An older version applied (known from the copy apply kept, else from the versions shipped):
-    # undo it first, if every file it touched is in one of its states.
-    recorded = _recorded(spec, root)
-    older = [s for s in recorded if not _same(s, series)] if recorded else [
-        read_series(patches_dir() / p) for p in spec.previous]
+    # An older version applied (known from the copy apply kept): undo it first, if every file it
+    # touched is in one of its states.
+    older = [s for s in _recorded(spec, root) if not _same(s, series)]
     for old in older:
         old_files = chains(old)
         old_states = _states(root, old_files)

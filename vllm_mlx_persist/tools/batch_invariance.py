@@ -2,11 +2,13 @@
 
 Through real `vllm-mlx serve` processes (tools/serving.py), per model family: the same prompts are
 sent to each server alone (one after another), then several at once, `together` (released at the
-same instant, so the scheduler prefills them in one step) and `staggered` (`stagger_s` apart, so
-each joins a batch already decoding), in groups of `group`; greedy answers are compared with the
-prompt's answer alone on the same server. Servers: vllm-mlx's own cache (no --cache-backend) and
-persist_q4 variants (`SERVERS`). Each request of each mode has its own agent id, so nothing is reused
-between modes.
+same instant) and `staggered` (each released when the one before it has streamed its first token,
+so it joins a batch already decoding), in groups of `group`; greedy answers (streamed) are compared
+with the prompt's answer alone on the same server. Whether each group was batched for real is read
+from the server's own log (vllm-mlx's running count as it admitted each request), not from timing,
+and a group that was not is reported. Servers: vllm-mlx's own cache (no --cache-backend) and
+persist_q4 variants (`SERVERS`). Each request of each mode has its own agent id, so nothing is
+reused between modes.
 
 Printed: a table family x server x answers that differ from alone (per mode) and, for persist_q4
 servers, prompts whose stored 4-bit K/V differ from alone (read back from the disk tier: answers flip
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -30,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .corpus import document
 from .models import build_model_dir
@@ -70,63 +73,124 @@ def prompts(n: int, words: int = 60, first: int = 0) -> list[str]:
 
 @dataclass
 class Answers:
-    """One mode's answers on one server, and when each request was in flight."""
+    """One mode's answers on one server, and what the server saw of each group's requests."""
 
     texts: list[str]
     prompt_tokens: list[int]
     agents: list[str]
-    spans: list[tuple[float, float]] = field(default_factory=list)
+    # Per group of requests sent together: the server's count of running requests as it admitted
+    # each one, in the order it admitted them (vllm-mlx's `[schedule] ... running=N` log lines).
+    admissions: list[list[int]] = field(default_factory=list)
 
     def overlapped(self) -> bool:
-        """Whether every request was in flight while another one was (batched for real)."""
-        def overlaps(i: int) -> bool:
-            s, e = self.spans[i]
-            return any(s < e2 and s2 < e for j, (s2, e2) in enumerate(self.spans) if j != i)
-        return all(overlaps(i) for i in range(len(self.spans)))
+        """Whether every request was in flight at the server while another one was (batched for
+        real): in each group, every request after the first was admitted while an earlier one was
+        still running, so the first overlapped the second and each later one an earlier one."""
+        return all(len(a) >= 2 and all(r >= 2 for r in a[1:]) for a in self.admissions)
 
 
-def ask(server: Server, prompt: str, agent: str, max_tokens: int) -> tuple[str, int]:
-    """One greedy chat completion: (text, prompt tokens)."""
+_SCHEDULED = re.compile(r"\[schedule\] request=\S+ uid=\d+ .*\brunning=(\d+)\b")
+
+
+def admissions(log_text: str) -> list[int]:
+    """The running counts of vllm-mlx's `[schedule]` log lines in `log_text`, in order."""
+    return [int(m.group(1)) for m in _SCHEDULED.finditer(log_text)]
+
+
+class _Log:
+    """What a server appended to its log from here on."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = path.stat().st_size if path.exists() else 0
+
+    def since(self) -> str:
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            return f.read().decode(errors="replace")
+
+
+def _client(server: Server) -> Any:
     import openai
 
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
-    r = client.chat.completions.create(
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=600)
+
+
+def ask(server: Server, prompt: str, agent: str, max_tokens: int, *, client: Any = None,
+        on_first_token: Optional[Callable[[], None]] = None) -> tuple[str, int]:
+    """One greedy chat completion, streamed: (text, prompt tokens). `on_first_token` is called as
+    the first generated token arrives (the request is decoding at the server)."""
+    stream = (client or _client(server)).chat.completions.create(
         model=server.model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-        temperature=0.0, metadata={"agent_id": agent})
-    return r.choices[0].message.content, r.usage.prompt_tokens
+        temperature=0.0, metadata={"agent_id": agent}, stream=True, stream_options={"include_usage": True})
+    parts: list[str] = []
+    prompt_tokens = -1
+    for chunk in stream:
+        if chunk.usage is not None:
+            prompt_tokens = chunk.usage.prompt_tokens
+        for choice in chunk.choices:
+            if choice.delta.content is None and choice.finish_reason is None:
+                continue  # the role chunk vllm-mlx sends before generating
+            if on_first_token is not None:
+                on_first_token()
+                on_first_token = None
+            parts.append(choice.delta.content or "")
+    return "".join(parts), prompt_tokens
 
 
 def send(server: Server, texts: Sequence[str], mode: str, max_tokens: int, group: int = 0,
-         stagger_s: float = 0.05, tag: str = "") -> Answers:
+         tag: str = "") -> Answers:
     """Send `texts` in `mode`: "alone" (one after another) or, `group` at a time (0: all),
-    "together" (released at once) or "staggered" (`stagger_s` apart)."""
+    "together" (released at once) or "staggered" (each released when the one before it has
+    streamed its first token, so it joins a batch already decoding). Nothing waits on a clock."""
     n = len(texts)
     out: list = [None] * n
-    spans: list = [None] * n
+    errors: list[BaseException] = []
+    agents = [f"{tag}{mode}-{i}" for i in range(n)]
 
-    def one(i: int, barrier: Optional[threading.Barrier] = None) -> None:
-        if barrier is not None:
-            barrier.wait()
-        t0 = time.monotonic()
-        out[i] = ask(server, texts[i], f"{tag}{mode}-{i}", max_tokens)
-        spans[i] = (t0, time.monotonic())
+    def one(i: int, client: Any, ready: Optional[Callable[[], None]] = None,
+            first: Optional[threading.Event] = None) -> None:
+        try:
+            if ready is not None:
+                ready()
+            out[i] = ask(server, texts[i], agents[i], max_tokens, client=client,
+                         on_first_token=first.set if first is not None else None)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the caller's thread
+            errors.append(e)
+        finally:
+            if first is not None:
+                first.set()  # never leave the next request waiting on one that failed
 
+    groups: list[list[int]] = []
     if mode == "alone":
+        client = _client(server)
         for i in range(n):
-            one(i)
-    else:
+            one(i, client)
+    elif mode in MODES:
         size = group or n
         for lo in range(0, n, size):
-            idx = range(lo, min(lo + size, n))
-            barrier = threading.Barrier(len(idx)) if mode == "together" else None
-            threads = [threading.Thread(target=one, args=(i, barrier)) for i in idx]
+            idx = list(range(lo, min(lo + size, n)))
+            log = _Log(server.log_path)
+            if mode == "together":
+                barrier = threading.Barrier(len(idx))
+                threads = [threading.Thread(target=one, args=(i, _client(server), barrier.wait)) for i in idx]
+            else:  # staggered: request k waits for request k-1's first token
+                firsts = [threading.Event() for _ in idx]
+                threads = [threading.Thread(target=one, args=(i, _client(server), firsts[k - 1].wait if k else None,
+                                                              firsts[k]))
+                           for k, i in enumerate(idx)]
             for t in threads:
                 t.start()
-                if mode == "staggered":
-                    time.sleep(stagger_s)
             for t in threads:
                 t.join()
-    return Answers([t for t, _ in out], [p for _, p in out], [f"{tag}{mode}-{i}" for i in range(n)], spans)
+            if errors:
+                raise errors[0]
+            groups.append(admissions(log.since()))
+    else:
+        raise ValueError(f"unknown mode {mode!r}")
+    if errors:
+        raise errors[0]
+    return Answers([t for t, _ in out], [p for _, p in out], agents, groups)
 
 
 def differing(alone: Answers, batched: Answers) -> list[int]:
@@ -371,6 +435,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             finally:
                 for s in servers.values():
                     s.stop()
+            for name, got in results[arch].items():
+                for m in MODES:
+                    if not got[m].overlapped():
+                        print(f"{arch}: {name}, {m}: not batched (not every request was admitted while another "
+                              f"ran; running counts per group: {got[m].admissions})", file=sys.stderr, flush=True)
             tokens = results[arch]["vllm-mlx"]["alone"].prompt_tokens
             print(f"{arch}: prompts of {min(tokens)}-{max(tokens)} tokens", file=sys.stderr, flush=True)
             extra = unexplained(results[arch])

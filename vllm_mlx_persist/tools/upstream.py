@@ -1,7 +1,8 @@
 """What checking the seam against vllm-mlx's own tests needs from the pinned vllm-mlx: the test suite
 its sdist ships (downloaded once with pip into a cache), the packages those tests import beyond a
-text-serving install, and copies of the installed vllm_mlx, pristine or carrying patches of the
-series, to put first on PYTHONPATH. The installed package is never modified."""
+text-serving install (the `dev` extra declares them; nothing is installed at run time), and copies
+of the installed vllm_mlx, pristine or carrying patches of the series, to put first on PYTHONPATH.
+The installed package is never modified."""
 
 from __future__ import annotations
 
@@ -20,13 +21,17 @@ from typing import Optional, Sequence
 from .. import patcher
 
 SPEC = patcher.VLLM_MLX
-# Imported by vllm-mlx's tests but not by a text-serving install (import name: distribution). Not
-# torch: the tests that need it fail on pristine vllm-mlx as well.
+# Imported by vllm-mlx's tests but not by a text-serving install (import name: distribution), all in
+# the `dev` extra of pyproject.toml. Not torch: the tests that need it fail on pristine vllm-mlx as well.
 TEST_DEPS = {"anyio": "anyio", "pytz": "pytz", "tabulate": "tabulate", "pytest_asyncio": "pytest-asyncio"}
 
 
 class Unavailable(RuntimeError):
     """The sdist could not be downloaded (no network or no index); the message says why."""
+
+
+class MissingTestDeps(RuntimeError):
+    """Packages vllm-mlx's tests import are not installed; the message says what to install."""
 
 
 def default_cache_dir() -> Path:
@@ -88,13 +93,14 @@ def missing_test_deps() -> list[str]:
     return [dist for module, dist in TEST_DEPS.items() if importlib.util.find_spec(module) is None]
 
 
-def install_test_deps() -> list[str]:
-    """Install the missing TEST_DEPS into this interpreter's environment; returns what was installed."""
+def require_test_deps() -> None:
+    """Raise MissingTestDeps, naming what to install, if any of TEST_DEPS cannot be imported."""
     missing = missing_test_deps()
     if missing:
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *missing],
-                       check=True)
-    return missing
+        raise MissingTestDeps(
+            f"vllm-mlx's own tests import {', '.join(missing)}, not installed in {sys.prefix}: install the "
+            f"`dev` extra (pip install -e \".[dev]\" in a checkout of vllm-mlx-persist) or "
+            f"pip install {' '.join(missing)}")
 
 
 def series_numbers() -> list[str]:

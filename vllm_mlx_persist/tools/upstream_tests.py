@@ -209,19 +209,17 @@ def label(numbers: Optional[Sequence[str]]) -> str:
 
 def check(files: Sequence[str] = (), configs: Sequence[Optional[Sequence[str]]] = (None,), *,
           jobs: Optional[int] = None, timeout: float = 600.0, cache_dir: Optional[Path] = None,
-          group_size: int = 1, offline: bool = False, install: bool = True,
+          group_size: int = 1, offline: bool = False,
           log: Callable[[str], None] = print, verbose: bool = True) -> dict[str, Comparison]:
     """Fetch the suite, build a pristine tree and one per configuration (patch numbers; None: the
     whole series), run `files` (patterns; empty: all) on each, `group_size` files per process (0:
     all in one), and compare each configuration with pristine. The files a group's process left
     without results and every file with a regression run again, each in its own process.
-    `offline`: HF_HUB_OFFLINE=1 for the tests. Raises upstream.Unavailable without the sdist."""
+    `offline`: HF_HUB_OFFLINE=1 for the tests. Raises upstream.MissingTestDeps without the packages
+    the tests import (the `dev` extra), upstream.Unavailable without the sdist."""
     t0 = time.monotonic()
+    upstream.require_test_deps()
     src = upstream.fetch_tests(cache_dir or upstream.default_cache_dir())
-    if install:
-        installed = upstream.install_test_deps()
-        if installed:
-            log(f"installed what vllm-mlx's tests import: {', '.join(installed)}")
     chosen = select_files(src, files)
     jobs = jobs or min(2, os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="vllm-mlx-upstream-tests-") as tmp:
@@ -331,7 +329,7 @@ def main(argv: Sequence[str]) -> int:
         results = check(args.files, configs, jobs=args.jobs, timeout=args.timeout, cache_dir=args.cache_dir,
                         group_size=args.group_size, offline=args.offline, verbose=not args.quiet,
                         log=lambda s: print(s, flush=True))
-    except (upstream.Unavailable, patcher.PatchError, ValueError, subprocess.CalledProcessError) as e:
+    except (upstream.Unavailable, upstream.MissingTestDeps, patcher.PatchError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(report(results))
