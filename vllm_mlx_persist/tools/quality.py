@@ -1384,6 +1384,8 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         description="Train small models of each family on stdlib sources and measure what 4-bit KV costs "
                     "(perplexity, greedy agreement) against full-precision and 8-bit KV, with the options "
                     "that fix what misses (outlier keys, MLA latents).")
+    p.add_argument("--model", metavar="DIR", help="measure this model directory (a real checkpoint) instead of "
+                   "training: see `quality --model DIR --help`")
     p.add_argument("--quick", action="store_true",
                    help="tiny models and measurements (about a minute): for development and smoke tests")
     p.add_argument("--families", help=f"comma-separated, from {', '.join(FAMILIES)} (default: all)")
@@ -1462,7 +1464,12 @@ def _latent_conclusion(fr: dict[str, Any] | None, lat: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Train (or reuse) the models, measure, write the report; return the exit status."""
+    """Train (or reuse) the models, measure, write the report; return the exit status. With
+    `--model DIR`: measure a given (real) model instead (real_quality.py)."""
+    if any(a == "--model" or a.startswith("--model=") for a in argv):
+        from .real_quality import main as measure_model
+
+        return measure_model(argv)
     args = _parse(argv)
     t_start = time.perf_counter()
     quick = args.quick
