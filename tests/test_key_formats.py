@@ -30,7 +30,7 @@ from vllm_mlx_persist.key_calibration import float_keys, resolve, scaled_formats
 from vllm_mlx_persist.kv_edit.rope_shift import RopeParams, rotate, rotate_q4
 from vllm_mlx_persist.options import parse_options
 
-FORMATS = ("q4", "k8v4", "scaled", "hadamard", "mixed")
+FORMATS = ("q4", "k5v4r", "k8v4", "k8v4r", "scaled", "hadamard", "mixed")
 # Served vs simulated logits: the same stored values, different kernels (measured ~1e-5).
 SIM_TOL = 1e-4
 
@@ -48,6 +48,8 @@ def formats(model):
     codec = ModelCodec.for_model(model)
     keys = float_keys(model, [(i * 37) % 500 + 3 for i in range(96)])
     return {"q4": uniform(codec, None), "k8v4": uniform(codec, LayerKeys(8)),
+            "k8v4r": uniform(codec, LayerKeys(8, values="hadamard")),
+            "k5v4r": uniform(codec, LayerKeys(5, "hadamard", values="hadamard")),
             "scaled": scaled_formats(codec, keys), "hadamard": uniform(codec, LayerKeys(4, "hadamard")),
             "mixed": [LayerKeys(8)] + [None] * (codec.n_layers - 1)}  # auto's per-layer candidate
 
@@ -58,7 +60,8 @@ def _codec(model, fmts, copies=None) -> ModelCodec:
 
 class _Sim(KVCache):
     """A float cache holding, per new token, what the format stores: keys encoded, quantized,
-    dequantized and decoded; values through 4 bits."""
+    dequantized and decoded; values encoded, through 4 bits and decoded (a rotation of the values
+    is one of the attention output: attention is linear in them)."""
 
     def __init__(self, fmt):
         super().__init__()
@@ -67,7 +70,8 @@ class _Sim(KVCache):
     def update_and_fetch(self, keys, values):
         f = self.fmt
         rk = mx.dequantize(*mx.quantize(f.encode(keys), group_size=64, bits=f.bits), group_size=64, bits=f.bits)
-        rv = mx.dequantize(*mx.quantize(values, group_size=64, bits=4), group_size=64, bits=4)
+        rv = mx.dequantize(*mx.quantize(f.encode_values(values), group_size=64, bits=4), group_size=64, bits=4)
+        rv = f.output(rv)
         return super().update_and_fetch(f.decode(rk).astype(keys.dtype), rv)
 
 
@@ -94,7 +98,7 @@ def test_served_format_is_its_simulation(model, formats, name, mode):
         assert mx.abs(served - ref).mean().item() < mx.abs(q4 - ref).mean().item()
 
 
-@pytest.mark.parametrize("name", ["k8v4", "scaled", "hadamard", "mixed"])
+@pytest.mark.parametrize("name", ["k5v4r", "k8v4", "k8v4r", "scaled", "hadamard", "mixed"])
 def test_batched_equals_alone(model, formats, name):
     """mlx-lm's BatchGenerator (batched prefill in chunks, staggered inserts, batched decode, float
     mirror on) gives every sequence the tokens it gets alone, and its logprobs within 1e-4."""
@@ -135,7 +139,7 @@ def test_blocks_rebuild_the_cache_bit_for_bit(model, formats, name):
         assert hot[0].keys[0].shape[-1] == 2 * hot[0].values[0].shape[-1]
 
 
-@pytest.mark.parametrize("name", ["q4", "k8v4", "scaled", "hadamard"])
+@pytest.mark.parametrize("name", ["q4", "k5v4r", "k8v4", "k8v4r", "scaled", "hadamard"])
 def test_a_splice_moves_transformed_keys_by_rope(model, formats, name):
     """Keys stored scaled or rotated, moved by Δ (rotate_q4 with the layer's format), decode to the
     model's keys at the new position within the format's quantization error; moving transformed
@@ -169,6 +173,10 @@ def test_caches_of_different_key_formats_never_batch(model, formats):
     c = copy.deepcopy(b)  # copies share the (immutable) format: they batch
     assert c.key_format is b.key_format
     Q4KVCache.merge([b, c])
+    r = _codec(model, formats["k8v4r"]).make_cache()[0]  # 8-bit keys too, but rotated values
+    r.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
+    with pytest.raises(ValueError, match="different formats"):
+        Q4KVCache.merge([b, r])
 
 
 def test_channel_scales_normalise_per_head():

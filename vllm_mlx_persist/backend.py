@@ -402,14 +402,15 @@ class PersistQ4Backend:
 
 
 def _check_key_format(option: str, model: Any, codec: ModelCodec) -> None:
-    """Refuse at start-up a fixed key format the model cannot take (Hadamard: a power-of-two head_dim)."""
-    if option != "hadamard" or Q4 not in codec.kinds:
+    """Refuse at start-up a fixed key format the model cannot take (a Hadamard rotation of keys or
+    values: a power-of-two head_dim)."""
+    if option not in ("hadamard", "k5v4r", "k8v4r") or Q4 not in codec.kinds:
         return
     from .caches.kinds import _head_dims
 
     for name, dim in _head_dims(model).items():
-        if dim & (dim - 1):
-            raise ValueError(f"persist_q4 key_format hadamard needs a power-of-two head dimension; {name} is {dim}")
+        if dim & (dim - 1) and (option != "k8v4r" or not name.startswith("key")):  # k8v4r rotates values only
+            raise ValueError(f"persist_q4 key_format {option} needs a power-of-two head dimension; {name} is {dim}")
 
 
 def route_of(request: Any) -> Route:

@@ -10,8 +10,13 @@ moves by on text the model predicts well, and never negative: a lucky text does 
 It picks the cheapest candidate (bytes/token, then compute) predicted within `LIMIT_PCT`:
 
   q4 (4-bit K and V) < scaled (+ one multiply of the queries) < hadamard (+ a head_dim matmul of
-  queries and keys) < mixed (8-bit keys on the layers whose keys quantize worst, 4-bit elsewhere)
-  < k8v4 (8-bit keys everywhere)
+  queries and keys) < k5v4r (keys rotated and packed in 5 bits, values rotated: 1.1x q4's bytes) < mixed (8-bit keys
+  on the layers whose keys quantize worst, 4-bit elsewhere) < k8v4 (8-bit keys everywhere) < k8v4r
+  (8-bit keys, values rotated: the same bytes, + a rotation of values and attention output)
+
+"Rotated" is the Hadamard rotation along the head dimension (power-of-two head dims only): it spreads
+an outlier channel over all of them, and rotated values lose a quarter of what plain 4-bit values
+lose on SmolLM2 (issue #43, docs/quality.md).
 
 and, when none is within the limit, the cheapest one predicted within 10% (at least 0.1 point)
 of the best (where no key format helps, the loss is not the keys': q4). What it measured is returned as a dict
@@ -40,9 +45,11 @@ log = logging.getLogger("vllm_mlx_persist")
 
 LIMIT_PCT = 1.0  # a format is acceptable when its predicted perplexity change is at most this
 CALIBRATION_TOKENS = 384
+# The formats with rotated values (power-of-two head dims): option -> every 4-bit layer's format.
+ROTATED = {"k5v4r": LayerKeys(5, "hadamard", values="hadamard"), "k8v4r": LayerKeys(8, values="hadamard")}
 # Shares of the 4-bit layers given 8-bit keys in the "mixed" candidates, worst-quantized first.
 MIXED_SHARES = (0.25, 0.5)
-ORDER = ("q4", "scaled", "hadamard", "mixed", "k8v4")
+ORDER = ("q4", "scaled", "hadamard", "k5v4r", "mixed", "k8v4", "k8v4r")
 # With no candidate within the limit, the cheapest predicted within this much of the best one.
 NEAR_FRACTION, NEAR_PCT = 0.1, 0.1
 
@@ -86,6 +93,15 @@ def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS) -> list[int]
 
 def _q4_layers(codec: ModelCodec) -> list[int]:
     return [l for l, k in enumerate(codec.kinds) if k == Q4]
+
+
+def rotatable_values(model: Any) -> bool:
+    """Whether the model's value head dimension is a power of two (a Hadamard rotation needs it)."""
+    from .caches.kinds import _head_dims
+
+    dims = _head_dims(model)
+    d = dims.get("value head_dim", dims.get("head_dim", dims.get("key head_dim", 0)))
+    return d > 0 and d & (d - 1) == 0
 
 
 def uniform(codec: ModelCodec, fmt: Optional[LayerKeys]) -> list[Optional[LayerKeys]]:
@@ -177,6 +193,8 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
         return uniform(codec, None), {"option": option, "chosen": "q4"}
     if option == "k8v4":
         return uniform(codec, LayerKeys(8)), {"option": option, "chosen": "k8v4"}
+    if option in ROTATED:
+        return uniform(codec, ROTATED[option]), {"option": option, "chosen": option}
     if option == "hadamard":
         return uniform(codec, LayerKeys(codec.bits, "hadamard")), {"option": option, "chosen": "hadamard"}
     tokens = calibration_tokens(tokenizer)
@@ -201,6 +219,8 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
             top = set(worst[:n])
             candidates.append((f"mixed:{n}", [k8 if l in top else None for l in range(codec.n_layers)]))
     candidates.append(("k8v4", uniform(codec, k8)))
+    if rotatable_values(model) and D & (D - 1) == 0:
+        candidates += [(name, uniform(codec, fmt)) for name, fmt in ROTATED.items()]
     measured: dict[str, dict[str, Any]] = {}
     chosen = None
     # Cheapest first: stop at the first within the limit (bytes first, then compute).

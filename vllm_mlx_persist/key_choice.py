@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .caches.key_formats import TRANSFORMS, LayerKeys
+from .caches.key_formats import TRANSFORMS, VALUE_TRANSFORMS, LayerKeys
 from .files import BadFile, read_capped
 
 log = logging.getLogger("vllm_mlx_persist")
@@ -46,6 +46,8 @@ def _encode(fmt: Optional[LayerKeys]) -> Optional[dict]:
     if fmt is None:
         return None
     out: dict[str, Any] = {"bits": fmt.bits, "transform": fmt.transform}
+    if fmt.values is not None:  # only when set: files written before value transforms stay valid
+        out["values"] = fmt.values
     if fmt.scales is not None:
         a = np.asarray(fmt.scales, dtype=np.float32)
         out.update(shape=list(a.shape), scales=base64.b64encode(a.tobytes()).decode())
@@ -57,9 +59,9 @@ def _decode(d: Optional[dict], scale_shape: Optional[tuple[int, ...]]) -> Option
         return None
     if scale_shape is None:
         raise ValueError("a format on a layer without 4-bit keys")
-    bits, transform = d["bits"], d["transform"]
-    if bits not in (4, 8) or transform not in TRANSFORMS:
-        raise ValueError(f"unknown key format {bits}/{transform}")
+    bits, transform, values = d["bits"], d["transform"], d.get("values")
+    if bits not in (4, 5, 8) or transform not in TRANSFORMS or values not in VALUE_TRANSFORMS:
+        raise ValueError(f"unknown key format {bits}/{transform}/{values}")
     scales = None
     if transform == "scaled":
         a = np.frombuffer(base64.b64decode(d["scales"], validate=True), dtype=np.float32)
@@ -67,7 +69,7 @@ def _decode(d: Optional[dict], scale_shape: Optional[tuple[int, ...]]) -> Option
                 or not np.all(a > 0):
             raise ValueError("scales of another shape, or not finite and positive")
         scales = mx.array(a.reshape(scale_shape))
-    return LayerKeys(bits, transform, scales)
+    return LayerKeys(bits, transform, scales, values)
 
 
 def load(root: Path, key: str,

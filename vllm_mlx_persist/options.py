@@ -24,8 +24,10 @@ DEFAULTS: dict[str, Any] = {
     "bits": 4,
     "group_size": 64,
     # How 4-bit layers store keys (issue #33, caches/key_formats.py): "q4" (like the values), "k8v4"
-    # (8-bit keys), "scaled" (per-channel scales calibrated at load), "hadamard" (rotated keys), or
-    # "auto": measured at load on a calibration text, the cheapest within +1% (key_calibration.py).
+    # (8-bit keys), "k8v4r" (8-bit keys, Hadamard-rotated values), "k5v4r" (Hadamard-rotated 5-bit
+    # keys and 4-bit values: 1.1x q4's bytes), "scaled" (per-channel scales
+    # calibrated at load), "hadamard" (rotated keys), or "auto": measured at load on a calibration
+    # text, the cheapest within +1% (key_calibration.py).
     "key_format": "auto",
     "latent_bits": None,  # MLA latents in blocks: None (the model's dtype), 8 or 4 bits (caches/latent.py)
     "block_size": 256,
@@ -110,7 +112,7 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"persist_q4 latent_bits must be null, 4 or 8; got {opts['latent_bits']!r}")
     if opts["key_format"] not in KEY_FORMATS:
         raise ValueError(f"persist_q4 key_format must be one of {', '.join(KEY_FORMATS)}; got {opts['key_format']!r}")
-    if opts["key_format"] in ("auto", "k8v4") and opts["bits"] == 8:
+    if opts["key_format"] in ("auto", "k5v4r", "k8v4", "k8v4r") and opts["bits"] == 8:
         opts["key_format"] = "q4"  # keys are 8-bit already: nothing to choose
     if opts["prefill_attention"] not in PREFILL_ATTENTION_MODES:
         raise ValueError(

@@ -186,8 +186,12 @@ def _make_dispatcher(original):
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
         fmt = transformed(cache)
-        if fmt is not None:  # keys stored scaled or rotated: the queries follow (caches.key_formats)
-            queries = fmt.queries(queries)
+        if fmt is None:
+            return attend(queries, keys, values, cache, scale, mask, sinks)
+        # keys stored scaled or rotated: the queries follow; values rotated: so is the output (caches.key_formats)
+        return fmt.output(attend(fmt.queries(queries), keys, values, cache, scale, mask, sinks))
+
+    def attend(queries, keys, values, cache, scale, mask, sinks):
         if isinstance(cache, BatchQ4KVCache):
             return batch_attention(queries, keys, values, cache, scale, mask, sinks)
         if hasattr(cache, "bits"):

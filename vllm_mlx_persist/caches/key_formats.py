@@ -11,9 +11,14 @@ served answers, per layer (`LayerKeys`):
   before quantizing (an outlier is spread over every channel); queries are rotated by the same H at
   attention time (q . k = (q H) . (k H), H orthonormal). No extra bytes.
 
+* `values="hadamard"`: values rotated by H before quantizing (issue #43: on SmolLM2 the 4-bit
+  values' loss, +0.87% with float keys, falls to about a quarter), the attention output rotated back
+  (softmax(qK) (V H) H = softmax(qK) V). No extra bytes; values are read nowhere but in attention.
+
 What a cache stores, its blocks and their float copies (mirror, carried floats) are the
-*transformed* keys: attention reads them with transformed queries (`queries`); a splice that moves
-keys by RoPE undoes the transform first (`decode`), rotates, and redoes it (`encode`).
+*transformed* keys and values: attention reads them with transformed queries (`queries`) and gives
+its output back through `output`; a splice that moves keys by RoPE undoes the key transform first
+(`decode`), rotates, and redoes it (`encode`), and leaves the values as they are.
 
 Owns nothing mutable: a `LayerKeys` is immutable, built once at start-up (the backend factory,
 after `key_calibration` chose the format), and shared by every cache of its layer (`copy` and
@@ -30,8 +35,9 @@ import mlx.core as mx
 import numpy as np
 
 # The `key_format` option's values. "auto": measured at load (key_calibration.choose).
-KEY_FORMATS = ("auto", "q4", "k8v4", "scaled", "hadamard")
+KEY_FORMATS = ("auto", "q4", "k5v4r", "k8v4", "k8v4r", "scaled", "hadamard")
 TRANSFORMS = (None, "scaled", "hadamard")
+VALUE_TRANSFORMS = (None, "hadamard")
 
 
 def hadamard(n: int) -> np.ndarray:
@@ -62,12 +68,15 @@ class LayerKeys:
     bits: int = 4
     transform: Optional[str] = None
     scales: Optional[mx.array] = field(default=None, repr=False)
+    values: Optional[str] = None  # None or "hadamard": how the layer's values are stored
 
     def __post_init__(self) -> None:
         if self.transform not in TRANSFORMS:
             raise ValueError(f"key transform must be one of {TRANSFORMS}, got {self.transform!r}")
         if (self.transform == "scaled") != (self.scales is not None):
             raise ValueError("a scaled key format needs its scales, and only it")
+        if self.values not in VALUE_TRANSFORMS:
+            raise ValueError(f"value transform must be one of {VALUE_TRANSFORMS}, got {self.values!r}")
 
     def __copy__(self) -> "LayerKeys":
         return self
@@ -77,13 +86,14 @@ class LayerKeys:
 
     @property
     def name(self) -> str:
-        """Short tag: "k4", "k8", "k4 scaled", "k4 hadamard"."""
-        return f"k{self.bits}" + (f" {self.transform}" if self.transform else "")
+        """Short tag: "k4", "k8", "k4 scaled", "k4 hadamard", "k8 v-hadamard"."""
+        return f"k{self.bits}" + (f" {self.transform}" if self.transform else "") + \
+            (f" v-{self.values}" if self.values else "")
 
     def same(self, other: Optional["LayerKeys"]) -> bool:
-        """Whether caches under `self` and `other` store keys alike (they may batch together)."""
+        """Whether caches under `self` and `other` store keys and values alike (they may batch together)."""
         return other is self or (other is not None and self.transform is None and other.transform is None
-                                 and other.bits == self.bits)
+                                 and other.bits == self.bits and other.values == self.values)
 
     def encode(self, keys: mx.array) -> mx.array:
         """Keys (B, n_kv_heads, T, D) as stored (before quantizing), in their dtype."""
@@ -114,6 +124,15 @@ class LayerKeys:
         q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * self.scales[:, None]
         return q.reshape(B, n_q, L, D).astype(queries.dtype)
 
+    def encode_values(self, values: mx.array) -> mx.array:
+        """Values (B, n_kv_heads, T, D) as stored (before quantizing), in their dtype."""
+        return values if self.values is None else _rotate(values).astype(values.dtype)
+
+    def output(self, out: mx.array) -> mx.array:
+        """Attention output over the stored values back to the model's: `encode_values` undone along
+        the last axis (the rotation is its own inverse)."""
+        return out if self.values is None else _rotate(out).astype(out.dtype)
+
     def digest(self) -> str:
         """What model identity records of it: the tag, and for scales a hash of their bytes (blocks
         written under other scales are another format)."""
@@ -134,9 +153,10 @@ def key_bits(cache) -> int:
 
 
 def transformed(cache) -> Optional[LayerKeys]:
-    """The cache's key format when it transforms keys (queries must follow), else None."""
+    """The cache's key format when it transforms keys (queries must follow) or values (the output
+    must be rotated back), else None."""
     fmt = getattr(cache, "key_format", None)
-    return fmt if fmt is not None and fmt.transform is not None else None
+    return fmt if fmt is not None and (fmt.transform is not None or fmt.values is not None) else None
 
 
 def channel_scales(keys: mx.array) -> mx.array:

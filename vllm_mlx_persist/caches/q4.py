@@ -116,7 +116,7 @@ def _append(cache, prev: int, keys: mx.array, values: mx.array, drop: int = 0,
     S = keys.shape[2]
     fmt = cache.key_format
     if fmt is not None:
-        keys = fmt.encode(keys)
+        keys, values = fmt.encode(keys), fmt.encode_values(values)
     qk = mx.quantize(keys, group_size=cache.group_size, bits=key_bits(cache))
     qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
     k, v = cache.keys, cache.values

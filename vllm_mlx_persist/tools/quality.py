@@ -602,6 +602,8 @@ def served_key_formats(tokenizer: Any) -> list[KVFormat]:
         return make
 
     rows = [("k8v4srv", "keys 8-bit, values 4-bit (served: key_format k8v4)", "k8v4"),
+            ("k8v4rsrv", "keys 8-bit, values Hadamard-rotated 4-bit (served: key_format k8v4r)", "k8v4r"),
+            ("k5v4rsrv", "keys 5-bit and values 4-bit, both Hadamard-rotated (served: key_format k5v4r)", "k5v4r"),
             ("q4g64ssrv", "4-bit, per-channel key scales (served: key_format scaled)", "scaled"),
             ("q4g64hsrv", "4-bit, Hadamard-rotated keys (served: key_format hadamard)", "hadamard"),
             ("auto", "key_format auto (served: chosen at load)", "auto")]
