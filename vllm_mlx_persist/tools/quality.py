@@ -937,6 +937,25 @@ def _training_line(fr: dict[str, Any]) -> str:
             f"{math.log(tc['size']['vocab']):.2f}).")
 
 
+REAL_HEADING = "## Real checkpoints"
+
+
+def with_real_checkpoints(md: str, folder: Path) -> str:
+    """`md` with a section holding the real-checkpoint reports `quality --model DIR --out
+    <folder>/NAME` wrote (their .md files, in name order), after the first paragraph: those numbers
+    come from a separate command, and a run of this one keeps them."""
+    reports = sorted(folder.glob("*.md")) if folder.is_dir() else []
+    if not reports:
+        return md
+    body = [REAL_HEADING, "", "Measured on real weights (no training), through the served caches, on text the",
+            "key-format calibration never reads, by `vllm-mlx-persist quality --model DIR` (`tools/real_quality.py`);",
+            "the rows marked sim are levers measured before serving them (issue #43).", ""]
+    for path in reports:
+        body += [f"### {path.stem}", "", path.read_text().strip(), ""]
+    head, sep, rest = md.partition("\n## ")
+    return head + "\n" + "\n".join(body) + "\n## " + rest if sep else md + "\n" + "\n".join(body)
+
+
 def render_markdown(r: dict[str, Any]) -> str:
     """docs/quality.md from the results dict."""
     m, fams = r["machine"], r["families"]
@@ -1578,7 +1597,7 @@ def main(argv: Sequence[str]) -> int:
     results = json.loads(json.dumps(results, default=_json_default))
     results["plots"] = _plots(results, out / "results")
     (out / "results" / "quality.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "quality.md").write_text(render_markdown(results))
+    (out / "quality.md").write_text(with_real_checkpoints(render_markdown(results), out / "results" / "real"))
 
     log("")
     log(f"{'family':15s} {'KV cache':44s} {'ppl':>9s} {'Δ %':>8s} {'teacher-forced':>15s}")
