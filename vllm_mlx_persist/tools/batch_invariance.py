@@ -33,7 +33,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Iterator, Any, Callable, Optional, Sequence
 
 from .corpus import document
 from .models import build_model_dir
@@ -368,6 +368,17 @@ def logprob_differences(model_dir: Path, texts: Sequence[str], max_tokens: int, 
     return out
 
 
+def _models(args: argparse.Namespace, work: Path) -> Iterator[tuple[str, Path]]:
+    """(label, model directory) to measure: `--model-dir` as given, else each family's preset."""
+    if args.model_dir is not None:
+        yield args.model_dir.name, args.model_dir.resolve()
+        return
+    for arch in args.arch or list(FAMILIES):
+        overrides = args.overrides if args.overrides is not None else FAMILIES.get(arch, {})
+        yield arch, build_model_dir(work / f"model-{arch}-{args.size}-{args.seed}", arch=arch, size=args.size,
+                                    seed=args.seed, overrides=overrides or None)
+
+
 def _logprobs_main(args: argparse.Namespace, texts: Sequence[str], work: Path) -> int:
     """`--logprobs`: the in-process table (caches x prefill batch size x largest |Δlogprob| per prompt)."""
     import os
@@ -376,10 +387,7 @@ def _logprobs_main(args: argparse.Namespace, texts: Sequence[str], work: Path) -
     print(f"in one process, {blas} (servers preload it; mlx-cpu's own BLAS sums sequentially)", file=sys.stderr)
     print("| family | caches | prompts per prefill call | largest abs(logprob alone - batched), per prompt |")
     print("|---|---|---|---|")
-    for arch in args.arch or list(FAMILIES):
-        overrides = args.overrides if args.overrides is not None else FAMILIES.get(arch, {})
-        model = build_model_dir(work / f"model-{arch}-{args.size}-{args.seed}", arch=arch, size=args.size,
-                                seed=args.seed, overrides=overrides or None)
+    for arch, model in _models(args, work):
         for persist in (False, True):
             for pbs in (8, 1):
                 diffs = logprob_differences(model, texts, args.max_tokens, args.group, pbs, persist)
@@ -404,6 +412,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--group", type=int, default=3, help="requests at once in the batched modes (0: all)")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="model weights' seed")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="measure this model directory (e.g. a real checkpoint from make-model --from-gguf) "
+                        "instead of the families' presets")
     p.add_argument("--dir", type=Path, default=None, help="work directory (default: a temporary one, removed)")
     p.add_argument("--logprobs", action="store_true",
                    help="instead of servers: in one process, each step's logprobs alone vs `group` together, "
@@ -425,10 +436,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, dict] = {}
     bad = False
     try:
-        for arch in args.arch or list(FAMILIES):
-            overrides = args.overrides if args.overrides is not None else FAMILIES.get(arch, {})
-            model = build_model_dir(work / f"model-{arch}-{args.size}-{args.seed}", arch=arch, size=args.size,
-                                    seed=args.seed, overrides=overrides or None)
+        for arch, model in _models(args, work):
             servers = start_servers(model, work / f"home-{arch}-{time.time_ns()}", names)
             try:
                 results[arch] = run_family(servers, texts, args.max_tokens, args.group)

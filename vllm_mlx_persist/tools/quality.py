@@ -942,7 +942,8 @@ REAL_HEADING = "## Real checkpoints"
 
 def with_real_checkpoints(md: str, folder: Path) -> str:
     """`md` with a section holding the real-checkpoint reports `quality --model DIR --out
-    <folder>/NAME` wrote (their .md files, in name order), after the first paragraph: those numbers
+    <folder>/N-NAME` wrote (their .md files, in name order; N orders them and is not shown) and notes
+    written beside them, after the first paragraph: those numbers
     come from a separate command, and a run of this one keeps them."""
     reports = sorted(folder.glob("*.md")) if folder.is_dir() else []
     if not reports:
@@ -950,8 +951,9 @@ def with_real_checkpoints(md: str, folder: Path) -> str:
     body = [REAL_HEADING, "", "Measured on real weights (no training), through the served caches, on text the",
             "key-format calibration never reads, by `vllm-mlx-persist quality --model DIR` (`tools/real_quality.py`);",
             "the rows marked sim are levers measured before serving them (issue #43).", ""]
-    for path in reports:
-        body += [f"### {path.stem}", "", path.read_text().strip(), ""]
+    for path in reports:  # named N-title.md: N orders them
+        title = path.stem.split("-", 1)[1] if path.stem[:1].isdigit() and "-" in path.stem else path.stem
+        body += [f"### {title}", "", path.read_text().strip(), ""]
     head, sep, rest = md.partition("\n## ")
     return head + "\n" + "\n".join(body) + "\n## " + rest if sep else md + "\n" + "\n".join(body)
 
