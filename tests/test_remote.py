@@ -155,6 +155,14 @@ def chain(fingerprint: str, agent: str, n_blocks: int, seed: int = 0, after: Blo
     return out
 
 
+def wait_for(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll `cond` until true; the deadline only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
+
+
 def slow_source(blocks: dict[str, BlockData], delay_s: float):
     """A local store that takes `delay_s` per block read (a slow disk)."""
     def read(block_id: str):
@@ -1216,7 +1224,7 @@ def test_redis_killed_and_restarted(own_server, fp, tiers):
     assert s["put_failures"] == 1 and s["errors"] >= 2 and s["breaker_opens"] >= 1 and not s["connected"]
 
     own_server.start()  # empty: no persistence
-    time.sleep(0.4)  # past the breaker's open time
+    wait_for(lambda: not t.stats()["breaker_open"], "the breaker's open time to end")
     assert t.put(manifest("k", hist)) and t.flush(10)  # missing blocks re-read from the source
     m = t.get_manifest("k")
     assert m is not None and m.block_ids == list(by_id)
@@ -1249,7 +1257,7 @@ def test_hung_redis_costs_a_bounded_wait_and_the_queue_holds(own_server, fp, tie
     finally:
         own_server.proc.send_signal(signal.SIGCONT)
     assert t.flush(30)
-    time.sleep(0.6)
+    wait_for(lambda: not t.stats()["breaker_open"], "the breaker's open time to end")
     assert t.put(manifest("h", hist)) and t.flush(10)
     m = t.get_manifest("h")
     assert m is not None and len(m.block_ids) == 2 and t.stats()["connected"]
