@@ -946,12 +946,32 @@ def test_fault_hook_is_off_unless_the_environment_names_one():
     assert r.stdout.strip() == "True" and "fault injection ON" in r.stderr
 
 
-@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x", "kill@2:seek"])
+@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x", "kill@2:seek",
+                                  "hold:read", "hold:seek@/x"])
 def test_malformed_fault_spec_is_refused(spec):
     from vllm_mlx_persist import faults
 
     with pytest.raises(ValueError):
         faults.parse(spec)
+
+
+def test_a_hold_fault_holds_its_steps_until_the_switch_is_removed(tmp_path):
+    """hold:steps@switch (a stuck disk the test releases): those steps wait while the switch exists;
+    other steps, and every step once it is gone, pass."""
+    from vllm_mlx_persist import faults
+
+    switch = tmp_path / "stuck"
+    switch.touch()
+    hook = faults.parse(f"hold:read@{switch}")
+    hook("write")  # not held
+    passed = threading.Event()
+    t = threading.Thread(target=lambda: (hook("read"), passed.set()), daemon=True)
+    t.start()
+    hook("open")  # a later step of another kind passes: the reader is still held
+    assert not passed.is_set() and t.is_alive()
+    switch.unlink()
+    assert passed.wait(30)
+    hook("read")  # released for good
 
 
 def test_a_kind_targeted_kill_counts_only_its_kind():
