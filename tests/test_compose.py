@@ -3,20 +3,20 @@ defect found when forks, budgets, restarts, erasure, the fleet and slow disks me
 regression. End to end, through real servers: tests/test_e2e_interactions.py; every operation at
 random: tests/test_state_machine.py.
 
-Tolerances: reused K/V is compared bit for bit with what was stored (assert_same_cache); "returns
-within" bounds are wall-clock seconds with a wide margin over the measured time (milliseconds), and
-far under the injected delay they guard against.
+Tolerances: reused K/V is compared bit for bit with what was stored (assert_same_cache). Nothing here
+depends on the machine's speed: a slow disk is a gate that holds the store's I/O until the test opens
+it, so "does not wait for the disk" is proven by the call returning while the I/O is held (a call that
+waited would wait forever: `within`'s generous deadline only turns that hang into a failure).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-import time
 
 import pytest
 
-from vllm_mlx_persist import faults, store as store_mod
+from vllm_mlx_persist import faults, lookup as lookup_mod, store as store_mod
 from vllm_mlx_persist.disk_format import manifest_name
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.pool import BlockPool
@@ -60,15 +60,45 @@ def within(seconds: float, fn, *args):
     return out[0] if out else None
 
 
+HANG_S = 30.0  # a deadline that only turns a hang into a failure: a call under test returns in milliseconds
+
+
+class DiskGate:
+    """A store fault hook (store._FAULT): every thread that reaches one of `steps` waits there until
+    `open()`. `held` is set when the first one arrives; `arrived` counts them."""
+
+    def __init__(self, steps: str):
+        self.steps = frozenset(steps.split(","))
+        assert self.steps <= set(faults.STEPS), steps
+        self.held = threading.Event()
+        self.arrived = 0
+        self._open = threading.Event()
+        self._lock = threading.Lock()
+
+    def __call__(self, step: str) -> None:
+        if step not in self.steps or self._open.is_set():
+            return
+        with self._lock:
+            self.arrived += 1
+        self.held.set()
+        self._open.wait(HANG_S)
+
+    def open(self) -> None:
+        self._open.set()
+
+
 @pytest.fixture
-def slow_disk(tmp_path, monkeypatch):
-    """slow_disk(seconds, steps): the store sleeps before those steps while the returned switch exists."""
-    def install(seconds: float, steps: str):
-        switch = tmp_path / f"slow-{steps.replace(',', '-')}"
-        switch.touch()
-        monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"sleep={seconds}:{steps}@{switch}"))
-        return switch
-    return install
+def disk_gate(monkeypatch):
+    """disk_gate("write"): install a DiskGate on those steps; opened at the test's end whatever happens."""
+    gates: list[DiskGate] = []
+
+    def install(steps: str) -> DiskGate:
+        gates.append(DiskGate(steps))
+        monkeypatch.setattr(store_mod, "_FAULT", gates[-1])
+        return gates[-1]
+    yield install
+    for g in gates:
+        g.open()
 
 
 def test_a_fork_after_a_restart_under_a_hot_budget_neither_hangs_nor_fails(model, tmp_path):
@@ -99,7 +129,7 @@ def test_a_fork_after_a_restart_under_a_hot_budget_neither_hangs_nor_fails(model
     pool.close()
 
 
-def test_a_disk_budget_erasure_spares_blocks_a_queued_save_names(model, tmp_path, slow_disk):
+def test_a_disk_budget_erasure_spares_blocks_a_queued_save_names(model, tmp_path, disk_gate):
     """The parent is the least recently used agent when another agent's save pushes the disk over
     budget, while its fork child's save (naming the parent's blocks) is still queued: the parent goes,
     its blocks stay for the child's manifest (before: deleted, and the child's acknowledged turn
@@ -114,15 +144,17 @@ def test_a_disk_budget_erasure_spares_blocks_a_queued_save_names(model, tmp_path
     pool = make(model, tmp_path / "root", disk_budget=int(one * 1.5))
     serve(pool, model, "parent", doc)
     pool.flush()
-    switch = slow_disk(0.3, "write")  # the next saves queue up behind slow writes
+    gate = disk_gate("write")
     big = tokens(64, seed=5)
     _, f_big = pool.commit_async("big", big, prefill(model, big)[0])
+    assert gate.held.wait(HANG_S)  # the writer is inside big's save: the child's queues behind it
     child = doc + tokens(20, seed=6)
     hit, n, _ = pool.lookup("child", child, fork_from="parent")
     assert n == 64
     cache, _ = prefill(model, child[n:], hit)
     n_child, f_child = pool.commit_async("child", child, cache, fork_from="parent")
-    switch.unlink()
+    assert not f_child.done()
+    gate.open()
     assert f_big.result(30) and f_child.result(30)
     pool.flush()
     s = pool.snapshot()
@@ -201,42 +233,53 @@ def test_a_fleet_sync_that_read_an_agent_before_its_erasure_is_refused(model, tm
     pool.close()
 
 
-def test_nothing_waits_for_a_slow_disk_behind_the_pools_lock(model, tmp_path, slow_disk):
+def test_nothing_waits_for_a_slow_disk_behind_the_pools_lock(model, tmp_path, disk_gate, monkeypatch):
     """A lookup reading an agent's blocks from a slow disk holds no lock meanwhile: the event loop's
     calls (read-ahead, readiness), the admin API's and the stats answer at once (before: behind the
-    read, up to 30 s)."""
+    read, up to 30 s). The disk here never answers until every call has: one that waited behind the
+    read would never return."""
     pool = make(model, tmp_path)
     seq = tokens(70)
     serve(pool, model, "a", seq)
     serve(pool, model, "b", tokens(40, seed=1))
     pool.close()
     pool = make(model, tmp_path)
-    slow_disk(1.5, "read")
-    worker = threading.Thread(target=pool.lookup, args=("a", seq + [1]), daemon=True)
+    gate = disk_gate("read")
+    waiting = threading.Event()  # the lookup has started waiting for a block read
+    read_result = lookup_mod.read_result
+
+    def observed_read_result(future, timeout):
+        waiting.set()
+        return read_result(future, timeout)
+
+    monkeypatch.setattr(lookup_mod, "read_result", observed_read_result)
+    found: list = []
+    worker = threading.Thread(target=lambda: found.append(pool.lookup("a", seq + [1])), daemon=True)
     worker.start()
-    time.sleep(0.3)  # the lookup is waiting for its reads
+    assert waiting.wait(HANG_S) and gate.held.wait(HANG_S)  # the lookup waits for a read the disk holds
     for call, args in ((pool.prefetch, ("b",)), (pool.pending_reads, (["a"],)), (pool.agent_info, ("b",)),
                        (pool.list_agents, (10,)), (pool.snapshot, ()), (pool.fleet_view.agent_version, ("a",))):
-        t = time.perf_counter()
-        call(*args)
-        assert time.perf_counter() - t < 0.25, call.__name__
-    assert worker.is_alive()  # it was still reading throughout
-    worker.join(30)
+        within(HANG_S, call, *args)
+    assert worker.is_alive() and not found  # it was still reading throughout
+    gate.open()
+    worker.join(HANG_S)
+    assert found and found[0][1] == len(seq)  # and then got its whole history
     pool.close()
 
 
-def test_a_full_write_queue_never_makes_the_worker_wait(model, tmp_path, slow_disk):
+def test_a_full_write_queue_never_makes_the_worker_wait(model, tmp_path, disk_gate):
     """Back-pressure is off the worker: a turn that finds the write queue full is dropped from it at
     once (counted), its blocks stay unsaved in memory, and the agent's next save writes them."""
     pool = make(model, tmp_path, persister_options={"queue_bytes": 1})
-    switch = slow_disk(1.0, "write")
+    gate = disk_gate("write")
     first = tokens(40)
     _, f1 = pool.commit_async("a", first, prefill(model, first)[0])
+    assert gate.held.wait(HANG_S)  # the writer is inside a's save, and stays there: the queue is full
     other = tokens(40, seed=1)
-    t = time.perf_counter()
-    _, f2 = pool.commit_async("b", other, prefill(model, other)[0])
-    assert time.perf_counter() - t < 0.5 and f2.result(0) is False  # not waited for: dropped
-    switch.unlink()
+    cache_b = prefill(model, other)[0]
+    _, f2 = within(HANG_S, pool.commit_async, "b", other, cache_b)  # returns while the disk is held
+    assert f2.result(0) is False  # not waited for: dropped
+    gate.open()
     assert f1.result(30)
     hit, n, _ = pool.lookup("b", other + [2])
     assert n == 40  # still in memory
@@ -283,8 +326,10 @@ def test_commit_plans_again_when_an_erasure_lands_between_plan_and_install(model
     def erase_then_build(plan, c):
         if not getattr(erase_then_build, "done", False):
             erase_then_build.done = True
-            threading.Thread(target=pool.erase, args=("parent",)).start()
-            time.sleep(0.5)
+            eraser = threading.Thread(target=pool.erase, args=("parent",))  # the admin API's thread
+            eraser.start()
+            eraser.join(HANG_S)  # the erasure has landed, in memory and on disk
+            assert not eraser.is_alive()
         return build(plan, c)
 
     pool.committer.build = erase_then_build
@@ -299,19 +344,20 @@ def test_commit_plans_again_when_an_erasure_lands_between_plan_and_install(model
     restarted.close()
 
 
-def test_a_turn_whose_save_is_queued_survives_its_agents_eviction(model, tmp_path, slow_disk):
+def test_a_turn_whose_save_is_queued_survives_its_agents_eviction(model, tmp_path, disk_gate):
     """Another agent's request evicts an agent whose turn is still being written: its unsaved blocks
     stay in memory until the save is durable (before: cut from its branches, so the acknowledged turn
     was not reused until a restart read its manifest). Found by the interactions campaign."""
     seq = tokens(70)
     one = sum(a.nbytes for c in prefill(model, seq)[0] for part in c.to_arrays() for a in part)
     pool = make(model, tmp_path, hot_bytes=one // 2)
-    switch = slow_disk(0.5, "fsync")
+    gate = disk_gate("fsync")
     _, saved = pool.commit_async("a", seq, prefill(model, seq)[0])
+    assert gate.held.wait(HANG_S)  # a's save is being written
     other = tokens(40, seed=1)
     pool.commit_async("b", other, prefill(model, other)[0])  # over budget: "a" is evicted, its save queued
     assert not saved.done()
-    switch.unlink()
+    gate.open()
     assert saved.result(30)
     assert pool.lookup("a", seq + [1])[1] == len(seq)  # no restart needed
     assert pool.check() == []

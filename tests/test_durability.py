@@ -51,15 +51,26 @@ class GatedWrites:
         return self._write(block)
 
 
-def deliver(backend, out) -> tuple[list, float]:
-    """Run the engine's delivery of a finished output; returns (what the client got, seconds)."""
+HANG_S = 30.0  # a deadline that only turns a hang into a failure
+
+
+def deliver(backend, out, meanwhile=None) -> tuple[list, float]:
+    """Run the engine's delivery of a finished output; returns (what the client got, seconds).
+    `meanwhile(task, got)`: a coroutine run on the same event loop once the delivery has started."""
     from vllm_mlx.engine_core import EngineCore  # imported by make_scheduler's caller already
 
     got = []
     collector = SimpleNamespace(put=lambda o, notify=True: got.append(o))
     engine = SimpleNamespace(scheduler=SimpleNamespace(cache_backend=backend))
+
+    async def run() -> None:
+        task = asyncio.ensure_future(EngineCore._deliver_when_durable(engine, out, collector, None))
+        if meanwhile is not None:
+            await meanwhile(task, got)
+        await asyncio.wait_for(task, HANG_S)
+
     t = time.perf_counter()
-    asyncio.run(EngineCore._deliver_when_durable(engine, out, collector, None))
+    asyncio.run(run())
     return got, time.perf_counter() - t
 
 
@@ -70,9 +81,15 @@ def test_final_output_waits_for_the_turn_to_be_durable(tiny_llama_dir, tmp_path)
     out = run_to_finish(sched, "r1", tokens(40))  # the batch went on while the write waits
     assert out.durable is not None and not out.durable.done()
     assert not list(tmp_path.glob("*/agents/*.json"))
-    threading.Timer(0.5, writes.gate.set).start()
-    got, waited = deliver(backend, out)
-    assert got == [out] and waited >= 0.3
+
+    async def held(task, got) -> None:
+        for _ in range(50):  # the event loop's turns: a delivery that did not wait would have ended in these
+            await asyncio.sleep(0)
+        assert not task.done() and got == [] and not out.durable.done()  # held while the write is
+        writes.gate.set()  # the disk answers: the turn becomes durable, and only then is it delivered
+
+    got, _ = deliver(backend, out, held)
+    assert got == [out]
     assert out.durable is None  # cleared once delivered
     assert list(tmp_path.glob("*/agents/*.json")) and len(list(tmp_path.glob("*/blocks/*/*"))) == 3
     sched.close_cache_backend()
@@ -83,8 +100,9 @@ def test_a_hung_writer_does_not_hang_the_request(tiny_llama_dir, tmp_path):
     backend = sched.cache_backend
     writes = GatedWrites(backend.pool.store)
     out = run_to_finish(sched, "r1", tokens(40))
-    got, waited = deliver(backend, out)
-    assert got == [out] and 0.9 <= waited < 5  # delivered after durable_timeout_s, not never
+    durable = out.durable
+    got, waited = deliver(backend, out)  # the writer is hung for good: a delivery that waited for it never ends
+    assert got == [out] and waited >= 0.9 and not durable.done()  # delivered by durable_timeout_s, not never
     out2 = run_to_finish(sched, "r2", tokens(40) + [9, 9])  # the server keeps serving
     assert out2.finished
     writes.gate.set()

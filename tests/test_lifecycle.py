@@ -4,6 +4,7 @@ bounded memory on a failing disk, refusal of caches that do not cover their toke
 from __future__ import annotations
 
 import errno
+import threading
 import time
 
 import mlx.core as mx
@@ -38,6 +39,14 @@ def files_naming(root, agent_id: str) -> list:
     """Every file under root holding `agent_id` as a JSON string (ids are stored in manifests only)."""
     needle = f'"{agent_id}"'.encode()
     return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
+
+
+def wait_until(cond, what: str, timeout: float = 30.0) -> None:
+    """Poll `cond` until true; the deadline only turns a hang into a failure (it is met in milliseconds)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.01)
 
 
 def agent_bytes_on_disk(model, tmp_path) -> int:
@@ -202,13 +211,19 @@ def test_failed_writes_are_retried_without_waiting_for_the_agent(model, tmp_path
 
 
 def test_erased_agent_is_not_resurrected_by_a_pending_retry(model, tmp_path):
-    pool = budget_pool(model, tmp_path, retry_delays=(0.3,))
+    """The retry of "a"'s failed save, pending when "a" is erased, never writes it back. Witness: "b"'s
+    save failed after a's, so its retry is due after a's (the writer runs them in that order): once
+    b's retry has written b, a's would have run. Retries go on while the disk fails (as many as the
+    test could need), so neither is given up before the disk is back."""
+    pool = budget_pool(model, tmp_path, retry_delays=(0.1,) * 300)
     writes = FailingWrites(pool.store)
-    seq = tokens(40)
+    seq, other = tokens(40), tokens(40, seed=1)
     pool.commit("a", seq, prefill(model, seq)[0])
+    pool.commit("b", other, prefill(model, other)[0])
+    assert pool.snapshot()["saves_retrying"] == 2  # both wait for a retry, a's first
     assert pool.erase("a") is True
     writes.failing = False
-    time.sleep(0.8)
+    wait_until(lambda: files_naming(tmp_path, "b"), "b's retry")
     pool.flush()
     assert not files_naming(tmp_path, "a") and pool.snapshot()["saves_retrying"] == 0
     pool.close()
@@ -372,7 +387,7 @@ def test_the_hot_set_restore_gives_way_to_requests(model, tmp_path, monkeypatch)
     served: a returning agent's blocks are read at once on the readers (not behind the restore),
     and its turn does not share the CPU or the disk with other agents' reads (slow disk: the
     store's fault hook). Once the server is idle again, the restore goes on."""
-    from vllm_mlx_persist import faults, store as store_mod
+    from vllm_mlx_persist import store as store_mod
     from vllm_mlx_persist.reads import RESTORE_IDLE_S
 
     seqs = {f"a{i}": tokens(3 * BLOCK, seed=i) for i in range(5)}
@@ -382,22 +397,41 @@ def test_the_hot_set_restore_gives_way_to_requests(model, tmp_path, monkeypatch)
     on_demand = pool.lookup("a0", seqs["a0"] + [1])[0]
     pool.close()
 
-    switch = tmp_path / "slow"
-    switch.touch()
-    monkeypatch.setattr(store_mod, "_FAULT", faults.parse(f"sleep=0.3:read@{switch}"))
+    held, go = threading.Event(), threading.Event()
+
+    def restore_disk(step: str) -> None:  # the restore thread's reads wait for `go`; the readers' pass
+        if step == "read" and threading.current_thread().name.startswith("vllm-mlx-persist-restore"):
+            held.set()
+            go.wait(30)
+
+    monkeypatch.setattr(store_mod, "_FAULT", restore_disk)
     restarted = budget_pool(model, tmp_path)
-    job = restarted.restore_hot_set()
-    deadline = time.time() + 10
-    while time.time() < deadline and not restarted.reads.restored_ids():
-        time.sleep(0.02)  # the restore is reading a4's first block
-    assert restarted.prefetch("a0") == 3  # a0 arrives: its blocks are read on the readers at once
-    hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1], request_id="r0")
-    assert n == 3 * BLOCK and tier == "disk" and restarted.stats["blocks_prefetched"] == 3
-    assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
-    paused = len(restarted.reads.restored_ids())
-    time.sleep(RESTORE_IDLE_S + 0.7)  # r0 is in flight: the restore reads nothing meanwhile
-    assert len(restarted.reads.restored_ids()) == paused <= 2 and not job.done()
-    switch.unlink()
+    refused = threading.Semaphore(0)  # the restore asked idle() after the arrival's quiet time: "no"
+    restore = restarted.reads.restore
+
+    def observed_restore(plan, room, idle, wanted):
+        def observed_idle():
+            answer = idle()
+            if not answer and time.monotonic() - restarted.reads.last_arrival >= RESTORE_IDLE_S:
+                refused.release()
+            return answer
+        return restore(plan, room, observed_idle, wanted)
+
+    monkeypatch.setattr(restarted.reads, "restore", observed_restore)
+    try:
+        job = restarted.restore_hot_set()
+        assert held.wait(30)  # the restore is reading a4's first block, and stays there
+        assert restarted.prefetch("a0") == 3  # a0 arrives: its blocks are read on the readers at once
+        hit, n, tier = restarted.lookup("a0", seqs["a0"] + [1], request_id="r0")  # not behind the restore
+        assert n == 3 * BLOCK and tier == "disk" and restarted.stats["blocks_prefetched"] == 3
+        assert_same_cache(hit, on_demand)  # bit-identical to a block read on demand
+        assert len(restarted.reads.restored_ids()) == 1
+    finally:
+        go.set()
+    # r0 is in flight: past the arrival's quiet time the restore asks twice whether it may read its
+    # next block and is refused (the second ask proves the first refusal read nothing)
+    assert refused.acquire(timeout=30) and refused.acquire(timeout=30)
+    assert len(restarted.reads.restored_ids()) == 1 and not job.done()
     restarted.finish("r0")
     job.result(20)
     restored = {name for name in seqs if any(b in restarted.reads.restored_ids() for b in restarted.agent(name).ids)}

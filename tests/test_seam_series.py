@@ -143,6 +143,14 @@ def start(started: list[Served], served: Served) -> Served:
     return served
 
 
+def wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    """Poll `cond` until true; the deadline only turns a hang into a failure."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.05)
+
+
 def by_rid(events: list[dict]) -> dict[str, list[str]]:
     calls: dict[str, list[str]] = {}
     for e in events:
@@ -224,15 +232,19 @@ def test_seam_abort_finishes_exactly_once(seam):
     assert resp.readline().startswith(b"data:")
     conn.sock.shutdown(2)
     conn.close()
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and not any(e["event"] == "finished" for e in seam.events(mark)):
-        time.sleep(0.2)
-    time.sleep(1.0)  # a second call would come now
+    wait_for(lambda: any(e["event"] == "finished" for e in seam.events(mark)), "the abort's finished")
+    (fetch,) = [e for e in seam.events(mark) if e["event"] == "fetch"]
+    # A later request through the same worker, finished: a second call for the aborted one (a later
+    # scheduler step's) would have come before it.
+    seam.chat([{"role": "user", "content": text(7)}])
+    wait_for(lambda: any(e["event"] == "finished" and e.get("rid") != fetch["rid"] for e in seam.events(mark)),
+             "the next request's finished")
     events = seam.events(mark)
-    (fetch,) = [e for e in events if e["event"] == "fetch"]
+    later = [e for e in events if e["event"] == "fetch" and e["rid"] != fetch["rid"]]
+    assert len(later) == 1 and one(events, "finished", later[0]["rid"])["aborted"] is False, events
     finished = one(events, "finished", fetch["rid"])
     assert finished["aborted"] is True, events
-    assert not any(e["event"] == "store" for e in events), events
+    assert not any(e["event"] == "store" and e.get("rid") == fetch["rid"] for e in events), events
 
 
 def test_seam_saves_then_closes_at_shutdown(seam):

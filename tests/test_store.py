@@ -946,12 +946,32 @@ def test_fault_hook_is_off_unless_the_environment_names_one():
     assert r.stdout.strip() == "True" and "fault injection ON" in r.stderr
 
 
-@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x", "kill@2:seek"])
+@pytest.mark.parametrize("spec", ["EIO", "EIO:read", "NOPE:read@/x", "EIO:seek@/x", "kill@x", "kill@2:seek",
+                                  "hold:read", "hold:seek@/x"])
 def test_malformed_fault_spec_is_refused(spec):
     from vllm_mlx_persist import faults
 
     with pytest.raises(ValueError):
         faults.parse(spec)
+
+
+def test_a_hold_fault_holds_its_steps_until_the_switch_is_removed(tmp_path):
+    """hold:steps@switch (a stuck disk the test releases): those steps wait while the switch exists;
+    other steps, and every step once it is gone, pass."""
+    from vllm_mlx_persist import faults
+
+    switch = tmp_path / "stuck"
+    switch.touch()
+    hook = faults.parse(f"hold:read@{switch}")
+    hook("write")  # not held
+    passed = threading.Event()
+    t = threading.Thread(target=lambda: (hook("read"), passed.set()), daemon=True)
+    t.start()
+    hook("open")  # a later step of another kind passes: the reader is still held
+    assert not passed.is_set() and t.is_alive()
+    switch.unlink()
+    assert passed.wait(30)
+    hook("read")  # released for good
 
 
 def test_a_kind_targeted_kill_counts_only_its_kind():
@@ -1009,6 +1029,24 @@ def test_injected_write_error_at_each_step_leaves_no_temp_file(tmp_path, monkeyp
     assert_same(b, s.read_block(b.block_id))
 
 
+class HeldClock:
+    """A Persister's retry_clock that stands still until the test moves it on: a failed save's retry
+    is due only then, whatever the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def wait_until_no_retry(p, what: str) -> None:
+    deadline = time.monotonic() + 30  # turns a hang into a failure
+    while p.stats()["saves_retrying"]:
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
 def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatch):
     """Regression (found by the disk campaign): turn 0's save fails (disk full) and waits for its retry;
     the disk recovers and turn 1 is saved and acknowledged; then turn 0's retry ran and put its older
@@ -1018,7 +1056,8 @@ def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatc
     from vllm_mlx_persist.persister import Persister
 
     s = open_store(tmp_path)
-    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.3,))
+    clock = HeldClock()
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.3,), retry_clock=clock)
     p.load()
     switch = tmp_path / "enospc"
     switch.touch()
@@ -1028,12 +1067,10 @@ def test_a_retried_older_save_never_overwrites_a_newer_turn(tmp_path, monkeypatc
     assert first.result(10) is False  # failed; a retry is queued
     switch.unlink()
     second = p.save(Manifest("alice", [b0.block_id, b1.block_id], 32, 2.0), [b1], [], lambda: None)
-    assert second.result(10) is True
-    time.sleep(0.6)
+    assert second.result(10) is True and p.stats()["saves_retrying"] == 1
+    clock.now += 1.0  # turn 0's retry is due: after turn 1's save
     assert p.flush(10)
-    deadline = time.time() + 10
-    while p.stats()["saves_retrying"] and time.time() < deadline:
-        time.sleep(0.05)
+    wait_until_no_retry(p, "turn 0's retry did not run")  # ran, not given up at close: saves_superseded below
     p.close()
     reopened = open_store(tmp_path)
     assert reopened.read_manifest("alice").block_ids == [b0.block_id, b1.block_id]
@@ -1078,7 +1115,8 @@ def test_a_retry_that_writes_no_manifest_leaves_no_block_behind(tmp_path, monkey
     from vllm_mlx_persist.persister import Persister
 
     s = open_store(tmp_path)
-    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.5,))
+    clock = HeldClock()
+    p = Persister(s, disk_budget=1 << 40, retry_delays=(0.5,), retry_clock=clock)
     p.load()
     b0, b1, b2 = make_block(40), make_block(41), make_block(42)
     assert p.save(Manifest("alice", [b0.block_id], 16, 1.0), [b0], [], lambda: None).result(10)
@@ -1091,9 +1129,10 @@ def test_a_retry_that_writes_no_manifest_leaves_no_block_behind(tmp_path, monkey
     assert s.has_block(b0.block_id)  # the queued retry still names it
     if retry == "given up":
         switch.touch()
-    deadline = time.time() + 10
-    while p.stats()["saves_retrying"] and time.time() < deadline:
-        time.sleep(0.02)
+    assert p.stats()["saves_retrying"] == 1
+    clock.now += 1.0  # the retry is due: after the newer turn's save
+    assert p.flush(10)
+    wait_until_no_retry(p, "the retry did not run")
     assert p.flush(10)
     assert p.counts["saves_superseded" if retry == "superseded" else "saves_dropped"] == 1
     assert sorted(s.iter_block_ids()) == [b2.block_id] and p.stats()["disk_blocks"] == 1

@@ -10,6 +10,9 @@ installed that is one global lookup. A hook is installed at import of `store` fr
                                                 raise OSError(ENOSPC) at those steps while /path/switch exists
     VLLM_MLX_PERSIST_FAULT=sleep=1.5:read@/path/switch
                                                 a slow disk: sleep 1.5 s before each of those steps while the switch exists
+    VLLM_MLX_PERSIST_FAULT=hold:read@/path/switch
+                                                a stuck disk: those steps wait until the switch is removed (polled),
+                                                so a test decides when the I/O ends instead of timing it
     VLLM_MLX_PERSIST_FAULT='EIO:read@/a;ENOSPC:write@/b'   several, separated by ';'
 
 Any errno name works (EIO, ENOSPC, EDQUOT, EROFS...). `kill@N` also writes one line to stderr
@@ -47,6 +50,11 @@ def parse(spec: str) -> Callable[[str], None]:
         return _killer(int(n), kind or None)
     head, sep, switch = spec.partition("@")
     name, _, steps = head.partition(":")
+    if name == "hold":
+        wanted = set(steps.split(",")) if steps else set(STEPS)
+        if not sep or not switch or not wanted <= set(STEPS):
+            raise ValueError(f"{ENV}={spec!r}: expected hold:step,step@/switch/file (steps {STEPS})")
+        return _holder(frozenset(wanted), switch)
     if name.startswith("sleep="):
         wanted = set(steps.split(",")) if steps else set(STEPS)
         if not sep or not switch or not wanted <= set(STEPS):
@@ -84,6 +92,16 @@ def _sleeper(seconds: float, steps: frozenset, switch: str) -> Callable[[str], N
     def hook(step: str) -> None:
         if step in steps and os.path.exists(switch):
             time.sleep(seconds)
+    return hook
+
+
+HOLD_POLL_S = 0.01
+
+
+def _holder(steps: frozenset, switch: str) -> Callable[[str], None]:
+    def hook(step: str) -> None:
+        while step in steps and os.path.exists(switch):
+            time.sleep(HOLD_POLL_S)
     return hook
 
 

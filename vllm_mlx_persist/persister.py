@@ -64,11 +64,14 @@ class Persister:
         on_erased: Optional[Callable[[str], None]] = None,
         retry_delays: tuple[float, ...] = RETRY_DELAYS_S,
         clock: Callable[[], float] = time.time,
+        retry_clock: Callable[[], float] = time.monotonic,
     ):
         self.store = store
         self.queue_bytes = queue_bytes
         self.retry_delays = retry_delays
         self.clock = clock  # wall-clock time of last uses and of the TTL (a test may move it on)
+        # when a failed save's retry is due (a test may hold it still: the retry waits until it moves on)
+        self.retry_clock = retry_clock
         self.on_erased = on_erased or (lambda namespace: None)
         self.index = DiskIndex()  # under self._cv
         self.counts = dict.fromkeys(
@@ -254,7 +257,7 @@ class Persister:
             job = None
             with self._cv:
                 while job is None:
-                    now = time.monotonic()
+                    now = self.retry_clock()
                     if self._ready and self._ready[0].due <= now:
                         job = heapq.heappop(self._ready)
                     elif self._closed:  # what was due has run; pending retries are given up
@@ -385,7 +388,7 @@ class Persister:
                 if not job.attempts:
                     self._retrying += 1
                     self.index.freshen(job.args[1], -1)  # failed once: the pool may drop its copy
-                job.due = time.monotonic() + self.retry_delays[job.attempts]
+                job.due = self.retry_clock() + self.retry_delays[job.attempts]
                 job.attempts += 1
                 job.seq = next(self._seq)
                 self.counts["retries"] += 1

@@ -490,7 +490,9 @@ def send(session: Session, messages: list[dict], agent: Optional[str], max_token
     out["usage_cached_tokens"] = getattr(details, "cached_tokens", None) if details else None
     out["kv_edit"] = usage.model_dump().get("kv_edit") if usage is not None else None
     if classify_log:
-        time.sleep(0.05)  # let the log line of the store/lookup reach the file
+        # No wait: the lines classify() reads (persist_q4's lookup, vllm-mlx's cache_fetch/ssd_promote)
+        # are logged at the request's fetch, before its first token, by a server whose log handlers
+        # write through (PYTHONUNBUFFERED, logging flushes each record): in the file before the reply.
         with open(srv.log_path, errors="replace") as f:
             f.seek(pos)
             seg = f.read()
@@ -547,7 +549,8 @@ def at_once(n: int, before: Callable[[int], Any], request: Callable[[int, Any], 
         raise next((e for e in errs if not isinstance(e, threading.BrokenBarrierError)), errs[0])
     if log_path is None:
         return res, ""  # type: ignore[return-value]
-    time.sleep(0.05)  # the server logs a request's lines around its reply
+    # No wait: every request's fetch lines were logged before its first token (send() says why), and
+    # every reply is complete here. Lines a server logs after a reply (a store's) may be missing.
     with open(log_path, errors="replace") as f:
         f.seek(pos)
         return res, f.read()  # type: ignore[return-value]
