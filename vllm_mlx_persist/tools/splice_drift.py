@@ -689,7 +689,12 @@ def main(argv: Sequence[str]) -> int:
 
     model, _ = load(str(model_dir))
     install_attention_fix()  # what the persist_q4 backend installs
-    tokenizer, _ = load_tokenizer(model.args.vocab_size)
+    if (model_dir / "tokenizer.json").is_file():  # the model's own (a real checkpoint; trained ones save ours)
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    else:
+        tokenizer, _ = load_tokenizer(model.args.vocab_size)
     tokens, files = corpus(EVAL_SOURCES, tokenizer)
     s = make_setup(model, cfg.bits, cfg.group_size)
     log(f"model {model_dir}: {model.args.num_hidden_layers} layers; {len(tokens)} held-out tokens of {len(files)} files")
@@ -702,7 +707,8 @@ def main(argv: Sequence[str]) -> int:
     if sys.platform == "linux":
         command = f"LD_PRELOAD={OPENBLAS} {command}"
     res = {"command": command, "machine": _machine(), "model_dir": str(model_dir),
-           "model": f"llama, {model.args.num_hidden_layers} layers, {params / 1e6:.2f}M parameters, float32",
+           "model": f"{model.args.model_type}, {model.args.num_hidden_layers} layers, {params / 1e6:.2f}M parameters, "
+                    f"{next(v.dtype for _, v in tree_flatten(model.parameters()))}".replace("mlx.core.", ""),
            "heldout_files": files, **res}
     res["seconds"]["total"] = time.perf_counter() - t_start
     write_report(res, out, plots=not args.no_plot)
