@@ -22,7 +22,8 @@ os.environ.setdefault(forkserver.ENV_SWITCH, "1")
 # workers in collection order: a long file started last would run alone at the end). Files not
 # listed follow in their usual order. Re-measure with `./dev test --durations=0`.
 SLOWEST_FIRST = (
-    "test_reliability.py", "test_bench.py", "test_quality.py", "test_scenario.py", "test_e2e_kv_edit.py",
+    "test_reliability.py", "test_bench.py", "test_e2e_real_model.py", "test_quality.py", "test_scenario.py",
+    "test_e2e_kv_edit.py",
     "test_e2e_server.py", "test_e2e_batch_invariance.py", "test_batch_invariance.py", "test_seam_series.py",
     "test_e2e_families.py", "test_seam_cli.py", "test_upstream_suite.py", "test_e2e_admission.py",
     "test_state_machine.py", "test_e2e_interactions.py", "test_e2e_fleet.py", "test_e2e_kv_edit_shapes.py",
