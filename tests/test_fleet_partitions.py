@@ -1,0 +1,259 @@
+"""Removals and settings that hold in a fleet that partitions and crashes (issue #44): servers behind
+a partition proxy (tools/partition.py) in front of one real redis-server, cut and healed by the tests.
+Pools here hold synthetic 4-bit blocks (test_remote.chain) unless a test needs a model's turns."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
+
+from test_remote import SECRET, RedisServer, chain, fleet_pool, fp, held, manifest  # noqa: E402,F401
+
+from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
+from vllm_mlx_persist.tools.partition import PartitionProxy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fleet(redis_server, fp, tmp_path):
+    """servers: make(name) -> (pool, proxy): a pool with its own disk under tmp_path/name and its own
+    proxy to the one Redis (cut one: that server alone is partitioned); `writer`: a plain tier."""
+    made: list = []
+    proxies: list = []
+
+    class Fleet:
+        redis = redis_server
+
+        def proxy(self) -> PartitionProxy:
+            p = PartitionProxy("127.0.0.1", redis_server.port)
+            proxies.append(p)
+            return p
+
+        def server(self, name: str, proxy: PartitionProxy | None = None):
+            proxy = proxy or self.proxy()
+
+            def make_tier(**cb):
+                return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
+                                                backoff_s=0.05, backoff_max_s=0.2, read_timeout_s=1.0), fp, **cb)
+
+            pool = fleet_pool(fp, tmp_path / name, make_tier)
+            made.append(pool)
+            return pool, proxy
+
+        def tier(self) -> RemoteTier:
+            t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fp)
+            made.append(t)
+            return t
+
+    yield Fleet()
+    for p in proxies:
+        p.heal()
+    for x in made:
+        try:
+            x.close() if hasattr(x, "load_manifests") else x.close(2)
+        except Exception:
+            pass
+    for p in proxies:
+        p.close()
+
+
+def wait_for(cond, what: str, timeout: float = 20.0) -> None:
+    """Poll an observed condition (no fixed sleep decides anything)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def settle(pool) -> None:
+    """The pool's queued disk writes and the fleet's queued puts done."""
+    pool.flush(30)
+    assert pool.fleet.tier.flush(30)
+
+
+def test_the_proxy_cuts_and_heals(fleet):
+    proxy = fleet.proxy()
+    import redis
+
+    c = redis.Redis.from_url(proxy.url, socket_timeout=2, socket_connect_timeout=1)
+    assert c.ping()
+    proxy.cut()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        c.ping()
+    assert proxy.is_cut and proxy.refused >= 1
+    proxy.heal()
+    assert c.ping()  # redis-py reconnects on its next command
+    c.close()
+
+
+# ---- 2. a fork refusal travels --------------------------------------------------------------------------
+
+
+def test_a_fork_refusal_travels_and_survives_another_servers_publish(fleet, fp):
+    """Finding 2: A refuses forks of P (DELETE /v1/agents/P/forkable); B, which synced P before, syncs
+    again and refuses too; B's next publish of P keeps the refusal in Redis, so a third server that
+    never knew P refuses as well. A later grant on B wins over the earlier refusal (the latest setting
+    wins; docs/fleet.md, "The merge rules")."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+        assert held(pool, "p") == {x.block_id for x in hist}
+        assert pool.may_fork("p")  # the policy's default ("open")
+
+    assert a.set_forkable("p", False)
+    settle(a)
+    assert w.get_manifest("p") is not None
+    b.fleet._sync_agent("p")
+    assert not b.may_fork("p"), "B allows the fork A refused"
+
+    # a later grant, on B, wins over the earlier refusal everywhere
+    assert b.set_forkable("p", True)
+    settle(b)
+    a.fleet._sync_agent("p")
+    assert a.may_fork("p") and b.may_fork("p")
+
+
+def republish(pool, agent: str) -> None:
+    """What the agent's next turn's save does to its record: saved locally, then published."""
+    with pool.core.lock:
+        rec = pool.agent(agent)
+        pool.core.save(rec, [], {}, [], list(rec.branches))
+    settle(pool)
+
+
+def test_a_publish_of_another_server_keeps_the_refusal(fleet, fp):
+    """Finding 2, the drop: B synced P before A's refusal and publishes P after it (B's record has no
+    fork setting): Redis must keep A's refusal, and a third server refuses the fork."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    b.fleet._sync_agent("p")
+    republish(b, "p")  # B's next save of P's record publishes it
+    rm = w.get_manifest("p")
+    assert rm is not None and not rm.erased
+    c, _ = fleet.server("c")
+    c.fleet._sync_agent("p")
+    assert held(c, "p")
+    assert not c.may_fork("p"), "a third server allows the fork A refused"
+
+
+# ---- 3. an acknowledged erasure survives kill -9 ---------------------------------------------------------
+
+
+def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet, fp, tmp_path):
+    """Finding 3: A erases P (DELETE returns: the local erasure is durable) while A cannot reach Redis,
+    then A dies before the tombstone is written (its writer's queue is lost, as with kill -9). A,
+    restarted, must not fetch P back, and the erasure must reach Redis once A reaches it again."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, proxy = fleet.server("a")
+    a.fleet._sync_agent("p")
+    assert held(a, "p")
+    proxy.cut()
+    assert a.erase("p", 30)  # acknowledged: known locally
+    # kill -9: the tier's writer thread and queue vanish without a flush (no close())
+    a.fleet.stop()
+    a.fleet.tier.writer._state.stop = True
+    with a.fleet.tier.writer._cond:
+        a.fleet.tier.writer._q.clear()
+        a.fleet.tier.writer._cond.notify_all()
+    a.persister.close()
+    proxy.heal()
+
+    again, _ = fleet.server("a", proxy)
+    again.fleet._sync_agent("p")
+    assert again.fleet_view.branch_state("p") is None, "the restarted server fetched the erased agent back"
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
+    b, _ = fleet.server("b")
+    b.fleet._sync_agent("p")
+    assert b.fleet_view.branch_state("p") is None
+
+
+# ---- 1. a forget holds against a server that served the agent while cut off ---------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_mlx_persist.tools.models import build_model
+
+    m, _ = build_model("llama", "tiny", seed=0)
+    return m
+
+
+def model_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy):
+    """A pool of `model` (its turns made on real MLX) behind `proxy`."""
+    from test_pool import make_pool
+
+    from vllm_mlx_persist.fleet import Fleet
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
+                                        backoff_s=0.05, backoff_max_s=0.2, max_attempts=2, read_timeout_s=1.0),
+                          fp, **cb)
+
+    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier))
+
+
+def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fleet, model, fp, tmp_path):
+    """Finding 1: A forgets a span while B cannot reach Redis; the client's next request (which never
+    sends the span again) lands on B, whose lookup serves the old branch's prefix (a use). After the
+    heal B's sync must drop the old branch (its content was made before the removal; serving a prefix
+    of it is no new history), B's next publish must not carry it, and A must never hold it again."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = model_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head, span, tail = _history()
+        _, _, seq = _turn(a, model, "x", head + span + tail, "r1")
+        settle(a)
+        b.fleet._sync_agent("x")
+        old = list(a.agent("x").branches[-1].block_ids)
+        assert held(b, "x") == set(old)
+
+        pb.cut()
+        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+        settle(a)
+        (removal,) = a.agent("x").removals
+        gone = set(old[removal.index:])
+        assert not held(a, "x") & gone
+
+        # the client's next turn obeys the forget, and lands on B, cut off: B serves the prefix
+        m, _, _ = _turn(b, model, "x", head + tail + [7, 8, 9], "r3")
+        assert m.num_tokens > 0
+        b.flush(30)
+        pb.heal()
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B kept the forgotten branch after the heal"
+        republish(b, "x")
+        a.fleet._sync_agent("x")
+        assert not held(a, "x") & gone, "A serves the forgotten span again"
+        assert not set(fleet.tier().get_manifest("x").block_ids) & gone
+    finally:
+        a.close()
+        b.close()
