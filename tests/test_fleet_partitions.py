@@ -82,6 +82,11 @@ def settle(pool) -> None:
     assert pool.fleet.tier.flush(30)
 
 
+def reaches_redis(pool, agent: str) -> None:
+    """Wait until the pool's tier reads the agent's manifest again (after a heal: its breaker closed)."""
+    wait_for(lambda: pool.fleet.tier.get_manifest(agent) is not None, "the healed server to reach Redis")
+
+
 def test_the_proxy_cuts_and_heals(fleet):
     proxy = fleet.proxy()
     import redis
@@ -248,6 +253,7 @@ def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fle
         assert m.num_tokens > 0
         b.flush(30)
         pb.heal()
+        reaches_redis(b, "x")
         b.fleet._sync_agent("x")
         assert not held(b, "x") & gone, "B kept the forgotten branch after the heal"
         republish(b, "x")
@@ -257,3 +263,20 @@ def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fle
     finally:
         a.close()
         b.close()
+
+
+def test_a_use_moves_last_used_only_and_survives_the_manifest():
+    """Finding 1, the rule: a lookup's use (Branch.used) makes a branch more recently used, never its
+    content newer (`written`), which is what a removal record compares; both survive disk and Redis."""
+    from vllm_mlx_persist.chain import Branch, Removal, branches_of, manifest_of, surviving_removals
+    from vllm_mlx_persist.disk_format import decode_manifest, encode_manifest
+
+    br = Branch(["a" * 64, "b" * 64], 32, ((0, "x"),), 10.0)
+    removal = Removal("b" * 64, 1, "a" * 64, (), 20.0)
+    used = br.used(30.0)
+    assert (used.last_used, used.written) == (30.0, 10.0)
+    assert surviving_removals([used], [removal], 0.0, lambda b: None) == []
+    again = Branch(["a" * 64, "b" * 64], 32, ((0, "x"),), 25.0)  # sent again after the forget: stays
+    assert surviving_removals([again], [removal], 0.0, lambda b: None) == [again]
+    (back,) = branches_of(decode_manifest(encode_manifest(manifest_of("x", [used], False, 30.0))))
+    assert (back.last_used, back.written) == (30.0, 10.0)

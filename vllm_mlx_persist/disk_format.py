@@ -387,6 +387,9 @@ def check_branches(branches: Any, named: set, allow_empty: bool = False) -> None
                 isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r) and 0 <= r[0] < r[1] <= n
                 and r[2] >= 1 for r in rotations) or any(a[1] > b[0] for a, b in zip(rotations, rotations[1:])):
             raise ValueError("malformed manifest branch: rotations")
+        made = br.get("made", 0.0)  # optional: when a commit last wrote it, when not its last use
+        if isinstance(made, bool) or not isinstance(made, (int, float)) or not math.isfinite(made):
+            raise ValueError("malformed manifest branch: made")
         generation = br.get("generation", 0)  # optional (version 2): a spliced history's
         if type(generation) is not int or generation < 0:
             raise ValueError("malformed manifest branch: generation")

@@ -31,7 +31,6 @@ import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from .agents import ANON_PREFIX, Agents
@@ -291,7 +290,7 @@ class BlockPool:
             if found is not None and found.n and found.src is agent:
                 at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
                 if at is not None:  # now the most recently used
-                    used = replace(found.branch, last_used=self.agents.stamp(agent))
+                    used = found.branch.used(self.agents.stamp(agent))  # its content no newer
                     del agent.branches[at]
                     agent.branches.append(used)
             if self.reads is not None:  # read-ahead this lookup did not need (spliced histories' too)

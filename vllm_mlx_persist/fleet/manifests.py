@@ -242,7 +242,7 @@ def digest(m: Manifest) -> str:
     what servers from before last uses compute)."""
     text = "\n".join(m.block_ids)
     if m.branches is not None:
-        text += "\n" + canonical_json([{k: v for k, v in br.items() if k != "last_used"}
+        text += "\n" + canonical_json([{k: v for k, v in br.items() if k not in ("last_used", "made")}
                                     for br in m.branches]).decode()
     record = {k: getattr(m, k) for k in ("removals", "spliced_cleared", "forkable") if getattr(m, k) is not None}
     if record:  # what a record holds besides branches is history too (a removal must be published)
