@@ -280,3 +280,18 @@ def test_a_use_moves_last_used_only_and_survives_the_manifest():
     assert surviving_removals([again], [removal], 0.0, lambda b: None) == [again]
     (back,) = branches_of(decode_manifest(encode_manifest(manifest_of("x", [used], False, 30.0))))
     assert (back.last_used, back.written) == (30.0, 10.0)
+
+
+def test_settings_merge_by_the_latest_setting_and_a_tie_refuses():
+    """Finding 2, the rule (record_settings.py): per setting the copy that set it later wins; on equal
+    times (unstamped: 0) the refusal wins over no decision over a grant, on either side."""
+    from vllm_mlx_persist.record_settings import merge_settings
+
+    def merged(a, a_at, b, b_at):
+        return merge_settings({"forkable": a}, a_at, {"forkable": b}, b_at)[0]["forkable"]
+
+    assert merged(True, {"forkable": 2.0}, False, {"forkable": 1.0}) is True  # a later grant
+    assert merged(True, {"forkable": 1.0}, False, {"forkable": 2.0}) is False
+    for a, b in ((None, False), (False, None), (True, False), (False, True)):
+        assert merged(a, {}, b, {}) is False  # unstamped (a record from before the stamps): the refusal
+    assert merged(None, {}, True, {}) is None and merged(None, {}, True, {"forkable": 1.0}) is True

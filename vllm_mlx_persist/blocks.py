@@ -74,6 +74,7 @@ class Agent:
     forkable: Optional[bool] = None  # may others fork it (None: the server's fork_policy decides)
     removals: tuple[Removal, ...] = ()  # content forget edits removed (chain.Removal), newest last
     spliced_cleared: float = 0.0  # spliced branches used at or before this were dropped by a forget
+    settings_at: dict = field(default_factory=dict)  # setting -> when it was set (record_settings.py)
 
     @property
     def block_ids(self) -> list[str]:

@@ -121,11 +121,14 @@ def merge_removals(a: Sequence[Removal], b: Sequence[Removal], limit: int, since
 @dataclass(frozen=True)
 class Copy:
     """Another copy of an agent's record (the fleet's, in Redis) to merge with this server's: its
-    branches (least recently used first), removal records and spliced_cleared."""
+    branches (least recently used first), removal records, spliced_cleared and settings (with when
+    each was set: record_settings.py)."""
 
     branches: tuple[Branch, ...]
     removals: tuple[Removal, ...] = ()
     spliced_cleared: float = 0.0
+    forkable: Optional[bool] = None
+    settings_at: Optional[dict] = None
 
 
 def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], spliced_cleared: float,
@@ -336,7 +339,7 @@ def removals_of(m: Manifest) -> tuple[Removal, ...]:
 
 def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None, *,
                 removals: Sequence[Removal] = (), spliced_cleared: float = 0.0,
-                forkable: Optional[bool] = None) -> Manifest:
+                forkable: Optional[bool] = None, settings_at: Optional[dict] = None) -> Manifest:
     """An agent's manifest: every block it names (newest branch first), its branches when they are
     more than one plain chain (so manifests of agents that never fork or branch read as before; such
     a branch's last use is then read back as `now`), and the record's other fields when set."""
@@ -352,4 +355,5 @@ def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optio
     return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
                     time.time() if now is None else now, pinned, branches=listed,
                     removals=[r.to_json() for r in removals] or None,
-                    spliced_cleared=spliced_cleared or None, forkable=forkable)
+                    spliced_cleared=spliced_cleared or None, forkable=forkable,
+                    settings_at=dict(settings_at) if settings_at else None)

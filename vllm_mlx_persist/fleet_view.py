@@ -18,6 +18,7 @@ from .blocks import Agent
 from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_removals, same_branches, surviving_removals
 from .disk_format import MAX_REMOVALS, BlockData
 from .pool_core import PoolCore
+from .record_settings import merge_settings
 from .store import DiskStore
 
 log = logging.getLogger("vllm_mlx_persist.pool")
@@ -84,7 +85,8 @@ class FleetView:
         core = self.core
         with core.lock:
             agent = core.agents.get(namespace)
-            removals = (agent.removals, agent.spliced_cleared) if agent is not None else None
+            removals = ((agent.removals, agent.spliced_cleared, agent.forkable, tuple(sorted(agent.settings_at.items())))
+                        if agent is not None else None)
             return core.erased.get(namespace, 0), self.branch_state(namespace), removals
 
     def holds(self, namespace: str, expect: tuple, remote: Copy, then: Callable[[], None],
@@ -100,9 +102,9 @@ class FleetView:
             agent = self.core.agents.get(namespace)
             if agent is None or self.agent_version(namespace) != expect:
                 return False
-            branches, removals, cleared = self._merge(agent, remote, {}, tokens or {})
+            branches, removals, cleared, settings = self._merge(agent, remote, {}, tokens or {})
             if (not same_branches(branches, agent.branches) or set(removals) != set(agent.removals)
-                    or cleared != agent.spliced_cleared):
+                    or cleared != agent.spliced_cleared or settings != (agent.forkable, agent.settings_at)):
                 return False
             then()
             return True
@@ -145,9 +147,9 @@ class FleetView:
             data = {d.block_id: d for d in blocks}
             record = Agent(namespace) if agent is None else agent
             merged = self._merge(record, fetched, data, tokens or {})
-            branches, removals, cleared = merged
+            branches, removals, cleared, (forkable, settings_at) = merged
             manifest = core.stamped(manifest_of(namespace, branches, record.pinned, core.clock(), removals=removals,
-                                                spliced_cleared=cleared, forkable=record.forkable))
+                                                spliced_cleared=cleared, forkable=forkable, settings_at=settings_at))
             named = set(manifest.block_ids)
             blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
@@ -162,13 +164,14 @@ class FleetView:
             return core.persister.save(manifest, blocks, [], on_durable)
 
     def _merge(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
-               ) -> tuple[list[Branch], tuple[Removal, ...], float]:
+               ) -> tuple[list[Branch], tuple[Removal, ...], float, tuple[Optional[bool], dict]]:
         """(lock held) The agent's record merged with a fetched copy: branches by recency
         (chain.merge_branches: a branch another holds goes, the `branches` most recently used stay,
         from either side, honest and spliced apart), then every branch either side's removal records
         remove (chain.surviving_removals: removals win over every older copy). A partial tail
         another branch grew is recognised by the tokens at hand (`data`: fetched blocks; blocks in
-        memory; `tokens`: read ahead from disk), never by a read."""
+        memory; `tokens`: read ahead from disk), never by a read. Settings: the latest set wins, a
+        tie the more restrictive (record_settings.py)."""
         core = self.core
 
         def tokens_of(bid: str) -> Optional[Sequence[int]]:
@@ -183,11 +186,14 @@ class FleetView:
         branches = merge_branches(agent.branches, list(fetched.branches), self.max_branches,
                                   lambda c, b: core.chains.grew(c, b, tokens_of),
                                   continued=not self.bounded_windows)
-        return surviving_removals(branches, removals, cleared, tokens_of), removals, cleared
+        values, times = merge_settings({"forkable": agent.forkable}, agent.settings_at,
+                                       {"forkable": fetched.forkable}, fetched.settings_at or {})
+        return (surviving_removals(branches, removals, cleared, tokens_of), removals, cleared,
+                (values["forkable"], times))
 
     def _adopt(self, namespace: str, merged: tuple, expect: tuple) -> bool:
         """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
-        branches, removals, cleared = merged
+        branches, removals, cleared, (forkable, settings_at) = merged
         core = self.core
         with core.lock:
             if self.agent_version(namespace) != expect:
@@ -197,6 +203,7 @@ class FleetView:
                 agent = Agent(namespace)
                 core.agents.add(agent)
             agent.removals, agent.spliced_cleared = removals, cleared
+            agent.forkable, agent.settings_at = forkable, dict(settings_at)
             core.table.name(agent, branches)
             core.touch(agent)
             core.epoch += 1

@@ -89,7 +89,8 @@ class PoolCore:
         """(lock held) The agent's record as a manifest (chain.manifest_of): its branches (or
         `branches`), pin, fork setting and removal records, with the erasure its history follows."""
         m = manifest_of(agent.namespace, agent.branches if branches is None else branches, agent.pinned, now,
-                        removals=agent.removals, spliced_cleared=agent.spliced_cleared, forkable=agent.forkable)
+                        removals=agent.removals, spliced_cleared=agent.spliced_cleared, forkable=agent.forkable,
+                        settings_at=agent.settings_at)
         return self.stamped(m)
 
     def stamped(self, manifest: Manifest) -> Manifest:

@@ -53,7 +53,8 @@ class Records:
                 if core.fleet is not None:
                     core.fleet.loaded(m)  # the erasure its history follows survives the restart
                 agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at, forkable=m.forkable,
-                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0)
+                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0,
+                              settings_at=dict(m.settings_at or {}))
                 core.table.name(agent, branches_of(m))
                 core.agents.add(agent, coldest=True)  # disk agents are the coldest
             for name, old in legacy.items():
@@ -182,6 +183,7 @@ class Records:
             if agent is None:
                 return False
             agent.forkable = forkable
+            agent.settings_at = {**agent.settings_at, "forkable": core.clock()}  # the latest setting wins
             future = core.save(agent, [], {}, [], list(agent.branches)) if core.persister is not None else None
         if future is not None:
             future.result(timeout)

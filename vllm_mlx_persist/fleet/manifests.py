@@ -12,8 +12,9 @@ from typing import Optional, Sequence
 
 from ..chain import (Removal, branches_of, manifest_of, merge_branches, merge_removals, removals_of, same_branches,
                      surviving_removals)
-from ..disk_format import (FORMAT_VERSION, MAX_REMOVALS, BlockData, Manifest, canonical_json, check_block_id,
-                           check_branches, check_era, check_removals)
+from ..disk_format import (FORMAT_VERSION, MAX_REMOVALS, RECORD_FIELDS, BlockData, Manifest, canonical_json,
+                           check_block_id, check_branches, check_era, check_removals)
+from ..record_settings import check_settings_at, merge_settings
 from .auth import Tagger
 from .state import TierState
 
@@ -56,6 +57,8 @@ class RemoteManifest:
     outdated: bool = False
     removals: tuple[Removal, ...] = ()  # content forget edits removed (chain.Removal): merges apply them
     spliced_cleared: float = 0.0  # spliced branches used at or before this are removed too
+    forkable: Optional[bool] = None  # the record's settings, and when each was set (record_settings.py)
+    settings_at: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -148,6 +151,7 @@ class Manifests:
                 check_block_id(b)
             branches = d.get("branches")  # absent: one plain chain (and every older server's manifest)
             removals, cleared, forkable = d.get("removals"), d.get("spliced_cleared"), d.get("forkable")
+            settings_at = d.get("settings_at")
             if branches is not None:
                 check_branches(branches, set(ids), allow_empty=True)  # a record may keep only removals
                 if (branches[-1]["n_tokens"] if branches else 0) != n:
@@ -161,11 +165,13 @@ class Manifests:
                 raise ValueError("malformed spliced_cleared")
             if forkable is not None and not isinstance(forkable, bool):
                 raise ValueError("malformed forkable")
+            if settings_at is not None:
+                check_settings_at(settings_at)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("fleet: refused a manifest from Redis: %s", e)
             return None
         return Manifest(namespace, list(ids), n, float(ts), branches=branches, era=era, removals=removals,
-                        spliced_cleared=cleared, forkable=forkable)
+                        spliced_cleared=cleared, forkable=forkable, settings_at=settings_at)
 
     def body(self, m: Manifest, era: Optional[str] = None) -> bytes:
         """A manifest's body as Redis holds it; `era` (default: the manifest's) the erasure its history follows."""
@@ -177,7 +183,7 @@ class Manifests:
         era = m.era if era is None else era
         if era:  # optional too: every r2 reader before it ignores it (docs/fleet.md, Versions)
             d["era"] = era
-        for name in ("removals", "spliced_cleared", "forkable"):  # the record's (r3), each optional
+        for name in RECORD_FIELDS:  # the record's (r3), each optional
             if getattr(m, name) is not None:
                 d[name] = getattr(m, name)
         d["checksum"] = "sha256:" + hashlib.sha256(canonical_json(d)).hexdigest()
@@ -230,10 +236,14 @@ def merged(m: Manifest, theirs: Optional[Manifest], branches: int, keep_continue
                          continued=not keep_continued)
     given = {b: d.tokens for b, d in (blocks or {}).items() if isinstance(d, BlockData)}
     new = surviving_removals(new, removals, cleared, given.get)
-    if same_branches(new, old) and set(removals) == set(removals_of(theirs)) and cleared == (theirs.spliced_cleared or 0.0):
+    values, times = merge_settings({"forkable": m.forkable}, m.settings_at or {},
+                                   {"forkable": theirs.forkable}, theirs.settings_at or {})
+    if (same_branches(new, old) and set(removals) == set(removals_of(theirs))
+            and cleared == (theirs.spliced_cleared or 0.0)
+            and (values["forkable"], times) == (theirs.forkable, theirs.settings_at or {})):
         return None
     return manifest_of(m.namespace, new, m.pinned, max(m.updated_at, theirs.updated_at), removals=removals,
-                       spliced_cleared=cleared, forkable=m.forkable if m.forkable is not None else theirs.forkable)
+                       spliced_cleared=cleared, forkable=values["forkable"], settings_at=times)
 
 
 def digest(m: Manifest) -> str:
@@ -244,7 +254,7 @@ def digest(m: Manifest) -> str:
     if m.branches is not None:
         text += "\n" + canonical_json([{k: v for k, v in br.items() if k not in ("last_used", "made")}
                                     for br in m.branches]).decode()
-    record = {k: getattr(m, k) for k in ("removals", "spliced_cleared", "forkable") if getattr(m, k) is not None}
+    record = {k: getattr(m, k) for k in RECORD_FIELDS if getattr(m, k) is not None}
     if record:  # what a record holds besides branches is history too (a removal must be published)
         text += "\n" + canonical_json(record).decode()
     return hashlib.sha256(text.encode()).hexdigest()

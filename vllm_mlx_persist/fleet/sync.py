@@ -220,7 +220,7 @@ class Fleet:
         if rm.outdated:  # from before the erasure this server's copies follow: none of it may come back
             self._count("syncs_outdated")
             return False
-        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared)
+        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared, rm.forkable, rm.settings_at)
         tokens = self._tokens(pool.removal_blocks(namespace, remote))  # read ahead: no read under the lock
         # Every branch there already held here, as recently used, and every removal: no block is
         # read, and this server now holds that version (its next put succeeds it).
@@ -228,10 +228,12 @@ class Fleet:
             self._count("syncs_unchanged")
             return False
         branches, blocks, complete = self._fetch(rm, list(remote.branches))
-        if not branches and not remote.removals and not remote.spliced_cleared:
+        if not branches and not remote.removals and not remote.spliced_cleared and (
+                remote.forkable is None and not remote.settings_at):
             return False
         version = rm.version if complete else None
-        fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared), blocks,
+        fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared,
+                                                remote.forkable, remote.settings_at), blocks,
                                 expect, lambda adopted: self._adopted(adopted, version), tokens)
         with self._lock:
             self.counts["blocks_fetched"] += len(blocks)
