@@ -191,6 +191,8 @@ def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet,
     again.fleet._sync_agent("p")
     assert again.fleet_view.branch_state("p") is None, "the restarted server fetched the erased agent back"
     wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
+    wait_for(lambda: not again.fleet.outbox.pending(), "the outbox emptied once the tombstone is in Redis")
+    assert not a.fleet.outbox.pending() or a.fleet.outbox.dir == again.fleet.outbox.dir
     b, _ = fleet.server("b")
     b.fleet._sync_agent("p")
     assert b.fleet_view.branch_state("p") is None

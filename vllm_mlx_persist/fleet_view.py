@@ -51,6 +51,11 @@ class FleetView:
         return bool(self.core.codec.window_names())
 
     @property
+    def fleet_dir(self):
+        """The model's directory on the local disk (the fleet keeps its pending removals there)."""
+        return self.store.dir
+
+    @property
     def disk_queue_bytes(self) -> Optional[int]:
         """The disk tier's write queue, in bytes; None without a disk tier."""
         return self.core.persister.queue_bytes if self.core.persister is not None else None

@@ -7,6 +7,7 @@ holds the pool's lock."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from ..chain import Branch, Copy
@@ -28,6 +29,10 @@ class FleetPool(Protocol):
     def bounded_windows(self) -> bool:
         """Whether the model has bounded sliding-window layers (then a merge keeps continued branches:
         chain.merge_branches)."""
+
+    @property
+    def fleet_dir(self) -> Path:
+        """The model's directory on the local disk: the fleet's pending removals live under it (outbox.py)."""
 
     @property
     def disk_queue_bytes(self) -> Optional[int]:

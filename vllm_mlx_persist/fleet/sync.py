@@ -34,16 +34,19 @@ local write queue's and the tier's own queue bounds. See docs/fleet.md.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
 from ..disk_format import BlockData, Manifest
 from .manifests import RemoteManifest
+from .outbox import OUTBOX_DIR, Outbox
 from .pool_api import FleetPool
 from .tier import RemoteTier
 
@@ -66,8 +69,15 @@ class Fleet:
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
              "erased_from_fleet", "syncs_outdated", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+        # Erasures acknowledged and not yet in Redis, on the local disk: queued again after a restart.
+        self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR)
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
-                              branches=pool.max_branches, keep_continued=pool.bounded_windows)
+                              on_erase_done=self.outbox.done, branches=pool.max_branches,
+                              keep_continued=pool.bounded_windows)
+        for namespace, era in self.outbox.pending():  # a server killed before its erasures reached Redis
+            log.info("fleet: agent %r: its erasure did not reach Redis before the last stop; queued again",
+                     namespace)
+            self.tier.erase(namespace, era)
         settings = self.settings = self.tier.settings
         self.wait_s = settings.wait_s
         self.write_timeout_s = settings.save_timeout_s
@@ -118,8 +128,19 @@ class Fleet:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
         live manifest for it (read within the tier's read time-out). The tombstone is queued."""
         m = self.tier.get_manifest(namespace)
-        self.tier.erase(namespace)
+        self._erase_durably(namespace)
         return m is not None and not m.erased
+
+    def _erase_durably(self, namespace: str) -> None:
+        """Queue the fleet-wide erasure after recording it in the outbox (durable before the caller
+        acknowledges the erasure; removed once its tombstone is in Redis)."""
+        ident = secrets.token_hex(8)
+        try:
+            self.outbox.add(namespace, ident)
+        except OSError as e:  # still queued: it reaches Redis unless this server dies first
+            log.error("fleet: agent %r: recording its pending erasure failed (%s); not kept across a restart",
+                      namespace, e)
+        self.tier.erase(namespace, ident)
 
     # ---- lookups ------------------------------------------------------------------------------------
 
