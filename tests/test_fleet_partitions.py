@@ -297,3 +297,47 @@ def test_settings_merge_by_the_latest_setting_and_a_tie_refuses():
     for a, b in ((None, False), (False, None), (True, False), (False, True)):
         assert merged(a, {}, b, {}) is False  # unstamped (a record from before the stamps): the refusal
     assert merged(None, {}, True, {}) is None and merged(None, {}, True, {"forkable": 1.0}) is True
+
+
+# ---- 4. a forget whose publish never reached Redis is published after the heal -------------------------
+
+
+def test_a_forget_whose_publish_never_reached_redis_is_republished(fleet, model, fp, tmp_path):
+    """Finding 4: A forgets a span while cut off (its put is given up), and restarts; after the heal
+    A's sync finds its own record covering Redis's older copy. It must publish its removal (not
+    adopt Redis's copy as unchanged and stop there), so B drops the span too."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = model_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head, span, tail = _history()
+        _turn(a, model, "x", head + span + tail, "r1")
+        settle(a)
+        b.fleet._sync_agent("x")
+        old = list(a.agent("x").branches[-1].block_ids)
+
+        pa.cut()
+        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+        a.flush(30)
+        assert a.fleet.tier.flush(30)  # given up: the put never reached Redis
+        (removal,) = a.agent("x").removals
+        gone = set(old[removal.index:])
+        a.close()
+        pa.heal()
+        a = model_server(fleet, model, tmp_path / "a", fp, pa)
+        assert a.agent("x").removals == (removal,)
+        reaches_redis(a, "x")
+        a.fleet._sync_agent("x")
+        settle(a)
+        assert removal in fleet.tier().get_manifest("x").removals, "the removal never reached Redis"
+        a.fleet._sync_agent("x")  # published once: Redis holds it now, nothing more to publish
+        assert a.fleet.counts["syncs_republished"] == 1
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B still serves the forgotten span"
+    finally:
+        a.close()
+        b.close()

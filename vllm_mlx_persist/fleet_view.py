@@ -24,6 +24,19 @@ from .store import DiskStore
 log = logging.getLogger("vllm_mlx_persist.pool")
 
 
+def record_ahead(agent: Agent, remote: Copy) -> bool:
+    """Whether the agent's record holds a removal or a setting that `remote` lacks (a removal of a
+    block `remote` removed at the same time or later counts as held)."""
+    at = {r.block: r.at for r in remote.removals}
+    if any(at.get(r.block, -1.0) < r.at for r in agent.removals):
+        return True
+    if agent.spliced_cleared > remote.spliced_cleared:
+        return True
+    values, times = merge_settings({"forkable": agent.forkable}, agent.settings_at,
+                                   {"forkable": remote.forkable}, remote.settings_at or {})
+    return (values["forkable"], times) != (remote.forkable, dict(remote.settings_at or {}))
+
+
 class FleetView:
     """fleet.FleetPool over one pool (see the module docstring)."""
 
@@ -112,6 +125,20 @@ class FleetView:
                     or cleared != agent.spliced_cleared or settings != (agent.forkable, agent.settings_at)):
                 return False
             then()
+            return True
+
+    def republish(self, namespace: str, remote: Copy) -> bool:
+        """Whether the agent's record holds removals or settings that `remote` (its copy in Redis,
+        which the record holds: `holds`) lacks, a put of it that never reached Redis (a partition, a
+        restart); if so its record is saved again, which publishes it. No I/O (the save is queued)."""
+        core = self.core
+        with core.lock:
+            agent = core.agents.get(namespace)
+            if agent is None or core.persister is None or not agent.branches and not agent.removals:
+                return False
+            if not record_ahead(agent, remote):
+                return False
+            core.save(agent, [], {}, [], list(agent.branches))
             return True
 
     def removal_blocks(self, namespace: str, remote: Copy) -> list[str]:

@@ -68,6 +68,10 @@ class FleetPool(Protocol):
         change nothing; if so `then()` runs under the pool's lock. `tokens`: read ahead
         (removal_blocks)."""
 
+    def republish(self, namespace: str, remote: Copy) -> bool:
+        """If the agent's record holds removals or settings its copy in Redis (`remote`) lacks, save it
+        again (which publishes it); whether it did. No I/O."""
+
     def save_fetched(self, namespace: str, fetched: Copy, blocks: list[BlockData], expect: tuple,
                      on_done: Callable[[Optional[Manifest]], None], tokens: Optional[dict] = None,
                      ) -> Optional[Future]:

@@ -68,7 +68,7 @@ class Fleet:
         self.counts = dict.fromkeys(
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
-             "erased_from_fleet", "syncs_outdated", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+             "erased_from_fleet", "syncs_outdated", "syncs_republished", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
         # Erasures acknowledged and not yet in Redis, on the local disk: queued again after a restart.
         self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR)
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
@@ -247,6 +247,10 @@ class Fleet:
         # read, and this server now holds that version (its next put succeeds it).
         if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version), tokens):
             self._count("syncs_unchanged")
+            # ... and when the local record is ahead of it (a put of a removal or a setting that never
+            # reached Redis), the record is published again: its put succeeds the version adopted.
+            if pool.republish(namespace, remote):
+                self._count("syncs_republished")
             return False
         branches, blocks, complete = self._fetch(rm, list(remote.branches))
         if not branches and not remote.removals and not remote.spliced_cleared and (
