@@ -341,3 +341,63 @@ def test_a_forget_whose_publish_never_reached_redis_is_republished(fleet, model,
     finally:
         a.close()
         b.close()
+
+
+# ---- 5. removals past the bound ------------------------------------------------------------------------
+
+
+def test_removals_past_the_bound_still_hold_against_an_old_copy(fleet, model, fp, tmp_path):
+    """Finding 5: an agent forgets one tool output per turn, 33 times (one more than MAX_REMOVALS
+    records); B synced it before the first forget. B's sync must not keep (and B's publish must not
+    bring back) the first forgotten output: the bound compacts removal records into the record's floor
+    (branches written before it that the record does not hold go), never forgets what they removed."""
+    from test_forget import _turn
+    from test_pool import tokens
+
+    from vllm_mlx_persist.disk_format import MAX_REMOVALS
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = model_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head = tokens(40, seed=1)
+        _turn(a, model, "x", head + tokens(30, seed=100), "r0", out=2)
+        settle(a)
+        b.fleet._sync_agent("x")
+        first = list(a.agent("x").branches[-1].block_ids)
+        for i in range(1, MAX_REMOVALS + 2):
+            _turn(a, model, "x", head + tokens(30, seed=100 + i), f"r{i}", edit=FORGET, out=2)
+        settle(a)
+        assert len(a.agent("x").removals) <= MAX_REMOVALS
+        gone = set(first[2:])  # the first output's blocks (head: blocks 0-1 and half of 2)
+        assert not held(a, "x") & gone
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B kept the first forgotten output"
+        republish(b, "x")
+        a.fleet._sync_agent("x")
+        assert not held(a, "x") & gone, "A serves the first forgotten output again"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bounded_removals_raise_a_floor_that_older_copies_cannot_cross():
+    """Finding 5, the rule (chain.bound_removals, chain.merge_records): records past the bound go, the
+    newest of them raising the floor; a branch of another copy written at or before the floor that
+    the floor's copy does not hold goes, one written after it (sent again) stays."""
+    from vllm_mlx_persist.chain import Branch, Copy, Removal, bound_removals, merge_records
+
+    rs = [Removal(f"{i:064x}", 1, None, (), float(i)) for i in range(1, 6)]
+    kept, floor = bound_removals(rs, 3, 0.0, 0.0)
+    assert [r.at for r in kept] == [3.0, 4.0, 5.0] and floor == 2.0
+    kept, floor = bound_removals(rs, 3, 4.0, 0.0)  # expired by age too
+    assert [r.at for r in kept] == [4.0, 5.0] and floor == 3.0
+
+    old = Branch(["a" * 64, f"{1:064x}"], 32, ((0, "x"),), 0.5)  # holds what the first removal removed
+    mine = Branch(["a" * 64, "c" * 64], 32, ((0, "x"),), 4.5)
+    again = Branch(["a" * 64, f"{1:064x}"], 32, ((0, "x"),), 6.0)
+    compacted = Copy((mine,), kept, removed_floor=floor)
+    for br, stays in ((old, False), (again, True)):
+        got, _, _, f = merge_records([br, mine], compacted, Copy((br,)), 32, 0.0, lambda b: None)
+        assert (br in got) is stays and mine in got and f == floor

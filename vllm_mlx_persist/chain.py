@@ -118,6 +118,47 @@ def merge_removals(a: Sequence[Removal], b: Sequence[Removal], limit: int, since
     return tuple(sorted(by_block.values(), key=lambda r: r.at)[-limit:]) if limit > 0 else ()
 
 
+def bound_removals(removals: Sequence[Removal], limit: int, since: float, floor: float,
+                   ) -> tuple[tuple[Removal, ...], float]:
+    """Removal records bounded without forgetting what they remove: one per block (the latest), at
+    most `limit` (the newest), none from before `since`; the time of the newest one dropped raises the
+    record's `floor` (returned), which removes from every other copy what it wrote at or before it
+    and this record does not hold (`above_floor`). Records at or below the floor are implied by it."""
+    every = merge_removals(removals, (), len(removals) + 1, float("-inf"))  # one per block, oldest first
+    kept = [r for r in every if r.at >= since]
+    kept = kept[-limit:] if limit > 0 else []
+    floor = max([floor] + [r.at for r in every if r not in kept])
+    return tuple(r for r in kept if r.at > floor), floor
+
+
+def above_floor(branches: Sequence[Branch], floor: float, held: Sequence[Branch]) -> list[Branch]:
+    """`branches` without those written at or before `floor` that no branch of `held` (those of the
+    copy or copies whose floor it is: their branches hold nothing removed before it) holds as a prefix."""
+    if floor <= 0:
+        return list(branches)
+    clean = [tuple(h.block_ids) for h in held]
+    return [br for br in branches if br.written > floor
+            or any(c[:len(br.block_ids)] == tuple(br.block_ids) for c in clean)]
+
+
+def merge_records(branches: Sequence[Branch], mine: "Copy", theirs: "Copy", limit: int, since: float,
+                  tokens_of: Callable[[str], Optional[Sequence[int]]],
+                  ) -> tuple[list[Branch], tuple[Removal, ...], float, float]:
+    """Two copies' removals applied to their merged `branches` (docs/fleet.md, "The merge rules"):
+    every removal record of either (removals win over older content), spliced branches used before
+    either's `spliced_cleared`, and the higher floor (a branch written before it that the copy with
+    that floor does not hold goes); then the records bounded (`bound_removals`). Returns (branches,
+    removals, spliced_cleared, floor)."""
+    union = merge_removals(mine.removals, theirs.removals, len(mine.removals) + len(theirs.removals) + 1,
+                           float("-inf"))
+    cleared = max(mine.spliced_cleared, theirs.spliced_cleared)
+    floor = max(mine.removed_floor, theirs.removed_floor)
+    held = [br for c in (mine, theirs) if c.removed_floor >= floor for br in c.branches]
+    kept = above_floor(surviving_removals(branches, union, cleared, tokens_of), floor, held)
+    removals, floor = bound_removals(union, limit, since, floor)
+    return kept, removals, cleared, floor
+
+
 @dataclass(frozen=True)
 class Copy:
     """Another copy of an agent's record (the fleet's, in Redis) to merge with this server's: its
@@ -129,6 +170,7 @@ class Copy:
     spliced_cleared: float = 0.0
     forkable: Optional[bool] = None
     settings_at: Optional[dict] = None
+    removed_floor: float = 0.0  # what removal records compacted away removed (chain.bound_removals)
 
 
 def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], spliced_cleared: float,
@@ -339,7 +381,8 @@ def removals_of(m: Manifest) -> tuple[Removal, ...]:
 
 def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None, *,
                 removals: Sequence[Removal] = (), spliced_cleared: float = 0.0,
-                forkable: Optional[bool] = None, settings_at: Optional[dict] = None) -> Manifest:
+                forkable: Optional[bool] = None, settings_at: Optional[dict] = None,
+                removed_floor: float = 0.0) -> Manifest:
     """An agent's manifest: every block it names (newest branch first), its branches when they are
     more than one plain chain (so manifests of agents that never fork or branch read as before; such
     a branch's last use is then read back as `now`), and the record's other fields when set."""
@@ -356,4 +399,4 @@ def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optio
                     time.time() if now is None else now, pinned, branches=listed,
                     removals=[r.to_json() for r in removals] or None,
                     spliced_cleared=spliced_cleared or None, forkable=forkable,
-                    settings_at=dict(settings_at) if settings_at else None)
+                    settings_at=dict(settings_at) if settings_at else None, removed_floor=removed_floor or None)

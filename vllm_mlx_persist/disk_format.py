@@ -47,7 +47,7 @@ MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
 MAX_MODEL_JSON_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20  # a block file's JSON header
 MAX_ERA_CHARS = 128  # a manifest's era: the fleet tier's tombstone id (16 hex digits as written)
-RECORD_FIELDS = ("removals", "spliced_cleared", "forkable", "settings_at")  # a record's optional fields
+RECORD_FIELDS = ("removals", "spliced_cleared", "forkable", "settings_at", "removed_floor")  # a record's optional fields
 MAX_REMOVALS = 32  # removal records a manifest keeps (the newest; chain.Removal)
 
 BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
@@ -107,12 +107,15 @@ class Manifest:
     forkable: Optional[bool] = None
     # When each setting was last set ({"forkable": t}): which copy's setting wins (record_settings.py).
     settings_at: Optional[dict] = None
+    # Removal records compacted away (MAX_REMOVALS) raised it: another copy's branches written at or
+    # before it that this record does not hold are removed (chain.bound_removals).
+    removed_floor: Optional[float] = None
 
     @property
     def record_fields(self) -> bool:
         """Whether the manifest holds anything only a version-2 reader understands."""
         return (self.removals is not None or self.spliced_cleared is not None or self.forkable is not None
-                or self.settings_at is not None
+                or self.settings_at is not None or self.removed_floor is not None
                 or self.branches == [] or any(br.get("generation", 0) for br in self.branches or ()))
 
 
@@ -427,6 +430,8 @@ def _check_record(m: Manifest) -> None:
         raise ValueError("malformed manifest forkable")
     if m.settings_at is not None:
         check_settings_at(m.settings_at)
+    if m.removed_floor is not None and not _finite(m.removed_floor):
+        raise ValueError("malformed manifest removed_floor")
 
 
 def encode_manifest(m: Manifest) -> bytes:

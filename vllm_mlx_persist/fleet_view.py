@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
 from .blocks import Agent
-from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_removals, same_branches, surviving_removals
+from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_records, same_branches
 from .disk_format import MAX_REMOVALS, BlockData
 from .pool_core import PoolCore
 from .record_settings import merge_settings
@@ -28,9 +28,9 @@ def record_ahead(agent: Agent, remote: Copy) -> bool:
     """Whether the agent's record holds a removal or a setting that `remote` lacks (a removal of a
     block `remote` removed at the same time or later counts as held)."""
     at = {r.block: r.at for r in remote.removals}
-    if any(at.get(r.block, -1.0) < r.at for r in agent.removals):
+    if any(at.get(r.block, -1.0) < r.at and r.at > remote.removed_floor for r in agent.removals):
         return True
-    if agent.spliced_cleared > remote.spliced_cleared:
+    if agent.spliced_cleared > remote.spliced_cleared or agent.removed_floor > remote.removed_floor:
         return True
     values, times = merge_settings({"forkable": agent.forkable}, agent.settings_at,
                                    {"forkable": remote.forkable}, remote.settings_at or {})
@@ -103,8 +103,8 @@ class FleetView:
         core = self.core
         with core.lock:
             agent = core.agents.get(namespace)
-            removals = ((agent.removals, agent.spliced_cleared, agent.forkable, tuple(sorted(agent.settings_at.items())))
-                        if agent is not None else None)
+            removals = ((agent.removals, agent.spliced_cleared, agent.removed_floor, agent.forkable,
+                         tuple(sorted(agent.settings_at.items()))) if agent is not None else None)
             return core.erased.get(namespace, 0), self.branch_state(namespace), removals
 
     def holds(self, namespace: str, expect: tuple, remote: Copy, then: Callable[[], None],
@@ -122,7 +122,8 @@ class FleetView:
                 return False
             branches, removals, cleared, settings = self._merge(agent, remote, {}, tokens or {})
             if (not same_branches(branches, agent.branches) or set(removals) != set(agent.removals)
-                    or cleared != agent.spliced_cleared or settings != (agent.forkable, agent.settings_at)):
+                    or cleared != (agent.spliced_cleared, agent.removed_floor)
+                    or settings != (agent.forkable, agent.settings_at)):
                 return False
             then()
             return True
@@ -179,9 +180,10 @@ class FleetView:
             data = {d.block_id: d for d in blocks}
             record = Agent(namespace) if agent is None else agent
             merged = self._merge(record, fetched, data, tokens or {})
-            branches, removals, cleared, (forkable, settings_at) = merged
+            branches, removals, (cleared, floor), (forkable, settings_at) = merged
             manifest = core.stamped(manifest_of(namespace, branches, record.pinned, core.clock(), removals=removals,
-                                                spliced_cleared=cleared, forkable=forkable, settings_at=settings_at))
+                                                spliced_cleared=cleared, forkable=forkable, settings_at=settings_at,
+                                                removed_floor=floor))
             named = set(manifest.block_ids)
             blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
@@ -196,7 +198,7 @@ class FleetView:
             return core.persister.save(manifest, blocks, [], on_durable)
 
     def _merge(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
-               ) -> tuple[list[Branch], tuple[Removal, ...], float, tuple[Optional[bool], dict]]:
+               ) -> tuple[list[Branch], tuple[Removal, ...], tuple[float, float], tuple[Optional[bool], dict]]:
         """(lock held) The agent's record merged with a fetched copy: branches by recency
         (chain.merge_branches: a branch another holds goes, the `branches` most recently used stay,
         from either side, honest and spliced apart), then every branch either side's removal records
@@ -213,19 +215,19 @@ class FleetView:
             block = core.table.blocks.get(bid)
             return block.tokens if block is not None and block.tokens else tokens.get(bid)
 
-        removals = merge_removals(agent.removals, fetched.removals, MAX_REMOVALS, core.clock() - self.removal_ttl_s)
-        cleared = max(agent.spliced_cleared, fetched.spliced_cleared)
         branches = merge_branches(agent.branches, list(fetched.branches), self.max_branches,
                                   lambda c, b: core.chains.grew(c, b, tokens_of),
                                   continued=not self.bounded_windows)
+        mine = Copy(tuple(agent.branches), agent.removals, agent.spliced_cleared, removed_floor=agent.removed_floor)
+        branches, removals, cleared, floor = merge_records(branches, mine, fetched, MAX_REMOVALS,
+                                                           core.clock() - self.removal_ttl_s, tokens_of)
         values, times = merge_settings({"forkable": agent.forkable}, agent.settings_at,
                                        {"forkable": fetched.forkable}, fetched.settings_at or {})
-        return (surviving_removals(branches, removals, cleared, tokens_of), removals, cleared,
-                (values["forkable"], times))
+        return branches, removals, (cleared, floor), (values["forkable"], times)
 
     def _adopt(self, namespace: str, merged: tuple, expect: tuple) -> bool:
         """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
-        branches, removals, cleared, (forkable, settings_at) = merged
+        branches, removals, (cleared, floor), (forkable, settings_at) = merged
         core = self.core
         with core.lock:
             if self.agent_version(namespace) != expect:
@@ -234,7 +236,7 @@ class FleetView:
             if agent is None:
                 agent = Agent(namespace)
                 core.agents.add(agent)
-            agent.removals, agent.spliced_cleared = removals, cleared
+            agent.removals, agent.spliced_cleared, agent.removed_floor = removals, cleared, floor
             agent.forkable, agent.settings_at = forkable, dict(settings_at)
             core.table.name(agent, branches)
             core.touch(agent)

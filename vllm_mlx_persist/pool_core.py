@@ -90,7 +90,7 @@ class PoolCore:
         `branches`), pin, fork setting and removal records, with the erasure its history follows."""
         m = manifest_of(agent.namespace, agent.branches if branches is None else branches, agent.pinned, now,
                         removals=agent.removals, spliced_cleared=agent.spliced_cleared, forkable=agent.forkable,
-                        settings_at=agent.settings_at)
+                        settings_at=agent.settings_at, removed_floor=agent.removed_floor)
         return self.stamped(m)
 
     def stamped(self, manifest: Manifest) -> Manifest:

@@ -241,7 +241,8 @@ class Fleet:
         if rm.outdated:  # from before the erasure this server's copies follow: none of it may come back
             self._count("syncs_outdated")
             return False
-        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared, rm.forkable, rm.settings_at)
+        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared, rm.forkable, rm.settings_at,
+                      rm.removed_floor)
         tokens = self._tokens(pool.removal_blocks(namespace, remote))  # read ahead: no read under the lock
         # Every branch there already held here, as recently used, and every removal: no block is
         # read, and this server now holds that version (its next put succeeds it).
@@ -254,11 +255,11 @@ class Fleet:
             return False
         branches, blocks, complete = self._fetch(rm, list(remote.branches))
         if not branches and not remote.removals and not remote.spliced_cleared and (
-                remote.forkable is None and not remote.settings_at):
+                remote.forkable is None and not remote.settings_at and not remote.removed_floor):
             return False
         version = rm.version if complete else None
         fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared,
-                                                remote.forkable, remote.settings_at), blocks,
+                                                remote.forkable, remote.settings_at, remote.removed_floor), blocks,
                                 expect, lambda adopted: self._adopted(adopted, version), tokens)
         with self._lock:
             self.counts["blocks_fetched"] += len(blocks)
