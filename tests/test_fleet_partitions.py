@@ -401,3 +401,44 @@ def test_bounded_removals_raise_a_floor_that_older_copies_cannot_cross():
     for br, stays in ((old, False), (again, True)):
         got, _, _, f = merge_records([br, mine], compacted, Copy((br,)), 32, 0.0, lambda b: None)
         assert (br in got) is stays and mine in got and f == floor
+
+
+# ---- 6. the era of an agent the tier's bounded memory forgot --------------------------------------------
+
+
+def test_a_forgotten_era_does_not_erase_a_valid_copy(fleet, fp, tmp_path):
+    """Finding 6: X was erased elsewhere and recreated; A acted on the erasure and holds the new
+    history (its era). Once A's tier forgets X's state (its `max_agents` bound), neither A's sync nor
+    A's next publish of X may treat A's own copy as from before the erasure and erase it."""
+    w = fleet.tier()
+    old, new = chain(fp, "x", 2), chain(fp, "x", 2, seed=7)
+    assert w.put(manifest("x", old), {b.block_id: b for b in old}) and w.flush(10)
+    proxy = fleet.proxy()
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, max_agents=2), fp, **cb)
+
+    a = fleet_pool(fp, tmp_path / "a", make_tier)
+    try:
+        a.fleet._sync_agent("x")
+        assert w.erase("x") and w.flush(10)
+        assert w.put(manifest("x", new), {b.block_id: b for b in new}) and w.flush(10)
+        a.fleet._sync_agent("x")
+        assert held(a, "x") == {b.block_id for b in new} and a.fleet.counts["erased_from_fleet"] == 1
+        era = a.fleet.tier.era("x")
+        assert era and a.store.read_manifest("x").era == era
+
+        for other in ("y", "z", "v"):  # other agents' states push X's out of the tier's memory
+            a.fleet.tier.get_manifest(other)
+        a.fleet._sync_agent("x")
+        assert a.fleet.counts["erased_from_fleet"] == 1, "A erased its valid copy (sync)"
+        assert held(a, "x") == {b.block_id for b in new} and a.fleet.tier.era("x") == era
+
+        for other in ("y", "z", "v"):
+            a.fleet.tier.get_manifest(other)
+        republish(a, "x")
+        assert a.fleet.tier.stats()["puts_erased"] == 0, "A's publish met its own era as an erasure"
+        assert a.fleet.counts["erased_from_fleet"] == 1 and held(a, "x") == {b.block_id for b in new}
+        assert a.store.read_manifest("x").era == era
+    finally:
+        a.close()

@@ -76,6 +76,7 @@ class Agent:
     spliced_cleared: float = 0.0  # spliced branches used at or before this were dropped by a forget
     settings_at: dict = field(default_factory=dict)  # setting -> when it was set (record_settings.py)
     removed_floor: float = 0.0  # removal records compacted away removed what was written before it
+    era: str = ""  # the fleet erasure its history follows ('' none): kept here, the tier's memory is bounded
 
     @property
     def block_ids(self) -> list[str]:

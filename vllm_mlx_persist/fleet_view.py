@@ -128,6 +128,12 @@ class FleetView:
             then()
             return True
 
+    def era_of(self, namespace: str) -> Optional[str]:
+        """The erasure the agent's record follows (None: none, or unknown agent). No I/O."""
+        with self.core.lock:
+            agent = self.core.agents.get(namespace)
+            return (agent.era or None) if agent is not None else None
+
     def republish(self, namespace: str, remote: Copy) -> bool:
         """Whether the agent's record holds removals or settings that `remote` (its copy in Redis,
         which the record holds: `holds`) lacks, a put of it that never reached Redis (a partition, a
@@ -189,7 +195,7 @@ class FleetView:
 
             def on_durable() -> None:  # persister thread; on_done must not raise
                 try:
-                    adopted = self._adopt(namespace, merged, expect)
+                    adopted = self._adopt(namespace, merged, expect, manifest.era or "")
                 except Exception:
                     log.exception("agent %r: registering its fetched history failed", namespace)
                     adopted = False
@@ -225,7 +231,7 @@ class FleetView:
                                        {"forkable": fetched.forkable}, fetched.settings_at or {})
         return branches, removals, (cleared, floor), (values["forkable"], times)
 
-    def _adopt(self, namespace: str, merged: tuple, expect: tuple) -> bool:
+    def _adopt(self, namespace: str, merged: tuple, expect: tuple, era: str) -> bool:
         """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
         branches, removals, (cleared, floor), (forkable, settings_at) = merged
         core = self.core
@@ -237,6 +243,7 @@ class FleetView:
                 agent = Agent(namespace)
                 core.agents.add(agent)
             agent.removals, agent.spliced_cleared, agent.removed_floor = removals, cleared, floor
+            agent.era = era
             agent.forkable, agent.settings_at = forkable, dict(settings_at)
             core.table.name(agent, branches)
             core.touch(agent)

@@ -94,9 +94,18 @@ class PoolCore:
         return self.stamped(m)
 
     def stamped(self, manifest: Manifest) -> Manifest:
-        """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md, Erasure)."""
+        """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md,
+        Erasure). The agent's record keeps it too: the tier's memory of agents is bounded, and an era
+        it forgot is told back from the record (else its own copy would read as from before it)."""
         if self.fleet is not None:
-            manifest.era = self.fleet.era(manifest.namespace)
+            agent = self.agents.get(manifest.namespace)
+            era = self.fleet.era(manifest.namespace)
+            if not era and agent is not None and agent.era:
+                self.fleet.loaded_era(manifest.namespace, agent.era)
+                era = agent.era
+            manifest.era = era or None
+            if agent is not None:
+                agent.era = era or ""
         return manifest
 
     def save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str],

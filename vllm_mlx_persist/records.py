@@ -54,7 +54,8 @@ class Records:
                     core.fleet.loaded(m)  # the erasure its history follows survives the restart
                 agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at, forkable=m.forkable,
                               removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0,
-                              settings_at=dict(m.settings_at or {}), removed_floor=m.removed_floor or 0.0)
+                              settings_at=dict(m.settings_at or {}), removed_floor=m.removed_floor or 0.0,
+                              era=m.era or "")
                 core.table.name(agent, branches_of(m))
                 core.agents.add(agent, coldest=True)  # disk agents are the coldest
             for name, old in legacy.items():

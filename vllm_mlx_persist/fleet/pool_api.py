@@ -57,6 +57,9 @@ class FleetPool(Protocol):
         """What save_fetched compares: the agent's last erasure here, its branches (last uses
         included) and its removal records."""
 
+    def era_of(self, namespace: str) -> Optional[str]:
+        """The erasure the agent's record follows (None: none, or unknown agent). No I/O."""
+
     def removal_blocks(self, namespace: str, remote: Copy) -> list[str]:
         """The local blocks whose tokens a merge with `remote` needs and memory does not hold (to
         tell a grown partial tail a removal record names): the fleet reads them from the local disk

@@ -99,6 +99,7 @@ class Fleet:
         before the turn). Never blocks, never raises (the persister must finish its job whatever
         happens here)."""
         try:
+            self.tier.known_era(manifest.namespace, manifest.era)  # the tier may have forgotten it (its bound)
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
@@ -119,6 +120,11 @@ class Fleet:
     def loaded(self, manifest: Manifest) -> None:
         """Start-up: the agent's manifest found on the local disk (its era survives the restart)."""
         self.tier.known_era(manifest.namespace, manifest.era)
+
+    def loaded_era(self, namespace: str, era: str) -> None:
+        """The agent's record follows erasure `era`, which the tier forgot (its `max_agents` bound):
+        tell it back (ignored when the tier knows an era). Any thread, the pool's lock may be held."""
+        self.tier.known_era(namespace, era)
 
     def released(self, namespace: str) -> None:
         """The agent was erased here (any reason; the pool's lock held): it holds no copy any more."""
@@ -226,6 +232,7 @@ class Fleet:
         # Before the read: an erasure from here on (an API erasure racing this sync, or the one this
         # sync acts on) makes the pool refuse what this sync fetched, even for an agent it does not know.
         expect = self.pool.agent_version(namespace)
+        self.tier.known_era(namespace, self.pool.era_of(namespace))  # one the tier's bounded memory forgot
         rm = self.tier.get_manifest(namespace)
         if rm is None:
             return False
