@@ -273,6 +273,10 @@ class Fleet:
         try:
             if fut is not None and not fut.result(self.write_timeout_s):
                 self._count("save_failed")
+            elif fut is not None and pool.republish(namespace, remote):
+                # the merge kept removals or settings of the local record that Redis's copy lacks (a
+                # put of them that never reached it): published now, as a successor of the adopted copy
+                self._count("syncs_republished")
         except FutureTimeout:
             log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
                         namespace, self.write_timeout_s)
