@@ -955,7 +955,7 @@ class PoolMachine(RuleBasedStateMachine):
         budget of none, for this step only), a sweep, or (with the fleet) an erasure of y through the
         other server. A queued save must neither bring back an erased agent nor be lost to the budget
         (the budget and the TTL never erase an agent whose save is queued)."""
-        if then == "fleet_erase_y" and self.other is None:
+        if then == "fleet_erase_y" and (self.other is None or "b" in self.cut):  # (b's erasure waits for the heal)
             then = "erase_y"
         if then == "erase_x_turn" and self.other is not None:  # (a sync racing the erasure: not modelled)
             then = "erase_x"
@@ -1159,8 +1159,8 @@ class PoolMachine(RuleBasedStateMachine):
         agent this server holds: then its record keeps the erasure its history follows (an agent it
         erased and restarted since has no record left saying so, and a turn of it made while cut off
         meets its own old tombstone as an erasure at the heal: a known limit, docs/fleet.md)."""
-        if self.pool.agent(agent) is None:
-            return
+        if self.pool.agent(agent) is None or self.stale["a"].get(agent):
+            return  # (a copy from before another server's erasure: its turns go at the sync, by the era rules)
         self.proxies["a"].cut()
         self.cut.add("a")
         self.unpublished["a"].add(agent)
@@ -1315,10 +1315,11 @@ def _falsifying(e: BaseException) -> str:
     return "\n\n".join(p for p in parts if p.strip())
 
 
-def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
+def campaign(trials: int, seed: int, work: Path, steps: int = STEPS, fleet_only: bool = False) -> dict:
     """`vllm-mlx-persist reliability --campaigns state_machine`: `trials` examples of up to `steps`
     steps, EXAMPLES_PER_SEED per seed from `seed` on, every fourth seed with the fleet rules (when a
-    redis-server is at hand). A failure is shrunk by Hypothesis and recorded with its steps."""
+    redis-server is at hand; `fleet_only`: every seed, the `fleet` campaign: partitions, kills of
+    removals, removals past their bound). A failure is shrunk by Hypothesis and recorded with its steps."""
     import io
     import logging
 
@@ -1333,7 +1334,9 @@ def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
     left, s = trials, seed
     while left > 0:
         n = min(EXAMPLES_PER_SEED, left)
-        fleet = (s - seed) % 4 == 1 and Redis.available()
+        fleet = (fleet_only or (s - seed) % 4 == 1) and Redis.available()
+        if fleet_only and not fleet:
+            raise RuntimeError("the fleet campaign needs a redis-server")
         machine = use_seed(s)(type(f"Seeded{s}", (FleetMachine if fleet else PoolMachine,), {}))
         before = PoolMachine.steps_run
         report = io.StringIO()
