@@ -442,3 +442,54 @@ def test_a_forgotten_era_does_not_erase_a_valid_copy(fleet, fp, tmp_path):
         assert a.store.read_manifest("x").era == era
     finally:
         a.close()
+
+
+_ERASE_AND_HANG = """
+import sys, time
+from pathlib import Path
+from test_remote import SECRET, fleet_pool
+from vllm_mlx_persist.fleet import FleetSettings, RemoteTier
+fp, root, url = sys.argv[1:4]
+def make_tier(**cb):
+    return RemoteTier(FleetSettings(url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2), fp, **cb)
+pool = fleet_pool(fp, Path(root), make_tier)
+print("acked", pool.erase("p", 30), flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_erasure_acknowledged_by_a_server_then_sigkilled_reaches_the_fleet(fleet, fp, tmp_path):
+    """Finding 3 with a real kill -9: a server process answers the erasure of P while cut off from
+    Redis and is SIGKILLed; restarted on its directory (healed), it does not fetch P back and the
+    tombstone reaches Redis from its outbox."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, proxy = fleet.server("a")
+    a.fleet._sync_agent("p")
+    assert held(a, "p")
+    a.close()
+    proxy.cut()
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent), tests])}
+    child = subprocess.Popen([sys.executable, "-c", _ERASE_AND_HANG, fp, str(tmp_path / "a"), proxy.url],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = child.stdout.readline()  # the erasure's answer: the event the kill waits for
+        assert line.strip() == "acked True", line
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert w.get_manifest("p") is not None and not w.get_manifest("p").erased  # it never reached Redis
+    proxy.heal()
+    again, _ = fleet.server("a", proxy)
+    reaches_redis(again, "p")
+    again.fleet._sync_agent("p")
+    assert again.fleet_view.branch_state("p") is None, "the restarted server fetched the erased agent back"
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
+    wait_for(lambda: not again.fleet.outbox.pending(), "the outbox emptied")
