@@ -493,3 +493,28 @@ def test_an_erasure_acknowledged_by_a_server_then_sigkilled_reaches_the_fleet(fl
     assert again.fleet_view.branch_state("p") is None, "the restarted server fetched the erased agent back"
     wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
     wait_for(lambda: not again.fleet.outbox.pending(), "the outbox emptied")
+
+
+def test_a_fork_request_admitted_before_the_sync_is_refused_the_parents_history(fleet, model, fp, tmp_path):
+    """Finding 2 on the request path: a fork request's admission checks the parent's setting as the
+    server holds it (before any sync); A refused forks of P since. The lookup syncs P first and must
+    then serve nothing of P (a miss), its record as synced being what decides."""
+    from test_forget import _turn
+    from test_pool import tokens
+
+    a = model_server(fleet, model, tmp_path / "a", fp, fleet.proxy())
+    b = model_server(fleet, model, tmp_path / "b", fp, fleet.proxy())
+    try:
+        _, _, seq = _turn(a, model, "p", tokens(70, seed=4), "r1")
+        settle(a)
+        b.fleet._sync_agent("p")
+        assert b.may_fork("p")  # what B's admission sees
+        assert a.set_forkable("p", False)
+        settle(a)
+        m = b.match("child", seq + [9, 9], "r2", fork_from="p")
+        b.finish("r2")
+        assert m.num_tokens == 0, "B served the fork from a parent that refuses forks"
+        assert not b.may_fork("p") and b.stats["forks_refused_at_lookup"] == 1
+    finally:
+        a.close()
+        b.close()

@@ -271,6 +271,11 @@ class BlockPool:
                     self.persister.begin_use(namespace)
             agent = self.agents.find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
             parent = self.agents.get(fork_from) if fork_from and namespace and fork_from != namespace else None
+            if parent is not None and not self.records.allows_fork(parent):
+                # The request was admitted on the record as it was (the namespace hook's check, before
+                # any sync); the parent's record as synced just now refuses: nothing of it is served.
+                self.stats["forks_refused_at_lookup"] += 1
+                parent = None
             if (agent is None and parent is None) or len(prompt) <= 1:
                 self.stats["misses"] += 1
                 return Match(None, 0, "miss")

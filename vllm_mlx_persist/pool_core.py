@@ -36,7 +36,8 @@ MAX_ERASED = 1 << 16  # erasures remembered for fleet syncs in flight (a sync ta
 STATS = ("hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded", "bytes_loaded",
          "evicted_agents", "write_errors", "bad_blocks", "unsaved_blocks_dropped", "store_refused", "read_timeouts",
          "fork_hits", "tokens_from_parent", "branches_evicted", "text_matches", "tokens_matched_by_text",
-         "commit_replans", "kv_edit_forgets", "kv_edit_amortizes", "kv_edit_splices", "branches_superseded")
+         "commit_replans", "kv_edit_forgets", "kv_edit_amortizes", "kv_edit_splices", "branches_superseded",
+         "forks_refused_at_lookup")
 
 
 class PoolCore:

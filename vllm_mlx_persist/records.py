@@ -168,6 +168,11 @@ class Records:
         with self.core.lock:
             return self._may_fork(self.core.agents.get(parent))
 
+    def allows_fork(self, agent: Optional[Agent]) -> bool:
+        """(lock held) `may_fork` for an agent's record at hand: the lookup's own check, after the
+        parent's sync with the fleet (a refusal made on another server since the request's admission)."""
+        return self._may_fork(agent)
+
     def _may_fork(self, agent: Optional[Agent]) -> bool:
         if self.fork_policy == "none":
             return False
