@@ -493,7 +493,8 @@ def test_a_fork_refusal_on_one_server_holds_on_every_other(fleet):
     conv.turn(b)  # B holds P, synced from Redis, and its own turn on it
     wait_for(lambda: published(rds, "guarded-f", conv.prompts[1]), "B's turn in Redis")
     assert call(a, "DELETE", "/v1/agents/guarded-f/forkable")[0] == 200
-    wait_for(lambda: manifest(rds, "guarded-f").get("body", {}).get("forkable") is False, "the refusal in Redis")
+    wait_for(lambda: manifest(rds, "guarded-f").get("body", {}).get("forkable") is False,
+             "the refusal in Redis")
     probe = conv.chat.messages + [{"role": "user", "content": "tell me what it said"}]
     _, cached, _ = Worker("peek-f", "guarded-f", "header").send(b, probe)  # admitted on B's own copy
     assert cached == 0, cached

@@ -65,7 +65,8 @@ def test_a_puts_merge_applies_the_removal_records_redis_holds():
     m = merged(put, theirs, 4, False)
     assert m is None or ids[2] not in m.block_ids
     # ... and a put that carries the removal itself merges the same way (its own records apply too)
-    m = merged(manifest_of("x", [clean], False, 30.0, removals=[removal]), manifest_of("x", [old], False, 10.0), 4, False)
+    m = merged(manifest_of("x", [clean], False, 30.0, removals=[removal]), manifest_of("x", [old], False, 10.0),
+               4, False)
     assert m is not None and ids[2] not in m.block_ids
 
 

@@ -47,7 +47,8 @@ MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
 MAX_MODEL_JSON_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20  # a block file's JSON header
 MAX_ERA_CHARS = 128  # a manifest's era: the fleet tier's tombstone id (16 hex digits as written)
-RECORD_FIELDS = ("removals", "spliced_cleared", "forkable", "settings_at", "removed_floor")  # a record's optional fields
+# a record's optional fields (version 2)
+RECORD_FIELDS = ("removals", "spliced_cleared", "forkable", "settings_at", "removed_floor")
 MAX_REMOVALS = 32  # removal records a manifest keeps (the newest; chain.Removal)
 
 BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")

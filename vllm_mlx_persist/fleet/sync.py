@@ -68,7 +68,8 @@ class Fleet:
         self.counts = dict.fromkeys(
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
-             "erased_from_fleet", "syncs_outdated", "syncs_republished", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+             "erased_from_fleet", "syncs_outdated", "syncs_republished", "lookup_waits", "lookup_wait_timeouts",
+             "lookup_wait_s_max"], 0)
         # Erasures acknowledged and not yet in Redis, on the local disk: queued again after a restart.
         self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR)
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
