@@ -518,3 +518,36 @@ def test_a_fork_request_admitted_before_the_sync_is_refused_the_parents_history(
     finally:
         a.close()
         b.close()
+
+
+def test_a_pin_travels_and_the_latest_pin_setting_wins(fleet, fp):
+    """Every per-agent setting replicates by the stated rule (record_settings.py): A pins P, B's sync
+    pins it there too (its disk index included: the budget and the TTL spare it on B as well); B
+    unpins it later, and A's sync unpins it. A pin from before pins were stamped stays local."""
+    from vllm_mlx_persist.record_settings import merge_settings
+
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+    assert a.set_pinned("p", True)
+    settle(a)
+    assert w.get_manifest("p").pinned
+    b.fleet._sync_agent("p")
+    b.flush(30)
+    assert b.agent("p").pinned and b.persister.index.agents["p"].pinned and b.store.read_manifest("p").pinned
+    assert b.set_pinned("p", False)
+    settle(b)
+    a.fleet._sync_agent("p")
+    a.flush(30)
+    assert not a.agent("p").pinned and not a.persister.index.agents["p"].pinned
+
+    def pinned(mine, mine_at, theirs, theirs_at):
+        return merge_settings({"forkable": None, "pinned": mine}, mine_at, {"forkable": None, "pinned": theirs},
+                              theirs_at)[0]["pinned"]
+
+    assert pinned(True, {}, False, {}) is True and pinned(False, {}, True, {}) is False  # unstamped: local
+    assert pinned(True, {}, False, {"pinned": 1.0}) is False and pinned(False, {"pinned": 2.0}, True, {"pinned": 2.0})

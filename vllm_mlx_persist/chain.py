@@ -171,6 +171,7 @@ class Copy:
     forkable: Optional[bool] = None
     settings_at: Optional[dict] = None
     removed_floor: float = 0.0  # what removal records compacted away removed (chain.bound_removals)
+    pinned: Optional[bool] = None
 
 
 def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], spliced_cleared: float,

@@ -18,7 +18,7 @@ from .blocks import Agent
 from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_records, same_branches
 from .disk_format import MAX_REMOVALS, BlockData
 from .pool_core import PoolCore
-from .record_settings import merge_settings
+from .record_settings import differ, merge_records_settings, values_of
 from .store import DiskStore
 
 log = logging.getLogger("vllm_mlx_persist.pool")
@@ -32,9 +32,7 @@ def record_ahead(agent: Agent, remote: Copy) -> bool:
         return True
     if agent.spliced_cleared > remote.spliced_cleared or agent.removed_floor > remote.removed_floor:
         return True
-    values, times = merge_settings({"forkable": agent.forkable}, agent.settings_at,
-                                   {"forkable": remote.forkable}, remote.settings_at or {})
-    return (values["forkable"], times) != (remote.forkable, dict(remote.settings_at or {}))
+    return differ(*merge_records_settings(agent, remote), remote)
 
 
 class FleetView:
@@ -103,7 +101,7 @@ class FleetView:
         core = self.core
         with core.lock:
             agent = core.agents.get(namespace)
-            removals = ((agent.removals, agent.spliced_cleared, agent.removed_floor, agent.forkable,
+            removals = ((agent.removals, agent.spliced_cleared, agent.removed_floor, agent.forkable, agent.pinned,
                          tuple(sorted(agent.settings_at.items()))) if agent is not None else None)
             return core.erased.get(namespace, 0), self.branch_state(namespace), removals
 
@@ -123,7 +121,7 @@ class FleetView:
             branches, removals, cleared, settings = self._merge(agent, remote, {}, tokens or {})
             if (not same_branches(branches, agent.branches) or set(removals) != set(agent.removals)
                     or cleared != (agent.spliced_cleared, agent.removed_floor)
-                    or settings != (agent.forkable, agent.settings_at)):
+                    or settings != (values_of(agent), agent.settings_at)):
                 return False
             then()
             return True
@@ -186,10 +184,10 @@ class FleetView:
             data = {d.block_id: d for d in blocks}
             record = Agent(namespace) if agent is None else agent
             merged = self._merge(record, fetched, data, tokens or {})
-            branches, removals, (cleared, floor), (forkable, settings_at) = merged
-            manifest = core.stamped(manifest_of(namespace, branches, record.pinned, core.clock(), removals=removals,
-                                                spliced_cleared=cleared, forkable=forkable, settings_at=settings_at,
-                                                removed_floor=floor))
+            branches, removals, (cleared, floor), (values, settings_at) = merged
+            manifest = core.stamped(manifest_of(namespace, branches, values["pinned"], core.clock(),
+                                                removals=removals, spliced_cleared=cleared, forkable=values["forkable"],
+                                                settings_at=settings_at, removed_floor=floor))
             named = set(manifest.block_ids)
             blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
@@ -204,7 +202,7 @@ class FleetView:
             return core.persister.save(manifest, blocks, [], on_durable)
 
     def _merge(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
-               ) -> tuple[list[Branch], tuple[Removal, ...], tuple[float, float], tuple[Optional[bool], dict]]:
+               ) -> tuple[list[Branch], tuple[Removal, ...], tuple[float, float], tuple[dict, dict]]:
         """(lock held) The agent's record merged with a fetched copy: branches by recency
         (chain.merge_branches: a branch another holds goes, the `branches` most recently used stay,
         from either side, honest and spliced apart), then every branch either side's removal records
@@ -227,13 +225,11 @@ class FleetView:
         mine = Copy(tuple(agent.branches), agent.removals, agent.spliced_cleared, removed_floor=agent.removed_floor)
         branches, removals, cleared, floor = merge_records(branches, mine, fetched, MAX_REMOVALS,
                                                            core.clock() - self.removal_ttl_s, tokens_of)
-        values, times = merge_settings({"forkable": agent.forkable}, agent.settings_at,
-                                       {"forkable": fetched.forkable}, fetched.settings_at or {})
-        return branches, removals, (cleared, floor), (values["forkable"], times)
+        return branches, removals, (cleared, floor), merge_records_settings(agent, fetched)
 
     def _adopt(self, namespace: str, merged: tuple, expect: tuple, era: str) -> bool:
         """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
-        branches, removals, (cleared, floor), (forkable, settings_at) = merged
+        branches, removals, (cleared, floor), (values, settings_at) = merged
         core = self.core
         with core.lock:
             if self.agent_version(namespace) != expect:
@@ -244,7 +240,11 @@ class FleetView:
                 core.agents.add(agent)
             agent.removals, agent.spliced_cleared, agent.removed_floor = removals, cleared, floor
             agent.era = era
-            agent.forkable, agent.settings_at = forkable, dict(settings_at)
+            agent.forkable, agent.settings_at = values["forkable"], dict(settings_at)
+            if agent.pinned != values["pinned"]:  # the pin set on another server: the disk's index too
+                agent.pinned = values["pinned"]
+                if core.persister is not None:
+                    core.persister.set_pinned(namespace, agent.pinned)
             core.table.name(agent, branches)
             core.touch(agent)
             core.epoch += 1

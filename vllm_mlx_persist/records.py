@@ -152,9 +152,12 @@ class Records:
             if agent is None:
                 return False
             agent.pinned = pinned
+            agent.settings_at = {**agent.settings_at, "pinned": core.clock()}  # the latest setting wins
             if not pinned:
                 core.enforce_budget()  # what the pin held over the budget leaves memory now
             future = core.persister.set_pinned(namespace, pinned) if core.persister is not None else None
+            if future is not None and core.fleet is not None and agent.branches:  # the fleet's copies too
+                future = core.save(agent, [], {}, [], list(agent.branches))
         if future is not None:
             future.result(timeout)
         return True

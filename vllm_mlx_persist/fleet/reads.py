@@ -108,7 +108,7 @@ class Reads:
         return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, cur.version, branches=branches,
                               ident=cur.ident, seen=seen, era=era, erasure=erasure, outdated=not era and bool(mine),
                               removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0,
-                              forkable=m.forkable, settings_at=dict(m.settings_at or {}),
+                              forkable=m.forkable, pinned=m.pinned, settings_at=dict(m.settings_at or {}),
                               removed_floor=m.removed_floor or 0.0)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:

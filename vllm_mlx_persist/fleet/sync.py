@@ -250,7 +250,7 @@ class Fleet:
             self._count("syncs_outdated")
             return False
         remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared, rm.forkable, rm.settings_at,
-                      rm.removed_floor)
+                      rm.removed_floor, rm.pinned)
         tokens = self._tokens(pool.removal_blocks(namespace, remote))  # read ahead: no read under the lock
         # Every branch there already held here, as recently used, and every removal: no block is
         # read, and this server now holds that version (its next put succeeds it).
@@ -267,7 +267,8 @@ class Fleet:
             return False
         version = rm.version if complete else None
         fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared,
-                                                remote.forkable, remote.settings_at, remote.removed_floor), blocks,
+                                                remote.forkable, remote.settings_at, remote.removed_floor,
+                                                remote.pinned), blocks,
                                 expect, lambda adopted: self._adopted(adopted, version), tokens)
         with self._lock:
             self.counts["blocks_fetched"] += len(blocks)
