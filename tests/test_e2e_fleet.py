@@ -477,3 +477,32 @@ def test_a_forget_queues_no_erasure(fleet):
     assert after["agents_erased"] == before["agents_erased"]
     assert after["saves"] - before["saves"] <= 3  # each turn's own save, nothing else
     assert manifest(rds, "fgt-none").get("e") != b"1"
+
+
+def test_a_fork_refusal_on_one_server_holds_on_every_other(fleet):
+    """Issue #44 (finding 2): `DELETE /v1/agents/P/forkable` on A was written to Redis, but no server
+    read it back: B, which held P, allowed forks, and B's next publish of P dropped the refusal from
+    Redis. Now the setting travels with P's record and merges by the latest set: a fork request B
+    admitted on its own copy (before syncing P) is served nothing of P, the next one is refused (403),
+    and B's publish of P keeps the refusal."""
+    import openai
+
+    rds, a, b = fleet
+    conv = Conversation("guarded-f", "guarded-f")
+    conv.turn(a)
+    conv.turn(b)  # B holds P, synced from Redis, and its own turn on it
+    wait_for(lambda: published(rds, "guarded-f", conv.prompts[1]), "B's turn in Redis")
+    assert call(a, "DELETE", "/v1/agents/guarded-f/forkable")[0] == 200
+    wait_for(lambda: manifest(rds, "guarded-f").get("body", {}).get("forkable") is False,
+             "the refusal in Redis")
+    probe = conv.chat.messages + [{"role": "user", "content": "tell me what it said"}]
+    _, cached, _ = Worker("peek-f", "guarded-f", "header").send(b, probe)  # admitted on B's own copy
+    assert cached == 0, cached
+    with pytest.raises(openai.PermissionDeniedError, match="may not fork"):
+        Worker("peek-g", "guarded-f", "header").send(b, probe)
+    before = remote(b)
+    conv.turn(b)  # B publishes P's record
+    wait_for(lambda: remote(b)["puts_published"] + remote(b)["puts_merged"]
+             > before["puts_published"] + before["puts_merged"], "B's put of P")
+    assert manifest(rds, "guarded-f")["body"].get("forkable") is False
+    assert call(a, "GET", "/v1/agents/guarded-f")[1]["forkable"] is False

@@ -175,3 +175,92 @@ def test_a_turn_saved_after_its_agents_erasure_is_durable():
     queued before the erasure go (tests/test_store.py has the persister's own test)."""
     replay([("queued", dict(x="a", y="a", new_x=[20], new_y=[20], then="erase_x_turn", i=0, fail=False)),
             ("restart", {})], machine=PoolMachine)
+
+
+# ---- issue #44: partitions, kills of a removal, removals past their bound --------------------------------
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off():
+    """B synced agent a; B is cut off; A forgets part of a's history; a's next turn lands on B (which
+    serves a prefix of the old branch: a use); healed, B's next sync must drop the old branch."""
+    replay([
+        ("turn", dict(agent="a", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33])),
+        ("fleet_turn", dict(agent="a", new=[34])),
+        ("partition", dict(cut=True)),
+        ("forget_edit", dict(agent="a", pick=0, cut=0.3, new=[35, 36], aborted=False)),
+        ("fleet_turn", dict(agent="a", new=[37])),
+        ("partition", dict(cut=False)),
+        ("fleet_turn", dict(agent="a", new=[38])),  # its sync first: then it may hold nothing removed
+    ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_made_while_cut_off_is_published_after_the_heal():
+    replay([
+        ("turn", dict(agent="b", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30])),
+        ("fleet_turn", dict(agent="b", new=[31])),
+        ("partition", dict(cut=True)),
+        ("fleet_forget", dict(agent="b", pick=0, cut=0.4, new=[32, 33], aborted=False)),
+        ("partition", dict(cut=False)),
+        ("turn", dict(agent="b", pick=0, cut=1.0, new=[34])),
+    ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.parametrize("stage", ["queued", "in_redis"])
+def test_an_acknowledged_erasure_survives_a_kill_at_each_step(stage):
+    replay([
+        ("turn", dict(agent="c", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28])),
+        ("turn", dict(agent="d", pick=0, cut=1.0, new=[29, 30])),
+        ("fleet_turn", dict(agent="c", new=[31])),
+        ("erase_then_killed", dict(agent="c", stage=stage)),
+        ("fleet_turn", dict(agent="c", new=[32])),
+        ("restart", {}),
+    ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_killed_before_its_publish_is_published_after_the_restart():
+    replay([
+        ("turn", dict(agent="a", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31])),
+        ("fleet_turn", dict(agent="a", new=[32])),
+        ("forget_then_killed", dict(agent="a", pick=0, cut=0.3, new=[33, 34])),
+        ("fleet_turn", dict(agent="a", new=[35])),
+    ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_removals_past_their_bound_hold_on_a_server_that_synced_before_them():
+    replay([
+        ("turn", dict(agent="d", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29])),
+        ("fleet_turn", dict(agent="d", new=[30])),
+        ("forgets_past_bound", dict(agent="d", pick=0, new=[31, 32, 33])),
+        ("fleet_turn", dict(agent="d", new=[34])),
+    ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_made_while_cut_off_is_published_by_a_sync_that_merges():
+    """Found by the machine's partition rule (seed 5, unshrunk): B, cut off, forgot part of agent c
+    (its put given up) while A published a newer turn of c; healed, B's sync had something to fetch,
+    merged and adopted, and saved the merge locally only: its removal never reached Redis, and A kept
+    serving what B removed. Now a sync whose merge keeps local removals Redis lacks publishes them."""
+    replay([
+        ("fleet_turn", dict(agent="c", new=[31, 23, 27, 20, 7, 26, 34, 34, 33, 29, 7, 24, 7, 30, 34, 35, 33])),
+        ("restart", {}),
+        ("fleet_forget", dict(aborted=False, agent="a", cut=0.23758953444833397, new=[20, 20, 29], pick=35)),
+        ("restart", {}),
+        ("partition", dict(cut=True)),
+        ("retokenized", dict(agent="c", new=[34, 38, 32, 31], pick=56)),
+        ("disk_budget", dict(i=1)),
+        ("fleet_forget", dict(aborted=True, agent="c", cut=0.8861259845042664, new=[7, 22, 30], pick=75)),
+        ("fleet_forget", dict(aborted=False, agent="d", cut=0.0, new=[33, 25, 21, 25, 30, 25, 8, 22, 32, 36], pick=30)),
+        ("disk_budget", dict(i=1)),
+        ("disk_budget", dict(i=1)),
+        ("queued", dict(fail=False, i=1, new_x=[20, 8, 21], new_y=[33, 29, 31, 37, 29], then="erase_x_turn", x="d",
+                        y="a")),
+        ("partition", dict(cut=False)),
+        ("queued", dict(fail=True, i=1, new_x=[24, 7, 36, 25], new_y=[35, 30, 22, 31, 34], then="erase_x_turn", x="b",
+                        y="c")),
+    ])

@@ -74,6 +74,9 @@ class Agent:
     forkable: Optional[bool] = None  # may others fork it (None: the server's fork_policy decides)
     removals: tuple[Removal, ...] = ()  # content forget edits removed (chain.Removal), newest last
     spliced_cleared: float = 0.0  # spliced branches used at or before this were dropped by a forget
+    settings_at: dict = field(default_factory=dict)  # setting -> when it was set (record_settings.py)
+    removed_floor: float = 0.0  # removal records compacted away removed what was written before it
+    era: str = ""  # the fleet erasure its history follows ('' none): kept here, the tier's memory is bounded
 
     @property
     def block_ids(self) -> list[str]:

@@ -38,6 +38,9 @@ class Branch:
     a spliced history (span directives), g being the most times any of its tokens' keys were
     rotated. Only amortize requests of the agent are served from a spliced branch, and its blocks
     from the first splice on chain from `namespace.spliced_seed(agent, g)`, apart from any honest id.
+    `made`: when a commit last wrote the branch's content (None: at `last_used`, as a commit sets
+    both); a lookup serving from the branch moves `last_used` only, so a use never makes content
+    removed by a forget newer than its removal (`written`; docs/fleet.md, "The merge rules").
     A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
@@ -47,10 +50,20 @@ class Branch:
     last_used: float = 0.0
     rotations: Segments = ()
     generation: int = 0
+    made: Optional[float] = None
 
     @property
     def spliced(self) -> bool:
         return self.generation > 0
+
+    @property
+    def written(self) -> float:
+        """When a commit last wrote its content (what removal records compare; never a lookup's use)."""
+        return self.last_used if self.made is None else self.made
+
+    def used(self, at: float) -> "Branch":
+        """This branch served a lookup at `at`: more recently used, its content no newer."""
+        return replace(self, last_used=at, made=self.written)
 
 
 @dataclass(frozen=True)
@@ -71,7 +84,7 @@ class Removal:
     def removes(self, br: Branch, tokens_of: Callable[[str], Optional[Sequence[int]]]) -> bool:
         """Whether `br` holds this removal's content (`tokens_of`: a block's tokens, None when not at
         hand: then only the id tells)."""
-        if br.last_used > self.at:
+        if br.written > self.at:  # written after the removal: sent again (a use is no new content)
             return False
         if self.block in br.block_ids:
             return True
@@ -105,14 +118,60 @@ def merge_removals(a: Sequence[Removal], b: Sequence[Removal], limit: int, since
     return tuple(sorted(by_block.values(), key=lambda r: r.at)[-limit:]) if limit > 0 else ()
 
 
+def bound_removals(removals: Sequence[Removal], limit: int, since: float, floor: float,
+                   ) -> tuple[tuple[Removal, ...], float]:
+    """Removal records bounded without forgetting what they remove: one per block (the latest), at
+    most `limit` (the newest), none from before `since`; the time of the newest one dropped raises the
+    record's `floor` (returned), which removes from every other copy what it wrote at or before it
+    and this record does not hold (`above_floor`). Records at or below the floor are implied by it."""
+    every = merge_removals(removals, (), len(removals) + 1, float("-inf"))  # one per block, oldest first
+    kept = [r for r in every if r.at >= since]
+    kept = kept[-limit:] if limit > 0 else []
+    floor = max([floor] + [r.at for r in every if r not in kept])
+    return tuple(r for r in kept if r.at > floor), floor
+
+
+def above_floor(branches: Sequence[Branch], floor: float, held: Sequence[Branch]) -> list[Branch]:
+    """`branches` without those written at or before `floor` that no branch of `held` (those of the
+    copy or copies whose floor it is: their branches hold nothing removed before it) holds as a prefix."""
+    if floor <= 0:
+        return list(branches)
+    clean = [tuple(h.block_ids) for h in held]
+    return [br for br in branches if br.written > floor
+            or any(c[:len(br.block_ids)] == tuple(br.block_ids) for c in clean)]
+
+
+def merge_records(branches: Sequence[Branch], mine: "Copy", theirs: "Copy", limit: int, since: float,
+                  tokens_of: Callable[[str], Optional[Sequence[int]]],
+                  ) -> tuple[list[Branch], tuple[Removal, ...], float, float]:
+    """Two copies' removals applied to their merged `branches` (docs/fleet.md, "The merge rules"):
+    every removal record of either (removals win over older content), spliced branches used before
+    either's `spliced_cleared`, and the higher floor (a branch written before it that the copy with
+    that floor does not hold goes); then the records bounded (`bound_removals`). Returns (branches,
+    removals, spliced_cleared, floor)."""
+    union = merge_removals(mine.removals, theirs.removals, len(mine.removals) + len(theirs.removals) + 1,
+                           float("-inf"))
+    cleared = max(mine.spliced_cleared, theirs.spliced_cleared)
+    floor = max(mine.removed_floor, theirs.removed_floor)
+    held = [br for c in (mine, theirs) if c.removed_floor >= floor for br in c.branches]
+    kept = above_floor(surviving_removals(branches, union, cleared, tokens_of), floor, held)
+    removals, floor = bound_removals(union, limit, since, floor)
+    return kept, removals, cleared, floor
+
+
 @dataclass(frozen=True)
 class Copy:
     """Another copy of an agent's record (the fleet's, in Redis) to merge with this server's: its
-    branches (least recently used first), removal records and spliced_cleared."""
+    branches (least recently used first), removal records, spliced_cleared and settings (with when
+    each was set: record_settings.py)."""
 
     branches: tuple[Branch, ...]
     removals: tuple[Removal, ...] = ()
     spliced_cleared: float = 0.0
+    forkable: Optional[bool] = None
+    settings_at: Optional[dict] = None
+    removed_floor: float = 0.0  # what removal records compacted away removed (chain.bound_removals)
+    pinned: Optional[bool] = None
 
 
 def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], spliced_cleared: float,
@@ -120,7 +179,7 @@ def surviving_removals(branches: Sequence[Branch], removals: Sequence[Removal], 
     """`branches` without those holding removed content (`removals`), nor spliced ones used at or
     before `spliced_cleared` (a forget drops every spliced history: they copy the agent's content)."""
     return [br for br in branches
-            if not (br.spliced and br.last_used <= spliced_cleared)
+            if not (br.spliced and br.written <= spliced_cleared)
             and not any(r.removes(br, tokens_of) for r in removals)]
 
 
@@ -154,7 +213,7 @@ def cut_branch(branch: Branch, i: int, block_size: int) -> Branch:
     blocks before the cut may already be spliced ones)."""
     n = min(branch.n_tokens, i * block_size)
     return Branch(branch.block_ids[:i], n, tuple(l for l in branch.links if l[0] < i) or branch.links[:1],
-                  branch.last_used, clip(branch.rotations, n), branch.generation)
+                  branch.last_used, clip(branch.rotations, n), branch.generation, branch.made)
 
 
 def lcp(a: Sequence[int], b: Sequence[int]) -> int:
@@ -278,7 +337,7 @@ def merge_branches(mine: Sequence[Branch], theirs: Sequence[Branch], limit: int,
         gone[i] = True
         j = max(holders, key=lambda j: (every[j].last_used, j))
         if every[j].last_used < b.last_used:
-            every[j] = replace(every[j], last_used=b.last_used)
+            every[j] = every[j].used(b.last_used)
     kept = sorted((br for br, g in zip(every, gone) if not g), key=lambda br: br.last_used)
     return limit_branches(kept, limit)
 
@@ -294,8 +353,9 @@ def limit_branches(branches: Sequence[Branch], limit: int) -> list[Branch]:
 
 def same_branches(a: Sequence[Branch], b: Sequence[Branch]) -> bool:
     """Whether two branch lists are equal, in order, last uses included."""
-    return [(br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations, br.generation) for br in a] == [
-        (br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations, br.generation) for br in b]
+    return [(br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations, br.generation, br.written)
+            for br in a] == [(br.block_ids, br.n_tokens, br.links, br.last_used, br.rotations, br.generation,
+                              br.written) for br in b]
 
 
 def branches_of(m: Manifest) -> list[Branch]:
@@ -311,7 +371,8 @@ def branch_of(entry: dict, namespace: str, updated_at: float) -> Branch:
     return Branch(list(entry["block_ids"]), entry["n_tokens"],
                   tuple((int(i), ns) for i, ns in entry.get("links") or [(0, namespace)]),
                   float(entry.get("last_used", updated_at)), decode(entry.get("rotations", [])),
-                  int(entry.get("generation", 0)))
+                  int(entry.get("generation", 0)),
+                  None if entry.get("made") is None else float(entry["made"]))
 
 
 def removals_of(m: Manifest) -> tuple[Removal, ...]:
@@ -321,19 +382,22 @@ def removals_of(m: Manifest) -> tuple[Removal, ...]:
 
 def manifest_of(namespace: str, branches: list[Branch], pinned: bool, now: Optional[float] = None, *,
                 removals: Sequence[Removal] = (), spliced_cleared: float = 0.0,
-                forkable: Optional[bool] = None) -> Manifest:
+                forkable: Optional[bool] = None, settings_at: Optional[dict] = None,
+                removed_floor: float = 0.0) -> Manifest:
     """An agent's manifest: every block it names (newest branch first), its branches when they are
     more than one plain chain (so manifests of agents that never fork or branch read as before; such
     a branch's last use is then read back as `now`), and the record's other fields when set."""
     ids = list(dict.fromkeys(b for br in reversed(branches) for b in br.block_ids))
     plain = (len(branches) == 1 and branches[0].links == ((0, namespace),) and not branches[0].rotations
-             and not branches[0].spliced)
+             and not branches[0].spliced and branches[0].written == branches[0].last_used)
     listed = None if plain else [
         {"block_ids": list(br.block_ids), "n_tokens": br.n_tokens, "links": [list(l) for l in br.links],
          "last_used": float(br.last_used), **({"rotations": encode(br.rotations)} if br.rotations else {}),
-         **({"generation": br.generation} if br.generation else {})}
+         **({"generation": br.generation} if br.generation else {}),
+         **({"made": float(br.made)} if br.made is not None and br.made != br.last_used else {})}
         for br in branches]
     return Manifest(namespace, ids, branches[-1].n_tokens if branches else 0,
                     time.time() if now is None else now, pinned, branches=listed,
                     removals=[r.to_json() for r in removals] or None,
-                    spliced_cleared=spliced_cleared or None, forkable=forkable)
+                    spliced_cleared=spliced_cleared or None, forkable=forkable,
+                    settings_at=dict(settings_at) if settings_at else None, removed_floor=removed_floor or None)

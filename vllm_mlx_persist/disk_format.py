@@ -19,6 +19,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .record_settings import check_settings_at
+
 FORMAT_VERSION = 1
 # Manifests that hold an agent record's newer fields (spliced branches, removal records, the fork
 # permission, no branch left) are written as version 2, so a build from before the agent record
@@ -45,6 +47,8 @@ MAX_MANIFEST_BYTES = 16 << 20  # ~240k block ids
 MAX_MODEL_JSON_BYTES = 1 << 20
 MAX_HEADER_BYTES = 16 << 20  # a block file's JSON header
 MAX_ERA_CHARS = 128  # a manifest's era: the fleet tier's tombstone id (16 hex digits as written)
+# a record's optional fields (version 2)
+RECORD_FIELDS = ("removals", "spliced_cleared", "forkable", "settings_at", "removed_floor")
 MAX_REMOVALS = 32  # removal records a manifest keeps (the newest; chain.Removal)
 
 BLOCK_ID_RE = re.compile(r"[0-9a-f]{2,128}")
@@ -102,11 +106,17 @@ class Manifest:
     removals: Optional[list] = None
     spliced_cleared: Optional[float] = None
     forkable: Optional[bool] = None
+    # When each setting was last set ({"forkable": t}): which copy's setting wins (record_settings.py).
+    settings_at: Optional[dict] = None
+    # Removal records compacted away (MAX_REMOVALS) raised it: another copy's branches written at or
+    # before it that this record does not hold are removed (chain.bound_removals).
+    removed_floor: Optional[float] = None
 
     @property
     def record_fields(self) -> bool:
         """Whether the manifest holds anything only a version-2 reader understands."""
         return (self.removals is not None or self.spliced_cleared is not None or self.forkable is not None
+                or self.settings_at is not None or self.removed_floor is not None
                 or self.branches == [] or any(br.get("generation", 0) for br in self.branches or ()))
 
 
@@ -387,6 +397,9 @@ def check_branches(branches: Any, named: set, allow_empty: bool = False) -> None
                 isinstance(r, list) and len(r) == 3 and all(type(x) is int for x in r) and 0 <= r[0] < r[1] <= n
                 and r[2] >= 1 for r in rotations) or any(a[1] > b[0] for a, b in zip(rotations, rotations[1:])):
             raise ValueError("malformed manifest branch: rotations")
+        made = br.get("made", 0.0)  # optional: when a commit last wrote it, when not its last use
+        if isinstance(made, bool) or not isinstance(made, (int, float)) or not math.isfinite(made):
+            raise ValueError("malformed manifest branch: made")
         generation = br.get("generation", 0)  # optional (version 2): a spliced history's
         if type(generation) is not int or generation < 0:
             raise ValueError("malformed manifest branch: generation")
@@ -416,6 +429,10 @@ def _check_record(m: Manifest) -> None:
         raise ValueError("malformed manifest spliced_cleared")
     if m.forkable is not None and not isinstance(m.forkable, bool):
         raise ValueError("malformed manifest forkable")
+    if m.settings_at is not None:
+        check_settings_at(m.settings_at)
+    if m.removed_floor is not None and not _finite(m.removed_floor):
+        raise ValueError("malformed manifest removed_floor")
 
 
 def encode_manifest(m: Manifest) -> bytes:
@@ -436,7 +453,7 @@ def encode_manifest(m: Manifest) -> bytes:
         check_era(m.era)
         body["era"] = m.era
     _check_record(m)
-    for name in ("removals", "spliced_cleared", "forkable"):  # version 2, each optional
+    for name in RECORD_FIELDS:  # version 2, each optional
         if getattr(m, name) is not None:
             body[name] = getattr(m, name)
     body["checksum"] = "sha256:" + hashlib.sha256(canonical_json(body)).hexdigest()
@@ -465,7 +482,7 @@ def decode_manifest(raw: bytes) -> Manifest:
         raise FormatError("malformed manifest fields")
     branches = body.get("branches")
     era = body.get("era")
-    record = {k: body.get(k) for k in ("removals", "spliced_cleared", "forkable")} if version >= 2 else {}
+    record = {k: body.get(k) for k in RECORD_FIELDS} if version >= 2 else {}
     m = Manifest(namespace=ns, block_ids=list(ids), n_tokens=n, updated_at=float(ts), pinned=pinned,
                  branches=branches, era=era, **record)
     try:

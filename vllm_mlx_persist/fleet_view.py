@@ -15,12 +15,24 @@ from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
 from .blocks import Agent
-from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_removals, same_branches, surviving_removals
+from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_records, same_branches
 from .disk_format import MAX_REMOVALS, BlockData
 from .pool_core import PoolCore
+from .record_settings import differ, merge_records_settings, values_of
 from .store import DiskStore
 
 log = logging.getLogger("vllm_mlx_persist.pool")
+
+
+def record_ahead(agent: Agent, remote: Copy) -> bool:
+    """Whether the agent's record holds a removal or a setting that `remote` lacks (a removal of a
+    block `remote` removed at the same time or later counts as held)."""
+    at = {r.block: r.at for r in remote.removals}
+    if any(at.get(r.block, -1.0) < r.at and r.at > remote.removed_floor for r in agent.removals):
+        return True
+    if agent.spliced_cleared > remote.spliced_cleared or agent.removed_floor > remote.removed_floor:
+        return True
+    return differ(*merge_records_settings(agent, remote), remote)
 
 
 class FleetView:
@@ -48,6 +60,11 @@ class FleetView:
     def bounded_windows(self) -> bool:
         """Whether the model has bounded sliding-window layers."""
         return bool(self.core.codec.window_names())
+
+    @property
+    def fleet_dir(self):
+        """The model's directory on the local disk (the fleet keeps its pending removals there)."""
+        return self.store.dir
 
     @property
     def disk_queue_bytes(self) -> Optional[int]:
@@ -84,7 +101,8 @@ class FleetView:
         core = self.core
         with core.lock:
             agent = core.agents.get(namespace)
-            removals = (agent.removals, agent.spliced_cleared) if agent is not None else None
+            removals = ((agent.removals, agent.spliced_cleared, agent.removed_floor, agent.forkable, agent.pinned,
+                         tuple(sorted(agent.settings_at.items()))) if agent is not None else None)
             return core.erased.get(namespace, 0), self.branch_state(namespace), removals
 
     def holds(self, namespace: str, expect: tuple, remote: Copy, then: Callable[[], None],
@@ -100,11 +118,32 @@ class FleetView:
             agent = self.core.agents.get(namespace)
             if agent is None or self.agent_version(namespace) != expect:
                 return False
-            branches, removals, cleared = self._merge(agent, remote, {}, tokens or {})
+            branches, removals, cleared, settings = self._merge(agent, remote, {}, tokens or {})
             if (not same_branches(branches, agent.branches) or set(removals) != set(agent.removals)
-                    or cleared != agent.spliced_cleared):
+                    or cleared != (agent.spliced_cleared, agent.removed_floor)
+                    or settings != (values_of(agent), agent.settings_at)):
                 return False
             then()
+            return True
+
+    def era_of(self, namespace: str) -> Optional[str]:
+        """The erasure the agent's record follows (None: none, or unknown agent). No I/O."""
+        with self.core.lock:
+            agent = self.core.agents.get(namespace)
+            return (agent.era or None) if agent is not None else None
+
+    def republish(self, namespace: str, remote: Copy) -> bool:
+        """Whether the agent's record holds removals or settings that `remote` (its copy in Redis,
+        which the record holds: `holds`) lacks, a put of it that never reached Redis (a partition, a
+        restart); if so its record is saved again, which publishes it. No I/O (the save is queued)."""
+        core = self.core
+        with core.lock:
+            agent = core.agents.get(namespace)
+            if agent is None or core.persister is None or not agent.branches and not agent.removals:
+                return False
+            if not record_ahead(agent, remote):
+                return False
+            core.save(agent, [], {}, [], list(agent.branches))
             return True
 
     def removal_blocks(self, namespace: str, remote: Copy) -> list[str]:
@@ -145,15 +184,16 @@ class FleetView:
             data = {d.block_id: d for d in blocks}
             record = Agent(namespace) if agent is None else agent
             merged = self._merge(record, fetched, data, tokens or {})
-            branches, removals, cleared = merged
-            manifest = core.stamped(manifest_of(namespace, branches, record.pinned, core.clock(), removals=removals,
-                                                spliced_cleared=cleared, forkable=record.forkable))
+            branches, removals, (cleared, floor), (values, settings_at) = merged
+            manifest = core.stamped(manifest_of(namespace, branches, values["pinned"], core.clock(),
+                                                removals=removals, spliced_cleared=cleared, forkable=values["forkable"],
+                                                settings_at=settings_at, removed_floor=floor))
             named = set(manifest.block_ids)
             blocks = [d for d in blocks if d.block_id in named]  # not those of branches merged away
 
             def on_durable() -> None:  # persister thread; on_done must not raise
                 try:
-                    adopted = self._adopt(namespace, merged, expect)
+                    adopted = self._adopt(namespace, merged, expect, manifest.era or "")
                 except Exception:
                     log.exception("agent %r: registering its fetched history failed", namespace)
                     adopted = False
@@ -162,13 +202,14 @@ class FleetView:
             return core.persister.save(manifest, blocks, [], on_durable)
 
     def _merge(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
-               ) -> tuple[list[Branch], tuple[Removal, ...], float]:
+               ) -> tuple[list[Branch], tuple[Removal, ...], tuple[float, float], tuple[dict, dict]]:
         """(lock held) The agent's record merged with a fetched copy: branches by recency
         (chain.merge_branches: a branch another holds goes, the `branches` most recently used stay,
         from either side, honest and spliced apart), then every branch either side's removal records
         remove (chain.surviving_removals: removals win over every older copy). A partial tail
         another branch grew is recognised by the tokens at hand (`data`: fetched blocks; blocks in
-        memory; `tokens`: read ahead from disk), never by a read."""
+        memory; `tokens`: read ahead from disk), never by a read. Settings: the latest set wins, a
+        tie the more restrictive (record_settings.py)."""
         core = self.core
 
         def tokens_of(bid: str) -> Optional[Sequence[int]]:
@@ -178,16 +219,17 @@ class FleetView:
             block = core.table.blocks.get(bid)
             return block.tokens if block is not None and block.tokens else tokens.get(bid)
 
-        removals = merge_removals(agent.removals, fetched.removals, MAX_REMOVALS, core.clock() - self.removal_ttl_s)
-        cleared = max(agent.spliced_cleared, fetched.spliced_cleared)
         branches = merge_branches(agent.branches, list(fetched.branches), self.max_branches,
                                   lambda c, b: core.chains.grew(c, b, tokens_of),
                                   continued=not self.bounded_windows)
-        return surviving_removals(branches, removals, cleared, tokens_of), removals, cleared
+        mine = Copy(tuple(agent.branches), agent.removals, agent.spliced_cleared, removed_floor=agent.removed_floor)
+        branches, removals, cleared, floor = merge_records(branches, mine, fetched, MAX_REMOVALS,
+                                                           core.clock() - self.removal_ttl_s, tokens_of)
+        return branches, removals, (cleared, floor), merge_records_settings(agent, fetched)
 
-    def _adopt(self, namespace: str, merged: tuple, expect: tuple) -> bool:
+    def _adopt(self, namespace: str, merged: tuple, expect: tuple, era: str) -> bool:
         """Give the agent its merged record, with COLD blocks (blocks still hot stay hot)."""
-        branches, removals, cleared = merged
+        branches, removals, (cleared, floor), (values, settings_at) = merged
         core = self.core
         with core.lock:
             if self.agent_version(namespace) != expect:
@@ -196,7 +238,13 @@ class FleetView:
             if agent is None:
                 agent = Agent(namespace)
                 core.agents.add(agent)
-            agent.removals, agent.spliced_cleared = removals, cleared
+            agent.removals, agent.spliced_cleared, agent.removed_floor = removals, cleared, floor
+            agent.era = era
+            agent.forkable, agent.settings_at = values["forkable"], dict(settings_at)
+            if agent.pinned != values["pinned"]:  # the pin set on another server: the disk's index too
+                agent.pinned = values["pinned"]
+                if core.persister is not None:
+                    core.persister.set_pinned(namespace, agent.pinned)
             core.table.name(agent, branches)
             core.touch(agent)
             core.epoch += 1

@@ -31,7 +31,6 @@ import logging
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 from .agents import ANON_PREFIX, Agents
@@ -272,6 +271,11 @@ class BlockPool:
                     self.persister.begin_use(namespace)
             agent = self.agents.find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
             parent = self.agents.get(fork_from) if fork_from and namespace and fork_from != namespace else None
+            if parent is not None and not self.records.allows_fork(parent):
+                # The request was admitted on the record as it was (the namespace hook's check, before
+                # any sync); the parent's record as synced just now refuses: nothing of it is served.
+                self.stats["forks_refused_at_lookup"] += 1
+                parent = None
             if (agent is None and parent is None) or len(prompt) <= 1:
                 self.stats["misses"] += 1
                 return Match(None, 0, "miss")
@@ -291,7 +295,7 @@ class BlockPool:
             if found is not None and found.n and found.src is agent:
                 at = next((i for i, b in enumerate(agent.branches) if b is found.branch), None)
                 if at is not None:  # now the most recently used
-                    used = replace(found.branch, last_used=self.agents.stamp(agent))
+                    used = found.branch.used(self.agents.stamp(agent))  # its content no newer
                     del agent.branches[at]
                     agent.branches.append(used)
             if self.reads is not None:  # read-ahead this lookup did not need (spliced histories' too)

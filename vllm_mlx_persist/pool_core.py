@@ -36,7 +36,8 @@ MAX_ERASED = 1 << 16  # erasures remembered for fleet syncs in flight (a sync ta
 STATS = ("hits_hot", "hits_disk", "misses", "tokens_reused", "tokens_stored", "blocks_loaded", "bytes_loaded",
          "evicted_agents", "write_errors", "bad_blocks", "unsaved_blocks_dropped", "store_refused", "read_timeouts",
          "fork_hits", "tokens_from_parent", "branches_evicted", "text_matches", "tokens_matched_by_text",
-         "commit_replans", "kv_edit_forgets", "kv_edit_amortizes", "kv_edit_splices", "branches_superseded")
+         "commit_replans", "kv_edit_forgets", "kv_edit_amortizes", "kv_edit_splices", "branches_superseded",
+         "forks_refused_at_lookup")
 
 
 class PoolCore:
@@ -89,13 +90,23 @@ class PoolCore:
         """(lock held) The agent's record as a manifest (chain.manifest_of): its branches (or
         `branches`), pin, fork setting and removal records, with the erasure its history follows."""
         m = manifest_of(agent.namespace, agent.branches if branches is None else branches, agent.pinned, now,
-                        removals=agent.removals, spliced_cleared=agent.spliced_cleared, forkable=agent.forkable)
+                        removals=agent.removals, spliced_cleared=agent.spliced_cleared, forkable=agent.forkable,
+                        settings_at=agent.settings_at, removed_floor=agent.removed_floor)
         return self.stamped(m)
 
     def stamped(self, manifest: Manifest) -> Manifest:
-        """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md, Erasure)."""
+        """(lock held) With a fleet tier: the manifest with the erasure its history follows (docs/fleet.md,
+        Erasure). The agent's record keeps it too: the tier's memory of agents is bounded, and an era
+        it forgot is told back from the record (else its own copy would read as from before it)."""
         if self.fleet is not None:
-            manifest.era = self.fleet.era(manifest.namespace)
+            agent = self.agents.get(manifest.namespace)
+            era = self.fleet.era(manifest.namespace)
+            if not era and agent is not None and agent.era:
+                self.fleet.loaded_era(manifest.namespace, agent.era)
+                era = agent.era
+            manifest.era = era or None
+            if agent is not None:
+                agent.era = era or ""
         return manifest
 
     def save(self, agent: Agent, blocks: list[Block], datas: dict[str, BlockData], dead: list[str],

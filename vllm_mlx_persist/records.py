@@ -53,7 +53,9 @@ class Records:
                 if core.fleet is not None:
                     core.fleet.loaded(m)  # the erasure its history follows survives the restart
                 agent = Agent(m.namespace, pinned=m.pinned, last_used=m.updated_at, forkable=m.forkable,
-                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0)
+                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0,
+                              settings_at=dict(m.settings_at or {}), removed_floor=m.removed_floor or 0.0,
+                              era=m.era or "")
                 core.table.name(agent, branches_of(m))
                 core.agents.add(agent, coldest=True)  # disk agents are the coldest
             for name, old in legacy.items():
@@ -150,9 +152,12 @@ class Records:
             if agent is None:
                 return False
             agent.pinned = pinned
+            agent.settings_at = {**agent.settings_at, "pinned": core.clock()}  # the latest setting wins
             if not pinned:
                 core.enforce_budget()  # what the pin held over the budget leaves memory now
             future = core.persister.set_pinned(namespace, pinned) if core.persister is not None else None
+            if future is not None and core.fleet is not None and agent.branches:  # the fleet's copies too
+                future = core.save(agent, [], {}, [], list(agent.branches))
         if future is not None:
             future.result(timeout)
         return True
@@ -165,6 +170,11 @@ class Records:
         of which agents exist. Any thread, no I/O."""
         with self.core.lock:
             return self._may_fork(self.core.agents.get(parent))
+
+    def allows_fork(self, agent: Optional[Agent]) -> bool:
+        """(lock held) `may_fork` for an agent's record at hand: the lookup's own check, after the
+        parent's sync with the fleet (a refusal made on another server since the request's admission)."""
+        return self._may_fork(agent)
 
     def _may_fork(self, agent: Optional[Agent]) -> bool:
         if self.fork_policy == "none":
@@ -182,6 +192,7 @@ class Records:
             if agent is None:
                 return False
             agent.forkable = forkable
+            agent.settings_at = {**agent.settings_at, "forkable": core.clock()}  # the latest setting wins
             future = core.save(agent, [], {}, [], list(agent.branches)) if core.persister is not None else None
         if future is not None:
             future.result(timeout)

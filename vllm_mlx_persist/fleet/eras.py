@@ -149,13 +149,14 @@ class Eras:
         while len(st.read) > _READ_IDS:
             del st.read[next(iter(st.read))]
 
-    def erasing(self, namespace: str) -> None:
+    def erasing(self, namespace: str, ident: Optional[str] = None) -> None:
         """(lock held) An erasure of the agent is queued here: queued puts from before it are stale,
         and the tombstone's id is chosen now: turns made after this call follow this erasure. An
-        erasure met earlier and not yet acknowledged is superseded (erased_locally refuses it)."""
+        erasure met earlier and not yet acknowledged is superseded (erased_locally refuses it).
+        `ident`: the tombstone's id when chosen already (an erasure in the outbox, queued again)."""
         self.bump_gen(namespace)
         st = self.agent(namespace)
-        st.era, st.tomb_v, st.tomb_id = secrets.token_hex(8), -1, ""
+        st.era, st.tomb_v, st.tomb_id = ident or secrets.token_hex(8), -1, ""
         self.pending_erase[namespace] = self.pending_erase.get(namespace, 0) + 1
 
     def erased(self, namespace: str, version: int, ident: str) -> None:

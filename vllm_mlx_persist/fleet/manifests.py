@@ -10,10 +10,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..chain import (Removal, branches_of, manifest_of, merge_branches, merge_removals, removals_of, same_branches,
-                     surviving_removals)
-from ..disk_format import (FORMAT_VERSION, MAX_REMOVALS, BlockData, Manifest, canonical_json, check_block_id,
-                           check_branches, check_era, check_removals)
+from ..chain import Copy, Removal, branches_of, manifest_of, merge_branches, merge_records, removals_of, same_branches
+from ..disk_format import (FORMAT_VERSION, MAX_REMOVALS, RECORD_FIELDS, BlockData, Manifest, canonical_json,
+                           check_block_id, check_branches, check_era, check_removals)
+from ..record_settings import check_settings_at, differ, merge_records_settings
 from .auth import Tagger
 from .state import TierState
 
@@ -56,6 +56,10 @@ class RemoteManifest:
     outdated: bool = False
     removals: tuple[Removal, ...] = ()  # content forget edits removed (chain.Removal): merges apply them
     spliced_cleared: float = 0.0  # spliced branches used at or before this are removed too
+    forkable: Optional[bool] = None  # the record's settings, and when each was set (record_settings.py)
+    pinned: bool = False
+    settings_at: dict = field(default_factory=dict)
+    removed_floor: float = 0.0  # what compacted removal records removed (chain.bound_removals)
 
 
 @dataclass
@@ -148,6 +152,7 @@ class Manifests:
                 check_block_id(b)
             branches = d.get("branches")  # absent: one plain chain (and every older server's manifest)
             removals, cleared, forkable = d.get("removals"), d.get("spliced_cleared"), d.get("forkable")
+            settings_at, floor, pinned = d.get("settings_at"), d.get("removed_floor"), d.get("pinned", False)
             if branches is not None:
                 check_branches(branches, set(ids), allow_empty=True)  # a record may keep only removals
                 if (branches[-1]["n_tokens"] if branches else 0) != n:
@@ -161,11 +166,17 @@ class Manifests:
                 raise ValueError("malformed spliced_cleared")
             if forkable is not None and not isinstance(forkable, bool):
                 raise ValueError("malformed forkable")
+            if settings_at is not None:
+                check_settings_at(settings_at)
+            if not isinstance(pinned, bool):
+                raise ValueError("malformed pinned")
+            if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))):
+                raise ValueError("malformed removed_floor")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("fleet: refused a manifest from Redis: %s", e)
             return None
-        return Manifest(namespace, list(ids), n, float(ts), branches=branches, era=era, removals=removals,
-                        spliced_cleared=cleared, forkable=forkable)
+        return Manifest(namespace, list(ids), n, float(ts), pinned, branches=branches, era=era, removals=removals,
+                        spliced_cleared=cleared, forkable=forkable, settings_at=settings_at, removed_floor=floor)
 
     def body(self, m: Manifest, era: Optional[str] = None) -> bytes:
         """A manifest's body as Redis holds it; `era` (default: the manifest's) the erasure its history follows."""
@@ -177,7 +188,9 @@ class Manifests:
         era = m.era if era is None else era
         if era:  # optional too: every r2 reader before it ignores it (docs/fleet.md, Versions)
             d["era"] = era
-        for name in ("removals", "spliced_cleared", "forkable"):  # the record's (r3), each optional
+        if m.settings_at and "pinned" in m.settings_at:  # a pin set since pins travel (record_settings.py)
+            d["pinned"] = bool(m.pinned)
+        for name in RECORD_FIELDS:  # the record's (r3), each optional
             if getattr(m, name) is not None:
                 d[name] = getattr(m, name)
         d["checksum"] = "sha256:" + hashlib.sha256(canonical_json(d)).hexdigest()
@@ -224,16 +237,23 @@ def merged(m: Manifest, theirs: Optional[Manifest], branches: int, keep_continue
     if theirs is None:
         return m
     old = branches_of(theirs)
-    removals = merge_removals(removals_of(theirs), removals_of(m), MAX_REMOVALS, 0.0)
-    cleared = max(theirs.spliced_cleared or 0.0, m.spliced_cleared or 0.0)
     new = merge_branches(old, branches_of(m), branches,  # on equal last use, the put's is newer
                          continued=not keep_continued)
     given = {b: d.tokens for b, d in (blocks or {}).items() if isinstance(d, BlockData)}
-    new = surviving_removals(new, removals, cleared, given.get)
-    if same_branches(new, old) and set(removals) == set(removals_of(theirs)) and cleared == (theirs.spliced_cleared or 0.0):
+    new, removals, cleared, floor = merge_records(new, copy_of(m), copy_of(theirs), MAX_REMOVALS, 0.0, given.get)
+    values, times = merge_records_settings(m, theirs)
+    if (same_branches(new, old) and set(removals) == set(removals_of(theirs))
+            and cleared == (theirs.spliced_cleared or 0.0) and floor == (theirs.removed_floor or 0.0)
+            and not differ(values, times, theirs)):
         return None
-    return manifest_of(m.namespace, new, m.pinned, max(m.updated_at, theirs.updated_at), removals=removals,
-                       spliced_cleared=cleared, forkable=m.forkable if m.forkable is not None else theirs.forkable)
+    return manifest_of(m.namespace, new, values["pinned"], max(m.updated_at, theirs.updated_at), removals=removals,
+                       spliced_cleared=cleared, forkable=values["forkable"], settings_at=times, removed_floor=floor)
+
+
+def copy_of(m: Manifest) -> Copy:
+    """A manifest's record as a copy to merge (chain.merge_records)."""
+    return Copy(tuple(branches_of(m)), removals_of(m), m.spliced_cleared or 0.0, m.forkable, m.settings_at,
+                m.removed_floor or 0.0, m.pinned)
 
 
 def digest(m: Manifest) -> str:
@@ -242,9 +262,9 @@ def digest(m: Manifest) -> str:
     what servers from before last uses compute)."""
     text = "\n".join(m.block_ids)
     if m.branches is not None:
-        text += "\n" + canonical_json([{k: v for k, v in br.items() if k != "last_used"}
+        text += "\n" + canonical_json([{k: v for k, v in br.items() if k not in ("last_used", "made")}
                                     for br in m.branches]).decode()
-    record = {k: getattr(m, k) for k in ("removals", "spliced_cleared", "forkable") if getattr(m, k) is not None}
+    record = {k: getattr(m, k) for k in RECORD_FIELDS if getattr(m, k) is not None}
     if record:  # what a record holds besides branches is history too (a removal must be published)
         text += "\n" + canonical_json(record).decode()
     return hashlib.sha256(text.encode()).hexdigest()

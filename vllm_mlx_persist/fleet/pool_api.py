@@ -7,6 +7,7 @@ holds the pool's lock."""
 from __future__ import annotations
 
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable, Optional, Protocol
 
 from ..chain import Branch, Copy
@@ -28,6 +29,10 @@ class FleetPool(Protocol):
     def bounded_windows(self) -> bool:
         """Whether the model has bounded sliding-window layers (then a merge keeps continued branches:
         chain.merge_branches)."""
+
+    @property
+    def fleet_dir(self) -> Path:
+        """The model's directory on the local disk: the fleet's pending removals live under it (outbox.py)."""
 
     @property
     def disk_queue_bytes(self) -> Optional[int]:
@@ -52,6 +57,9 @@ class FleetPool(Protocol):
         """What save_fetched compares: the agent's last erasure here, its branches (last uses
         included) and its removal records."""
 
+    def era_of(self, namespace: str) -> Optional[str]:
+        """The erasure the agent's record follows (None: none, or unknown agent). No I/O."""
+
     def removal_blocks(self, namespace: str, remote: Copy) -> list[str]:
         """The local blocks whose tokens a merge with `remote` needs and memory does not hold (to
         tell a grown partial tail a removal record names): the fleet reads them from the local disk
@@ -62,6 +70,10 @@ class FleetPool(Protocol):
         """Whether the agent is still as `expect` and merging `remote` (its record in Redis) would
         change nothing; if so `then()` runs under the pool's lock. `tokens`: read ahead
         (removal_blocks)."""
+
+    def republish(self, namespace: str, remote: Copy) -> bool:
+        """If the agent's record holds removals or settings its copy in Redis (`remote`) lacks, save it
+        again (which publishes it); whether it did. No I/O."""
 
     def save_fetched(self, namespace: str, fetched: Copy, blocks: list[BlockData], expect: tuple,
                      on_done: Callable[[Optional[Manifest]], None], tokens: Optional[dict] = None,

@@ -107,7 +107,9 @@ class Reads:
             {"block_ids": list(m.block_ids), "n_tokens": m.n_tokens, "links": [[0, namespace]]}]
         return RemoteManifest(m.namespace, m.block_ids, m.n_tokens, m.updated_at, cur.version, branches=branches,
                               ident=cur.ident, seen=seen, era=era, erasure=erasure, outdated=not era and bool(mine),
-                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0)
+                              removals=removals_of(m), spliced_cleared=m.spliced_cleared or 0.0,
+                              forkable=m.forkable, pinned=m.pinned, settings_at=dict(m.settings_at or {}),
+                              removed_floor=m.removed_floor or 0.0)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
         """The block, verified exactly as a disk block (disk_format.decode_block), and its MAC with a

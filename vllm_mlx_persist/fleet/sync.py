@@ -34,16 +34,19 @@ local write queue's and the tier's own queue bounds. See docs/fleet.md.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Callable, Optional
 
 from ..chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
 from ..disk_format import BlockData, Manifest
 from .manifests import RemoteManifest
+from .outbox import OUTBOX_DIR, Outbox
 from .pool_api import FleetPool
 from .tier import RemoteTier
 
@@ -65,9 +68,17 @@ class Fleet:
         self.counts = dict.fromkeys(
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
-             "erased_from_fleet", "syncs_outdated", "lookup_waits", "lookup_wait_timeouts", "lookup_wait_s_max"], 0)
+             "erased_from_fleet", "syncs_outdated", "syncs_republished", "lookup_waits", "lookup_wait_timeouts",
+             "lookup_wait_s_max"], 0)
+        # Erasures acknowledged and not yet in Redis, on the local disk: queued again after a restart.
+        self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR)
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
-                              branches=pool.max_branches, keep_continued=pool.bounded_windows)
+                              on_erase_done=self.outbox.done, branches=pool.max_branches,
+                              keep_continued=pool.bounded_windows)
+        for namespace, era in self.outbox.pending():  # a server killed before its erasures reached Redis
+            log.info("fleet: agent %r: its erasure did not reach Redis before the last stop; queued again",
+                     namespace)
+            self.tier.erase(namespace, era)
         settings = self.settings = self.tier.settings
         self.wait_s = settings.wait_s
         self.write_timeout_s = settings.save_timeout_s
@@ -89,6 +100,7 @@ class Fleet:
         before the turn). Never blocks, never raises (the persister must finish its job whatever
         happens here)."""
         try:
+            self.tier.known_era(manifest.namespace, manifest.era)  # the tier may have forgotten it (its bound)
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
@@ -110,6 +122,11 @@ class Fleet:
         """Start-up: the agent's manifest found on the local disk (its era survives the restart)."""
         self.tier.known_era(manifest.namespace, manifest.era)
 
+    def loaded_era(self, namespace: str, era: str) -> None:
+        """The agent's record follows erasure `era`, which the tier forgot (its `max_agents` bound):
+        tell it back (ignored when the tier knows an era). Any thread, the pool's lock may be held."""
+        self.tier.known_era(namespace, era)
+
     def released(self, namespace: str) -> None:
         """The agent was erased here (any reason; the pool's lock held): it holds no copy any more."""
         self.tier.release(namespace)
@@ -118,8 +135,19 @@ class Fleet:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
         live manifest for it (read within the tier's read time-out). The tombstone is queued."""
         m = self.tier.get_manifest(namespace)
-        self.tier.erase(namespace)
+        self._erase_durably(namespace)
         return m is not None and not m.erased
+
+    def _erase_durably(self, namespace: str) -> None:
+        """Queue the fleet-wide erasure after recording it in the outbox (durable before the caller
+        acknowledges the erasure; removed once its tombstone is in Redis)."""
+        ident = secrets.token_hex(8)
+        try:
+            self.outbox.add(namespace, ident)
+        except OSError as e:  # still queued: it reaches Redis unless this server dies first
+            log.error("fleet: agent %r: recording its pending erasure failed (%s); not kept across a restart",
+                      namespace, e)
+        self.tier.erase(namespace, ident)
 
     # ---- lookups ------------------------------------------------------------------------------------
 
@@ -205,6 +233,7 @@ class Fleet:
         # Before the read: an erasure from here on (an API erasure racing this sync, or the one this
         # sync acts on) makes the pool refuse what this sync fetched, even for an agent it does not know.
         expect = self.pool.agent_version(namespace)
+        self.tier.known_era(namespace, self.pool.era_of(namespace))  # one the tier's bounded memory forgot
         rm = self.tier.get_manifest(namespace)
         if rm is None:
             return False
@@ -220,24 +249,36 @@ class Fleet:
         if rm.outdated:  # from before the erasure this server's copies follow: none of it may come back
             self._count("syncs_outdated")
             return False
-        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared)
+        remote = Copy(tuple(self._branches(rm)), rm.removals, rm.spliced_cleared, rm.forkable, rm.settings_at,
+                      rm.removed_floor, rm.pinned)
         tokens = self._tokens(pool.removal_blocks(namespace, remote))  # read ahead: no read under the lock
         # Every branch there already held here, as recently used, and every removal: no block is
         # read, and this server now holds that version (its next put succeeds it).
         if pool.holds(namespace, expect, remote, lambda: self.tier.adopt(namespace, rm.version), tokens):
             self._count("syncs_unchanged")
+            # ... and when the local record is ahead of it (a put of a removal or a setting that never
+            # reached Redis), the record is published again: its put succeeds the version adopted.
+            if pool.republish(namespace, remote):
+                self._count("syncs_republished")
             return False
         branches, blocks, complete = self._fetch(rm, list(remote.branches))
-        if not branches and not remote.removals and not remote.spliced_cleared:
+        if not branches and not remote.removals and not remote.spliced_cleared and (
+                remote.forkable is None and not remote.settings_at and not remote.removed_floor):
             return False
         version = rm.version if complete else None
-        fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared), blocks,
+        fut = pool.save_fetched(namespace, Copy(tuple(branches), remote.removals, remote.spliced_cleared,
+                                                remote.forkable, remote.settings_at, remote.removed_floor,
+                                                remote.pinned), blocks,
                                 expect, lambda adopted: self._adopted(adopted, version), tokens)
         with self._lock:
             self.counts["blocks_fetched"] += len(blocks)
         try:
             if fut is not None and not fut.result(self.write_timeout_s):
                 self._count("save_failed")
+            elif fut is not None and pool.republish(namespace, remote):
+                # the merge kept removals or settings of the local record that Redis's copy lacks (a
+                # put of them that never reached it): published now, as a successor of the adopted copy
+                self._count("syncs_republished")
         except FutureTimeout:
             log.warning("fleet: agent %r: local save of its fetched blocks not durable after %.0fs",
                         namespace, self.write_timeout_s)

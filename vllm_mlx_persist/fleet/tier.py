@@ -30,8 +30,9 @@ thread:
     tier.put(manifest, blocks=None, base=None) -> bool      # any thread; never blocks: queues the
                                                             # upload, False when dropped (queue full);
                                                             # a concurrent update is merged with it
-    tier.erase(agent) -> bool                               # any thread; never blocks: queued ahead
-                                                            # of the bound, retried until done or close()
+    tier.erase(agent, ident=None) -> bool                   # any thread; never blocks: queued ahead
+                                                            # of the bound, retried until done or close();
+                                                            # on_erase_done(agent, ident) once in Redis
     tier.drop_blocks(block_ids) -> bool                     # any thread: a forget's superseded blocks
     tier.erased_locally(agent, ident) -> bool               # any thread: this server dropped its copy
                                                             # because of erasure `ident` (from
@@ -91,7 +92,8 @@ class RemoteTier:
     `block_source`, `on_erased`, `branches`, `keep_continued`: writer.Writer's."""
 
     def __init__(self, settings: FleetSettings, fingerprint: str, *, block_source: Optional[BlockSource] = None,
-                 on_erased: Optional[Callable[[str, str], None]] = None, branches: int = 4,
+                 on_erased: Optional[Callable[[str, str], None]] = None,
+                 on_erase_done: Optional[Callable[[str, str], None]] = None, branches: int = 4,
                  keep_continued: bool = False):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
@@ -106,7 +108,8 @@ class RemoteTier:
         eras = self.eras = Eras(state, settings.max_agents)
         self.reads = Reads(settings, keys, tagger, self.manifests, conn, eras, state)
         self.writer = Writer(settings, keys, tagger, self.manifests, conn, eras, state, block_source=block_source,
-                             on_erased=on_erased, branches=branches, keep_continued=keep_continued)
+                             on_erased=on_erased, on_erase_done=on_erase_done, branches=branches,
+                             keep_continued=keep_continued)
         # The writer is a daemon thread: give queued writes a short, bounded chance at exit.
         ref = weakref.ref(self)
         self._atexit = lambda: (t := ref()) is not None and t.close(2.0)
@@ -144,8 +147,8 @@ class RemoteTier:
             base: Optional[Manifest] = None) -> bool:
         return self.writer.put(manifest, blocks, base)
 
-    def erase(self, namespace: str) -> bool:
-        return self.writer.erase(namespace)
+    def erase(self, namespace: str, ident: Optional[str] = None) -> bool:
+        return self.writer.erase(namespace, ident)
 
     def drop_blocks(self, block_ids: Sequence[str]) -> bool:
         return self.writer.drop_blocks(block_ids)

@@ -85,12 +85,14 @@ class Writer:
 
     def __init__(self, settings: FleetSettings, keys: Keyspace, tagger: Tagger, manifests: Manifests,
                  conn: Connection, eras: Eras, state: TierState, *, block_source: Optional[BlockSource] = None,
-                 on_erased: Optional[Callable[[str, str], None]] = None, branches: int = 4,
+                 on_erased: Optional[Callable[[str, str], None]] = None,
+                 on_erase_done: Optional[Callable[[str, str], None]] = None, branches: int = 4,
                  keep_continued: bool = False):
         self.keys, self.tagger, self.manifests = keys, tagger, manifests
         self.conn, self.eras, self._state = conn, eras, state
         self.block_source = block_source
         self.on_erased = on_erased
+        self.on_erase_done = on_erase_done
         self.queue_max, self.queue_max_bytes = settings.queue_max, settings.queue_max_bytes
         self.max_attempts, self.backoff_s, self.backoff_max_s = (settings.max_attempts, settings.backoff_s,
                                                                  settings.backoff_max_s)
@@ -141,11 +143,12 @@ class Writer:
             self._cond.notify()
         return True
 
-    def erase(self, namespace: str) -> bool:
+    def erase(self, namespace: str, ident: Optional[str] = None) -> bool:
         """Queue erasing the agent from Redis (manifest replaced by a tombstone one version up, so a
         put from before the erasure cannot bring it back); queued puts for it are discarded. This
         server's era for the agent is the new tombstone's id from now on (its later histories follow
-        it). Not bounded by queue_max; retried until done or close(). False if it cannot be queued."""
+        it). Not bounded by queue_max; retried until done or close(). False if it cannot be queued.
+        `ident`: the tombstone's id, chosen by the caller (an erasure kept in the fleet's outbox)."""
         agent_key_of(namespace)
         with self._cond:
             self._state.c["erases"] += 1
@@ -154,7 +157,7 @@ class Writer:
                 logger.error("fleet: cannot queue the erasure of an agent (closing or %d pending)",
                              len(self.eras.pending_erase))
                 return False
-            self.eras.erasing(namespace)
+            self.eras.erasing(namespace, ident)
             self._q.append(_Erase(namespace))
             self._cond.notify()
         return True
@@ -313,6 +316,11 @@ class Writer:
         with self._state.lock:
             eras.erased(namespace, version, ident)
             self._state.c["erases_done"] += 1
+        if self.on_erase_done is not None:
+            try:
+                self.on_erase_done(namespace, ident)
+            except Exception:
+                logger.exception("fleet: on_erase_done callback failed")
 
     def _put_now(self, p: _Put) -> None:
         m = p.manifest

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..blocks import Agent
-from ..chain import Branch, Removal, merge_removals, removal_of
+from ..chain import Branch, Removal, bound_removals, removal_of
 from ..disk_format import MAX_REMOVALS
 from ..pool_core import PoolCore
 from .supersede import edit_point, superseded_block, surviving
@@ -70,7 +70,8 @@ class Forgets:
         if any(br.spliced for br in kept):  # spliced copies may hold what is removed
             agent.spliced_cleared = max(agent.spliced_cleared, now)
             kept = [br for br in kept if not br.spliced]
-        agent.removals = merge_removals(agent.removals, list(removals.values()), MAX_REMOVALS, now - self.removal_ttl_s)
+        agent.removals, agent.removed_floor = bound_removals([*agent.removals, *removals.values()], MAX_REMOVALS,
+                                                             now - self.removal_ttl_s, agent.removed_floor)
         self.core.stats["branches_superseded"] += len(branches) - len(kept)
         return kept
 

@@ -38,6 +38,7 @@ class Mutant:
     path: str  # relative to the repository
     edits: tuple[tuple[str, str], ...]  # (old, new): old must occur exactly once
     what: str
+    test: str = ""  # RULE_MUTANTS: the test (file::name) written to catch it
 
 
 MUTANTS = (
@@ -97,12 +98,49 @@ MUTANTS = (
 )
 
 
+# Defects of the fleet's merge rules and of the disk budget that the whole suite once missed (issue #44),
+# each with the test written to catch it (`--rules` runs those tests against each).
+RULE_MUTANTS = (
+    Mutant("removal_older_wins", "merge", "vllm_mlx_persist/chain.py",
+           (("if r.at >= since and (r.block not in by_block or by_block[r.block].at < r.at):",
+             "if r.at >= since and (r.block not in by_block or by_block[r.block].at > r.at):"),),
+           "of two removal records of one block the older one wins",
+           "tests/test_merge_rules.py::test_two_removal_records_of_one_block_keep_the_newer"),
+    Mutant("sync_ignores_cleared", "merge", "vllm_mlx_persist/fleet_view.py",
+           (("branches, removals, cleared, floor = merge_records(branches, mine, fetched, MAX_REMOVALS,",
+             "branches, removals, cleared, floor = merge_records(branches, mine, Copy(fetched.branches, "
+             "fetched.removals, removed_floor=fetched.removed_floor), MAX_REMOVALS,"),),
+           "a fetched copy's spliced_cleared ignored by the sync's merge",
+           "tests/test_merge_rules.py::test_the_sync_merge_applies_a_fetched_copys_spliced_cleared"),
+    Mutant("put_own_removals_only", "merge", "vllm_mlx_persist/fleet/manifests.py",
+           (("merge_records(new, copy_of(m), copy_of(theirs), MAX_REMOVALS, 0.0, given.get)",
+             "merge_records(new, copy_of(m), Copy(copy_of(theirs).branches), MAX_REMOVALS, 0.0, given.get)"),),
+           "a put's merge applies its own removal records, not those Redis holds",
+           "tests/test_merge_rules.py::test_a_puts_merge_applies_the_removal_records_redis_holds"),
+    Mutant("disk_touch_not_recency", "persister", "vllm_mlx_persist/disk_index.py",
+           (("            agent.last_used = now\n            self.agents.move_to_end(namespace)",
+             "            agent.last_used = now"),),
+           "a use does not refresh the disk index's recency (the budget erases in save order)",
+           "tests/test_merge_rules.py::test_a_use_refreshes_an_agents_disk_recency"),
+    Mutant("budget_newest_dir_first", "persister", "vllm_mlx_persist/cache_root.py",
+           (("return sorted(out, key=lambda t: t[2])", "return sorted(out, key=lambda t: -t[2])"),),
+           "the budget removes the newest of other models' directories first",
+           "tests/test_merge_rules.py::test_the_budget_removes_the_oldest_of_other_models_directories_first"),
+    Mutant("scaled_identity_by_shape", "key formats", "vllm_mlx_persist/caches/key_formats.py",
+           (("hashlib.sha256(np.array(self.scales).tobytes())", "hashlib.sha256(str(np.array(self.scales).shape).encode())"),),
+           "a scaled key format's identity depends on its scales' shape, not their values",
+           "tests/test_merge_rules.py::test_a_scaled_key_formats_identity_is_its_scales_values"),
+)
+
+
 def copy_with(m: Mutant | None, dest: Path) -> Path:
-    """The package, the state machine's tests and pyproject.toml under `dest`, with `m` applied."""
+    """The package, the state machine's tests and pyproject.toml under `dest` (and a rule mutant's
+    test file with test_remote.py, whose helpers it uses), with `m` applied."""
     shutil.copytree(REPO / "vllm_mlx_persist", dest / "vllm_mlx_persist",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (dest / "tests").mkdir()
-    for f in ("tests/conftest.py", "tests/test_state_machine.py", "pyproject.toml"):
+    extra = (m.test.split("::")[0], "tests/test_remote.py") if m is not None and m.test else ()
+    for f in ("tests/conftest.py", "tests/test_state_machine.py", "pyproject.toml", *extra):
         shutil.copy(REPO / f, dest / f)
     if m is not None:
         path = dest / m.path
@@ -135,6 +173,18 @@ def suite(root: Path, timeout: float) -> dict:
     return {"caught": p.returncode == 1, "seconds": seconds,
             "test": failed.group(1).split("::")[-1] if failed else "",
             "problem": (failed.group(2) or "")[:200] if failed else ""}
+
+
+def rule_test(root: Path, test: str, timeout: float) -> dict:
+    """A rule mutant's own test in the copy: whether it fails (catches the defect)."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                        "-o", "addopts=-ra -p no:asyncio", test], cwd=root,
+                       env={**_env(root), "PYTHONPATH": f"{root}:{root / 'tests'}"},
+                       capture_output=True, text=True, timeout=timeout)
+    if p.returncode not in (0, 1):
+        raise RuntimeError(f"pytest exited {p.returncode}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    return {"caught": p.returncode == 1, "seconds": round(time.monotonic() - t0, 1)}
 
 
 def hunt(seconds: float, seed: int) -> dict:
@@ -181,7 +231,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hunt-seed", type=int, default=1000)
     ap.add_argument("--hunt-here", type=float, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--rules", action="store_true", help="RULE_MUTANTS against their own tests (and the control)")
     args = ap.parse_args(argv)
+    if args.rules:
+        print("| defect | what | its test | with the defect | without |")
+        print("|---|---|---|---|---|", flush=True)
+        for m in RULE_MUTANTS:
+            if args.only and m.name not in args.only.split(","):
+                continue
+            got = {}
+            for label, applied in (("with", m), ("without", None)):
+                with tempfile.TemporaryDirectory(prefix="mutant-") as tmp:
+                    root = copy_with(m, Path(tmp))
+                    if applied is None:  # the control: the same copy without the edit
+                        shutil.rmtree(root / "vllm_mlx_persist")
+                        shutil.copytree(REPO / "vllm_mlx_persist", root / "vllm_mlx_persist",
+                                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+                    got[label] = rule_test(root, m.test, args.suite_timeout)
+            print(f"| {m.name} | {m.what} | {m.test.split('::')[-1]} | "
+                  f"{'fails (caught)' if got['with']['caught'] else 'PASSES (missed)'} | "
+                  f"{'fails' if got['without']['caught'] else 'passes'} |", flush=True)
+        return 0
     if args.hunt_here is not None:
         print(json.dumps(hunt(args.hunt_here, args.hunt_seed)), flush=True)
         return 0

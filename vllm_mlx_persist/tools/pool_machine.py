@@ -10,7 +10,11 @@ moved on, restart (close and reopen), crash (the disk fails with writes queued, 
 before the Nth write step (in process: the store directory as it was at that step is what the restart
 finds), turns whose saves stay queued (the writer held) while an erasure (then, maybe, a new turn of
 the erased agent), a disk budget (none at all included), a sweep or a fleet erasure runs, and on the
-second pool: turns synced from the fleet, erasures and forget edits.
+second pool: turns synced from the fleet, erasures and forget edits; partitions (each pool reaches Redis
+through a proxy, tools/partition.py: the second pool cut off and healed, serving from its local copy
+meanwhile), a kill -9 at each step of an erasure (acknowledged then killed before its tombstone reached
+Redis, or after it but before the outbox let go of it) and of a forget's publish (killed before its put
+reached Redis), and forget edits past the removal records' bound (MAX_REMOVALS + 1 in a row).
 
 Invariants, checked after every step (and the memory ones after every pool operation):
 - a served prefix covers only tokens of the request and comes from a history that agent may still be
@@ -79,10 +83,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from .. import faults, store as store_mod
 from ..caches.q4 import Q4KVCache
 from ..chain import Branch, Chains, lcp
+from ..disk_format import MAX_REMOVALS
 from ..kv_edit import AMORTIZE, FORGET
 from ..kv_edit.rotations import clip, normalize, peak
 from ..pool import BlockPool
 from ..store import DiskStore
+from .partition import PartitionProxy
 
 OP_TIMEOUT_S = 60.0  # any pool operation slower than this is a hang
 BITS, GROUP, BLOCK, HEADS, DIM, LAYERS = 4, 64, 8, 2, 64, 2
@@ -293,6 +299,13 @@ class KillAt:
                 raise OSError(errno.EIO, f"killed before write step {self.n} ({self.killed})")
 
 
+# The machine's tiers give up on an unreachable Redis fast: a partition (a cut proxy) costs a step
+# a fraction of a second, and a healed one is reached again within FLEET_BREAKER_S.
+FLEET_BREAKER_S = 0.1
+FLEET_SETTINGS = {"wait_s": 10.0, "breaker_open_s": FLEET_BREAKER_S, "backoff_s": 0.02, "backoff_max_s": 0.1,
+                  "max_attempts": 2, "read_timeout_s": 2.0}
+
+
 def open_pool(root: Path, *, hot: int, disk: int, clock: Clock, redis_url: Optional[str] = None,
               retry_delays: tuple = (0.05,)) -> BlockPool:
     fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
@@ -301,7 +314,7 @@ def open_pool(root: Path, *, hot: int, disk: int, clock: Clock, redis_url: Optio
         from ..fleet import Fleet, FleetSettings, RemoteTier
 
         def fleet(pool: BlockPool) -> Fleet:
-            return Fleet(pool, lambda **cb: RemoteTier(FleetSettings(redis_url, wait_s=10.0), FINGERPRINT, **cb))
+            return Fleet(pool, lambda **cb: RemoteTier(FleetSettings(redis_url, **FLEET_SETTINGS), FINGERPRINT, **cb))
     pool = BlockPool(fingerprint=FINGERPRINT, n_layers=LAYERS, bits=BITS, group_size=GROUP, block_size=BLOCK,
                      hot_bytes=hot, store=DiskStore(root, FINGERPRINT, {"machine": True}, fmt), disk_budget=disk,
                      persister_options={"ttl_s": TTL_S, "retry_delays": retry_delays},
@@ -373,6 +386,15 @@ class PoolMachine(RuleBasedStateMachine):
         self.clock = Clock()
         self.hot, self.disk = HOT_BUDGETS[0], DISK_BUDGETS[0]
         self.redis = Redis(self.work) if self.fleet else None
+        # Each pool reaches Redis through its own partition proxy (tools/partition.py): a rule cuts one
+        # pool off and heals it. `cut`: the pools ("a", "b") cut off now.
+        self.proxies = ({n: PartitionProxy("127.0.0.1", self.redis.port) for n in "ab"}
+                        if self.redis is not None else {})
+        self.cut: set[str] = set()
+        # Agents whose forget edit on a cut-off pool never reached Redis: the other pool may hold what
+        # it removed until the cut-off one syncs the agent after the heal (which publishes it again).
+        self.unpublished: dict[str, set[str]] = {"a": set(), "b": set()}
+        self.forget_runs = 0  # runs of removals past the bound (one per example: a long step)
         self.pool = self._open(self.work / "a")
         self.other = self._open(self.work / "b") if self.fleet else None
         # The honest histories each agent may be served, since its last erasure (a forget edit cuts
@@ -407,8 +429,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.rid = 0
 
     def _open(self, root: Path) -> BlockPool:
+        proxy = self.proxies.get(root.name)
         return watchdog(open_pool, root, hot=self.hot, disk=self.disk, clock=self.clock,
-                        redis_url=self.redis.url if self.redis else None)
+                        redis_url=proxy.url if proxy is not None else None)
 
     def teardown(self) -> None:
         for pool in (self.pool, self.other):
@@ -418,6 +441,8 @@ class PoolMachine(RuleBasedStateMachine):
                 except Exception:
                     pass
         store_mod._FAULT = None
+        for proxy in self.proxies.values():
+            proxy.close()
         if self.redis is not None:
             self.redis.stop()
         shutil.rmtree(self.work, ignore_errors=True)
@@ -564,9 +589,11 @@ class PoolMachine(RuleBasedStateMachine):
         """What a lookup used (Recency) and synced (`stale`)."""
         if agent is None:
             return
-        if self.fleet and not self.unsure_syncs:
-            for ns in {agent, fork_from} - {None}:
-                self.stale[self._name(pool)].pop(ns, None)  # it synced them first
+        name = self._name(pool)
+        if self.fleet and not self.unsure_syncs and name not in self.cut:
+            other = "b" if name == "a" else "a"
+            for ns in {agent, fork_from} - {None} - self.unpublished[other]:
+                self.stale[name].pop(ns, None)  # it synced them first
         if pool is not self.pool:
             return
         if pool.agent(agent) is not None:
@@ -597,6 +624,9 @@ class PoolMachine(RuleBasedStateMachine):
                 allowed = self.anon
             else:
                 allowed = self._allowed(agent) + (self._allowed(fork_from) if fork_from else [])
+                if self.fleet and self._name(pool) in self.cut:  # it could not sync: its stale copy serves
+                    stale = self.stale[self._name(pool)]
+                    allowed = allowed + stale.get(agent, []) + (stale.get(fork_from, []) if fork_from else [])
                 if edit == AMORTIZE:
                     allowed = allowed + self._allowed_spliced(agent)
             assert any(s[:n] == served[:n] for s in allowed), (
@@ -925,7 +955,7 @@ class PoolMachine(RuleBasedStateMachine):
         budget of none, for this step only), a sweep, or (with the fleet) an erasure of y through the
         other server. A queued save must neither bring back an erased agent nor be lost to the budget
         (the budget and the TTL never erase an agent whose save is queued)."""
-        if then == "fleet_erase_y" and self.other is None:
+        if then == "fleet_erase_y" and (self.other is None or "b" in self.cut):  # (b's erasure waits for the heal)
             then = "erase_y"
         if then == "erase_x_turn" and self.other is not None:  # (a sync racing the erasure: not modelled)
             then = "erase_x"
@@ -1027,12 +1057,14 @@ class PoolMachine(RuleBasedStateMachine):
         win in every merge, so once it is published this server's next sync of the agent drops what it
         removed (docs/fleet.md, Removals win)."""
         self.pool.fleet.tier.flush(10)
+        if "b" in self.cut:  # its put is given up: published by its first sync of the agent after the heal
+            self.unpublished["b"].add(agent)
         self._forget_edit(self.other, agent, self._history(agent, pick, cut) + new, aborted)
         watchdog(self.other.flush, OP_TIMEOUT_S)  # an aborted edit's record is saved at its end, then put
         self.other.fleet.tier.flush(10)
         self.elsewhere[agent] += 2
 
-    @precondition(lambda self: self.other is not None)
+    @precondition(lambda self: self.other is not None and "b" not in self.cut)
     @rule(agent=names)
     def fleet_erase(self, agent: str) -> None:
         """The agent is erased through the other server: fleet-wide. A put of this server's still
@@ -1045,6 +1077,129 @@ class PoolMachine(RuleBasedStateMachine):
         if self.pool.fleet.tier.stats()["puts_erased"] > erased:
             wait_until(lambda: self.pool.agent(agent) is None, OP_TIMEOUT_S)
         self._forget(agent, here="b")
+
+    # ---- partitions and kills of the fleet's removals --------------------------------------------------
+
+    def _reach(self, pool: BlockPool) -> None:
+        """Wait until the pool's tier reaches Redis again (a healed proxy; its breaker closed)."""
+        tier = pool.fleet.tier
+        assert wait_until(lambda: (tier.get_manifest(AGENTS[0]), tier.stats()["connected"])[1], OP_TIMEOUT_S), (
+            "a healed server did not reach Redis again")
+
+    def _die(self, pool: BlockPool) -> None:
+        """kill -9 of the server, as far as the fleet goes: its writer's queue (puts, erasures) is lost
+        unsent; the disk's own writes are done (what was acknowledged is durable before its answer)."""
+        fleet = pool.fleet
+        fleet.stop()
+        writer = fleet.tier.writer
+        with writer._cond:
+            writer._q.clear()
+            writer._state.stop = True
+            writer._cond.notify_all()
+        watchdog(pool.close)
+
+    @precondition(lambda self: self.other is not None)
+    @rule(cut=st.booleans())
+    def partition(self, cut: bool) -> None:
+        """The other server (b) is cut off from Redis (its proxy closes every connection) or healed. Cut
+        off, it serves from its local copy (its syncs fail at once, its puts are given up), which may
+        hold what this server's forgets and erasures removed meanwhile; healed, it reaches Redis again,
+        and its first sync of an agent whose forget it made while cut off publishes that forget
+        (docs/fleet.md, The merge rules)."""
+        if cut:
+            self.proxies["b"].cut()
+            self.cut.add("b")
+            return
+        if "b" not in self.cut:
+            return
+        self.proxies["b"].heal()
+        self.cut.discard("b")
+        self._reach(self.other)
+        for agent in sorted(self.unpublished["b"]):
+            watchdog(self.other.fleet._sync_agent, agent)
+            watchdog(self.other.flush, OP_TIMEOUT_S)
+            self.other.fleet.tier.flush(10)
+        self.unpublished["b"].clear()
+
+    @precondition(lambda self: self.other is not None and "b" not in self.cut)
+    @rule(agent=names, stage=st.sampled_from(["queued", "in_redis"]))
+    def erase_then_killed(self, agent: str, stage: str) -> None:
+        """DELETE on this server, acknowledged (its local erasure durable, the erasure in the fleet's
+        outbox), then the process killed: `queued`, cut off from Redis before the tombstone was
+        written; `in_redis`, after it was written but before the outbox let go of it. Restarted (and
+        healed), the server must not fetch the agent back, the erasure must reach Redis (queued again
+        from the outbox, with the same tombstone id) and the outbox must empty."""
+        if stage == "queued":
+            self.proxies["a"].cut()
+            self.cut.add("a")
+        try:
+            watchdog(self.pool.erase, agent, 30.0)
+            if stage == "in_redis":
+                assert self.pool.fleet.tier.flush(OP_TIMEOUT_S)
+                self.pool.fleet.outbox.add(agent, self.pool.fleet.tier.era(agent))  # not let go yet
+            self._die(self.pool)
+        finally:
+            self.proxies["a"].heal()
+            self.cut.discard("a")
+        self._forget(agent, here="a")
+        self._reopen()
+        self._reach(self.pool)
+        assert self.pool.fleet.tier.flush(OP_TIMEOUT_S)
+        assert not self.pool.fleet.outbox.pending(), "an erasure in Redis is still in the outbox"
+        m = self.pool.fleet.tier.get_manifest(agent)
+        assert m is not None and m.erased, f"agent {agent!r}: the acknowledged erasure never reached Redis"
+        self._check_survivors()
+
+    @precondition(lambda self: self.other is not None and "b" not in self.cut)
+    @rule(agent=names, pick=st.integers(0, 99), cut=st.floats(0.0, 0.9), new=words)
+    def forget_then_killed(self, agent: str, pick: int, cut: float, new: list[int]) -> None:
+        """A forget edit on this server while it is cut off from Redis (its turn acknowledged: durable
+        locally; its put given up), then the process killed, restarted and healed: its first sync of
+        the agent publishes the forget (the other server holds what it removed until then). Only of an
+        agent this server holds: then its record keeps the erasure its history follows (an agent it
+        erased and restarted since has no record left saying so, and a turn of it made while cut off
+        meets its own old tombstone as an erasure at the heal: a known limit, docs/fleet.md)."""
+        if self.pool.agent(agent) is None or self.stale["a"].get(agent):
+            return  # (a copy from before another server's erasure: its turns go at the sync, by the era rules)
+        self.proxies["a"].cut()
+        self.cut.add("a")
+        self.unpublished["a"].add(agent)
+        try:
+            self._forget_edit(self.pool, agent, self._history(agent, pick, cut) + new, False)
+            self._die(self.pool)
+        finally:
+            self.proxies["a"].heal()
+            self.cut.discard("a")
+        self._reopen()
+        self._reach(self.pool)
+        watchdog(self.pool.fleet._sync_agent, agent)
+        watchdog(self.pool.flush, OP_TIMEOUT_S)
+        assert self.pool.fleet.tier.flush(OP_TIMEOUT_S)
+        self.unpublished["a"].discard(agent)
+        self._check_survivors()
+
+    @precondition(lambda self: self.other is not None and self.forget_runs == 0 and "b" not in self.cut)
+    @rule(agent=names, pick=st.integers(0, 99), new=words)
+    def forgets_past_bound(self, agent: str, pick: int, new: list[int]) -> None:
+        """The other server stores a turn (a history and a tool output after it); then this server
+        forgets the tool output of each turn, MAX_REMOVALS + 1 times in a row, each turn replacing the
+        last output (once per example: a long step). The removal records pass their bound (the first,
+        the only one naming the other server's copy, is compacted away), and the other server must
+        still drop that copy at its next sync (docs/fleet.md, The merge rules: the floor)."""
+        self.forget_runs += 1
+        base = self._history(agent, pick, 1.0) + new
+
+        def output(i: int) -> list[int]:
+            n = len(WORDS)  # distinct for every i < n * n: no output is sent again
+            return [WORDS[i % n], WORDS[i // n % n]] + [WORDS[(i * 3 + j) % n] for j in range(BLOCK)]
+
+        self.pool.fleet.tier.flush(10)
+        self._serve(self.other, agent, base + output(0))
+        self.other.fleet.tier.flush(10)
+        self.elsewhere[agent] += 2
+        for i in range(1, MAX_REMOVALS + 2):
+            self._forget_edit(self.pool, agent, base + output(i), False)
+        self.pool.fleet.tier.flush(10)
 
     # ---- invariants ----------------------------------------------------------------------------------
 
@@ -1160,10 +1315,11 @@ def _falsifying(e: BaseException) -> str:
     return "\n\n".join(p for p in parts if p.strip())
 
 
-def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
+def campaign(trials: int, seed: int, work: Path, steps: int = STEPS, fleet_only: bool = False) -> dict:
     """`vllm-mlx-persist reliability --campaigns state_machine`: `trials` examples of up to `steps`
     steps, EXAMPLES_PER_SEED per seed from `seed` on, every fourth seed with the fleet rules (when a
-    redis-server is at hand). A failure is shrunk by Hypothesis and recorded with its steps."""
+    redis-server is at hand; `fleet_only`: every seed, the `fleet` campaign: partitions, kills of
+    removals, removals past their bound). A failure is shrunk by Hypothesis and recorded with its steps."""
     import io
     import logging
 
@@ -1178,7 +1334,9 @@ def campaign(trials: int, seed: int, work: Path, steps: int = STEPS) -> dict:
     left, s = trials, seed
     while left > 0:
         n = min(EXAMPLES_PER_SEED, left)
-        fleet = (s - seed) % 4 == 1 and Redis.available()
+        fleet = (fleet_only or (s - seed) % 4 == 1) and Redis.available()
+        if fleet_only and not fleet:
+            raise RuntimeError("the fleet campaign needs a redis-server")
         machine = use_seed(s)(type(f"Seeded{s}", (FleetMachine if fleet else PoolMachine,), {}))
         before = PoolMachine.steps_run
         report = io.StringIO()

@@ -530,10 +530,17 @@ def _state_machine(trials: int, seed: int, work: Path) -> dict:
     return campaign(trials, seed, work)
 
 
+def _fleet_machine(trials: int, seed: int, work: Path) -> dict:
+    """The state machine with the fleet rules on every seed (partitions through tools/partition.py)."""
+    from .pool_machine import campaign
+
+    return campaign(trials, seed, work, fleet_only=True)
+
+
 # name: (function, full trials, quick trials); soak and storm count seconds, interactions steps,
-# state_machine examples
+# state_machine and fleet examples
 CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
-             "state_machine": (_state_machine, 400, 20),
+             "state_machine": (_state_machine, 400, 20), "fleet": (_fleet_machine, 200, 10),
              "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
              "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40),
              "interactions": (_server("interactions"), 700, 100)}
@@ -664,6 +671,13 @@ _WHAT = {
              "aborted with a TCP reset, requests hung up early, invalid bodies and agent ids. Failures: the "
              "server down, a request past its time-out (120 s), a 5xx for a bad body, a bad id not answered 400, "
              "and any agent whose next turn afterwards differs from a fresh server given the same history cold.",
+    "fleet": "The state machine (below) with the fleet rules on every seed: two pools sharing a redis-server, "
+             "each through its own partition proxy (tools/partition.py), the second one cut off and healed at "
+             "random while both serve, erase and forget; the first one's erasures and forgets killed (-9) "
+             "at each step before their publish; forget edits past the removal records' bound. Failures: "
+             "those of the state machine, and an acknowledged erasure that never reaches Redis or comes back "
+             "after the restart, a removal one pool holds after its first sync since the other published "
+             "it (docs/fleet.md, The merge rules).",
     "state_machine": "A Hypothesis state machine (vllm_mlx_persist/tools/pool_machine.py) drives the real pool, "
                      "persister and store, and with a redis-server a second pool sharing the fleet tier, through "
                      "random sequences of turns, forks, concurrent branches of one agent, re-tokenized turns "
@@ -727,7 +741,8 @@ def _report_state_machine(r: dict) -> list[str]:
 
 
 _SERVER_REPORT = {"server_crash": _report_server_crash, "disk": _report_disk, "soak": _report_soak,
-                  "storm": _report_storm, "interactions": _report_interactions, "state_machine": _report_state_machine}
+                  "storm": _report_storm, "interactions": _report_interactions, "state_machine": _report_state_machine,
+                  "fleet": _report_state_machine}
 
 
 def _notes(md: Path) -> list[str]:

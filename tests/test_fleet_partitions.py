@@ -1,0 +1,553 @@
+"""Removals and settings that hold in a fleet that partitions and crashes (issue #44): servers behind
+a partition proxy (tools/partition.py) in front of one real redis-server, cut and healed by the tests.
+Pools here hold synthetic 4-bit blocks (test_remote.chain) unless a test needs a model's turns."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
+
+from test_remote import SECRET, RedisServer, chain, fleet_pool, fp, held, manifest  # noqa: E402,F401
+
+from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
+from vllm_mlx_persist.tools.partition import PartitionProxy  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def fleet(redis_server, fp, tmp_path):
+    """servers: make(name) -> (pool, proxy): a pool with its own disk under tmp_path/name and its own
+    proxy to the one Redis (cut one: that server alone is partitioned); `writer`: a plain tier."""
+    made: list = []
+    proxies: list = []
+
+    class Fleet:
+        redis = redis_server
+
+        def proxy(self) -> PartitionProxy:
+            p = PartitionProxy("127.0.0.1", redis_server.port)
+            proxies.append(p)
+            return p
+
+        def server(self, name: str, proxy: PartitionProxy | None = None):
+            proxy = proxy or self.proxy()
+
+            def make_tier(**cb):
+                return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
+                                                backoff_s=0.05, backoff_max_s=0.2, read_timeout_s=1.0), fp, **cb)
+
+            pool = fleet_pool(fp, tmp_path / name, make_tier)
+            made.append(pool)
+            return pool, proxy
+
+        def tier(self) -> RemoteTier:
+            t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fp)
+            made.append(t)
+            return t
+
+    yield Fleet()
+    for p in proxies:
+        p.heal()
+    for x in made:
+        try:
+            x.close() if hasattr(x, "load_manifests") else x.close(2)
+        except Exception:
+            pass
+    for p in proxies:
+        p.close()
+
+
+def wait_for(cond, what: str, timeout: float = 20.0) -> None:
+    """Poll an observed condition (no fixed sleep decides anything)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def settle(pool) -> None:
+    """The pool's queued disk writes and the fleet's queued puts done."""
+    pool.flush(30)
+    assert pool.fleet.tier.flush(30)
+
+
+def reaches_redis(pool, agent: str) -> None:
+    """Wait until the pool's tier reads the agent's manifest again (after a heal: its breaker closed)."""
+    wait_for(lambda: pool.fleet.tier.get_manifest(agent) is not None, "the healed server to reach Redis")
+
+
+def test_the_proxy_cuts_and_heals(fleet):
+    proxy = fleet.proxy()
+    import redis
+
+    c = redis.Redis.from_url(proxy.url, socket_timeout=2, socket_connect_timeout=1)
+    assert c.ping()
+    proxy.cut()
+    with pytest.raises(redis.exceptions.ConnectionError):
+        c.ping()
+    assert proxy.is_cut and proxy.refused >= 1
+    proxy.heal()
+    assert c.ping()  # redis-py reconnects on its next command
+    c.close()
+
+
+# ---- 2. a fork refusal travels --------------------------------------------------------------------------
+
+
+def test_a_fork_refusal_travels_and_survives_another_servers_publish(fleet, fp):
+    """Finding 2: A refuses forks of P (DELETE /v1/agents/P/forkable); B, which synced P before, syncs
+    again and refuses too; B's next publish of P keeps the refusal in Redis, so a third server that
+    never knew P refuses as well. A later grant on B wins over the earlier refusal (the latest setting
+    wins; docs/fleet.md, "The merge rules")."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+        assert held(pool, "p") == {x.block_id for x in hist}
+        assert pool.may_fork("p")  # the policy's default ("open")
+
+    assert a.set_forkable("p", False)
+    settle(a)
+    assert w.get_manifest("p") is not None
+    b.fleet._sync_agent("p")
+    assert not b.may_fork("p"), "B allows the fork A refused"
+
+    # a later grant, on B, wins over the earlier refusal everywhere
+    assert b.set_forkable("p", True)
+    settle(b)
+    a.fleet._sync_agent("p")
+    assert a.may_fork("p") and b.may_fork("p")
+
+
+def republish(pool, agent: str) -> None:
+    """What the agent's next turn's save does to its record: saved locally, then published."""
+    with pool.core.lock:
+        rec = pool.agent(agent)
+        pool.core.save(rec, [], {}, [], list(rec.branches))
+    settle(pool)
+
+
+def test_a_publish_of_another_server_keeps_the_refusal(fleet, fp):
+    """Finding 2, the drop: B synced P before A's refusal and publishes P after it (B's record has no
+    fork setting): Redis must keep A's refusal, and a third server refuses the fork."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    b.fleet._sync_agent("p")
+    republish(b, "p")  # B's next save of P's record publishes it
+    rm = w.get_manifest("p")
+    assert rm is not None and not rm.erased
+    c, _ = fleet.server("c")
+    c.fleet._sync_agent("p")
+    assert held(c, "p")
+    assert not c.may_fork("p"), "a third server allows the fork A refused"
+
+
+# ---- 3. an acknowledged erasure survives kill -9 ---------------------------------------------------------
+
+
+def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet, fp, tmp_path):
+    """Finding 3: A erases P (DELETE returns: the local erasure is durable) while A cannot reach Redis,
+    then A dies before the tombstone is written (its writer's queue is lost, as with kill -9). A,
+    restarted, must not fetch P back, and the erasure must reach Redis once A reaches it again."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, proxy = fleet.server("a")
+    a.fleet._sync_agent("p")
+    assert held(a, "p")
+    proxy.cut()
+    assert a.erase("p", 30)  # acknowledged: known locally
+    # kill -9: the tier's writer thread and queue vanish without a flush (no close())
+    a.fleet.stop()
+    a.fleet.tier.writer._state.stop = True
+    with a.fleet.tier.writer._cond:
+        a.fleet.tier.writer._q.clear()
+        a.fleet.tier.writer._cond.notify_all()
+    a.persister.close()
+    proxy.heal()
+
+    again, _ = fleet.server("a", proxy)
+    again.fleet._sync_agent("p")
+    assert again.fleet_view.branch_state("p") is None, "the restarted server fetched the erased agent back"
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
+    wait_for(lambda: not again.fleet.outbox.pending(), "the outbox emptied once the tombstone is in Redis")
+    assert not a.fleet.outbox.pending() or a.fleet.outbox.dir == again.fleet.outbox.dir
+    b, _ = fleet.server("b")
+    b.fleet._sync_agent("p")
+    assert b.fleet_view.branch_state("p") is None
+
+
+# ---- 1. a forget holds against a server that served the agent while cut off ---------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    from vllm_mlx_persist.tools.models import build_model
+
+    m, _ = build_model("llama", "tiny", seed=0)
+    return m
+
+
+def model_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy):
+    """A pool of `model` (its turns made on real MLX) behind `proxy`."""
+    from test_pool import make_pool
+
+    from vllm_mlx_persist.fleet import Fleet
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
+                                        backoff_s=0.05, backoff_max_s=0.2, max_attempts=2, read_timeout_s=1.0),
+                          fp, **cb)
+
+    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier))
+
+
+def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fleet, model, fp, tmp_path):
+    """Finding 1: A forgets a span while B cannot reach Redis; the client's next request (which never
+    sends the span again) lands on B, whose lookup serves the old branch's prefix (a use). After the
+    heal B's sync must drop the old branch (its content was made before the removal; serving a prefix
+    of it is no new history), B's next publish must not carry it, and A must never hold it again."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = model_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head, span, tail = _history()
+        _, _, seq = _turn(a, model, "x", head + span + tail, "r1")
+        settle(a)
+        b.fleet._sync_agent("x")
+        old = list(a.agent("x").branches[-1].block_ids)
+        assert held(b, "x") == set(old)
+
+        pb.cut()
+        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+        settle(a)
+        (removal,) = a.agent("x").removals
+        gone = set(old[removal.index:])
+        assert not held(a, "x") & gone
+
+        # the client's next turn obeys the forget, and lands on B, cut off: B serves the prefix
+        m, _, _ = _turn(b, model, "x", head + tail + [7, 8, 9], "r3")
+        assert m.num_tokens > 0
+        b.flush(30)
+        pb.heal()
+        reaches_redis(b, "x")
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B kept the forgotten branch after the heal"
+        republish(b, "x")
+        a.fleet._sync_agent("x")
+        assert not held(a, "x") & gone, "A serves the forgotten span again"
+        assert not set(fleet.tier().get_manifest("x").block_ids) & gone
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_use_moves_last_used_only_and_survives_the_manifest():
+    """Finding 1, the rule: a lookup's use (Branch.used) makes a branch more recently used, never its
+    content newer (`written`), which is what a removal record compares; both survive disk and Redis."""
+    from vllm_mlx_persist.chain import Branch, Removal, branches_of, manifest_of, surviving_removals
+    from vllm_mlx_persist.disk_format import decode_manifest, encode_manifest
+
+    br = Branch(["a" * 64, "b" * 64], 32, ((0, "x"),), 10.0)
+    removal = Removal("b" * 64, 1, "a" * 64, (), 20.0)
+    used = br.used(30.0)
+    assert (used.last_used, used.written) == (30.0, 10.0)
+    assert surviving_removals([used], [removal], 0.0, lambda b: None) == []
+    again = Branch(["a" * 64, "b" * 64], 32, ((0, "x"),), 25.0)  # sent again after the forget: stays
+    assert surviving_removals([again], [removal], 0.0, lambda b: None) == [again]
+    (back,) = branches_of(decode_manifest(encode_manifest(manifest_of("x", [used], False, 30.0))))
+    assert (back.last_used, back.written) == (30.0, 10.0)
+
+
+def test_settings_merge_by_the_latest_setting_and_a_tie_refuses():
+    """Finding 2, the rule (record_settings.py): per setting the copy that set it later wins; on equal
+    times (unstamped: 0) the refusal wins over no decision over a grant, on either side."""
+    from vllm_mlx_persist.record_settings import merge_settings
+
+    def merged(a, a_at, b, b_at):
+        return merge_settings({"forkable": a}, a_at, {"forkable": b}, b_at)[0]["forkable"]
+
+    assert merged(True, {"forkable": 2.0}, False, {"forkable": 1.0}) is True  # a later grant
+    assert merged(True, {"forkable": 1.0}, False, {"forkable": 2.0}) is False
+    for a, b in ((None, False), (False, None), (True, False), (False, True)):
+        assert merged(a, {}, b, {}) is False  # unstamped (a record from before the stamps): the refusal
+    assert merged(None, {}, True, {}) is None and merged(None, {}, True, {"forkable": 1.0}) is True
+
+
+# ---- 4. a forget whose publish never reached Redis is published after the heal -------------------------
+
+
+def test_a_forget_whose_publish_never_reached_redis_is_republished(fleet, model, fp, tmp_path):
+    """Finding 4: A forgets a span while cut off (its put is given up), and restarts; after the heal
+    A's sync finds its own record covering Redis's older copy. It must publish its removal (not
+    adopt Redis's copy as unchanged and stop there), so B drops the span too."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = model_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head, span, tail = _history()
+        _turn(a, model, "x", head + span + tail, "r1")
+        settle(a)
+        b.fleet._sync_agent("x")
+        old = list(a.agent("x").branches[-1].block_ids)
+
+        pa.cut()
+        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+        a.flush(30)
+        assert a.fleet.tier.flush(30)  # given up: the put never reached Redis
+        (removal,) = a.agent("x").removals
+        gone = set(old[removal.index:])
+        a.close()
+        pa.heal()
+        a = model_server(fleet, model, tmp_path / "a", fp, pa)
+        assert a.agent("x").removals == (removal,)
+        reaches_redis(a, "x")
+        a.fleet._sync_agent("x")
+        settle(a)
+        assert removal in fleet.tier().get_manifest("x").removals, "the removal never reached Redis"
+        a.fleet._sync_agent("x")  # published once: Redis holds it now, nothing more to publish
+        assert a.fleet.counts["syncs_republished"] == 1
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B still serves the forgotten span"
+    finally:
+        a.close()
+        b.close()
+
+
+# ---- 5. removals past the bound ------------------------------------------------------------------------
+
+
+def test_removals_past_the_bound_still_hold_against_an_old_copy(fleet, model, fp, tmp_path):
+    """Finding 5: an agent forgets one tool output per turn, 33 times (one more than MAX_REMOVALS
+    records); B synced it before the first forget. B's sync must not keep (and B's publish must not
+    bring back) the first forgotten output: the bound compacts removal records into the record's floor
+    (branches written before it that the record does not hold go), never forgets what they removed."""
+    from test_forget import _turn
+    from test_pool import tokens
+
+    from vllm_mlx_persist.disk_format import MAX_REMOVALS
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = model_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head = tokens(40, seed=1)
+        _turn(a, model, "x", head + tokens(30, seed=100), "r0", out=2)
+        settle(a)
+        b.fleet._sync_agent("x")
+        first = list(a.agent("x").branches[-1].block_ids)
+        for i in range(1, MAX_REMOVALS + 2):
+            _turn(a, model, "x", head + tokens(30, seed=100 + i), f"r{i}", edit=FORGET, out=2)
+        settle(a)
+        assert len(a.agent("x").removals) <= MAX_REMOVALS
+        gone = set(first[2:])  # the first output's blocks (head: blocks 0-1 and half of 2)
+        assert not held(a, "x") & gone
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B kept the first forgotten output"
+        republish(b, "x")
+        a.fleet._sync_agent("x")
+        assert not held(a, "x") & gone, "A serves the first forgotten output again"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_bounded_removals_raise_a_floor_that_older_copies_cannot_cross():
+    """Finding 5, the rule (chain.bound_removals, chain.merge_records): records past the bound go, the
+    newest of them raising the floor; a branch of another copy written at or before the floor that
+    the floor's copy does not hold goes, one written after it (sent again) stays."""
+    from vllm_mlx_persist.chain import Branch, Copy, Removal, bound_removals, merge_records
+
+    rs = [Removal(f"{i:064x}", 1, None, (), float(i)) for i in range(1, 6)]
+    kept, floor = bound_removals(rs, 3, 0.0, 0.0)
+    assert [r.at for r in kept] == [3.0, 4.0, 5.0] and floor == 2.0
+    kept, floor = bound_removals(rs, 3, 4.0, 0.0)  # expired by age too
+    assert [r.at for r in kept] == [4.0, 5.0] and floor == 3.0
+
+    old = Branch(["a" * 64, f"{1:064x}"], 32, ((0, "x"),), 0.5)  # holds what the first removal removed
+    mine = Branch(["a" * 64, "c" * 64], 32, ((0, "x"),), 4.5)
+    again = Branch(["a" * 64, f"{1:064x}"], 32, ((0, "x"),), 6.0)
+    compacted = Copy((mine,), kept, removed_floor=floor)
+    for br, stays in ((old, False), (again, True)):
+        got, _, _, f = merge_records([br, mine], compacted, Copy((br,)), 32, 0.0, lambda b: None)
+        assert (br in got) is stays and mine in got and f == floor
+
+
+# ---- 6. the era of an agent the tier's bounded memory forgot --------------------------------------------
+
+
+def test_a_forgotten_era_does_not_erase_a_valid_copy(fleet, fp, tmp_path):
+    """Finding 6: X was erased elsewhere and recreated; A acted on the erasure and holds the new
+    history (its era). Once A's tier forgets X's state (its `max_agents` bound), neither A's sync nor
+    A's next publish of X may treat A's own copy as from before the erasure and erase it."""
+    w = fleet.tier()
+    old, new = chain(fp, "x", 2), chain(fp, "x", 2, seed=7)
+    assert w.put(manifest("x", old), {b.block_id: b for b in old}) and w.flush(10)
+    proxy = fleet.proxy()
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, max_agents=2), fp, **cb)
+
+    a = fleet_pool(fp, tmp_path / "a", make_tier)
+    try:
+        a.fleet._sync_agent("x")
+        assert w.erase("x") and w.flush(10)
+        assert w.put(manifest("x", new), {b.block_id: b for b in new}) and w.flush(10)
+        a.fleet._sync_agent("x")
+        assert held(a, "x") == {b.block_id for b in new} and a.fleet.counts["erased_from_fleet"] == 1
+        era = a.fleet.tier.era("x")
+        assert era and a.store.read_manifest("x").era == era
+
+        for other in ("y", "z", "v"):  # other agents' states push X's out of the tier's memory
+            a.fleet.tier.get_manifest(other)
+        a.fleet._sync_agent("x")
+        assert a.fleet.counts["erased_from_fleet"] == 1, "A erased its valid copy (sync)"
+        assert held(a, "x") == {b.block_id for b in new} and a.fleet.tier.era("x") == era
+
+        for other in ("y", "z", "v"):
+            a.fleet.tier.get_manifest(other)
+        republish(a, "x")
+        assert a.fleet.tier.stats()["puts_erased"] == 0, "A's publish met its own era as an erasure"
+        assert a.fleet.counts["erased_from_fleet"] == 1 and held(a, "x") == {b.block_id for b in new}
+        assert a.store.read_manifest("x").era == era
+    finally:
+        a.close()
+
+
+_ERASE_AND_HANG = """
+import sys, time
+from pathlib import Path
+from test_remote import SECRET, fleet_pool
+from vllm_mlx_persist.fleet import FleetSettings, RemoteTier
+fp, root, url = sys.argv[1:4]
+def make_tier(**cb):
+    return RemoteTier(FleetSettings(url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2), fp, **cb)
+pool = fleet_pool(fp, Path(root), make_tier)
+print("acked", pool.erase("p", 30), flush=True)
+time.sleep(600)
+"""
+
+
+def test_an_erasure_acknowledged_by_a_server_then_sigkilled_reaches_the_fleet(fleet, fp, tmp_path):
+    """Finding 3 with a real kill -9: a server process answers the erasure of P while cut off from
+    Redis and is SIGKILLed; restarted on its directory (healed), it does not fetch P back and the
+    tombstone reaches Redis from its outbox."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, proxy = fleet.server("a")
+    a.fleet._sync_agent("p")
+    assert held(a, "p")
+    a.close()
+    proxy.cut()
+    tests = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(tests).parent), tests])}
+    child = subprocess.Popen([sys.executable, "-c", _ERASE_AND_HANG, fp, str(tmp_path / "a"), proxy.url],
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    try:
+        line = child.stdout.readline()  # the erasure's answer: the event the kill waits for
+        assert line.strip() == "acked True", line
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert w.get_manifest("p") is not None and not w.get_manifest("p").erased  # it never reached Redis
+    proxy.heal()
+    again, _ = fleet.server("a", proxy)
+    reaches_redis(again, "p")
+    again.fleet._sync_agent("p")
+    assert again.fleet_view.branch_state("p") is None, "the restarted server fetched the erased agent back"
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
+    wait_for(lambda: not again.fleet.outbox.pending(), "the outbox emptied")
+
+
+def test_a_fork_request_admitted_before_the_sync_is_refused_the_parents_history(fleet, model, fp, tmp_path):
+    """Finding 2 on the request path: a fork request's admission checks the parent's setting as the
+    server holds it (before any sync); A refused forks of P since. The lookup syncs P first and must
+    then serve nothing of P (a miss), its record as synced being what decides."""
+    from test_forget import _turn
+    from test_pool import tokens
+
+    a = model_server(fleet, model, tmp_path / "a", fp, fleet.proxy())
+    b = model_server(fleet, model, tmp_path / "b", fp, fleet.proxy())
+    try:
+        _, _, seq = _turn(a, model, "p", tokens(70, seed=4), "r1")
+        settle(a)
+        b.fleet._sync_agent("p")
+        assert b.may_fork("p")  # what B's admission sees
+        assert a.set_forkable("p", False)
+        settle(a)
+        m = b.match("child", seq + [9, 9], "r2", fork_from="p")
+        b.finish("r2")
+        assert m.num_tokens == 0, "B served the fork from a parent that refuses forks"
+        assert not b.may_fork("p") and b.stats["forks_refused_at_lookup"] == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_pin_travels_and_the_latest_pin_setting_wins(fleet, fp):
+    """Every per-agent setting replicates by the stated rule (record_settings.py): A pins P, B's sync
+    pins it there too (its disk index included: the budget and the TTL spare it on B as well); B
+    unpins it later, and A's sync unpins it. A pin from before pins were stamped stays local."""
+    from vllm_mlx_persist.record_settings import merge_settings
+
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+    assert a.set_pinned("p", True)
+    settle(a)
+    assert w.get_manifest("p").pinned
+    b.fleet._sync_agent("p")
+    b.flush(30)
+    assert b.agent("p").pinned and b.persister.index.agents["p"].pinned and b.store.read_manifest("p").pinned
+    assert b.set_pinned("p", False)
+    settle(b)
+    a.fleet._sync_agent("p")
+    a.flush(30)
+    assert not a.agent("p").pinned and not a.persister.index.agents["p"].pinned
+
+    def pinned(mine, mine_at, theirs, theirs_at):
+        return merge_settings({"forkable": None, "pinned": mine}, mine_at, {"forkable": None, "pinned": theirs},
+                              theirs_at)[0]["pinned"]
+
+    assert pinned(True, {}, False, {}) is True and pinned(False, {}, True, {}) is False  # unstamped: local
+    assert pinned(True, {}, False, {"pinned": 1.0}) is False and pinned(False, {"pinned": 2.0}, True, {"pinned": 2.0})
