@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .models import move_into_place
+
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 STAMP_FILE = "gguf-import.json"
 IMPORT_FORMAT = 1  # bump when the written files change for the same source
@@ -348,13 +350,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
                                                      "eos_token_id": config["eos_token_id"]})
         _write_json(tmp / STAMP_FILE, stamp)  # last: marks the directory complete
         os.chmod(tmp, 0o755)
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "model")
-        os.rename(tmp, out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        move_into_place(tmp, out, lambda: read_stamp(out) == stamp)  # a concurrent import of the same file
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

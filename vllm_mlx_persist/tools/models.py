@@ -21,7 +21,7 @@ import sysconfig
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -429,6 +429,23 @@ def write_model_files(dest: Path, model: Any, config: dict[str, Any], tokenizer_
     os.chmod(dest, 0o755)  # mkdtemp makes it 0700
 
 
+def move_into_place(tmp: Path, out: Path, wanted: Callable[[], bool] = lambda: False) -> None:
+    """Put the finished directory `tmp` at `out`, a directory already there moved aside first and
+    removed after. If another process put one there meanwhile, it is kept when `wanted()` says it is
+    the one asked for; otherwise the rename's error is raised."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "model")
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not wanted():
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def build_model_dir(
     out_dir: str | os.PathLike,
     arch: str = "llama",
@@ -470,18 +487,7 @@ def build_model_dir(
         stamp["tokenizer_sha256"] = hashlib.sha256(tokenizer_json.encode()).hexdigest()
         write_model_files(tmp, model, config, tokenizer_json, stamp, clean_up_spaces, template)
 
-        old = None
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "model")
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            # Another process put a model there meanwhile; keep it if it is the one asked for.
-            if not _is_built(out, arch, size, seed, clean_up_spaces, overrides, template):
-                raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        move_into_place(tmp, out, lambda: _is_built(out, arch, size, seed, clean_up_spaces, overrides, template))
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
