@@ -112,7 +112,6 @@ def model_config(m: GGUFModel) -> dict[str, Any]:
     hidden = int(m.arch_key("embedding_length"))
     heads = int(m.arch_key("attention.head_count"))
     tokens = m.get("tokenizer.ggml.tokens") or ()
-    eos = m.get("tokenizer.ggml.eos_token_id")
     config: dict[str, Any] = {
         "model_type": ARCHITECTURES[m.arch],
         "hidden_size": hidden,
@@ -127,7 +126,7 @@ def model_config(m: GGUFModel) -> dict[str, Any]:
         "vocab_size": int(m.arch_key("vocab_size", len(tokens))),
         "tie_word_embeddings": "output.weight" not in names,
         "bos_token_id": m.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": eos,
+        "eos_token_id": m.get("tokenizer.ggml.eos_token_id"),
     }
     if m.arch == "llama":
         config.update(rope_traditional=False, attention_bias="blk.0.attn_q.bias" in names, mlp_bias=False)
@@ -136,7 +135,8 @@ def model_config(m: GGUFModel) -> dict[str, Any]:
         pattern = m.arch_key("attention.sliding_window_pattern")  # newer files may state it (as an int)
         config.update(query_pre_attn_scalar=config["head_dim"], rope_local_base_freq=10000.0,
                       # llama.cpp fixes Gemma 3's pattern at five sliding layers, then one global
-                      sliding_window_pattern=pattern if isinstance(pattern, int) else 6, sliding_window=int(window) if window is not None else 4096)
+                      sliding_window_pattern=pattern if isinstance(pattern, int) else 6,
+                      sliding_window=int(window) if window is not None else 4096)
     return config
 
 
@@ -162,13 +162,12 @@ def mlx_name(gguf_name: str, arch: str) -> str:
 
 def _fix_tensor(name: str, w: np.ndarray, m: GGUFModel, config: dict[str, Any]) -> np.ndarray:
     """Undo llama.cpp's writer conventions on one tensor (float, or a quantized tensor's rows)."""
-    if m.arch == "llama" and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.scales",
-                                             "self_attn.q_proj.biases", "self_attn.q_proj.bias")):
+    module, _, part = name.rpartition(".")  # part: weight, bias, or a quantized weight's scales / biases
+    if m.arch == "llama" and module.endswith("self_attn.q_proj"):
         return _unpermute(w, config["num_attention_heads"])
-    if m.arch == "llama" and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.scales",
-                                             "self_attn.k_proj.biases", "self_attn.k_proj.bias")):
+    if m.arch == "llama" and module.endswith("self_attn.k_proj"):
         return _unpermute(w, config["num_key_value_heads"])
-    if m.arch == "gemma3" and "norm." in name and name.endswith(".weight"):
+    if m.arch == "gemma3" and module.endswith("norm") and part == "weight":
         return w - 1.0
     return w
 
