@@ -56,6 +56,7 @@ from mlx_lm.models.cache import KVCache
 from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.key_formats import LayerKeys
 from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
@@ -69,19 +70,27 @@ STAGES = ("lookup", "merge", "prefill", "split", "decode1", "decode2", "extract"
 FP = "b" * 64  # the pool's fingerprint: any fixed id will do here
 
 
-def _history(model, T: int, bits: int, group_size: int, seed: int = 0) -> tuple[list, list]:
-    """Per layer, T tokens of random K/V: float `KVCache`s and the same values as `Q4KVCache`s."""
+def _head_dim(model) -> int:
+    a = model.args
+    return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+
+
+def _history(model, T: int, bits: int, group_size: int, seed: int = 0,
+             key_format: Optional[LayerKeys] = None) -> tuple[list, list]:
+    """Per layer, T tokens of random K/V: float `KVCache`s and the same values as `Q4KVCache`s
+    (keys stored per `key_format`, e.g. 8-bit)."""
     mx.random.seed(seed)
     a = model.args
+    kb = bits if key_format is None else key_format.bits
     fl, q4 = [], []
     for _ in model.layers:
-        k = mx.random.normal((1, a.num_key_value_heads, T, a.head_dim))
-        v = mx.random.normal((1, a.num_key_value_heads, T, a.head_dim))
+        k = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
+        v = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
         c = KVCache()
         c.update_and_fetch(k, v)
         fl.append(c)
-        q4.append(Q4KVCache.from_arrays(mx.quantize(k, group_size, bits), mx.quantize(v, group_size, bits),
-                                        bits, group_size))
+        q4.append(Q4KVCache.from_arrays(mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits),
+                                        bits, group_size, key_format=key_format))
         mx.eval(c.keys, c.values, *q4[-1].keys, *q4[-1].values)
     return fl, q4
 
@@ -138,11 +147,13 @@ class Q4System:
     decode_float_mb and carry_float_mb), as a server's backend owns them."""
 
     def __init__(self, model, history: list[int], caches: list, bits: int, group_size: int, root: Path,
-                 carry_mb: Any = "auto", mirror_mb: Any = "auto"):
+                 carry_mb: Any = "auto", mirror_mb: Any = "auto", key_format: Optional[LayerKeys] = None):
         self.model = model
         self.float_copies = FloatCopies(decode_float_mb=mirror_mb, carry_float_mb=carry_mb)
         fmt = {"bits": bits, "group_size": group_size, "block_size": 256}
         codec = ModelCodec.for_model(model, bits, group_size, float_copies=self.float_copies)
+        if key_format is not None:
+            codec = codec.with_key_formats([key_format] * codec.n_layers)
         self.pool = BlockPool(fingerprint=FP, n_layers=codec.n_layers, bits=bits, group_size=group_size,
                               block_size=256, hot_bytes=8 << 30, store=DiskStore(root, FP, {"bench": "hotturn"}, fmt),
                               codec=codec)
@@ -246,7 +257,7 @@ def profile_turn(system, prompt: list[int], max_tokens: int) -> tuple[dict, list
 def layer_ops(model, T: int, S: int, bits: int, group_size: int, reps: int = 7) -> dict[str, float]:
     """Median ms of one attention layer's prefill work for S new queries after T cached tokens."""
     a = model.args
-    H, D, Q = a.num_key_value_heads, a.head_dim, a.num_attention_heads
+    H, D, Q = a.num_key_value_heads, _head_dim(model), a.num_attention_heads
     mx.random.seed(1)
     k = mx.random.normal((1, H, T, D))
     qk = mx.quantize(k, group_size, bits)
@@ -293,9 +304,9 @@ def servers_main(a: argparse.Namespace) -> int:
     systems = ["vllm_default", "persist_q4"]
     with tempfile.TemporaryDirectory(prefix="hotturn-servers-") as root:
         work = Path(root)
-        model = build_model_dir(work / "model", arch="llama", size=a.size)
+        model = Path(a.model_dir).resolve() if a.model_dir else build_model_dir(work / "model", arch="llama", size=a.size)
         prompts = Prompts(model)
-        print(f"model llama/{a.size} through servers; {a.max_tokens} output tokens; load average "
+        print(f"model {model.name if a.model_dir else 'llama/' + a.size} through servers; {a.max_tokens} output tokens; load average "
               "%.2f %.2f %.2f" % os.getloadavg(), flush=True)
         print("| context | cold s: vllm-mlx / persist_q4 | hot TTFT s median: vllm-mlx / persist_q4 | per-pair ratio "
               "median (range) | best vs best | carried |")
@@ -347,6 +358,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_mlx_persist.tools.hotturn_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="small", help=f"llama model size preset ({', '.join(SIZES)})")
+    p.add_argument("--model-dir", default=None,
+                   help="an mlx-lm model directory to load instead of a preset (e.g. .models/smollm2-135m-instruct)")
+    p.add_argument("--key-format", default="q4", choices=("q4", "k8v4"),
+                   help="how persist_q4 stores keys: like the values, or in 8 bits (k8v4)")
     p.add_argument("--context", default="4096,16384,32768", help="tokens of history")
     p.add_argument("--suffix", type=int, default=100, help="new tokens per turn")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -365,13 +380,22 @@ def main(argv: Optional[list[str]] = None) -> int:
         return servers_main(a)
     logging.getLogger("vllm_mlx").setLevel(logging.WARNING)
     systems = a.systems.split(",")
-    model, _ = build_model("llama", a.size)
+    if a.model_dir:
+        from mlx_lm import load
+
+        model, _ = load(a.model_dir)
+        name = Path(a.model_dir).name
+    else:
+        model, _ = build_model("llama", a.size)
+        name = f"llama/{a.size}"
+    key_format = LayerKeys(8) if a.key_format == "k8v4" else None
     install_attention_fix()
     mirror_mb = a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb)
     counts: list[str] = []  # per context and 4-bit system: its mirrors' and carried floats' counters
     vocab = model.args.vocab_size
-    print(f"model llama/{a.size}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
-          f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}")
+    print(f"model {name}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
+          f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}, "
+          f"keys {a.key_format}")
     print("load average %.2f %.2f %.2f" % os.getloadavg())
     print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | best vs best | CPU vs CPU | "
           "lookup ms | "
@@ -381,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for T in [int(x) for x in a.context.split(",")]:
         rng = np.random.default_rng(T)
         history = _suffix(rng, T, vocab)
-        fl, q4 = _history(model, T, a.bits, a.group_size)
+        fl, q4 = _history(model, T, a.bits, a.group_size, key_format=key_format)
         with tempfile.TemporaryDirectory(prefix="hotturn-") as root:
             made: dict[str, Any] = {}
             if "vllm-default" in systems:
@@ -389,7 +413,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for s in Q4_SYSTEMS:
                 if s in systems:
                     made[s] = Q4System(model, history, q4, a.bits, a.group_size, Path(root) / s,
-                                       0 if s.endswith("nocarry") else a.carry_mb, mirror_mb)
+                                       0 if s.endswith("nocarry") else a.carry_mb, mirror_mb, key_format)
             del fl, q4
             prompts = {s: list(history) for s in systems}
             got: dict[str, list] = {s: [] for s in systems}
