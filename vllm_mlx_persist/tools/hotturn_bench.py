@@ -19,7 +19,9 @@ time, the persist-q4 / vllm-default TTFT ratio per rep (median, range), and the 
 systems' fastest TTFTs (best of the reps: on a machine shared with other work, the least disturbed
 turn of each), and the median per-rep ratio of their process CPU times to the first token (with
 `OPENBLAS_NUM_THREADS=1`, the work done, which other jobs on the machine disturb least). The load
-average is printed before and after.
+average is printed before and after. `decode ms/token`: the rest of the turn after the first token,
+per token (with more `--max-tokens`, what a long answer costs per token), its per-rep ratio, and the
+median per-rep ratio of the process CPU time per token.
 
 `--servers` instead runs the same comparison through real servers: a persist_q4 server and a
 vllm-mlx server with its default prefix cache (the bench's own flags, bench_kit.make_server), side
@@ -399,8 +401,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("load average %.2f %.2f %.2f" % os.getloadavg())
     print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | best vs best | CPU vs CPU | "
           "lookup ms | "
-          "turn ms | store/commit ms | durable ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "turn ms | decode ms/token | decode vs vllm-default (range) | decode CPU vs CPU | store/commit ms | "
+          "durable ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     profiles: list[str] = []
     for T in [int(x) for x in a.context.split(",")]:
         rng = np.random.default_rng(T)
@@ -431,6 +434,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     prompts[s] = prompt + output
                     profiles.append(f"| {T} | {s} | " + " | ".join(
                         f"{stages[k]:.1f}" if k in stages else "" for k in STAGES) + " |")
+            for r in (r for s in systems for r in got[s]):  # the steps after the first token, per token
+                r["decode"] = (r["turn"] - r["ttft"]) / max(1, len(r["output"]) - 1)
+                r["decode_cpu"] = (r["turn_cpu"] - r["ttft_cpu"]) / max(1, len(r["output"]) - 1)
             for s in systems:
                 med = lambda k: statistics.median(r[k] for r in got[s]) * 1e3  # noqa: E731
                 line = f"| {T} | {s} | {med('ttft'):.0f} | {med('ttft_cpu'):.0f} | "
@@ -442,7 +448,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     line += f"{best:.3f} | {statistics.median(cpu):.3f} | "
                 else:
                     line += "| | | "
-                line += f"{med('lookup'):.1f} | {med('turn'):.0f} | {med('store'):.1f} | "
+                line += f"{med('lookup'):.1f} | {med('turn'):.0f} | {med('decode'):.1f} | "
+                if "vllm-default" in got:
+                    dr = [x["decode"] / f["decode"] for f, x in zip(got["vllm-default"], got[s])]
+                    dc = [x["decode_cpu"] / f["decode_cpu"] for f, x in zip(got["vllm-default"], got[s])]
+                    line += f"{statistics.median(dr):.3f} ({min(dr):.2f}-{max(dr):.2f}) | {statistics.median(dc):.3f} | "
+                else:
+                    line += "| | "
+                line += f"{med('store'):.1f} | "
                 line += f"{med('durable'):.1f} |" if "durable" in got[s][0] else "|"
                 print(line, flush=True)
             for name, s in made.items():
