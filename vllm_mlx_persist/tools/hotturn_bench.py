@@ -34,7 +34,8 @@ so that both re-prefill the same few tokens. No warm-up request: the cold turn i
 (so nothing overlaps, unlike the turn above): lookup, merge, prefill of the suffix, the split of the
 prompt batch into a generation batch (mlx-lm deep-copies it), the first two decode steps, extract,
 commit; and times one attention layer's share of the prefill at the same shapes (float copies,
-4-bit regrowth, dequantization, the float SDPA).
+4-bit regrowth, dequantization, the float SDPA), the cache work alone over every layer (merge,
+the new text's chunk, one decode step) and the model's decode step on each system.
 """
 
 from __future__ import annotations
@@ -348,6 +349,59 @@ def cache_ops(model, T: int, S: int, bits: int, group_size: int, key_format: Opt
     return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in got.items()}
 
 
+def decode_steps(model, T: int, S: int, bits: int, group_size: int, key_format: Optional[LayerKeys] = None,
+                 rounds: int = 6, steps: int = 12) -> dict[str, list[float]]:
+    """Per round and system, the median process-CPU ms of one decode step of the model (the forward
+    pass of one token and its argmax, evaluated), after a history of T tokens (as `cache_ops` builds
+    it: float caches, or 4-bit caches starting from carried floats) and a chunk of S new tokens; the
+    systems alternate round by round."""
+    a = model.args
+    H, D = a.num_key_value_heads, _head_dim(model)
+    kb = bits if key_format is None else key_format.bits
+    copies = FloatCopies()
+    mx.random.seed(3)
+    hist = []
+    for _ in model.layers:
+        k, v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
+        qk, qv = mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits)
+        f = (mx.dequantize(*qk, group_size=group_size, bits=kb), mx.dequantize(*qv, group_size=group_size, bits=bits))
+        mx.eval(k, v, qk, qv, f)
+        hist.append((k, v, qk, qv, f))
+
+    def fl() -> list:
+        out = []
+        for k, v, *_ in hist:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, T
+            out.append(c)
+        return _merge_caches([out])
+
+    def q4() -> list:
+        out = []
+        for _, _, qk, qv, f in hist:
+            c = Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies, key_format=key_format)
+            c.floats = f
+            out.append(c)
+        return _merge_caches([out])
+
+    x = mx.array([[(7 * i) % (a.vocab_size - 10) + 5 for i in range(S)]])
+    got: dict[str, list[float]] = {"vllm-default": [], "persist-q4": []}
+    for i in range(rounds):
+        for name, make in (("vllm-default", fl), ("persist-q4", q4))[:: 1 if i % 2 == 0 else -1]:
+            cache = make()
+            model(x, cache=cache)
+            mx.eval([c.state for c in cache])
+            y, ts = mx.array([[5]]), []
+            for _ in range(steps):
+                c0 = time.process_time()
+                y = mx.argmax(model(y, cache=cache)[:, -1:, :], axis=-1)
+                mx.eval(y)
+                ts.append((time.process_time() - c0) * 1e3)
+            got[name].append(statistics.median(ts))
+            del cache
+    return got
+
+
 # ---- through real servers ---------------------------------------------------------------------------
 
 
@@ -552,6 +606,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print("|---|---|" + "---|" * len(names))
             for sname, r in ops.items():
                 print(f"| {T} | {sname} | " + " | ".join(f"{r[k]:.2f}" for k in names) + " |", flush=True)
+        print("\nA decode step of the model (process CPU ms, the median of 12 steps per round; rounds alternate "
+              "the systems):\n")
+        print("| context | vllm-default per round | persist-q4 per round | ratio per round | median ratio |")
+        print("|---|---|---|---|---|")
+        for T in [int(x) for x in a.context.split(",")]:
+            d = decode_steps(model, T, a.suffix, a.bits, a.group_size, key_format)
+            f, q = d["vllm-default"], d["persist-q4"]
+            ratios = [y / x for x, y in zip(f, q)]
+            print(f"| {T} | {' '.join(f'{x:.0f}' for x in f)} | {' '.join(f'{x:.0f}' for x in q)} | "
+                  f"{' '.join(f'{r:.3f}' for r in ratios)} | {statistics.median(ratios):.3f} |", flush=True)
     return 0
 
 
