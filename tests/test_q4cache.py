@@ -31,6 +31,7 @@ from vllm_mlx_persist.caches import ModelCodec, attention, floats
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.kinds import Q4, UnsupportedModelError, check_model_supported
+from vllm_mlx_persist.caches import q4 as q4mod
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 
 VOCAB = 512
@@ -356,6 +357,26 @@ def test_other_formats(bits, group_size, attention_mode, decode_mirror, float_co
         ref, _, _ = _reference(model, p, 4, bits, group_size, float_copies=float_copies)
         assert out[uid][0] == ref
         assert all((c.bits, c.group_size) == (bits, group_size) for c in out[uid][2])
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_dequantize_is_mx_dequantize_bit_for_bit(dtype):
+    """`q4.dequantize` (byte unpacking on the CPU for 2, 4 and 8 bits, mx.dequantize otherwise) gives
+    mx.dequantize's values bit for bit: every format, one group per row and several, one token (a
+    decode step) and many, values spread over every level."""
+    raw = mx.uint32 if dtype == mx.float32 else mx.uint16
+    for bits in (2, 3, 4, 5, 6, 8):
+        for group_size in (32, 64, 128):
+            for D, T in ((64, 1), (128, 33), (256, 2)):
+                if D % group_size:
+                    continue
+                x = (mx.random.normal((2, 3, T, D), key=mx.random.key(bits * D + T)) * 3).astype(dtype)
+                q = mx.quantize(x, group_size=group_size, bits=bits)
+                want = mx.dequantize(*q, group_size=group_size, bits=bits)
+                got = q4mod.dequantize(q, group_size, bits)
+                assert got.dtype == want.dtype and got.shape == want.shape
+                assert mx.array_equal(got.view(raw), want.view(raw)).item(), (bits, group_size, D, T)
+    assert all(q4mod._exact.values())  # the byte path was taken (and checked) for 2, 4 and 8 bits here
 
 
 def test_logits_close_to_full_precision():

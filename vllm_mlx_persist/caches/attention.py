@@ -23,7 +23,7 @@ from mlx_lm.models import base as _mlx_base
 
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES
 from .key_formats import key_bits, transformed
-from .q4 import BatchQ4KVCache, QTuple
+from .q4 import BatchQ4KVCache, QTuple, dequantize
 
 
 def _gqa_mask(mask: Any, B: int, n_kv: int, n_rep: int) -> Any:
@@ -197,8 +197,8 @@ def _make_dispatcher(original):
         if hasattr(cache, "bits"):
             # mlx-lm's own QuantizedKVCache has none: the defaults
             if getattr(cache, "float_copies", DEFAULT).dequantize_for(queries.shape[2]):
-                fk = mx.dequantize(*keys, group_size=cache.group_size, bits=key_bits(cache))
-                fv = mx.dequantize(*values, group_size=cache.group_size, bits=cache.bits)
+                fk = dequantize(keys, cache.group_size, key_bits(cache))
+                fv = dequantize(values, cache.group_size, cache.bits)
                 return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
             return _quantized(queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache, scale=scale, mask=mask, sinks=sinks)

@@ -19,7 +19,9 @@ time, the persist-q4 / vllm-default TTFT ratio per rep (median, range), and the 
 systems' fastest TTFTs (best of the reps: on a machine shared with other work, the least disturbed
 turn of each), and the median per-rep ratio of their process CPU times to the first token (with
 `OPENBLAS_NUM_THREADS=1`, the work done, which other jobs on the machine disturb least). The load
-average is printed before and after.
+average is printed before and after. `decode ms/token`: the rest of the turn after the first token,
+per token (with more `--max-tokens`, what a long answer costs per token), its per-rep ratio, and the
+median per-rep ratio of the process CPU time per token.
 
 `--servers` instead runs the same comparison through real servers: a persist_q4 server and a
 vllm-mlx server with its default prefix cache (the bench's own flags, bench_kit.make_server), side
@@ -32,7 +34,8 @@ so that both re-prefill the same few tokens. No warm-up request: the cold turn i
 (so nothing overlaps, unlike the turn above): lookup, merge, prefill of the suffix, the split of the
 prompt batch into a generation batch (mlx-lm deep-copies it), the first two decode steps, extract,
 commit; and times one attention layer's share of the prefill at the same shapes (float copies,
-4-bit regrowth, dequantization, the float SDPA).
+4-bit regrowth, dequantization, the float SDPA), the cache work alone over every layer (merge,
+the new text's chunk, one decode step) and the model's decode step on each system.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ from mlx_lm.models.cache import KVCache
 from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
+from vllm_mlx_persist.caches.key_formats import LayerKeys
 from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
@@ -69,19 +73,27 @@ STAGES = ("lookup", "merge", "prefill", "split", "decode1", "decode2", "extract"
 FP = "b" * 64  # the pool's fingerprint: any fixed id will do here
 
 
-def _history(model, T: int, bits: int, group_size: int, seed: int = 0) -> tuple[list, list]:
-    """Per layer, T tokens of random K/V: float `KVCache`s and the same values as `Q4KVCache`s."""
+def _head_dim(model) -> int:
+    a = model.args
+    return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
+
+
+def _history(model, T: int, bits: int, group_size: int, seed: int = 0,
+             key_format: Optional[LayerKeys] = None) -> tuple[list, list]:
+    """Per layer, T tokens of random K/V: float `KVCache`s and the same values as `Q4KVCache`s
+    (keys stored per `key_format`, e.g. 8-bit)."""
     mx.random.seed(seed)
     a = model.args
+    kb = bits if key_format is None else key_format.bits
     fl, q4 = [], []
     for _ in model.layers:
-        k = mx.random.normal((1, a.num_key_value_heads, T, a.head_dim))
-        v = mx.random.normal((1, a.num_key_value_heads, T, a.head_dim))
+        k = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
+        v = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
         c = KVCache()
         c.update_and_fetch(k, v)
         fl.append(c)
-        q4.append(Q4KVCache.from_arrays(mx.quantize(k, group_size, bits), mx.quantize(v, group_size, bits),
-                                        bits, group_size))
+        q4.append(Q4KVCache.from_arrays(mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits),
+                                        bits, group_size, key_format=key_format))
         mx.eval(c.keys, c.values, *q4[-1].keys, *q4[-1].values)
     return fl, q4
 
@@ -138,11 +150,13 @@ class Q4System:
     decode_float_mb and carry_float_mb), as a server's backend owns them."""
 
     def __init__(self, model, history: list[int], caches: list, bits: int, group_size: int, root: Path,
-                 carry_mb: Any = "auto", mirror_mb: Any = "auto"):
+                 carry_mb: Any = "auto", mirror_mb: Any = "auto", key_format: Optional[LayerKeys] = None):
         self.model = model
         self.float_copies = FloatCopies(decode_float_mb=mirror_mb, carry_float_mb=carry_mb)
         fmt = {"bits": bits, "group_size": group_size, "block_size": 256}
         codec = ModelCodec.for_model(model, bits, group_size, float_copies=self.float_copies)
+        if key_format is not None:
+            codec = codec.with_key_formats([key_format] * codec.n_layers)
         self.pool = BlockPool(fingerprint=FP, n_layers=codec.n_layers, bits=bits, group_size=group_size,
                               block_size=256, hot_bytes=8 << 30, store=DiskStore(root, FP, {"bench": "hotturn"}, fmt),
                               codec=codec)
@@ -246,7 +260,7 @@ def profile_turn(system, prompt: list[int], max_tokens: int) -> tuple[dict, list
 def layer_ops(model, T: int, S: int, bits: int, group_size: int, reps: int = 7) -> dict[str, float]:
     """Median ms of one attention layer's prefill work for S new queries after T cached tokens."""
     a = model.args
-    H, D, Q = a.num_key_value_heads, a.head_dim, a.num_attention_heads
+    H, D, Q = a.num_key_value_heads, _head_dim(model), a.num_attention_heads
     mx.random.seed(1)
     k = mx.random.normal((1, H, T, D))
     qk = mx.quantize(k, group_size, bits)
@@ -273,6 +287,121 @@ def layer_ops(model, T: int, S: int, bits: int, group_size: int, reps: int = 7) 
     return got
 
 
+def cache_ops(model, T: int, S: int, bits: int, group_size: int, key_format: Optional[LayerKeys] = None,
+              reps: int = 15, steps: int = 4) -> dict[str, dict[str, float]]:
+    """Median ms of the cache work alone (no model) of a turn over every layer, per system: the merge
+    of a T-token history, the update with a chunk of S new tokens, then one decode step's update,
+    each with what attention reads (the float K/V: the float cache's, the 4-bit cache's mirror)
+    evaluated; the 4-bit caches start from carried floats, as a hot turn does. `python`: the part
+    spent building the graph. Process CPU time, the systems interleaved."""
+    a = model.args
+    H, D, n = a.num_key_value_heads, _head_dim(model), len(model.layers)
+    kb = bits if key_format is None else key_format.bits
+    copies = FloatCopies()
+    mx.random.seed(2)
+    hist = []
+    for _ in range(n):
+        k, v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
+        qk, qv = mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits)
+        f = (mx.dequantize(*qk, group_size=group_size, bits=kb), mx.dequantize(*qv, group_size=group_size, bits=bits))
+        mx.eval(k, v, qk, qv, f)
+        hist.append((k, v, qk, qv, f))
+    new = [(mx.random.normal((1, H, S, D)), mx.random.normal((1, H, S, D))) for _ in range(n)]
+    one = [(mx.random.normal((1, H, 1, D)), mx.random.normal((1, H, 1, D))) for _ in range(n)]
+    mx.eval(new, one)
+
+    def fl() -> list:
+        out = []
+        for k, v, *_ in hist:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, T
+            out.append(_merge_caches([[c]])[0])
+        return out
+
+    def q4() -> list:
+        out = []
+        for _, _, qk, qv, f in hist:
+            c = Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies, key_format=key_format)
+            c.floats = f
+            out.append(_merge_caches([[c]])[0])
+        return out
+
+    def run(make: Callable[[], list]) -> dict[str, float]:
+        r, c0 = {}, time.process_time()
+        batch = make()
+        mx.eval([c.state for c in batch])
+        r["merge"], c0 = (time.process_time() - c0) * 1e3, time.process_time()
+        for name, x in (("prefill chunk", new), *(("decode step", one),) * steps):
+            out = [c.update_and_fetch(*x[l]) for l, c in enumerate(batch)]
+            out = [c.float_kv() if hasattr(c, "float_kv") else o for c, o in zip(batch, out)]
+            py = (time.process_time() - c0) * 1e3
+            mx.eval(out)
+            t = (time.process_time() - c0) * 1e3
+            if name not in r or t < r[name]:  # the steps: the least disturbed
+                r[name], r[name + " (python)"] = t, py
+            c0 = time.process_time()
+        return r
+
+    got: dict[str, list] = {"vllm-default": [], "persist-q4": []}
+    for i in range(reps):
+        for name, make in (("vllm-default", fl), ("persist-q4", q4))[:: 1 if i % 2 else -1]:
+            got[name].append(run(make))
+    return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in got.items()}
+
+
+def decode_steps(model, T: int, S: int, bits: int, group_size: int, key_format: Optional[LayerKeys] = None,
+                 rounds: int = 6, steps: int = 12) -> dict[str, list[float]]:
+    """Per round and system, the median process-CPU ms of one decode step of the model (the forward
+    pass of one token and its argmax, evaluated), after a history of T tokens (as `cache_ops` builds
+    it: float caches, or 4-bit caches starting from carried floats) and a chunk of S new tokens; the
+    systems alternate round by round."""
+    a = model.args
+    H, D = a.num_key_value_heads, _head_dim(model)
+    kb = bits if key_format is None else key_format.bits
+    copies = FloatCopies()
+    mx.random.seed(3)
+    hist = []
+    for _ in model.layers:
+        k, v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
+        qk, qv = mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits)
+        f = (mx.dequantize(*qk, group_size=group_size, bits=kb), mx.dequantize(*qv, group_size=group_size, bits=bits))
+        mx.eval(k, v, qk, qv, f)
+        hist.append((k, v, qk, qv, f))
+
+    def fl() -> list:
+        out = []
+        for k, v, *_ in hist:
+            c = KVCache()
+            c.keys, c.values, c.offset = k, v, T
+            out.append(c)
+        return _merge_caches([out])
+
+    def q4() -> list:
+        out = []
+        for _, _, qk, qv, f in hist:
+            c = Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies, key_format=key_format)
+            c.floats = f
+            out.append(c)
+        return _merge_caches([out])
+
+    x = mx.array([[(7 * i) % (a.vocab_size - 10) + 5 for i in range(S)]])
+    got: dict[str, list[float]] = {"vllm-default": [], "persist-q4": []}
+    for i in range(rounds):
+        for name, make in (("vllm-default", fl), ("persist-q4", q4))[:: 1 if i % 2 == 0 else -1]:
+            cache = make()
+            model(x, cache=cache)
+            mx.eval([c.state for c in cache])
+            y, ts = mx.array([[5]]), []
+            for _ in range(steps):
+                c0 = time.process_time()
+                y = mx.argmax(model(y, cache=cache)[:, -1:, :], axis=-1)
+                mx.eval(y)
+                ts.append((time.process_time() - c0) * 1e3)
+            got[name].append(statistics.median(ts))
+            del cache
+    return got
+
+
 # ---- through real servers ---------------------------------------------------------------------------
 
 
@@ -293,9 +422,9 @@ def servers_main(a: argparse.Namespace) -> int:
     systems = ["vllm_default", "persist_q4"]
     with tempfile.TemporaryDirectory(prefix="hotturn-servers-") as root:
         work = Path(root)
-        model = build_model_dir(work / "model", arch="llama", size=a.size)
+        model = Path(a.model_dir).resolve() if a.model_dir else build_model_dir(work / "model", arch="llama", size=a.size)
         prompts = Prompts(model)
-        print(f"model llama/{a.size} through servers; {a.max_tokens} output tokens; load average "
+        print(f"model {model.name if a.model_dir else 'llama/' + a.size} through servers; {a.max_tokens} output tokens; load average "
               "%.2f %.2f %.2f" % os.getloadavg(), flush=True)
         print("| context | cold s: vllm-mlx / persist_q4 | hot TTFT s median: vllm-mlx / persist_q4 | per-pair ratio "
               "median (range) | best vs best | carried |")
@@ -347,6 +476,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vllm_mlx_persist.tools.hotturn_bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="small", help=f"llama model size preset ({', '.join(SIZES)})")
+    p.add_argument("--model-dir", default=None,
+                   help="an mlx-lm model directory to load instead of a preset (e.g. .models/smollm2-135m-instruct)")
+    p.add_argument("--key-format", default="q4", choices=("q4", "k8v4"),
+                   help="how persist_q4 stores keys: like the values, or in 8 bits (k8v4)")
     p.add_argument("--context", default="4096,16384,32768", help="tokens of history")
     p.add_argument("--suffix", type=int, default=100, help="new tokens per turn")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -365,23 +498,33 @@ def main(argv: Optional[list[str]] = None) -> int:
         return servers_main(a)
     logging.getLogger("vllm_mlx").setLevel(logging.WARNING)
     systems = a.systems.split(",")
-    model, _ = build_model("llama", a.size)
+    if a.model_dir:
+        from mlx_lm import load
+
+        model, _ = load(a.model_dir)
+        name = Path(a.model_dir).name
+    else:
+        model, _ = build_model("llama", a.size)
+        name = f"llama/{a.size}"
+    key_format = LayerKeys(8) if a.key_format == "k8v4" else None
     install_attention_fix()
     mirror_mb = a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb)
     counts: list[str] = []  # per context and 4-bit system: its mirrors' and carried floats' counters
     vocab = model.args.vocab_size
-    print(f"model llama/{a.size}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
-          f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}")
+    print(f"model {name}: {len(model.layers)} layers, {model.args.num_key_value_heads} KV heads; "
+          f"suffix {a.suffix} tokens, {a.max_tokens} output tokens, mirror budget {a.mirror_mb}, "
+          f"keys {a.key_format}")
     print("load average %.2f %.2f %.2f" % os.getloadavg())
     print("| context | system | TTFT ms | TTFT CPU ms | vs vllm-default (range) | best vs best | CPU vs CPU | "
           "lookup ms | "
-          "turn ms | store/commit ms | durable ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "turn ms | decode ms/token | decode vs vllm-default (range) | decode CPU vs CPU | store/commit ms | "
+          "durable ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     profiles: list[str] = []
     for T in [int(x) for x in a.context.split(",")]:
         rng = np.random.default_rng(T)
         history = _suffix(rng, T, vocab)
-        fl, q4 = _history(model, T, a.bits, a.group_size)
+        fl, q4 = _history(model, T, a.bits, a.group_size, key_format=key_format)
         with tempfile.TemporaryDirectory(prefix="hotturn-") as root:
             made: dict[str, Any] = {}
             if "vllm-default" in systems:
@@ -389,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             for s in Q4_SYSTEMS:
                 if s in systems:
                     made[s] = Q4System(model, history, q4, a.bits, a.group_size, Path(root) / s,
-                                       0 if s.endswith("nocarry") else a.carry_mb, mirror_mb)
+                                       0 if s.endswith("nocarry") else a.carry_mb, mirror_mb, key_format)
             del fl, q4
             prompts = {s: list(history) for s in systems}
             got: dict[str, list] = {s: [] for s in systems}
@@ -407,6 +550,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     prompts[s] = prompt + output
                     profiles.append(f"| {T} | {s} | " + " | ".join(
                         f"{stages[k]:.1f}" if k in stages else "" for k in STAGES) + " |")
+            for r in (r for s in systems for r in got[s]):  # the steps after the first token, per token
+                r["decode"] = (r["turn"] - r["ttft"]) / max(1, len(r["output"]) - 1)
+                r["decode_cpu"] = (r["turn_cpu"] - r["ttft_cpu"]) / max(1, len(r["output"]) - 1)
             for s in systems:
                 med = lambda k: statistics.median(r[k] for r in got[s]) * 1e3  # noqa: E731
                 line = f"| {T} | {s} | {med('ttft'):.0f} | {med('ttft_cpu'):.0f} | "
@@ -418,7 +564,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     line += f"{best:.3f} | {statistics.median(cpu):.3f} | "
                 else:
                     line += "| | | "
-                line += f"{med('lookup'):.1f} | {med('turn'):.0f} | {med('store'):.1f} | "
+                line += f"{med('lookup'):.1f} | {med('turn'):.0f} | {med('decode'):.1f} | "
+                if "vllm-default" in got:
+                    dr = [x["decode"] / f["decode"] for f, x in zip(got["vllm-default"], got[s])]
+                    dc = [x["decode_cpu"] / f["decode_cpu"] for f, x in zip(got["vllm-default"], got[s])]
+                    line += f"{statistics.median(dr):.3f} ({min(dr):.2f}-{max(dr):.2f}) | {statistics.median(dc):.3f} | "
+                else:
+                    line += "| | "
+                line += f"{med('store'):.1f} | "
                 line += f"{med('durable'):.1f} |" if "durable" in got[s][0] else "|"
                 print(line, flush=True)
             for name, s in made.items():
@@ -442,6 +595,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         for T in [int(x) for x in a.context.split(",")]:
             ops = layer_ops(model, T, a.suffix, a.bits, a.group_size)
             print(f"| {T} | " + " | ".join(f"{v:.1f}" for v in ops.values()) + " |", flush=True)
+        print(f"\nThe cache work alone over the {len(model.layers)} layers (ms of process CPU, median of 15, "
+              "the systems interleaved; (python): building the graph):\n")
+        names = None
+        for T in [int(x) for x in a.context.split(",")]:
+            ops = cache_ops(model, T, a.suffix, a.bits, a.group_size, key_format)
+            if names is None:
+                names = list(ops["vllm-default"])
+                print("| context | system | " + " | ".join(names) + " |")
+                print("|---|---|" + "---|" * len(names))
+            for sname, r in ops.items():
+                print(f"| {T} | {sname} | " + " | ".join(f"{r[k]:.2f}" for k in names) + " |", flush=True)
+        print("\nA decode step of the model (process CPU ms, the median of 12 steps per round; rounds alternate "
+              "the systems):\n")
+        print("| context | vllm-default per round | persist-q4 per round | ratio per round | median ratio |")
+        print("|---|---|---|---|---|")
+        for T in [int(x) for x in a.context.split(",")]:
+            d = decode_steps(model, T, a.suffix, a.bits, a.group_size, key_format)
+            f, q = d["vllm-default"], d["persist-q4"]
+            ratios = [y / x for x, y in zip(f, q)]
+            print(f"| {T} | {' '.join(f'{x:.0f}' for x in f)} | {' '.join(f'{x:.0f}' for x in q)} | "
+                  f"{' '.join(f'{r:.3f}' for r in ratios)} | {statistics.median(ratios):.3f} |", flush=True)
     return 0
 
 
