@@ -264,3 +264,18 @@ def test_a_forget_made_while_cut_off_is_published_by_a_sync_that_merges():
         ("queued", dict(fail=True, i=1, new_x=[24, 7, 36, 25], new_y=[35, 30, 22, 31, 34], then="erase_x_turn", x="b",
                         y="c")),
     ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_holds_on_a_server_whose_disk_fails_during_the_sync():
+    """Found by the fleet campaign (seed 1011, shrunk by hand): B forgot part of agent b and published
+    the removal; A's next request of b synced, but the local save of the merge failed (the disk gave
+    EIO), so the merge was never adopted and A served the removed block from its old record: reachable
+    from Redis, it had read the removal. Now a sync whose merge cannot be saved still drops from memory
+    the local branches the fetched removal records remove (FleetView.drop_removed)."""
+    replay([
+        ("turn", dict(agent="b", pick=0, cut=0.0, new=[33, 23, 38, 33])),
+        ("fleet_forget", dict(agent="b", pick=0, cut=0.85, new=[20, 34], aborted=False)),
+        ("crash", dict(agent="b", new=[33, 35, 33])),
+    ])
+
