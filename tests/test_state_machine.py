@@ -279,3 +279,18 @@ def test_a_forget_holds_on_a_server_whose_disk_fails_during_the_sync():
         ("crash", dict(agent="b", new=[33, 35, 33])),
     ])
 
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_pin_that_meets_the_tombstone_erases_the_agent_before_the_next_step():
+    """Found by the fleet campaign (seed 1001; not replayable: a race): B erased agent a while A held
+    it; A's pin saved the record again, which published it, and that put met the tombstone, so A erased
+    a on a fleet thread, memory first, then the disk, while the next step's invariants ran ("manifests
+    on disk of agents it does not hold", or "block file(s) no manifest names"). The runtime is right; the
+    pin rule now waits for that erasure, as fleet_erase does for a put queued at the erasure."""
+    def erased_here(state: PoolMachine) -> None:
+        assert state.pool.agent("a") is None, "A's put met the tombstone but A still holds the agent"
+
+    replay([("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21, 22, 23, 24, 25])),
+            ("fleet_turn", dict(agent="a", new=[26])),
+            ("fleet_erase", dict(agent="a")),
+            ("pin", dict(agent="a", pin=False))], erased_here)
