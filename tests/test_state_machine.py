@@ -294,3 +294,19 @@ def test_a_pin_that_meets_the_tombstone_erases_the_agent_before_the_next_step():
             ("fleet_turn", dict(agent="a", new=[26])),
             ("fleet_erase", dict(agent="a")),
             ("pin", dict(agent="a", pin=False))], erased_here)
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_on_a_server_without_spliced_branches_still_clears_the_fleets():
+    """Found by the fleet campaign (seed 1011, its second failure, shrunk by hand): B, cut off, held
+    only honest branches of agent c when it forgot part of it, so its record did not raise
+    spliced_cleared; A meanwhile stored an amortize turn of c (a spliced copy, which may hold what B
+    removed) and published it. At the heal B's sync merged that copy, written before the forget, and
+    kept it. Now a forget always raises spliced_cleared (kv_edit/forget.py): every spliced copy written
+    before it goes, wherever it is held."""
+    replay([("turn", dict(agent="c", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29])),
+            ("fleet_turn", dict(agent="c", new=[30])),
+            ("partition", dict(cut=True)),
+            ("amortize", dict(agent="c", pick=0, cut=0.5, new=[31, 32, 33])),
+            ("fleet_forget", dict(agent="c", pick=0, cut=0.3, new=[34, 35], aborted=False)),
+            ("partition", dict(cut=False))])
