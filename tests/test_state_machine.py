@@ -264,3 +264,49 @@ def test_a_forget_made_while_cut_off_is_published_by_a_sync_that_merges():
         ("queued", dict(fail=True, i=1, new_x=[24, 7, 36, 25], new_y=[35, 30, 22, 31, 34], then="erase_x_turn", x="b",
                         y="c")),
     ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_holds_on_a_server_whose_disk_fails_during_the_sync():
+    """Found by the fleet campaign (seed 1011, shrunk by hand): B forgot part of agent b and published
+    the removal; A's next request of b synced, but the local save of the merge failed (the disk gave
+    EIO), so the merge was never adopted and A served the removed block from its old record: reachable
+    from Redis, it had read the removal. Now a sync whose merge cannot be saved still drops from memory
+    the local branches the fetched removal records remove (FleetView.drop_removed)."""
+    replay([
+        ("turn", dict(agent="b", pick=0, cut=0.0, new=[33, 23, 38, 33])),
+        ("fleet_forget", dict(agent="b", pick=0, cut=0.85, new=[20, 34], aborted=False)),
+        ("crash", dict(agent="b", new=[33, 35, 33])),
+    ])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_pin_that_meets_the_tombstone_erases_the_agent_before_the_next_step():
+    """Found by the fleet campaign (seed 1001; not replayable: a race): B erased agent a while A held
+    it; A's pin saved the record again, which published it, and that put met the tombstone, so A erased
+    a on a fleet thread, memory first, then the disk, while the next step's invariants ran ("manifests
+    on disk of agents it does not hold", or "block file(s) no manifest names"). The runtime is right; the
+    pin rule now waits for that erasure, as fleet_erase does for a put queued at the erasure."""
+    def erased_here(state: PoolMachine) -> None:
+        assert state.pool.agent("a") is None, "A's put met the tombstone but A still holds the agent"
+
+    replay([("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21, 22, 23, 24, 25])),
+            ("fleet_turn", dict(agent="a", new=[26])),
+            ("fleet_erase", dict(agent="a")),
+            ("pin", dict(agent="a", pin=False))], erased_here)
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_a_forget_on_a_server_without_spliced_branches_still_clears_the_fleets():
+    """Found by the fleet campaign (seed 1011, its second failure, shrunk by hand): B, cut off, held
+    only honest branches of agent c when it forgot part of it, so its record did not raise
+    spliced_cleared; A meanwhile stored an amortize turn of c (a spliced copy, which may hold what B
+    removed) and published it. At the heal B's sync merged that copy, written before the forget, and
+    kept it. Now a forget always raises spliced_cleared (kv_edit/forget.py): every spliced copy written
+    before it goes, wherever it is held."""
+    replay([("turn", dict(agent="c", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29])),
+            ("fleet_turn", dict(agent="c", new=[30])),
+            ("partition", dict(cut=True)),
+            ("amortize", dict(agent="c", pick=0, cut=0.5, new=[31, 32, 33])),
+            ("fleet_forget", dict(agent="c", pick=0, cut=0.3, new=[34, 35], aborted=False)),
+            ("partition", dict(cut=False))])

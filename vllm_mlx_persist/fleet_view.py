@@ -15,7 +15,8 @@ from concurrent.futures import Future
 from typing import Callable, Optional, Sequence
 
 from .blocks import Agent
-from .chain import Branch, Copy, Removal, manifest_of, merge_branches, merge_records, same_branches
+from .chain import (Branch, Copy, Removal, manifest_of, merge_branches, merge_records, same_branches,
+                    surviving_removals)
 from .disk_format import MAX_REMOVALS, BlockData
 from .pool_core import PoolCore
 from .record_settings import differ, merge_records_settings, values_of
@@ -200,6 +201,29 @@ class FleetView:
                 on_done(manifest if adopted else None)
 
             return core.persister.save(manifest, blocks, [], on_durable)
+
+    def drop_removed(self, namespace: str, remote: Copy, tokens: Optional[dict] = None) -> bool:
+        """The merge with `remote` (the agent's record in Redis) could not be saved (the local disk
+        failed): its removal records hold all the same. The local branches they remove (and spliced
+        ones used before its `spliced_cleared`) leave memory now, as a local forget edit's do before
+        its save, so that nothing removed is served; the disk keeps its record until the agent's next
+        save, and the next sync applies them again. Whether any left. No I/O."""
+        core = self.core
+        with core.lock:
+            agent = core.agents.get(namespace)
+            if agent is None:
+                return False
+
+            def tokens_of(bid: str) -> Optional[Sequence[int]]:
+                block = core.table.blocks.get(bid)
+                return block.tokens if block is not None and block.tokens else (tokens or {}).get(bid)
+
+            keep = surviving_removals(agent.branches, remote.removals, remote.spliced_cleared, tokens_of)
+            if len(keep) == len(agent.branches):
+                return False
+            core.table.name(agent, keep)
+            core.epoch += 1
+            return True
 
     def _merge(self, agent: Agent, fetched: Copy, data: dict[str, BlockData], tokens: dict,
                ) -> tuple[list[Branch], tuple[Removal, ...], tuple[float, float], tuple[dict, dict]]:

@@ -82,6 +82,10 @@ class FleetPool(Protocol):
         once durable the agent's record (`on_done(manifest or None)` on the persister thread). None
         when the agent changed."""
 
+    def drop_removed(self, namespace: str, remote: Copy, tokens: Optional[dict] = None) -> bool:
+        """The merge with `remote` could not be saved: the local branches its removal records remove
+        leave memory all the same (nothing removed is served); whether any left. No I/O."""
+
     def erase(self, namespace: str, timeout: Optional[float] = 60.0, fleet_wide: bool = True) -> bool:
         """Erase the agent here (memory and disk; `fleet_wide=False`: not in Redis again)."""
 

@@ -275,6 +275,8 @@ class Fleet:
         try:
             if fut is not None and not fut.result(self.write_timeout_s):
                 self._count("save_failed")
+                # the merge is not adopted, but what Redis's removal records remove is served no more
+                pool.drop_removed(namespace, remote, tokens)
             elif fut is not None and pool.republish(namespace, remote):
                 # the merge kept removals or settings of the local record that Redis's copy lacks (a
                 # put of them that never reached it): published now, as a successor of the adopted copy

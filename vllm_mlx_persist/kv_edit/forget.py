@@ -67,9 +67,10 @@ class Forgets:
         the removal records stay with the record, bounded, for the fleet's merges."""
         now = self.core.clock()
         kept = surviving(branches, removals)
-        if any(br.spliced for br in kept):  # spliced copies may hold what is removed
-            agent.spliced_cleared = max(agent.spliced_cleared, now)
-            kept = [br for br in kept if not br.spliced]
+        # spliced copies may hold what is removed: every one written before now goes, this record's and
+        # those another server holds (its copy merged later), even when this record holds none
+        agent.spliced_cleared = max(agent.spliced_cleared, now)
+        kept = [br for br in kept if not br.spliced]
         agent.removals, agent.removed_floor = bound_removals([*agent.removals, *removals.values()], MAX_REMOVALS,
                                                              now - self.removal_ttl_s, agent.removed_floor)
         self.core.stats["branches_superseded"] += len(branches) - len(kept)

@@ -852,10 +852,20 @@ class PoolMachine(RuleBasedStateMachine):
 
     @rule(agent=names, pin=st.booleans())
     def pin(self, agent: str, pin: bool) -> None:
+        """Pin or unpin. With the fleet the record is saved again, which publishes it without a sync
+        first: when the other server erased the agent meanwhile, that put meets its tombstone and
+        erases the agent here, on a fleet thread; the step waits for that (the invariants would race
+        it: memory forgets first, then the disk)."""
+        erased = self.pool.fleet.tier.stats()["puts_erased"] if self.other is not None else 0
         with self._watching(self.pool, set()):
             done = watchdog(self.pool.set_pinned, agent, pin, 30.0)
         if done:
             (self.pinned.add if pin else self.pinned.discard)(agent)
+        if self.other is not None:
+            self.pool.fleet.tier.flush(10)
+            if self.pool.fleet.tier.stats()["puts_erased"] > erased:
+                wait_until(lambda: self.pool.agent(agent) is None, OP_TIMEOUT_S)
+                self.pinned.discard(agent)
 
     @rule(i=st.integers(0, len(HOT_BUDGETS) - 1))
     def hot_budget(self, i: int) -> None:
