@@ -9,6 +9,7 @@ from typing import Callable
 
 import pytest
 
+from vllm_mlx_persist import key_choice
 from vllm_mlx_persist.tools import forkserver
 from vllm_mlx_persist.tools.models import build_model_dir
 
@@ -16,13 +17,16 @@ from vllm_mlx_persist.tools.models import build_model_dir
 # per worker instead of paying ~2 s of imports each (tools/forkserver.py; ~170 starts a run).
 # VLLM_MLX_PERSIST_FORKSERVER=0 starts each as a fresh `vllm-mlx serve` process.
 os.environ.setdefault(forkserver.ENV_SWITCH, "1")
+# Calibrated key formats stay in each test's cache root, never in the user's shared folder
+# (key_choice.shared_dir); tests of that folder point it at their tmp dir.
+os.environ.setdefault(key_choice.SHARED_ENV, "off")
 
 
 # Test files by their measured cost, most expensive first (`./dev test` hands whole files to its
 # workers in collection order: a long file started last would run alone at the end). Files not
 # listed follow in their usual order. Re-measure with `./dev test --durations=0`.
 SLOWEST_FIRST = (
-    "test_reliability.py", "test_bench.py", "test_e2e_real_model.py", "test_quality.py", "test_scenario.py",
+    "test_reliability.py", "test_bench.py", "test_e2e_real_model.py", "test_real_quality.py", "test_quality.py", "test_scenario.py",
     "test_e2e_kv_edit.py",
     "test_e2e_server.py", "test_e2e_batch_invariance.py", "test_batch_invariance.py", "test_seam_series.py",
     "test_e2e_families.py", "test_seam_cli.py", "test_upstream_suite.py", "test_e2e_admission.py",

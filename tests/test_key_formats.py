@@ -26,11 +26,12 @@ from vllm_mlx_persist.caches.codec import ModelCodec
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.key_formats import LayerKeys, channel_scales
 from vllm_mlx_persist.caches.q4 import Q4KVCache
-from vllm_mlx_persist.key_calibration import float_keys, resolve, scaled_formats, uniform
-from vllm_mlx_persist.kv_edit.rope_shift import RopeParams, rotate, rotate_q4
+from vllm_mlx_persist.key_calibration import (bytes_per_token, centred_formats, centred_mix, float_keys, resolve,
+                                              rope_center, scaled_formats, score_error, uniform)
+from vllm_mlx_persist.kv_edit.rope_shift import RopeParams, probe_model, rotate, rotate_q4
 from vllm_mlx_persist.options import parse_options
 
-FORMATS = ("q4", "k5v4r", "k8v4", "k8v4r", "scaled", "hadamard", "mixed")
+FORMATS = ("q4", "k5v4r", "k5v4c", "k56v4c", "k6v4c", "k8v4", "k8v4r", "scaled", "hadamard", "mixed")
 # Served vs simulated logits: the same stored values, different kernels (measured ~1e-5).
 SIM_TOL = 1e-4
 
@@ -46,8 +47,12 @@ def formats(model):
     """Per format, the per-layer key formats (scaled: calibrated on the model's own keys; mixed:
     8-bit keys on layer 0 only)."""
     codec = ModelCodec.for_model(model)
-    keys = float_keys(model, [(i * 37) % 500 + 3 for i in range(96)])
-    return {"q4": uniform(codec, None), "k8v4": uniform(codec, LayerKeys(8)),
+    query_rms = {}
+    keys = float_keys(model, [(i * 37) % 500 + 3 for i in range(96)], query_rms)
+    shifts = probe_model(model)
+    five, six = centred_formats(codec, keys, query_rms, 5, shifts), centred_formats(codec, keys, query_rms, 6, shifts)
+    return {"k5v4c": five, "k6v4c": six, "k56v4c": centred_mix(codec, five, six, keys, query_rms),
+            "q4": uniform(codec, None), "k8v4": uniform(codec, LayerKeys(8)),
             "k8v4r": uniform(codec, LayerKeys(8, values="hadamard")),
             "k5v4r": uniform(codec, LayerKeys(5, "hadamard", values="hadamard")),
             "scaled": scaled_formats(codec, keys), "hadamard": uniform(codec, LayerKeys(4, "hadamard")),
@@ -69,7 +74,10 @@ class _Sim(KVCache):
 
     def update_and_fetch(self, keys, values):
         f = self.fmt
-        rk = mx.dequantize(*mx.quantize(f.encode(keys), group_size=64, bits=f.bits), group_size=64, bits=f.bits)
+        w, sc, b = mx.quantize(f.encode(keys), group_size=64, bits=f.bits)
+        if f.scales16:  # stored in float16, read back widened
+            sc, b = (x.astype(mx.float16).astype(x.dtype) for x in (sc, b))
+        rk = mx.dequantize(w, sc, b, group_size=64, bits=f.bits)
         rv = mx.dequantize(*mx.quantize(f.encode_values(values), group_size=64, bits=4), group_size=64, bits=4)
         rv = f.output(rv)
         return super().update_and_fetch(f.decode(rk).astype(keys.dtype), rv)
@@ -98,7 +106,7 @@ def test_served_format_is_its_simulation(model, formats, name, mode):
         assert mx.abs(served - ref).mean().item() < mx.abs(q4 - ref).mean().item()
 
 
-@pytest.mark.parametrize("name", ["k5v4r", "k8v4", "k8v4r", "scaled", "hadamard", "mixed"])
+@pytest.mark.parametrize("name", ["k5v4r", "k5v4c", "k8v4", "k8v4r", "scaled", "hadamard", "mixed"])
 def test_batched_equals_alone(model, formats, name):
     """mlx-lm's BatchGenerator (batched prefill in chunks, staggered inserts, batched decode, float
     mirror on) gives every sequence the tokens it gets alone, and its logprobs within 1e-4."""
@@ -112,9 +120,12 @@ def test_batched_equals_alone(model, formats, name):
         alone, _ = _run(_batch_gen(model, prefill_step_size=8), {0: [(prompts[i], max_tokens[i], codec.make_cache())]})
         (tokens, lps, cache, _), = alone.values()
         assert out[uid][0] == tokens, f"sequence {i}"
-        # Prompts prefilled together in one call round differently on BLAS (test_q4cache's bound).
+        # Prompts prefilled together in one call round differently on BLAS (test_q4cache's bound);
+        # keys' scales kept in float16 turn such a 1e-7 difference into a whole float16 step of a
+        # group's scale now and then (5e-4 relative): their bound is 2e-3 (measured 9.6e-4).
         err = max(mx.abs(a - b).max().item() for a, b in zip(out[uid][1], lps))
-        assert err < 1e-4, f"sequence {i}: max |Δlogprob| {err}"
+        bound = 2e-3 if any(f is not None and f.scales16 for f in formats[name]) else 1e-4
+        assert err < bound, f"sequence {i}: max |Δlogprob| {err}"
         assert all(c.key_format is formats[name][l] for l, c in enumerate(cache))
 
 
@@ -139,7 +150,7 @@ def test_blocks_rebuild_the_cache_bit_for_bit(model, formats, name):
         assert hot[0].keys[0].shape[-1] == 2 * hot[0].values[0].shape[-1]
 
 
-@pytest.mark.parametrize("name", ["q4", "k5v4r", "k8v4", "k8v4r", "scaled", "hadamard"])
+@pytest.mark.parametrize("name", ["q4", "k5v4r", "k5v4c", "k8v4", "k8v4r", "scaled", "hadamard"])
 def test_a_splice_moves_transformed_keys_by_rope(model, formats, name):
     """Keys stored scaled or rotated, moved by Δ (rotate_q4 with the layer's format), decode to the
     model's keys at the new position within the format's quantization error; moving transformed
@@ -177,6 +188,66 @@ def test_caches_of_different_key_formats_never_batch(model, formats):
     r.update_and_fetch(mx.ones((1, 2, 3, 64)), mx.ones((1, 2, 3, 64)))
     with pytest.raises(ValueError, match="different formats"):
         Q4KVCache.merge([b, r])
+
+
+def test_the_center_follows_a_rotating_offset_past_the_calibration_text():
+    """Keys with an offset before RoPE, calibrated on 384 positions: rope_center is the offset's
+    average over every position up to the horizon (what later positions see), not the calibration
+    positions' mean, and stored centred it quantizes keys at position 5000 better than that mean."""
+    from vllm_mlx_persist.key_calibration import _rope
+    from vllm_mlx_persist.kv_edit.rope_shift import LayerShift, SlotShift
+
+    params = RopeParams(dims=64, traditional=False, base=10000.0)
+    shift = LayerShift((SlotShift("rotate", params),))
+    mx.random.seed(3)
+    offset = 4 * mx.random.normal((2, 1, 64))
+    noisy = lambda n: mx.broadcast_to(offset, (2, n, 64)) + mx.random.normal((2, n, 64))
+    calib = _rope(noisy(384), params, 1)
+    center = rope_center(calib, shift, horizon=8192)
+    want = mx.mean(_rope(mx.broadcast_to(offset, (2, 8192, 64)), params, 1), axis=1, keepdims=True)
+    rel = lambda a, b: (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+    assert rel(center, want) < 0.05
+    plain = mx.mean(calib, axis=1, keepdims=True)
+    assert rel(plain, want) > 0.5  # the short text's mean is elsewhere
+    late = _rope(noisy(5200), params, 1)[:, 5000:]
+    err = {}
+    for name, c in (("rope", center), ("plain", plain)):
+        fmt = LayerKeys(5, "centred", mx.ones((2, 1, 64)), center=c)
+        back = fmt.decode(mx.dequantize(*mx.quantize(fmt.encode(late), group_size=64, bits=5), group_size=64, bits=5))
+        err[name] = rel(back, late)
+    assert err["rope"] < 0.9 * err["plain"], err
+
+
+def test_k56v4c_spends_the_budget_on_the_layers_that_lose_most(model, formats):
+    """6-bit keys go to the layers whose 5-bit keys move the scores most, as many as fit the budget:
+    on a float32 model (keys' scales in 16 bits) 1.15x q4's bytes holds 6-bit keys everywhere; a
+    budget with room for one of the tiny llama's two layers gives it to the worse one."""
+    codec = ModelCodec.for_model(model)
+    q4 = bytes_per_token(codec, uniform(codec, None), 2, 64)
+    five, six = formats["k5v4c"], formats["k6v4c"]
+    assert six[0].scales16 and formats["k56v4c"] == six
+    assert bytes_per_token(codec, six, 2, 64) <= 1.15 * q4 < bytes_per_token(codec, uniform(codec, LayerKeys(8)), 2, 64)
+    query_rms = {}
+    keys = float_keys(model, [(i * 37) % 500 + 3 for i in range(96)], query_rms)
+    one = (bytes_per_token(codec, five, 2, 64) + bytes_per_token(codec, six, 2, 64)) / 2 / q4
+    mix = centred_mix(codec, five, six, keys, query_rms, budget=one)
+    errs = [score_error(f, keys[l], query_rms[l], 64) for l, f in enumerate(five)]
+    assert [f.bits for f in mix] == [6 if e == max(errs) else 5 for e in errs] and errs[0] != errs[1]
+    assert centred_mix(codec, five, six, keys, query_rms, budget=1.0) == five
+
+
+def test_centred_formats_skip_a_model_with_attention_sinks():
+    """Shifting every score of a query by q . center is free only without a sink's logit beside
+    them: gpt-oss's layers get no centred format (auto's candidates then leave it out)."""
+    from vllm_mlx_persist.tools.models import build_model
+
+    install_attention_fix()
+    sinky = build_model("gpt_oss", "tiny", seed=0)[0]
+    codec = ModelCodec.for_model(sinky)
+    query_rms = {}
+    keys = float_keys(sinky, list(range(3, 40)), query_rms)
+    assert query_rms == {} and len(keys) > 1
+    assert centred_formats(codec, keys, query_rms, 5, probe_model(sinky)) is None
 
 
 def test_channel_scales_normalise_per_head():
@@ -352,6 +423,63 @@ def test_a_calibrated_choice_is_remembered_per_model_and_calibration(tiny, tok, 
         b.load()
         assert "remembered" in b.key_report
         b.close()
+
+
+def test_a_choice_is_shared_by_the_cache_roots_of_a_user(tiny, tok, tmp_path, monkeypatch):
+    """A model calibrated under one cache root starts under another without calibrating: the choice
+    comes from the shared folder (copied into the new root); with sharing off, or the shared copy
+    damaged, it calibrates again; the folder keeps only the newest SHARED_KEEP choices."""
+    from vllm_mlx_persist import backend as backend_mod
+    from vllm_mlx_persist import key_choice
+    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.quality import Outliers, add_key_outliers
+
+    shared = tmp_path / "shared"
+    monkeypatch.setenv(key_choice.SHARED_ENV, str(shared))
+    outl = build_model("llama", "tiny", seed=0)[0]
+    add_key_outliers(outl, Outliers(pairs=2, scale=32.0))
+    b = _backend(outl, tok, tmp_path / "a", "auto")
+    b.load()
+    first = (b.fingerprint, b.key_report["chosen"])
+    assert "remembered" not in b.key_report and first[1] != "q4"
+    b.close()
+    assert len(list(shared.glob("*.json"))) == 1
+
+    calibrations = []
+    real = backend_mod.resolve_keys
+
+    def counting(option, *a, **k):
+        calibrations.append(option)
+        return real(option, *a, **k)
+
+    monkeypatch.setattr(backend_mod, "resolve_keys", counting)
+    b = _backend(outl, tok, tmp_path / "b", "auto")
+    b.load()
+    assert (b.fingerprint, b.key_report["chosen"]) == first and calibrations == []
+    assert b.key_report["remembered"].startswith(str(shared))
+    b.close()
+    assert len(list((tmp_path / "b" / key_choice.CHOICES_DIR).glob("*.json"))) == 1  # copied into the root
+
+    monkeypatch.setenv(key_choice.SHARED_ENV, "off")
+    b = _backend(outl, tok, tmp_path / "c", "auto")
+    b.load()
+    assert calibrations == ["auto"] and b.fingerprint == first[0]
+    b.close()
+
+    monkeypatch.setenv(key_choice.SHARED_ENV, str(shared))
+    (f,) = shared.glob("*.json")
+    f.write_bytes(f.read_bytes()[:50])
+    b = _backend(outl, tok, tmp_path / "d", "auto")
+    b.load()
+    assert calibrations == ["auto", "auto"] and b.fingerprint == first[0]
+    b.close()
+    f.unlink()
+    monkeypatch.setattr(key_choice, "SHARED_KEEP", 2)
+    for i in range(3):
+        key_choice.save(tmp_path / f"r{i}", f"{i:032x}", [], {"chosen": "q4"})
+        os.utime(shared / f"{i:032x}.json", (1000 + i, 1000 + i))
+    key_choice.save(tmp_path / "r3", "f" * 32, [], {"chosen": "q4"})
+    assert sorted(p.stem for p in shared.glob("*.json")) == [f"{2:032x}", "f" * 32]
 
 
 def test_a_remembered_choice_with_foreign_scales_is_refused(tmp_path):

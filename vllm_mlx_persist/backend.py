@@ -26,7 +26,7 @@ from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
 from . import key_choice
-from .key_calibration import calibration_params, scale_shapes
+from .key_calibration import CALIBRATED, calibration_params, scale_shapes
 from .key_calibration import describe as describe_keys
 from .key_calibration import identity as keys_identity
 from .key_calibration import resolve as resolve_keys
@@ -191,13 +191,13 @@ class PersistQ4Backend:
 
     def _resolve_keys(self) -> None:
         """Resolve the key_format option into the codec's per-layer key formats, once, before any
-        cache is made (worker thread: "auto" and "scaled" run the model on a calibration text,
+        cache is made (worker thread: "auto", "scaled" and the centred formats run the model on a calibration text,
         unless this model's choice is remembered in the cache root: key_choice.py)."""
         if self.key_report is not None:
             return
         option = self.opts["key_format"]
         try:
-            if option in ("auto", "scaled") and Q4 in self.codec.kinds:
+            if option in CALIBRATED and Q4 in self.codec.kinds:
                 formats, report = self._remembered_keys(option)
             else:
                 formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)

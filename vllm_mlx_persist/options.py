@@ -25,7 +25,8 @@ DEFAULTS: dict[str, Any] = {
     "group_size": 64,
     # How 4-bit layers store keys (issue #33, caches/key_formats.py): "q4" (like the values), "k8v4"
     # (8-bit keys), "k8v4r" (8-bit keys, Hadamard-rotated values), "k5v4r" (Hadamard-rotated 5-bit
-    # keys and 4-bit values: 1.1x q4's bytes), "scaled" (per-channel scales
+    # keys and 4-bit values: 1.1x q4's bytes), "k5v4c" / "k6v4c" (5- or 6-bit keys centred, balanced
+    # against the queries and rotated, calibrated at load; rotated 4-bit values), "scaled" (per-channel scales
     # calibrated at load), "hadamard" (rotated keys), or "auto": measured at load on a calibration
     # text, the cheapest within +1% (key_calibration.py).
     "key_format": "auto",

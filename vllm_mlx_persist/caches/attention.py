@@ -10,20 +10,39 @@ prefill attention mode). Attention on a `BatchQ4KVCache` runs row by row on each
 bit-identical alone and batched, whatever its companions.
 
 Owns nothing but the functions it installs into mlx-lm's modules (module globals there, rebound once
-at start-up, after the model is loaded, by the backend factory); they run on the worker thread.
+at start-up, after the model is loaded, by the backend factory) and the query observer calibration
+sets for one float pass; they run on the worker thread.
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES
 from .key_formats import key_bits, transformed
-from .q4 import BatchQ4KVCache, QTuple, dequantize
+from .q4 import BatchQ4KVCache, QTuple, dequantize, widened
+
+
+# Set only while `observing_queries` runs (key calibration's float pass, on the worker thread).
+_query_observer: Optional[Callable[[Any, mx.array, Any], None]] = None
+
+
+@contextmanager
+def observing_queries(callback: Callable[[Any, mx.array, Any], None]) -> Iterator[None]:
+    """Within: every attention call through the installed dispatcher first passes (cache, queries,
+    sinks) to `callback` (how `key_calibration` learns the queries' channel sizes, and which layers
+    have attention sinks)."""
+    global _query_observer
+    _query_observer = callback
+    try:
+        yield
+    finally:
+        _query_observer = None
 
 
 def _gqa_mask(mask: Any, B: int, n_kv: int, n_rep: int) -> Any:
@@ -131,6 +150,7 @@ def _quantized(queries, keys: QTuple, values: QTuple, cache: Any, scale: float, 
     """The quantized SDPA on packed K/V (mlx-lm's, as installed: ours); keys of other bits than
     the values (8-bit keys) go to ours directly (mlx-lm's takes one `bits`)."""
     kb = key_bits(cache)
+    keys = widened(keys, values)  # keys' scales kept in 16 bits (LayerKeys.scales16)
     if kb != cache.bits:
         return _sdpa_with_sinks(queries, keys, values, scale, mask, sinks, cache.group_size, cache.bits, kb)
     kw = {} if sinks is None else {"sinks": sinks}  # mlx-lm's own function has no sinks
@@ -185,6 +205,8 @@ def _make_dispatcher(original):
     when there is one)."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+        if _query_observer is not None:
+            _query_observer(cache, queries, sinks)
         fmt = transformed(cache)
         if fmt is None:
             return attend(queries, keys, values, cache, scale, mask, sinks)
@@ -197,7 +219,7 @@ def _make_dispatcher(original):
         if hasattr(cache, "bits"):
             # mlx-lm's own QuantizedKVCache has none: the defaults
             if getattr(cache, "float_copies", DEFAULT).dequantize_for(queries.shape[2]):
-                fk = dequantize(keys, cache.group_size, key_bits(cache))
+                fk = dequantize(widened(keys, values), cache.group_size, key_bits(cache))
                 fv = dequantize(values, cache.group_size, cache.bits)
                 return mx.fast.scaled_dot_product_attention(queries, fk, fv, scale=scale, mask=mask, sinks=sinks)
             return _quantized(queries, keys, values, cache, scale, mask, sinks)

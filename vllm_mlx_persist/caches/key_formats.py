@@ -11,6 +11,18 @@ served answers, per layer (`LayerKeys`):
   before quantizing (an outlier is spread over every channel); queries are rotated by the same H at
   attention time (q . k = (q H) . (k H), H orthonormal). No extra bytes.
 
+* `transform="centred"` (issue #43): keys minus a calibrated per-channel mean (`center`), divided by
+  per-channel `scales` that balance the queries' and the keys' channel sizes, then rotated by H.
+  Queries are multiplied by the scales and rotated: (q s) H . ((k - c) / s) H = q . k - q . c, the
+  same shift of every score of a query, which softmax ignores (layers with attention sinks, whose
+  extra logit does not shift, never get it: `key_calibration`). The mean is what 4-bit groups along
+  a token cannot absorb: a channel's offset shared by every token.
+
+* `scales16`: the packed keys' scales and biases stored in float16 where the model's float32 would
+  double them (a 6-bit key of a 64-wide group: 7 bits with float32 scales, 6.5 with float16); read
+  back widened, exactly. The centred formats use it: their keys are centred and rotated, so a 16-bit
+  scale's relative error (5e-4) is far below a level.
+
 * `values="hadamard"`: values rotated by H before quantizing (issue #43: on SmolLM2 the 4-bit
   values' loss, +0.87% with float keys, falls to about a quarter), the attention output rotated back
   (softmax(qK) (V H) H = softmax(qK) V). No extra bytes; values are read nowhere but in attention.
@@ -35,8 +47,8 @@ import mlx.core as mx
 import numpy as np
 
 # The `key_format` option's values. "auto": measured at load (key_calibration.choose).
-KEY_FORMATS = ("auto", "q4", "k5v4r", "k8v4", "k8v4r", "scaled", "hadamard")
-TRANSFORMS = (None, "scaled", "hadamard")
+KEY_FORMATS = ("auto", "q4", "k5v4r", "k5v4c", "k56v4c", "k6v4c", "k8v4", "k8v4r", "scaled", "hadamard")
+TRANSFORMS = (None, "scaled", "hadamard", "centred")
 VALUE_TRANSFORMS = (None, "hadamard")
 
 
@@ -62,19 +74,26 @@ def _rotate(x: mx.array) -> mx.array:
 
 @dataclass(frozen=True, eq=False)
 class LayerKeys:
-    """One layer's key storage: `bits` of the packed keys, and `transform` (None, "scaled" or
-    "hadamard"); "scaled" holds `scales`, (n_kv_heads, 1, head_dim) float32, the divisors."""
+    """One layer's key storage: `bits` of the packed keys, and `transform` (None, "scaled",
+    "hadamard" or "centred"); "scaled" and "centred" hold `scales`, (n_kv_heads, 1, head_dim)
+    float32, the divisors; "centred" also `center`, the same shape, the mean taken out."""
 
     bits: int = 4
     transform: Optional[str] = None
     scales: Optional[mx.array] = field(default=None, repr=False)
     values: Optional[str] = None  # None or "hadamard": how the layer's values are stored
+    center: Optional[mx.array] = field(default=None, repr=False)
+    scales16: bool = False  # the packed keys' scales and biases kept in float16 (of a float32 model)
 
     def __post_init__(self) -> None:
         if self.transform not in TRANSFORMS:
             raise ValueError(f"key transform must be one of {TRANSFORMS}, got {self.transform!r}")
-        if (self.transform == "scaled") != (self.scales is not None):
-            raise ValueError("a scaled key format needs its scales, and only it")
+        if (self.transform in ("scaled", "centred")) != (self.scales is not None):
+            raise ValueError("a scaled or centred key format needs its scales, and only they")
+        if (self.transform == "centred") != (self.center is not None):
+            raise ValueError("a centred key format needs its center, and only it")
+        if self.center is not None and self.center.shape != self.scales.shape:
+            raise ValueError(f"center {self.center.shape} and scales {self.scales.shape} differ in shape")
         if self.values not in VALUE_TRANSFORMS:
             raise ValueError(f"value transform must be one of {VALUE_TRANSFORMS}, got {self.values!r}")
 
@@ -88,12 +107,13 @@ class LayerKeys:
     def name(self) -> str:
         """Short tag: "k4", "k8", "k4 scaled", "k4 hadamard", "k8 v-hadamard"."""
         return f"k{self.bits}" + (f" {self.transform}" if self.transform else "") + \
-            (f" v-{self.values}" if self.values else "")
+            (f" v-{self.values}" if self.values else "") + (" s16" if self.scales16 else "")
 
     def same(self, other: Optional["LayerKeys"]) -> bool:
         """Whether caches under `self` and `other` store keys and values alike (they may batch together)."""
         return other is self or (other is not None and self.transform is None and other.transform is None
-                                 and other.bits == self.bits and other.values == self.values)
+                                 and other.bits == self.bits and other.values == self.values
+                                 and other.scales16 == self.scales16)
 
     def encode(self, keys: mx.array) -> mx.array:
         """Keys (B, n_kv_heads, T, D) as stored (before quantizing), in their dtype."""
@@ -101,6 +121,8 @@ class LayerKeys:
             return keys
         if self.transform == "scaled":
             return (keys.astype(mx.float32) / self.scales).astype(keys.dtype)
+        if self.transform == "centred":
+            return _rotate((keys.astype(mx.float32) - self.center) / self.scales).astype(keys.dtype)
         return _rotate(keys).astype(keys.dtype)
 
     def decode(self, keys: mx.array) -> mx.array:
@@ -110,6 +132,8 @@ class LayerKeys:
             return keys
         if self.transform == "scaled":
             return keys * self.scales
+        if self.transform == "centred":
+            return _rotate(keys) * self.scales + self.center
         return _rotate(keys)
 
     def queries(self, queries: mx.array) -> mx.array:
@@ -122,7 +146,8 @@ class LayerKeys:
         B, n_q, L, D = queries.shape
         n_kv = self.scales.shape[0]
         q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * self.scales[:, None]
-        return q.reshape(B, n_q, L, D).astype(queries.dtype)
+        q = q.reshape(B, n_q, L, D)
+        return (_rotate(q) if self.transform == "centred" else q).astype(queries.dtype)
 
     def encode_values(self, values: mx.array) -> mx.array:
         """Values (B, n_kv_heads, T, D) as stored (before quantizing), in their dtype."""
@@ -134,13 +159,16 @@ class LayerKeys:
         return out if self.values is None else _rotate(out).astype(out.dtype)
 
     def digest(self) -> str:
-        """What model identity records of it: the tag, and for scales a hash of their bytes (blocks
-        written under other scales are another format)."""
+        """What model identity records of it: the tag, and for scales (and a center) a hash of their
+        bytes (blocks written under other scales are another format)."""
         if self.scales is None:
             return self.name
         import hashlib
 
-        return f"{self.name} {hashlib.sha256(np.array(self.scales).tobytes()).hexdigest()[:16]}"
+        h = hashlib.sha256(np.array(self.scales).tobytes())
+        if self.center is not None:
+            h.update(np.array(self.center).tobytes())
+        return f"{self.name} {h.hexdigest()[:16]}"
 
 
 PLAIN4 = LayerKeys(4)
@@ -157,6 +185,23 @@ def transformed(cache) -> Optional[LayerKeys]:
     must be rotated back), else None."""
     fmt = getattr(cache, "key_format", None)
     return fmt if fmt is not None and (fmt.transform is not None or fmt.values is not None) else None
+
+
+def centred_params(keys: mx.array, query_rms: mx.array, center: mx.array) -> tuple[mx.array, mx.array]:
+    """A centred format's (center, scales) from calibration keys (n_kv_heads, T, D, after RoPE), the
+    RMS of the queries per channel over each KV head's query heads (n_kv_heads, D) and the keys'
+    `center` (n_kv_heads, 1, D; `key_calibration.rope_center`): divisors s with
+    s^2 = rms(k - center) / rms(q), geometric mean 1 per head.
+    Those scales minimise (sum q_i^2 s_i^2)(sum k_i^2 / s_i^2), the score error of keys quantized
+    after an orthonormal rotation, whose error is spread evenly over the channels: key channels the
+    queries barely read get fewer levels. Both (n_kv_heads, 1, D) float32."""
+    k = keys.astype(mx.float32)
+    center = center.astype(mx.float32)
+    krms = mx.sqrt(mx.mean((k - center) ** 2, axis=1, keepdims=True))
+    ratio = mx.maximum(krms, 1e-6) / mx.maximum(query_rms.astype(mx.float32)[:, None, :], 1e-6)
+    s = mx.sqrt(ratio)
+    s = s / mx.exp(mx.mean(mx.log(s), axis=-1, keepdims=True))
+    return center, s
 
 
 def channel_scales(keys: mx.array) -> mx.array:

@@ -118,6 +118,8 @@ def _append(cache, prev: int, keys: mx.array, values: mx.array, drop: int = 0,
     if fmt is not None:
         keys, values = fmt.encode(keys), fmt.encode_values(values)
     qk = mx.quantize(keys, group_size=cache.group_size, bits=key_bits(cache))
+    if fmt is not None and fmt.scales16 and qk[1].dtype == mx.float32:
+        qk = [qk[0], qk[1].astype(mx.float16), qk[2].astype(mx.float16)]
     qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
     k, v = cache.keys, cache.values
     if k is None or drop or prev + S > k[0].shape[2]:
@@ -135,12 +137,15 @@ def _append(cache, prev: int, keys: mx.array, values: mx.array, drop: int = 0,
 # Bits whose packed words split into whole bytes: `dequantize` unpacks them with a few byte ops
 # (the shifts of each level within its byte).
 _BYTE_SHIFTS = {2: (0, 2, 4, 6), 4: (0, 4), 8: None}
+# Bits whose eight levels fill `bits` bytes (3, 5, 6: the bit stream, lowest bits first, crosses
+# bytes): the bytes joined into one 64-bit word, then each level shifted out of it.
+_STREAM_BITS = (3, 5, 6)
 _shift_arrays: dict = {}
 _exact: dict = {}  # (bits, group_size, dtype) -> whether the unpacking below equals mx.dequantize (CPU)
 
 
 def _unpack(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
-    """`mx.dequantize` for 2, 4 and 8 bits in a handful of ops: the uint32 words viewed as bytes
+    """`mx.dequantize` for 2, 3, 4, 5, 6 and 8 bits in a handful of ops: the uint32 words viewed as bytes
     (little-endian, the lowest bits first, as mx.quantize packs them), each byte shifted into its
     levels, then `levels * scales + biases` in the scales' dtype, the arithmetic of mx.dequantize's
     CPU fallback, which builds the levels with about 50 ops for 4 bits: on a decode step's one new
@@ -148,7 +153,14 @@ def _unpack(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bi
     *lead, P = w.shape
     D = P * 32 // bits
     levels = w.view(mx.uint8)
-    if _BYTE_SHIFTS[bits] is not None:
+    if bits in _STREAM_BITS:
+        shifts = _shift_arrays.get(bits)
+        if shifts is None:
+            shifts = _shift_arrays[bits] = (mx.array([8 * i for i in range(bits)], dtype=mx.uint64),
+                                            mx.array([bits * j for j in range(8)], dtype=mx.uint64))
+        words = (levels.reshape(*lead, D // 8, bits).astype(mx.uint64) << shifts[0]).sum(axis=-1)
+        levels = (words[..., None] >> shifts[1]) & ((1 << bits) - 1)
+    elif _BYTE_SHIFTS[bits] is not None:
         shifts = _shift_arrays.get(bits)
         if shifts is None:
             shifts = _shift_arrays[bits] = mx.array(_BYTE_SHIFTS[bits], dtype=mx.uint8)
@@ -178,11 +190,11 @@ def _unpack_exact(bits: int, group_size: int, dtype) -> bool:
 
 def dequantize(q: QTuple, group_size: int, bits: int) -> mx.array:
     """Float values of packed (uint32, scales, biases) components, exactly `mx.dequantize`'s. On the
-    CPU, 2-, 4- and 8-bit components are unpacked with a few byte ops (`_unpack`, checked bit for
+    CPU, 2- to 8-bit components are unpacked with a few byte ops (`_unpack`, checked bit for
     bit against mx.dequantize once per format); a decode step dequantizes each layer's new token, so
     mx.dequantize's op count showed in every step. Elsewhere (a GPU's kernel), mx.dequantize."""
     w, scales, biases = q
-    if (bits in _BYTE_SHIFTS and w.shape[-1] * 32 // bits % group_size == 0
+    if ((bits in _BYTE_SHIFTS or bits in _STREAM_BITS) and w.shape[-1] * 32 // bits % group_size == 0
             and mx.default_device().type == mx.DeviceType.cpu
             and _unpack_exact(bits, group_size, scales.dtype)):
         return _unpack(w, scales, biases, group_size, bits)
@@ -192,6 +204,14 @@ def dequantize(q: QTuple, group_size: int, bits: int) -> mx.array:
 # The per-step paths index the 4-D (B, n_kv_heads, T, .) arrays as `x[:, :, a:b]`: MLX parses an
 # index with `...` in about twice the time (~10 against ~5 us), which a decode step pays ~16 times a
 # layer.
+
+
+def widened(q: QTuple, like: Optional[QTuple]) -> QTuple:
+    """Packed keys whose scales and biases are kept in 16 bits (`LayerKeys.scales16`) with them in
+    the dtype of `like`'s (the values'), exactly; anything else as it is."""
+    if like is None or q[1].dtype == like[1].dtype:
+        return q
+    return (q[0], q[1].astype(like[1].dtype), q[2].astype(like[1].dtype))
 
 
 def _qmap(fn, *qs: QTuple) -> QTuple:
@@ -502,8 +522,9 @@ class BatchQ4KVCache(_BaseCache):
         return dequantize(q, self.group_size, bits)
 
     def dequantize_keys(self, q: QTuple) -> mx.array:
-        """Float keys, as stored (transformed, if the key format transforms them)."""
-        return self.dequantize(q, self.key_bits)
+        """Float keys, as stored (transformed, if the key format transforms them), in the values'
+        dtype (keys' scales kept in 16 bits are widened first, exactly)."""
+        return self.dequantize(widened(q, self.values), self.key_bits)
 
     def _mirror_build(self) -> None:
         if self.keys is None or self.float_copies.decode_float_budget_bytes() == 0:
