@@ -20,9 +20,9 @@ import pytest
 
 from vllm_mlx_persist.tools.serving import Server
 
-# key_format k8v4r: what auto chooses on this model (docs/quality.md), without its start-up
-# calibration; blocks of 32 tokens so that short chats cross block boundaries.
-OPTIONS = {"key_format": "k8v4r", "block_size": 32}
+# key_format k6v4c: what auto chooses on this model (docs/quality.md), fitted at start-up without
+# auto's measuring of every candidate; blocks of 32 tokens so that short chats cross block boundaries.
+OPTIONS = {"key_format": "k6v4c", "block_size": 32}
 MAX_TOKENS = 24
 
 
@@ -57,7 +57,9 @@ def agent_info(server: Server, agent: str) -> dict:
 
 
 def test_turns_reuse_the_history_and_answer_in_english(server):
-    history = [{"role": "user", "content": "What is the capital of France?"}]
+    # ("What is the capital of France?" alone is a near tie for this model: "The" -1.88 against "L"
+    # -1.97 nats in float; k6v4c tips it to a French answer, docs/quality.md)
+    history = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
     reply, first = chat(server, history, "geo")
     assert "Paris" in reply
     assert cached(first) == 0

@@ -14,16 +14,18 @@ within the margin docs/quality.md states (tests/test_e2e_real_model.py checks it
 It picks the cheapest candidate (bytes/token, then compute) predicted within `LIMIT_PCT`:
 
   q4 (4-bit K and V) < scaled (+ one multiply of the queries) < hadamard (+ a head_dim matmul of
-  queries and keys) < k5v4r (keys rotated and packed in 5 bits, values rotated: 1.1x q4's bytes) < mixed (8-bit keys
+  queries and keys) < k5v4c (5-bit keys centred, balanced and rotated, 16-bit key scales, values
+  rotated: 1.05x q4's bytes on a float32 model) < k5v4r (keys rotated and packed in 5 bits, values
+  rotated: 1.1x) < k56v4c (k5v4c with 6-bit keys on the layers that lose most, within 1.15x) < k6v4c
+  (6-bit: 1.15x) < mixed (8-bit keys
   on the layers whose keys quantize worst, 4-bit elsewhere) < k8v4 (8-bit keys everywhere) < k8v4r
   (8-bit keys, values rotated: the same bytes, + a rotation of values and attention output)
 
 "Rotated" is the Hadamard rotation along the head dimension (power-of-two head dims only): it spreads
 an outlier channel over all of them, and rotated values lose a quarter of what plain 4-bit values
-lose on SmolLM2 (issue #43, docs/quality.md). The centred formats (k5v4c, k56v4c, k6v4c: 5/6-bit keys
-centred on their calibrated channel means, which a rotation cannot spread and per-token groups spend
-their range on, balanced against the queries' channel sizes, rotated; values rotated) are fitted on
-the calibration text when asked for; they are not auto's candidates (CENTRED).
+lose on SmolLM2 (issue #43, docs/quality.md). "Centred" takes out what a rotation cannot spread: a
+channel's offset shared by every token (per-token groups spend their range on it); the queries'
+sizes come from the same float pass, through the attention dispatcher.
 
 and, when none is within the limit, the cheapest one predicted within 10% (at least 0.1 point)
 of the best (where no key format helps, the loss is not the keys': q4). What it measured is returned as a dict
@@ -59,10 +61,9 @@ ROTATED = {"k5v4r": LayerKeys(5, "hadamard", values="hadamard"), "k8v4r": LayerK
 # Shares of the 4-bit layers given 8-bit keys in the "mixed" candidates, worst-quantized first.
 MIXED_SHARES = (0.25, 0.5)
 # The centred formats (key_formats: keys centred, balanced against the queries and rotated; values
-# rotated), calibrated like `scaled`: option -> key bits. Served when asked for, not auto's candidates:
-# on SmolLM2 k6v4c is +0.4% on held-out prose at 1.15x q4's bytes (k8v4r: +0.2% at 1.40x), but it
-# changed the first answer token of 3 of 16 short chat prompts where k8v4r and k5v4r changed none
-# (docs/quality.md, issue #43): auto does not measure chat yet.
+# rotated), calibrated like `scaled`: option -> key bits. On SmolLM2 k6v4c is +0.66% on 8k held-out
+# tokens at 1.15x q4's bytes (k8v4r: +0.61% at 1.40x); on 16 short chat prompts its greedy replies
+# start as the float cache's 13 times (k8v4r 15, k8v4 13; docs/quality.md, issue #43).
 CENTRED = {"k5v4c": 5, "k6v4c": 6}
 # "k56v4c": k5v4c with 6-bit keys on the layers whose 5-bit keys lose most, as many as keep the
 # bytes per token within this many times q4's (issue #43's cost bound).
@@ -70,7 +71,7 @@ MIX_BUDGET = 1.15
 CENTER_HORIZON = 8192  # positions a centred format's center is averaged over (rope_center)
 # The options resolve() calibrates on the model (key_choice remembers what they chose).
 CALIBRATED = ("auto", "scaled", *CENTRED, "k56v4c")
-ORDER = ("q4", "scaled", "hadamard", "k5v4r", "mixed", "k8v4", "k8v4r")
+ORDER = ("q4", "scaled", "hadamard", "k5v4c", "k5v4r", "k56v4c", "k6v4c", "mixed", "k8v4", "k8v4r")
 # With no candidate within the limit, the cheapest predicted within this much of the best one.
 NEAR_FRACTION, NEAR_PCT = 0.1, 0.1
 
@@ -356,12 +357,13 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
             "option": option, "chosen": "scaled", "calibration_tokens": len(tokens),
             "s": round(time.perf_counter() - t0, 3)}
     centred: dict[str, Optional[list[Optional[LayerKeys]]]] = {}
-    if option in CENTRED or option == "k56v4c":  # opt-in: not auto's candidates (CENTRED's comment)
-        if rotatable_values(model) and _kv_shape(keys)[1] & (_kv_shape(keys)[1] - 1) == 0:
-            shifts = probe_model(model)
-            centred = {name: centred_formats(codec, keys, query_rms, bits, shifts) for name, bits in CENTRED.items()}
-            if centred["k5v4c"] is not None and centred["k6v4c"] is not None:
-                centred["k56v4c"] = centred_mix(codec, centred["k5v4c"], centred["k6v4c"], keys, query_rms)
+    if rotatable_values(model) and _kv_shape(keys)[1] & (_kv_shape(keys)[1] - 1) == 0:
+        shifts = probe_model(model)
+        centred = {name: centred_formats(codec, keys, query_rms, bits, shifts) for name, bits in CENTRED.items()}
+        if centred["k5v4c"] is not None and centred["k6v4c"] is not None:
+            centred["k56v4c"] = centred_mix(codec, centred["k5v4c"], centred["k6v4c"], keys, query_rms)
+            if option == "auto" and all(f is None or f.bits == 6 for f in centred["k56v4c"]):
+                del centred["k56v4c"]  # the budget holds 6-bit keys everywhere: k6v4c itself
     if option != "auto":
         if centred.get(option) is None:
             raise ValueError(f"key_format {option} needs a power-of-two head dimension and attention without "
@@ -389,6 +391,7 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
     candidates.append(("k8v4", uniform(codec, k8)))
     if rotatable_values(model) and D & (D - 1) == 0:
         candidates += [(name, uniform(codec, fmt)) for name, fmt in ROTATED.items()]
+        candidates += [(name, fmts) for name, fmts in centred.items() if fmts is not None]
     measured: dict[str, dict[str, Any]] = {}
     chosen = None
     # Cheapest first: stop at the first within the limit (bytes first, then compute).
@@ -399,6 +402,8 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
         m["bytes_per_token"] = bytes_per_token(codec, formats, n_kv, D)
         if name.startswith("mixed"):
             m["k8_layers"] = sorted(l for l, f in enumerate(formats) if f is not None)
+        if name == "k56v4c":
+            m["k6_layers"] = [l for l, f in enumerate(formats) if f is not None and f.bits == 6]
         measured[name] = m
         if m["predicted_pct"] <= limit_pct:
             chosen = (name, formats)
@@ -423,7 +428,7 @@ def calibration_params(limit_pct: float = LIMIT_PCT) -> dict[str, Any]:
     return {"text": hashlib.sha256(CALIBRATION_TEXT.encode()).hexdigest(), "tokens": CALIBRATION_TOKENS,
             "measure_text": hashlib.sha256(MEASURE_TEXT.encode()).hexdigest(),
             "order": ORDER, "mixed": MIXED_SHARES, "near": (NEAR_FRACTION, NEAR_PCT), "limit_pct": limit_pct,
-            "centred": {"horizon": CENTER_HORIZON, "mix_budget": MIX_BUDGET, "in_auto": False}}
+            "centred": {"horizon": CENTER_HORIZON, "mix_budget": MIX_BUDGET}}
 
 
 def scale_shapes(model: Any, codec: ModelCodec) -> list[Optional[tuple[int, ...]]]:

@@ -604,6 +604,12 @@ def served_key_formats(tokenizer: Any) -> list[KVFormat]:
     rows = [("k8v4srv", "keys 8-bit, values 4-bit (served: key_format k8v4)", "k8v4"),
             ("k8v4rsrv", "keys 8-bit, values Hadamard-rotated 4-bit (served: key_format k8v4r)", "k8v4r"),
             ("k5v4rsrv", "keys 5-bit and values 4-bit, both Hadamard-rotated (served: key_format k5v4r)", "k5v4r"),
+            ("k5v4csrv", "keys 5-bit centred, balanced and rotated, values rotated 4-bit (served: key_format k5v4c)",
+             "k5v4c"),
+            ("k6v4csrv", "keys 6-bit centred, balanced and rotated, values rotated 4-bit (served: key_format k6v4c)",
+             "k6v4c"),
+            ("k56v4csrv", "k5v4c with 6-bit keys on the layers that lose most, within 1.15x q4's bytes "
+             "(served: key_format k56v4c)", "k56v4c"),
             ("q4g64ssrv", "4-bit, per-channel key scales (served: key_format scaled)", "scaled"),
             ("q4g64hsrv", "4-bit, Hadamard-rotated keys (served: key_format hadamard)", "hadamard"),
             ("auto", "key_format auto (served: chosen at load)", "auto")]
@@ -940,17 +946,60 @@ def _training_line(fr: dict[str, Any]) -> str:
 REAL_HEADING = "## Real checkpoints"
 
 
+def _sections(md: str) -> list[tuple[str, str]]:
+    """(heading, text) of each "## " section, the text before the first under ""."""
+    out, head, buf = [], "", []
+    for line in md.split("\n"):
+        if line.startswith("## "):
+            out.append((head, "\n".join(buf)))
+            head, buf = line, []
+        buf.append(line)
+    out.append((head, "\n".join(buf)))
+    return out
+
+
+def keep_written_sections(md: str, old: str) -> str:
+    """`md` with the "## " sections of `old` that it lacks (written by hand or by another command,
+    such as issue #33's served key formats) put back after the section they followed there."""
+    new = _sections(md)
+    have = {h for h, _ in new}
+    after: dict[str, list[str]] = {}
+    prev = ""
+    for h, text in _sections(old):
+        if h and h not in have:
+            after.setdefault(prev, []).append(text)
+        else:
+            prev = h
+    parts = []
+    for h, text in new:
+        parts.append(text)
+        parts += after.pop(h, [])
+    for rest in after.values():
+        parts += rest
+    return "\n".join(parts)
+
+
 def with_real_checkpoints(md: str, folder: Path) -> str:
     """`md` with a section holding the real-checkpoint reports `quality --model DIR --out
     <folder>/N-NAME` wrote (their .md files, in name order; N orders them and is not shown) and notes
-    written beside them, after the first paragraph: those numbers
-    come from a separate command, and a run of this one keeps them."""
+    written beside them, after the first paragraph, led by what each model is served today and its
+    Pareto table and plot (`real_quality.pareto`): those numbers come from a separate command, and a
+    run of this one keeps them."""
+    from .real_quality import pareto
+
     reports = sorted(folder.glob("*.md")) if folder.is_dir() else []
     if not reports:
         return md
-    body = [REAL_HEADING, "", "Measured on real weights (no training), through the served caches, on text the",
+    served, fronts = pareto(folder)
+    body = ["## Served today", "",
+            "What `key_format: auto` (the default) serves on each real checkpoint measured here, on held-out",
+            "text (below), against mlx-lm's float cache; bytes per token of K and V against plain 4-bit group 64",
+            "as this model stores it (q4: scales and biases in the model's dtype). Goal (issue #43): within +1%",
+            "at <= 1.15x q4's bytes.", "", *served, "", REAL_HEADING, "",
+            "Measured on real weights (no training), through the served caches, on text the",
             "key-format calibration never reads, by `vllm-mlx-persist quality --model DIR` (`tools/real_quality.py`);",
-            "the rows marked sim are levers measured before serving them (issue #43).", ""]
+            "the rows marked sim are levers measured before serving them (issue #43). `auto predicted` is what",
+            "auto's calibration predicted for the format on its own text: exp(KL) - 1.", "", *fronts]
     for path in reports:  # named N-title.md: N orders them
         title = path.stem.split("-", 1)[1] if path.stem[:1].isdigit() and "-" in path.stem else path.stem
         body += [f"### {title}", "", path.read_text().strip(), ""]
@@ -1006,7 +1055,7 @@ def render_markdown(r: dict[str, Any]) -> str:
         f"+{GOAL_PCT:g}% at 4-bit.",
         "",
         "| family | in 4-bit | float ppl | 8-bit g64 | 4-bit g64 | 4-bit g32 | agreement 8-bit / 4-bit g64 | "
-        "seed paper, 4-bit g64 | within +1% at 4-bit g64 |",
+        "seed paper, 4-bit g64 | plain 4-bit g64 within +1% (served: see Served today) |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     misses = []
@@ -1043,7 +1092,9 @@ def render_markdown(r: dict[str, Any]) -> str:
                 f"- **{name}** misses +{GOAL_PCT:g}% at 4-bit group 64 ({f['perplexity']['q4g64']['delta_ppl_pct']:+.2f}%)."
                 + (f" The cheapest measured format within it: {best['label']} "
                    f"({best['delta_ppl_pct']:+.2f}%, {best['kv_bytes_per_token']:.0f} bytes/token against "
-                   f"{f['perplexity']['q4g64']['kv_bytes_per_token']:.0f})." if best else " No measured format reaches it."))
+                   f"{f['perplexity']['q4g64']['kv_bytes_per_token']:.0f})." if best else " No measured format reaches it.")
+                + " What is served is not plain 4-bit: `key_format: auto` (the default) picks a key format at load "
+                  "([Served key formats](#served-key-formats-issue-33); real checkpoints: [Served today](#served-today)).")
     else:
         lines.append(f"- Every family stays within +{GOAL_PCT:g}% at 4-bit group 64.")
     lines += [
@@ -1407,6 +1458,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
         description="Train small models of each family on stdlib sources and measure what 4-bit KV costs "
                     "(perplexity, greedy agreement) against full-precision and 8-bit KV, with the options "
                     "that fix what misses (outlier keys, MLA latents).")
+    p.add_argument("--render", action="store_true", help="only write <out>/quality.md again from "
+                   "<out>/results/quality.json and the real-checkpoint reports in <out>/results/real "
+                   "(with their Pareto tables and plots): no measuring")
     p.add_argument("--model", metavar="DIR", help="measure this model directory (a real checkpoint) instead of "
                    "training: see `quality --model DIR --help`")
     p.add_argument("--quick", action="store_true",
@@ -1494,6 +1548,14 @@ def main(argv: Sequence[str]) -> int:
 
         return measure_model(argv)
     args = _parse(argv)
+    if args.render:
+        out = Path(args.out or "docs")
+        results = json.loads((out / "results" / "quality.json").read_text())
+        md = with_real_checkpoints(render_markdown(results), out / "results" / "real")
+        old = (out / "quality.md").read_text() if (out / "quality.md").exists() else ""
+        (out / "quality.md").write_text(keep_written_sections(md, old))
+        print(f"wrote {out / 'quality.md'} from {out / 'results' / 'quality.json'} and {out / 'results' / 'real'}")
+        return 0
     t_start = time.perf_counter()
     quick = args.quick
     out = Path(args.out or (".models/quality-quick/report" if quick else "docs"))

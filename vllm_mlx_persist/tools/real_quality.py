@@ -73,6 +73,7 @@ class Lever:
     recent: int = 0
     key_rotate: bool = False
     value_rotate: bool = False
+    key_center: int = 0  # >0: each channel's mean over blocks of this many tokens taken out before quantizing
 
     def bytes_per_token(self, dim: int, tokens: int, fb: int) -> float:
         """Bytes per token and head for K and V together, with scales, biases and the positions kept
@@ -104,7 +105,16 @@ def lever_view(k: Any, v: Any, lever: Lever) -> tuple[Any, Any]:
     import mlx.core as mx
 
     T = k.shape[2]
-    kk = _rotate(k) if lever.key_rotate else k
+    mean = None
+    if lever.key_center:
+        c = lever.key_center
+        parts = [mx.broadcast_to(mx.mean(k[:, :, i:i + c, :].astype(mx.float32), axis=2, keepdims=True),
+                                 k[:, :, i:i + c, :].shape) for i in range(0, T, c)]
+        mean = mx.concatenate(parts, axis=2).astype(k.dtype)
+        k_in = k - mean
+    else:
+        k_in = k
+    kk = _rotate(k_in) if lever.key_rotate else k_in
     if lever.key_axis == "channel" and lever.key_bits < 16:
         g = lever.key_group
         full = (T // g) * g
@@ -117,6 +127,8 @@ def lever_view(k: Any, v: Any, lever: Lever) -> tuple[Any, Any]:
     else:
         kq = _round_trip(kk, lever.key_bits, lever.key_group)
     kq = _rotate(kq) if lever.key_rotate else kq  # the rotation is its own inverse
+    if mean is not None:
+        kq = kq + mean
     vv = _rotate(v) if lever.value_rotate else v
     vq = _round_trip(vv, lever.value_bits, lever.value_group)
     vq = _rotate(vq) if lever.value_rotate else vq
@@ -188,6 +200,16 @@ LEVERS: dict[str, tuple[str, Lever]] = {
                      Lever(key_axis="channel", key_group=32, value_rotate=True)),
     "kchan5-vhad": ("keys 5-bit per channel over 64 tokens, values Hadamard-rotated 4-bit",
                     Lever(key_bits=5, key_axis="channel", value_rotate=True)),
+    "kc256had5-vhad": ("keys centred per 256-token block, rotated 5-bit; values rotated 4-bit",
+                       Lever(key_bits=5, key_rotate=True, value_rotate=True, key_center=256)),
+    "kc256had4-vhad": ("keys centred per 256-token block, rotated 4-bit; values rotated 4-bit",
+                       Lever(key_rotate=True, value_rotate=True, key_center=256)),
+    "kc4096had4-vhad": ("keys centred over the window, rotated 4-bit; values rotated 4-bit",
+                        Lever(key_rotate=True, value_rotate=True, key_center=4096)),
+    "kc4096had5-vhad": ("keys centred over the window, rotated 5-bit; values rotated 4-bit",
+                        Lever(key_bits=5, key_rotate=True, value_rotate=True, key_center=4096)),
+    "kc256-4-vhad": ("keys centred per 256-token block, 4-bit; values rotated 4-bit",
+                     Lever(value_rotate=True, key_center=256)),
 }
 
 
@@ -212,6 +234,10 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--levers", nargs="?", const="all", help="also the simulated levers: 'all' or a comma list "
                    f"of {', '.join(LEVERS)}")
     p.add_argument("--no-served", action="store_true", help="only float and the levers")
+    p.add_argument("--served", help="only these served rows (comma list of names: fp32, q8g64, q4g64, q4g32, "
+                   "k8v4srv, k8v4rsrv, k5v4rsrv, k5v4csrv, k56v4csrv, k6v4csrv, q4g64ssrv, q4g64hsrv, auto)")
+    p.add_argument("--chat", action="store_true", help="instead of perplexity: greedy replies to short chat "
+                   "prompts (CHAT_PROMPTS, the model's chat template) on each format against the float cache's")
     p.add_argument("--out", help="write <out>.json and <out>.md (default: print only)")
     return p.parse_args(list(argv))
 
@@ -226,10 +252,15 @@ def main(argv: Sequence[str]) -> int:
     install_attention_fix()  # as the backend installs it
     t0 = time.perf_counter()
     model, tokenizer = load(a.model)
+    if a.chat:
+        return chat_main(a, argv, model, tokenizer, t0)
     ids = np.array(tokenizer.encode(heldout_text()), dtype=np.int64)[a.skip:]
     n = min(a.windows, len(ids) // a.window)
     windows = ids[: n * a.window].reshape(n, a.window)
     formats = [FULL] if a.no_served else served_formats(tokenizer)
+    if a.served:
+        keep = set(a.served.split(",")) | {FULL.name}
+        formats = [f for f in formats if f.name in keep]
     if a.levers:
         formats += lever_formats(list(LEVERS) if a.levers == "all" else a.levers.split(","))
     print(f"{a.model}: {n} held-out windows of {a.window} tokens (pydoc_data.topics), chunk {a.chunk}, "
@@ -241,7 +272,7 @@ def main(argv: Sequence[str]) -> int:
     for f in formats:
         r = ppl[f.name]
         rows.append({"name": f.name, "label": f.label, "served": f.served, "ppl": r["ppl"],
-                     "delta_ppl_pct": r["delta_ppl_pct"], "kl": r["kl_from_full"],
+                     "delta_ppl_pct": r["delta_ppl_pct"], "sem_pct": 100 * r["delta_nll_sem"], "kl": r["kl_from_full"],
                      "top1": r["argmax_agreement"], "bytes_per_token": r["kv_bytes_per_token"],
                      "bytes_vs_q4": r["kv_bytes_per_token"] / q4_bytes if q4_bytes else None})
     report = {"command": "vllm-mlx-persist quality " + shlex.join(argv), "model": a.model,
@@ -259,22 +290,190 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+# Short chat prompts, the shape of an agent's first turn (issue #43: held-out prose does not show
+# what a format does to the first tokens of an answer).
+CHAT_PROMPTS = ("What is the capital of France?", "Which city is the capital of France?",
+                "Name a famous tower in Paris.", "How many legs does a spider have?", "Write a haiku about the sea.",
+                "What is 12 times 7?", "Explain what a cache is in one sentence.",
+                "Give me three tips for better sleep.", "What language is spoken in Brazil?",
+                "Who wrote Romeo and Juliet?", "What is the boiling point of water?",
+                "Translate 'good morning' into Spanish.", "Why is the sky blue?", "What is Python used for?",
+                "Suggest a name for a black cat.", "What is the largest planet in the solar system?")
+CHAT_TOKENS = 20
+
+
+def chat_main(a: argparse.Namespace, argv: Sequence[str], model: Any, tokenizer: Any, t0: float) -> int:
+    """`--chat`: each format's greedy reply (CHAT_TOKENS tokens) to every CHAT_PROMPTS prompt
+    against the float cache's: first tokens equal, whole replies equal, mean common prefix."""
+    import mlx.core as mx
+
+    formats = served_formats(tokenizer)
+    if a.served:
+        keep = set(a.served.split(",")) | {FULL.name}
+        formats = [f for f in formats if f.name in keep]
+
+    def reply(fmt: KVFormat, prompt: list[int]) -> list[int]:
+        cache = fmt.make_cache(model)
+        logits, out = model(mx.array([prompt]), cache=cache), []
+        for _ in range(CHAT_TOKENS):
+            t = mx.argmax(logits[0, -1]).item()
+            out.append(t)
+            if t == tokenizer.eos_token_id:
+                break
+            logits = model(mx.array([[t]]), cache=cache)
+        return out
+
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in CHAT_PROMPTS]
+    ref = [reply(FULL, p) for p in prompts]
+    rows = []
+    for f in formats[1:]:
+        got = [reply(f, p) for p in prompts]
+        common = [next((i for i, (x, y) in enumerate(zip(g, r)) if x != y), min(len(g), len(r))) for g, r in zip(got, ref)]
+        rows.append({"name": f.name, "label": f.label, "first": sum(g[0] == r[0] for g, r in zip(got, ref)),
+                     "identical": sum(g == r for g, r in zip(got, ref)), "common_prefix": sum(common) / len(common),
+                     "changed_first": [q for q, g, r in zip(CHAT_PROMPTS, got, ref) if g[0] != r[0]]})
+        print(f"  {f.name}: first token {rows[-1]['first']}/{len(prompts)}, identical {rows[-1]['identical']}", flush=True)
+    report = {"command": "vllm-mlx-persist quality " + shlex.join(argv), "model": a.model, "prompts": len(prompts),
+              "tokens": CHAT_TOKENS, "chat": rows, "seconds": time.perf_counter() - t0,
+              "machine": f"{cpu_name()} ({platform.machine()}), mlx {mx.__version__}"}
+    lines = [f"Model `{a.model}`: greedy replies of {CHAT_TOKENS} tokens to {len(prompts)} short chat prompts "
+             f"(`CHAT_PROMPTS`, the model's chat template) on each served format, against the float cache's; "
+             f"{report['seconds']:.0f} s on {report['machine']}.", f"Command: `{report['command']}`", "",
+             "| format | first token as float | whole reply as float | mean common prefix (tokens) | prompts whose first token changed |",
+             "|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['first']}/{len(prompts)} | {r['identical']}/{len(prompts)} | "
+                     f"{r['common_prefix']:.1f} | {'; '.join(r['changed_first'])} |")
+    md = "\n".join(lines)
+    print(md)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(md + "\n")
+    return 0
+
+
 def render(r: dict[str, Any]) -> str:
     """The report as a markdown table: one row per format."""
     lines = [f"Model `{r['model']}`, {r['windows']} x {r['window']} held-out tokens ({r['text']}), "
              f"prefill chunk {r['chunk']}; {r['seconds']:.0f} s on {r['machine']}.",
              f"Command: `{r['command']}`", "",
-             "| format | served | perplexity | change | KL (nats/token) | top-1 agreement | bytes/token | vs q4 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| format | served | perplexity | change (± s.e. over windows) | KL (nats/token) | top-1 agreement "
+             "| bytes/token | vs q4 | auto predicted |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    auto = r.get("auto", {}).get("auto") or {}
+    predicted = {k: v.get("predicted_pct") for k, v in auto.get("measured", {}).items()}
+    if r.get("note"):
+        lines[2:2] = [f"Note: {r['note']}"]
     for row in r["rows"]:
         vs = f"{row['bytes_vs_q4']:.2f}x" if row["bytes_vs_q4"] else ""
+        sem = f" ± {row['sem_pct']:.2f}" if row.get("sem_pct") else ""
+        p = predicted.get(AUTO_NAMES.get(row["name"], ""))
         lines.append(f"| {row['label']} | {'yes' if row['served'] else 'sim'} | {row['ppl']:.3f} | "
-                     f"{row['delta_ppl_pct']:+.2f}% | {row['kl']:.4f} | {100 * row['top1']:.1f}% | "
-                     f"{row['bytes_per_token']:.0f} | {vs} |")
-    auto = r.get("auto", {}).get("auto")
+                     f"{row['delta_ppl_pct']:+.2f}%{sem} | {row['kl']:.4f} | {100 * row['top1']:.1f}% | "
+                     f"{row['bytes_per_token']:.0f} | {vs} | {'' if p is None else f'{p:+.2f}%'} |")
     if auto:
-        lines += ["", f"auto: {json.dumps(auto, default=str)[:600]}"]
+        lines += ["", f"auto chose {auto.get('chosen')} ({'within' if auto.get('within_limit') else 'none within'} "
+                      f"{auto.get('limit_pct')}% by its predictions, measured on its own text in {auto.get('s', 0):.0f} s): "
+                      + ", ".join(f"{k} {v.get('predicted_pct'):+.2f}%" for k, v in auto.get("measured", {}).items())]
     return "\n".join(lines)
+
+
+def pareto(folder: Path) -> tuple[list[str], list[str]]:
+    """From the reports (`*.json`) in `folder`, per model: the "served today" table row (auto's
+    choice as measured, with the goal's verdict), and a Pareto section (markdown lines): every
+    format's perplexity change against its bytes per token (served rows and levers, the best
+    measurement of each name: the most windows), the formats no other beats on both marked, and a
+    plot `pareto-<model>.png` beside the reports (matplotlib, if installed)."""
+    by_model: dict[str, dict[str, dict]] = {}
+    for path in sorted(folder.glob("*.json")):
+        try:
+            r = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if "rows" not in r:
+            continue
+        rows = by_model.setdefault(Path(r["model"]).name, {})
+        for row in r["rows"]:
+            row = {**row, "windows": r["windows"], "window": r["window"], "auto": r.get("auto", {}).get("auto")}
+            old = rows.get(row["name"])
+            if old is None or old["windows"] * old["window"] <= row["windows"] * row["window"]:
+                rows[row["name"]] = row  # a tie: the later report (name order) wins
+    served = ["| model | served default | perplexity change (± s.e.) | KL | bytes/token | vs q4 | goal met |",
+              "|---|---|---:|---:|---:|---:|---|"]
+    fronts: list[str] = []
+    for model, rows in by_model.items():
+        q4 = rows.get("q4g64")
+        auto = rows.get("auto")
+        if auto and q4:
+            chosen = (auto.get("auto") or {}).get("chosen", "?")
+            ratio = auto["bytes_per_token"] / q4["bytes_per_token"]
+            ok = auto["delta_ppl_pct"] <= 1.0 and ratio <= 1.15 + 1e-9
+            served.append(f"| {model} | {chosen} | {auto['delta_ppl_pct']:+.2f}% ± {auto.get('sem_pct', 0):.2f} | "
+                          f"{auto['kl']:.4f} | {auto['bytes_per_token']:.0f} | {ratio:.2f}x | {'yes' if ok else 'no'} |")
+        pts = [r for n, r in rows.items() if n not in ("fp32", "auto")]
+        pts.sort(key=lambda r: (r["bytes_per_token"], r["delta_ppl_pct"]))
+        best = math.inf
+        front = set()
+        for r in pts:
+            if r["delta_ppl_pct"] < best:
+                best = r["delta_ppl_pct"]
+                front.add(r["name"])
+        base = q4["bytes_per_token"] if q4 else None
+        fronts += [f"### {model}: perplexity change against bytes", "",
+                   "Every format measured on this model (served and simulated levers, each from its report with "
+                   "the most held-out tokens), by bytes per token; **bold**: no other format is both smaller "
+                   "and better (the Pareto front).", "",
+                   "| format | served | bytes/token | vs q4 | perplexity change | KL | held-out tokens |",
+                   "|---|---|---:|---:|---:|---:|---:|"]
+        for r in pts:
+            b = "**" if r["name"] in front else ""
+            vs = f"{r['bytes_per_token'] / base:.2f}x" if base else ""
+            fronts.append(f"| {b}{r['label']}{b} | {'yes' if r['served'] else 'sim'} | {r['bytes_per_token']:.0f} | {vs} | "
+                          f"{r['delta_ppl_pct']:+.2f}% | {r['kl']:.4f} | {r['windows'] * r['window']} |")
+        png = _pareto_plot(model, pts, front, base, folder / f"pareto-{model}.png")
+        if png:
+            fronts += ["", f"![perplexity change against bytes per token, {model}](results/real/{png.name})"]
+        fronts.append("")
+    return served, fronts
+
+
+def _pareto_plot(model: str, pts: list[dict], front: set, base: float | None, path: Path) -> Path | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 5))
+    scale = base or 1.0
+    for r in pts:
+        x, y = r["bytes_per_token"] / scale, max(r["delta_ppl_pct"], 0.01)
+        on = r["name"] in front
+        ax.scatter([x], [y], color=("tab:blue" if r["served"] else "tab:gray"), marker="o" if on else "x", s=40)
+        ax.annotate(r["name"], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    fr = sorted((r for r in pts if r["name"] in front), key=lambda r: r["bytes_per_token"])
+    ax.plot([r["bytes_per_token"] / scale for r in fr], [max(r["delta_ppl_pct"], 0.01) for r in fr], color="tab:blue",
+            linewidth=0.8)
+    ax.axhline(1.0, color="tab:red", linewidth=0.8, linestyle="--")
+    ax.axvline(1.15, color="tab:red", linewidth=0.8, linestyle="--")
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per token of K and V" + (" (x plain 4-bit group 64)" if base else ""))
+    ax.set_ylabel("perplexity change, % (log)")
+    ax.set_title(f"{model}: held-out perplexity change against bytes (blue: served, grey: simulated; "
+                 "o: Pareto front; red: +1%, 1.15x)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# Served rows -> the name `auto` measured the same format under.
+AUTO_NAMES = {"q4g64": "q4", "q4g64ssrv": "scaled", "q4g64hsrv": "hadamard", "k5v4rsrv": "k5v4r",
+              "k5v4csrv": "k5v4c", "k56v4csrv": "k56v4c", "k6v4csrv": "k6v4c", "k8v4srv": "k8v4",
+              "k8v4rsrv": "k8v4r"}
 
 
 if __name__ == "__main__":
