@@ -361,7 +361,7 @@ def test_other_formats(bits, group_size, attention_mode, decode_mirror, float_co
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_dequantize_is_mx_dequantize_bit_for_bit(dtype):
-    """`q4.dequantize` (byte unpacking on the CPU for 2, 4 and 8 bits, mx.dequantize otherwise) gives
+    """`q4.dequantize` (byte unpacking on the CPU for 2 to 8 bits, mx.dequantize elsewhere) gives
     mx.dequantize's values bit for bit: every format, one group per row and several, one token (a
     decode step) and many, values spread over every level."""
     raw = mx.uint32 if dtype == mx.float32 else mx.uint16
@@ -376,7 +376,7 @@ def test_dequantize_is_mx_dequantize_bit_for_bit(dtype):
                 got = q4mod.dequantize(q, group_size, bits)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert mx.array_equal(got.view(raw), want.view(raw)).item(), (bits, group_size, D, T)
-    assert all(q4mod._exact.values())  # the byte path was taken (and checked) for 2, 4 and 8 bits here
+    assert all(q4mod._exact.values())  # the byte path was taken (and checked) for every format here
 
 
 def test_logits_close_to_full_precision():

@@ -10,7 +10,7 @@ is read once on float caches and once per candidate format on the served 4-bit c
 model predicts well, never negative (a lucky text does not hide a loss), and far steadier than the
 perplexity change of 384 tokens, which swung by +-0.8 points around it on SmolLM2 (it is reported
 beside it). On SmolLM2's held-out text the predictions agree with the measured perplexity change
-within the margin docs/quality.md states (tests/test_e2e_real_model.py checks it).
+within 0.75 points or 25% (docs/quality.md; tests/test_real_quality.py checks it).
 It picks the cheapest candidate (bytes/token, then compute) predicted within `LIMIT_PCT`:
 
   q4 (4-bit K and V) < scaled (+ one multiply of the queries) < hadamard (+ a head_dim matmul of
@@ -105,8 +105,9 @@ days, and the samples they brought back are still studied in laboratories around
 # What auto measures its candidates on (issue #43): plain expository prose, apart from the text the
 # scaled and centred formats are fitted on. CALIBRATION_TEXT (code, a license, lists, a story) moved
 # every format's KL on SmolLM2 to about twice what held-out English text measures (q4 0.29 against
-# 0.15, k8v4r 0.018 against 0.005), so every prediction was ~2x pessimistic; on this text they
-# agree within 10% (q4 0.142, k6v4c 0.0077 against 0.0070; docs/quality.md).
+# 0.15, k8v4r 0.018 against 0.006), so every prediction was ~2x pessimistic; on this text they
+# agree with 8k held-out tokens within 0.75 points or 25% (q4 0.142 against 0.142, k6v4c 0.0073
+# against 0.0077; docs/quality.md).
 MEASURE_TEXT = """\
 A cache keeps a copy of data close to where it is used, so that a second request for the same data
 can be answered without repeating the work that produced it. The idea appears at every level of a

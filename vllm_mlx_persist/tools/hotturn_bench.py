@@ -287,6 +287,22 @@ def layer_ops(model, T: int, S: int, bits: int, group_size: int, reps: int = 7) 
     return got
 
 
+def bench_key_format(name: str, model: Any) -> Optional[LayerKeys]:
+    """The format every layer's keys are timed in. k6v4c's center and scales are calibrated per
+    model; any values cost the same ops, so the bench uses zeros and ones of their shape."""
+    if name == "k8v4":
+        return LayerKeys(8)
+    if name == "k8v4r":
+        return LayerKeys(8, values="hadamard")
+    if name == "k6v4c":
+        import mlx.core as mx
+
+        args = model.args
+        shape = (args.num_key_value_heads, 1, getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads)
+        return LayerKeys(6, "centred", mx.ones(shape), values="hadamard", center=mx.zeros(shape), scales16=True)
+    return None
+
+
 def cache_ops(model, T: int, S: int, bits: int, group_size: int, key_format: Optional[LayerKeys] = None,
               reps: int = 15, steps: int = 4) -> dict[str, dict[str, float]]:
     """Median ms of the cache work alone (no model) of a turn over every layer, per system: the merge
@@ -478,7 +494,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--size", default="small", help=f"llama model size preset ({', '.join(SIZES)})")
     p.add_argument("--model-dir", default=None,
                    help="an mlx-lm model directory to load instead of a preset (e.g. .models/smollm2-135m-instruct)")
-    p.add_argument("--key-format", default="q4", choices=("q4", "k8v4"),
+    p.add_argument("--key-format", default="q4", choices=("q4", "k8v4", "k8v4r", "k6v4c"),
                    help="how persist_q4 stores keys: like the values, or in 8 bits (k8v4)")
     p.add_argument("--context", default="4096,16384,32768", help="tokens of history")
     p.add_argument("--suffix", type=int, default=100, help="new tokens per turn")
@@ -506,7 +522,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         model, _ = build_model("llama", a.size)
         name = f"llama/{a.size}"
-    key_format = LayerKeys(8) if a.key_format == "k8v4" else None
+    key_format = bench_key_format(a.key_format, model)
     install_attention_fix()
     mirror_mb = a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb)
     counts: list[str] = []  # per context and 4-bit system: its mirrors' and carried floats' counters
