@@ -53,6 +53,13 @@ def served_formats(tokenizer: Any) -> list[KVFormat]:
             *served_key_formats(tokenizer)]
 
 
+def _served_rows(tokenizer: Any, names: str | None) -> list[KVFormat]:
+    """`served_formats`, or only those named (a comma list; float is always kept)."""
+    rows = served_formats(tokenizer)
+    keep = None if not names else set(names.split(",")) | {FULL.name}
+    return rows if keep is None else [f for f in rows if f.name in keep]
+
+
 # ---- levers (simulated) ---------------------------------------------------------------------------
 
 
@@ -257,10 +264,7 @@ def main(argv: Sequence[str]) -> int:
     ids = np.array(tokenizer.encode(heldout_text()), dtype=np.int64)[a.skip:]
     n = min(a.windows, len(ids) // a.window)
     windows = ids[: n * a.window].reshape(n, a.window)
-    formats = [FULL] if a.no_served else served_formats(tokenizer)
-    if a.served:
-        keep = set(a.served.split(",")) | {FULL.name}
-        formats = [f for f in formats if f.name in keep]
+    formats = [FULL] if a.no_served else _served_rows(tokenizer, a.served)
     if a.levers:
         formats += lever_formats(list(LEVERS) if a.levers == "all" else a.levers.split(","))
     print(f"{a.model}: {n} held-out windows of {a.window} tokens (pydoc_data.topics), chunk {a.chunk}, "
@@ -280,14 +284,7 @@ def main(argv: Sequence[str]) -> int:
               "window": a.window, "chunk": a.chunk, "skip": a.skip, "rows": rows,
               "auto": {k: v for k, v in auto.items()}, "seconds": time.perf_counter() - t0,
               "machine": f"{cpu_name()} ({platform.machine()}), mlx {mx.__version__}"}
-    md = render(report)
-    print(md)
-    if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        out.with_suffix(".md").write_text(md + "\n")
-    return 0
+    return _report(a.out, report, render(report))
 
 
 # Short chat prompts, the shape of an agent's first turn (issue #43: held-out prose does not show
@@ -307,10 +304,7 @@ def chat_main(a: argparse.Namespace, argv: Sequence[str], model: Any, tokenizer:
     against the float cache's: first tokens equal, whole replies equal, mean common prefix."""
     import mlx.core as mx
 
-    formats = served_formats(tokenizer)
-    if a.served:
-        keep = set(a.served.split(",")) | {FULL.name}
-        formats = [f for f in formats if f.name in keep]
+    formats = _served_rows(tokenizer, a.served)
 
     def reply(fmt: KVFormat, prompt: list[int]) -> list[int]:
         cache = fmt.make_cache(model)
@@ -345,13 +339,17 @@ def chat_main(a: argparse.Namespace, argv: Sequence[str], model: Any, tokenizer:
     for r in rows:
         lines.append(f"| {r['label']} | {r['first']}/{len(prompts)} | {r['identical']}/{len(prompts)} | "
                      f"{r['common_prefix']:.1f} | {'; '.join(r['changed_first'])} |")
-    md = "\n".join(lines)
+    return _report(a.out, report, "\n".join(lines))
+
+
+def _report(out: str | None, report: dict, md: str) -> int:
+    """Print `md`; with `out`, write <out>.json (the report) and <out>.md."""
     print(md)
-    if a.out:
-        out = Path(a.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
-        out.with_suffix(".md").write_text(md + "\n")
+    if out:
+        path = Path(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+        path.with_suffix(".md").write_text(md + "\n")
     return 0
 
 
