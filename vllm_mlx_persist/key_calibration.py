@@ -47,7 +47,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .caches.codec import ModelCodec
 from .caches.attention import observing_queries
-from .caches.key_formats import LayerKeys, centred_params, channel_scales, hadamard
+from .caches.key_formats import LayerKeys, balance_scales, channel_scales, hadamard
 from .caches.kinds import Q4
 from .caches.q4 import Q4KVCache
 from .kv_edit.rope_shift import probe_model
@@ -252,7 +252,7 @@ def centred_formats(codec: ModelCodec, keys: dict[int, mx.array], query_rms: dic
         center = rope_center(keys[l], shifts[l]) if l in keys and l < len(shifts) else None
         if center is None or l not in query_rms:
             return None
-        center, scales = centred_params(keys[l], query_rms[l], center)
+        scales = balance_scales(keys[l], query_rms[l], center)
         mx.eval(center, scales)
         out.append(LayerKeys(bits, "centred", scales, values="hadamard", center=center, scales16=True))
     return out

@@ -187,21 +187,18 @@ def transformed(cache) -> Optional[LayerKeys]:
     return fmt if fmt is not None and (fmt.transform is not None or fmt.values is not None) else None
 
 
-def centred_params(keys: mx.array, query_rms: mx.array, center: mx.array) -> tuple[mx.array, mx.array]:
-    """A centred format's (center, scales) from calibration keys (n_kv_heads, T, D, after RoPE), the
-    RMS of the queries per channel over each KV head's query heads (n_kv_heads, D) and the keys'
-    `center` (n_kv_heads, 1, D; `key_calibration.rope_center`): divisors s with
-    s^2 = rms(k - center) / rms(q), geometric mean 1 per head.
+def balance_scales(keys: mx.array, query_rms: mx.array, center: mx.array) -> mx.array:
+    """A centred format's scales from calibration keys (n_kv_heads, T, D, after RoPE), the RMS of the
+    queries per channel over each KV head's query heads (n_kv_heads, D) and the keys' `center`
+    (n_kv_heads, 1, D; `key_calibration.rope_center`): divisors s with s^2 = rms(k - center) / rms(q),
+    geometric mean 1 per head, (n_kv_heads, 1, D) float32.
     Those scales minimise (sum q_i^2 s_i^2)(sum k_i^2 / s_i^2), the score error of keys quantized
     after an orthonormal rotation, whose error is spread evenly over the channels: key channels the
-    queries barely read get fewer levels. Both (n_kv_heads, 1, D) float32."""
-    k = keys.astype(mx.float32)
-    center = center.astype(mx.float32)
-    krms = mx.sqrt(mx.mean((k - center) ** 2, axis=1, keepdims=True))
+    queries barely read get fewer levels."""
+    krms = mx.sqrt(mx.mean((keys.astype(mx.float32) - center.astype(mx.float32)) ** 2, axis=1, keepdims=True))
     ratio = mx.maximum(krms, 1e-6) / mx.maximum(query_rms.astype(mx.float32)[:, None, :], 1e-6)
     s = mx.sqrt(ratio)
-    s = s / mx.exp(mx.mean(mx.log(s), axis=-1, keepdims=True))
-    return center, s
+    return s / mx.exp(mx.mean(mx.log(s), axis=-1, keepdims=True))
 
 
 def channel_scales(keys: mx.array) -> mx.array:
