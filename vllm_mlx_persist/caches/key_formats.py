@@ -32,9 +32,10 @@ What a cache stores, its blocks and their float copies (mirror, carried floats) 
 its output back through `output`; a splice that moves keys by RoPE undoes the key transform first
 (`decode`), rotates, and redoes it (`encode`), and leaves the values as they are.
 
-Owns nothing mutable: a `LayerKeys` is immutable, built once at start-up (the backend factory,
-after `key_calibration` chose the format), and shared by every cache of its layer (`copy` and
-`deepcopy` return the object itself, so batches compare it by identity). Any thread.
+Owns nothing mutable but a memo of its scales per query head: a `LayerKeys` is immutable, built
+once at start-up (the backend factory, after `key_calibration` chose the format), and shared by
+every cache of its layer (`copy` and `deepcopy` return the object itself, so batches compare it by
+identity). Any thread.
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ class LayerKeys:
     values: Optional[str] = None  # None or "hadamard": how the layer's values are stored
     center: Optional[mx.array] = field(default=None, repr=False)
     scales16: bool = False  # the packed keys' scales and biases kept in float16 (of a float32 model)
+    # `scales` repeated for each query head, by queries per KV head: made at the first use, the same
+    # values whoever makes them (one fewer op per layer and step than broadcasting them per call)
+    _query_scales: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.transform not in TRANSFORMS:
@@ -143,10 +147,11 @@ class LayerKeys:
             return queries
         if self.transform == "hadamard":
             return _rotate(queries).astype(queries.dtype)
-        B, n_q, L, D = queries.shape
-        n_kv = self.scales.shape[0]
-        q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D) * self.scales[:, None]
-        q = q.reshape(B, n_q, L, D)
+        n_rep = queries.shape[1] // self.scales.shape[0]
+        s = self._query_scales.get(n_rep)
+        if s is None:
+            s = self._query_scales[n_rep] = mx.repeat(self.scales, n_rep, axis=0)  # (n_q_heads, 1, D)
+        q = queries.astype(mx.float32) * s
         return (_rotate(q) if self.transform == "centred" else q).astype(queries.dtype)
 
     def encode_values(self, values: mx.array) -> mx.array:

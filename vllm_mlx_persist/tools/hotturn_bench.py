@@ -60,7 +60,7 @@ from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.key_formats import LayerKeys
-from vllm_mlx_persist.caches.q4 import Q4KVCache
+from vllm_mlx_persist.caches.q4 import Q4KVCache, dequantize, widened
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
 from vllm_mlx_persist.tools.models import SIZES, build_model
@@ -78,13 +78,21 @@ def _head_dim(model) -> int:
     return getattr(a, "head_dim", None) or a.hidden_size // a.num_attention_heads
 
 
+def _stored(k: mx.array, v: mx.array, bits: int, group_size: int, key_format: Optional[LayerKeys] = None):
+    """K/V (1, H, T, D) as a 4-bit cache in `key_format` stores them (encoded, in its key bits and
+    scales' dtype): (keys, values) packed tuples and their exact float values (a carried copy)."""
+    c = Q4KVCache(group_size, bits, key_format=key_format)
+    c.update_and_fetch(k, v)
+    qk, qv = c.to_arrays()
+    return qk, qv, (dequantize(widened(qk, qv), group_size, c.key_bits), dequantize(qv, group_size, bits))
+
+
 def _history(model, T: int, bits: int, group_size: int, seed: int = 0,
              key_format: Optional[LayerKeys] = None) -> tuple[list, list]:
     """Per layer, T tokens of random K/V: float `KVCache`s and the same values as `Q4KVCache`s
     (keys stored per `key_format`, e.g. 8-bit)."""
     mx.random.seed(seed)
     a = model.args
-    kb = bits if key_format is None else key_format.bits
     fl, q4 = [], []
     for _ in model.layers:
         k = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
@@ -92,8 +100,8 @@ def _history(model, T: int, bits: int, group_size: int, seed: int = 0,
         c = KVCache()
         c.update_and_fetch(k, v)
         fl.append(c)
-        q4.append(Q4KVCache.from_arrays(mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits),
-                                        bits, group_size, key_format=key_format))
+        q4.append(Q4KVCache.from_arrays(*_stored(k, v, bits, group_size, key_format)[:2], bits, group_size,
+                                        key_format=key_format))
         mx.eval(c.keys, c.values, *q4[-1].keys, *q4[-1].values)
     return fl, q4
 
@@ -287,6 +295,9 @@ def layer_ops(model, T: int, S: int, bits: int, group_size: int, reps: int = 7) 
     return got
 
 
+BENCH_KEY_FORMATS = ("q4", "k8v4", "k8v4r", "k6v4c")
+
+
 def bench_key_format(name: str, model: Any) -> Optional[LayerKeys]:
     """The format every layer's keys are timed in. k6v4c's center and scales are calibrated per
     model; any values cost the same ops, so the bench uses zeros and ones of their shape."""
@@ -312,14 +323,12 @@ def cache_ops(model, T: int, S: int, bits: int, group_size: int, key_format: Opt
     spent building the graph. Process CPU time, the systems interleaved."""
     a = model.args
     H, D, n = a.num_key_value_heads, _head_dim(model), len(model.layers)
-    kb = bits if key_format is None else key_format.bits
     copies = FloatCopies()
     mx.random.seed(2)
     hist = []
     for _ in range(n):
         k, v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
-        qk, qv = mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits)
-        f = (mx.dequantize(*qk, group_size=group_size, bits=kb), mx.dequantize(*qv, group_size=group_size, bits=bits))
+        qk, qv, f = _stored(k, v, bits, group_size, key_format)
         mx.eval(k, v, qk, qv, f)
         hist.append((k, v, qk, qv, f))
     new = [(mx.random.normal((1, H, S, D)), mx.random.normal((1, H, S, D))) for _ in range(n)]
@@ -365,46 +374,49 @@ def cache_ops(model, T: int, S: int, bits: int, group_size: int, key_format: Opt
     return {s: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for s, rs in got.items()}
 
 
-def decode_steps(model, T: int, S: int, bits: int, group_size: int, key_format: Optional[LayerKeys] = None,
+def decode_steps(model, T: int, S: int, bits: int, group_size: int,
+                 key_formats: Optional[dict[str, Optional[LayerKeys]]] = None,
                  rounds: int = 6, steps: int = 12) -> dict[str, list[float]]:
     """Per round and system, the median process-CPU ms of one decode step of the model (the forward
     pass of one token and its argmax, evaluated), after a history of T tokens (as `cache_ops` builds
     it: float caches, or 4-bit caches starting from carried floats) and a chunk of S new tokens; the
-    systems alternate round by round."""
+    systems alternate round by round. `key_formats`: the 4-bit systems, by name (default: one,
+    "persist-q4", plain)."""
     a = model.args
     H, D = a.num_key_value_heads, _head_dim(model)
-    kb = bits if key_format is None else key_format.bits
+    key_formats = key_formats or {"persist-q4": None}
     copies = FloatCopies()
     mx.random.seed(3)
     hist = []
     for _ in model.layers:
         k, v = mx.random.normal((1, H, T, D)), mx.random.normal((1, H, T, D))
-        qk, qv = mx.quantize(k, group_size, kb), mx.quantize(v, group_size, bits)
-        f = (mx.dequantize(*qk, group_size=group_size, bits=kb), mx.dequantize(*qv, group_size=group_size, bits=bits))
-        mx.eval(k, v, qk, qv, f)
-        hist.append((k, v, qk, qv, f))
+        stored = {n: _stored(k, v, bits, group_size, f) for n, f in key_formats.items()}
+        mx.eval(k, v, stored)
+        hist.append((k, v, stored))
 
     def fl() -> list:
         out = []
-        for k, v, *_ in hist:
+        for k, v, _ in hist:
             c = KVCache()
             c.keys, c.values, c.offset = k, v, T
             out.append(c)
         return _merge_caches([out])
 
-    def q4() -> list:
+    def q4(name: str) -> list:
         out = []
-        for _, _, qk, qv, f in hist:
-            c = Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies, key_format=key_format)
+        for _, _, stored in hist:
+            qk, qv, f = stored[name]
+            c = Q4KVCache.from_arrays(qk, qv, bits, group_size, float_copies=copies, key_format=key_formats[name])
             c.floats = f
             out.append(c)
         return _merge_caches([out])
 
+    makers = {"vllm-default": fl, **{n: (lambda n=n: q4(n)) for n in key_formats}}
     x = mx.array([[(7 * i) % (a.vocab_size - 10) + 5 for i in range(S)]])
-    got: dict[str, list[float]] = {"vllm-default": [], "persist-q4": []}
+    got: dict[str, list[float]] = {n: [] for n in makers}
     for i in range(rounds):
-        for name, make in (("vllm-default", fl), ("persist-q4", q4))[:: 1 if i % 2 == 0 else -1]:
-            cache = make()
+        for name in list(makers)[:: 1 if i % 2 == 0 else -1]:
+            cache = makers[name]()
             model(x, cache=cache)
             mx.eval([c.state for c in cache])
             y, ts = mx.array([[5]]), []
@@ -494,8 +506,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--size", default="small", help=f"llama model size preset ({', '.join(SIZES)})")
     p.add_argument("--model-dir", default=None,
                    help="an mlx-lm model directory to load instead of a preset (e.g. .models/smollm2-135m-instruct)")
-    p.add_argument("--key-format", default="q4", choices=("q4", "k8v4", "k8v4r", "k6v4c"),
-                   help="how persist_q4 stores keys: like the values, or in 8 bits (k8v4)")
+    p.add_argument("--key-format", default="q4",
+                   help=f"how persist_q4 stores keys ({', '.join(BENCH_KEY_FORMATS)}); a comma-separated list "
+                        "runs one 4-bit system per format, interleaved, and compares each with the first")
     p.add_argument("--context", default="4096,16384,32768", help="tokens of history")
     p.add_argument("--suffix", type=int, default=100, help="new tokens per turn")
     p.add_argument("--max-tokens", type=int, default=8)
@@ -506,6 +519,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--profile", action="store_true", help="also the serialized stages and one layer's ops")
     p.add_argument("--servers", action="store_true",
                    help="through real servers instead (persist_q4 and vllm-mlx's default cache; --reps hot turns)")
+    p.add_argument("--decode-rounds", type=int, default=6, help="--profile: rounds of the model's decode steps")
     p.add_argument("--bits", type=int, default=4)
     p.add_argument("--group-size", type=int, default=64)
     a = p.parse_args(argv)
@@ -522,7 +536,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         model, _ = build_model("llama", a.size)
         name = f"llama/{a.size}"
-    key_format = bench_key_format(a.key_format, model)
+    formats = a.key_format.split(",")
+    if any(f not in BENCH_KEY_FORMATS for f in formats):
+        p.error(f"--key-format: each of {', '.join(BENCH_KEY_FORMATS)}")
+    key_formats = {f: bench_key_format(f, model) for f in formats}
+    # the 4-bit systems in the first format keep their names; each other format adds "<system>@<format>"
+    q4_systems = {s if i == 0 else f"{s}@{f}": (s, f) for s in Q4_SYSTEMS if s in systems
+                  for i, f in enumerate(formats)}
+    systems = [s for s in systems if s not in Q4_SYSTEMS] + list(q4_systems)
     install_attention_fix()
     mirror_mb = a.mirror_mb if a.mirror_mb == "auto" else float(a.mirror_mb)
     counts: list[str] = []  # per context and 4-bit system: its mirrors' and carried floats' counters
@@ -537,19 +558,19 @@ def main(argv: Optional[list[str]] = None) -> int:
           "durable ms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     profiles: list[str] = []
+    between: list[str] = []  # each other format's 4-bit system against the first format's
     for T in [int(x) for x in a.context.split(",")]:
         rng = np.random.default_rng(T)
         history = _suffix(rng, T, vocab)
-        fl, q4 = _history(model, T, a.bits, a.group_size, key_format=key_format)
         with tempfile.TemporaryDirectory(prefix="hotturn-") as root:
             made: dict[str, Any] = {}
             if "vllm-default" in systems:
-                made["vllm-default"] = DefaultSystem(model, history, fl)
-            for s in Q4_SYSTEMS:
-                if s in systems:
-                    made[s] = Q4System(model, history, q4, a.bits, a.group_size, Path(root) / s,
-                                       0 if s.endswith("nocarry") else a.carry_mb, mirror_mb, key_format)
-            del fl, q4
+                made["vllm-default"] = DefaultSystem(model, history, _history(model, T, a.bits, a.group_size)[0])
+            for s, (base, f) in q4_systems.items():
+                q4 = _history(model, T, a.bits, a.group_size, key_format=key_formats[f])[1]
+                made[s] = Q4System(model, history, q4, a.bits, a.group_size, Path(root) / s.replace("@", "-"),
+                                   0 if base.endswith("nocarry") else a.carry_mb, mirror_mb, key_formats[f])
+                del q4
             prompts = {s: list(history) for s in systems}
             got: dict[str, list] = {s: [] for s in systems}
             for rep in range(a.reps + 1):  # the first rep warms up both and is not counted
@@ -590,6 +611,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                 line += f"{med('store'):.1f} | "
                 line += f"{med('durable'):.1f} |" if "durable" in got[s][0] else "|"
                 print(line, flush=True)
+            for s, (base, f) in q4_systems.items():
+                if s != base:
+                    ratio = lambda k: [x[k] / y[k] for x, y in zip(got[s], got[base])]  # noqa: E731
+                    t, d, dc = ratio("ttft"), ratio("decode"), ratio("decode_cpu")
+                    between.append(f"| {T} | {s} / {base} | {statistics.median(t):.3f} ({min(t):.2f}-{max(t):.2f}) | "
+                                   f"{statistics.median(d):.3f} ({min(d):.2f}-{max(d):.2f}) | {statistics.median(dc):.3f} |")
             for name, s in made.items():
                 if isinstance(s, Q4System):
                     counts.append(f"{T} {name}: mirrors {s.float_copies.mirror_counts}, "
@@ -599,6 +626,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             del made
             mx.clear_cache()
     print("load average %.2f %.2f %.2f" % os.getloadavg())
+    if between:
+        print("\nEach key format's 4-bit system against the first format's, per rep (same turns, interleaved):\n")
+        print("| context | systems | TTFT ratio (range) | decode ms/token ratio (range) | decode CPU ratio |")
+        print("|---|---|---|---|---|")
+        print("\n".join(between))
     print("\n" + "\n".join(counts))
     if a.profile:
         print("\nStages of one turn, serialized (ms):\n")
@@ -615,7 +647,10 @@ def main(argv: Optional[list[str]] = None) -> int:
               "the systems interleaved; (python): building the graph):\n")
         names = None
         for T in [int(x) for x in a.context.split(",")]:
-            ops = cache_ops(model, T, a.suffix, a.bits, a.group_size, key_format)
+            ops = {}
+            for i, (f, fmt) in enumerate(key_formats.items()):
+                got_ops = cache_ops(model, T, a.suffix, a.bits, a.group_size, fmt)
+                ops.update(got_ops if i == 0 else {f"persist-q4@{f}": got_ops["persist-q4"]})
             if names is None:
                 names = list(ops["vllm-default"])
                 print("| context | system | " + " | ".join(names) + " |")
@@ -624,14 +659,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"| {T} | {sname} | " + " | ".join(f"{r[k]:.2f}" for k in names) + " |", flush=True)
         print("\nA decode step of the model (process CPU ms, the median of 12 steps per round; rounds alternate "
               "the systems):\n")
-        print("| context | vllm-default per round | persist-q4 per round | ratio per round | median ratio |")
+        print("| context | system | per round | ratio per round (against) | median ratio |")
         print("|---|---|---|---|---|")
+        names = {"persist-q4" if i == 0 else f"persist-q4@{f}": fmt for i, (f, fmt) in enumerate(key_formats.items())}
         for T in [int(x) for x in a.context.split(",")]:
-            d = decode_steps(model, T, a.suffix, a.bits, a.group_size, key_format)
-            f, q = d["vllm-default"], d["persist-q4"]
-            ratios = [y / x for x, y in zip(f, q)]
-            print(f"| {T} | {' '.join(f'{x:.0f}' for x in f)} | {' '.join(f'{x:.0f}' for x in q)} | "
-                  f"{' '.join(f'{r:.3f}' for r in ratios)} | {statistics.median(ratios):.3f} |", flush=True)
+            d = decode_steps(model, T, a.suffix, a.bits, a.group_size, names, rounds=a.decode_rounds)
+            for s, r in d.items():
+                against = "vllm-default" if s == "persist-q4" else "persist-q4" if s != "vllm-default" else None
+                ratios = [y / x for x, y in zip(d[against], r)] if against else []
+                print(f"| {T} | {s} | {' '.join(f'{x:.0f}' for x in r)} | "
+                      f"{' '.join(f'{x:.3f}' for x in ratios)}{f' ({against})' if against else ''} | "
+                      f"{statistics.median(ratios) if ratios else float('nan'):.3f} |", flush=True)
     return 0
 
 
