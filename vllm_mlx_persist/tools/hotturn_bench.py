@@ -669,7 +669,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 ratios = [y / x for x, y in zip(d[against], r)] if against else []
                 print(f"| {T} | {s} | {' '.join(f'{x:.0f}' for x in r)} | "
                       f"{' '.join(f'{x:.3f}' for x in ratios)}{f' ({against})' if against else ''} | "
-                      f"{statistics.median(ratios) if ratios else float('nan'):.3f} |", flush=True)
+                      f"{f'{statistics.median(ratios):.3f}' if ratios else ''} |", flush=True)
     return 0
 
 
