@@ -117,3 +117,19 @@ def test_point_kinds_and_the_kind_paths(setup):
     for k in (0, 3):
         assert sd.compare(lps["cold"][:-1], lps[f"splice_{k}"][:-1], ev)["kl"] < 1e-6
         assert sd.compare(lps["cold"][:-1], lps[f"splice_q4_{k}"][:-1], ev)["kl"] > 0  # 4-bit: quantized
+
+
+def test_chat_points_and_a_message_points_edit_keeps_the_end_tag(setup):
+    """--chat (issue #42): message starts are points, never a line or mid point at or just after a tag;
+    a message point's edit keeps the two tokens before it (end tag, newline), so an edit that
+    removes nothing splices to the cold prefill."""
+    S, E, NL = 1, 2, 13  # <|im_start|>, <|im_end|>, "\n"
+    text = {S: "", E: "", NL: "\n", 20: "user", 10: "def", 11: " f", 12: "():"}.get
+    toks = [S, 20, NL, 10, 11, 12, NL, 10, 11, 12, E, NL, S, 20, NL, 10, 11, 12, NL, 10, 11, E, NL]
+    got = sd.point_kinds(toks, text, 0, len(toks), (S, E))
+    assert got["message"] == [12]
+    assert got["line"] == [7, 19] and got["mid"] == [5, 8, 9, 17, 20]  # none within 4 tokens after a tag
+    T = tokens(120, 9)
+    j, span, L = 60, 10, 24
+    lps = sd.kind_paths(setup, T, j, span, T[j - 2 - span:j - 2], L, 8, (0,), keep=2)
+    assert sd.compare(lps["cold"][:-1], lps["splice_0"][:-1], T[j + L + 1:][:8])["kl"] < 1e-6

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class DriftConfig:
     kind_runs: tuple[int, ...] = (16, 64, 256)
     kind_eval: int = 64
     recompute: tuple[int, ...] = (0, 1, 2, 4, 8, 16)  # the run's first k tokens re-prefilled
+    chat: bool = False  # the kinds part on the held-out text as a ChatML conversation (CHAT_KINDS)
 
 
 QUICK = DriftConfig(seqs=3, prefix=32, run=32, eval_len=16, edits=((16, 4), (8, 12)), chain_span=16,
@@ -79,6 +80,12 @@ QUICK = DriftConfig(seqs=3, prefix=32, run=32, eval_len=16, edits=((16, 4), (8, 
 # never splices at). The trained model never saw a chat template, so message starts themselves
 # cannot be measured on it.
 KINDS = ("block", "line", "mid")
+# `--chat` (a chat model, issue #42): the held-out text cut at line ends into messages of at least
+# CHAT_MESSAGE_TOKENS tokens, rendered in ChatML with alternating user and assistant roles; a
+# `message` point is a message-start token (<|im_start|>), where amortize's planner splices first.
+CHAT_KINDS = ("message", "line", "mid")
+CHAT_MESSAGE_TOKENS = 160
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
 # ---- paths ---------------------------------------------------------------------------------------
@@ -290,14 +297,39 @@ def recall(s: Setup, A: Sequence[int], F: Sequence[int], B: Sequence[int], fact:
     return out
 
 
-def point_kinds(tokens: Sequence[int], text: Callable[[int], str], lo: int, hi: int) -> dict[str, list[int]]:
-    """The positions j in [lo, hi) of `tokens` by KINDS (module docstring of DriftConfig's KINDS)."""
-    out: dict[str, list[int]] = {k: [] for k in KINDS}
+def chat_corpus(tokens: np.ndarray, tokenizer: Any, size: int = CHAT_MESSAGE_TOKENS) -> np.ndarray:
+    """The held-out `tokens` as one ChatML conversation: cut after a line's end (and its indentation)
+    once a message holds `size` tokens, each piece decoded and rendered as a user or an assistant
+    message in turn (the template's own tags, encoded by the tokenizer as its special tokens)."""
+    text = lambda ids: tokenizer.decode([int(t) for t in ids])  # noqa: E731
+    parts, start, roles = [], 0, ("user", "assistant")
+    for j in range(len(tokens)):
+        if j + 1 - start >= size and re.search(r"\n[ \t]*\Z", text(tokens[j:j + 1])):
+            parts.append(f"{IM_START}{roles[len(parts) % 2]}\n{text(tokens[start:j + 1])}{IM_END}\n")
+            start = j + 1
+    ids = tokenizer.encode("".join(parts), add_special_tokens=False).ids
+    return np.array(ids, dtype=np.int64)
+
+
+def point_kinds(tokens: Sequence[int], text: Callable[[int], str], lo: int, hi: int,
+                tags: Optional[tuple[int, int]] = None) -> dict[str, list[int]]:
+    """The positions j in [lo, hi) of `tokens` by KINDS (module docstring of DriftConfig's KINDS); with
+    `tags` (the ids of ChatML's message start and end) by CHAT_KINDS: `message` at a start token,
+    `line` and `mid` as before, never at or just after a tag (the role line after a start)."""
+    out: dict[str, list[int]] = {k: [] for k in (KINDS if tags is None else CHAT_KINDS)}
     for j in range(max(2, lo), hi):
+        if tags is not None:
+            if tokens[j] == tags[0]:
+                out["message"].append(j)
+                continue
+            if any(t in tags for t in tokens[max(0, j - 4):j + 1]):
+                continue
         before, here = text(tokens[j - 1]), text(tokens[j])
-        if re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
+        if tags is None and re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
             top = re.search(r"\n[ \t]*\n\Z", text(tokens[j - 2]) + before) is not None and not here[:1].isspace()
             out["block" if top else "line"].append(j)
+        elif tags is not None and re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
+            out["line"].append(j)
         elif "\n" not in before and "\n" not in here:
             out["mid"].append(j)
     return out
@@ -312,15 +344,16 @@ def recomputed_run(L: int, k: int) -> bool:
 
 
 def kind_paths(s: Setup, T: Sequence[int], j: int, span: int, stub: Sequence[int], L: int, E: int,
-               ks: Sequence[int]) -> dict[str, Any]:
-    """An edit that removes the `span` tokens before T[j-1] (the token before the point, kept) and puts
-    `stub` there; the run T[j:j+L] spliced from the point (`splice_k`/`splice_q4_k`: its first k
-    tokens re-prefilled; only k that leave `recomputed_run(L, k)`, as the server's planner would).
+               ks: Sequence[int], keep: int = 1) -> dict[str, Any]:
+    """An edit that removes the `span` tokens before T[j-keep] (the `keep` tokens before the point are
+    kept: the token that makes it a point, and a message's end tag with it) and puts `stub` there; the
+    run T[j:j+L] spliced from the point (`splice_k`/`splice_q4_k`: its first k tokens re-prefilled;
+    only k that leave `recomputed_run(L, k)`, as the server's planner would).
     Log-probs over T[j+L : j+L+E+1] of cold, cold_q4 and each splice."""
     T, stub = list(T), list(stub)
-    i = j - 1 - span
-    P = T[:i] + stub + T[j - 1:]
-    at = i + len(stub) + 1
+    i = j - keep - span
+    P = T[:i] + stub + T[j - keep:]
+    at = i + len(stub) + keep
     ev = T[j + L:j + L + E + 1]
     src_f, src_q = prefill(s.model, s.fl, T[:j + L]), prefill(s.model, s.q4, T[:j + L])
     caches = {"cold": prefill(s.model, s.fl, P[:at + L]), "cold_q4": prefill(s.model, s.q4, P[:at + L])}
@@ -338,17 +371,21 @@ def kinds_run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
     vocab = {}
     text = lambda t: vocab.setdefault(t, tokenizer.decode([int(t)]))  # noqa: E731
     stub = tokenizer.encode(STUB_TEXT.strip(), add_special_tokens=False).ids
-    before, rows = cfg.prefix + cfg.kind_span + 1, []
+    tags = (tokenizer.token_to_id(IM_START), tokenizer.token_to_id(IM_END)) if cfg.chat else None
+    rows = []
     toks = [int(t) for t in tokens]
     for L in cfg.kind_runs:
         after = L + cfg.kind_eval + 1
-        found = point_kinds(toks, text, before, len(toks) - after)
-        for kind in KINDS:
+        found = point_kinds(toks, text, cfg.prefix + cfg.kind_span + (2 if tags else 1), len(toks) - after, tags)
+        for kind in found:
             pts = sorted(rng.choice(found[kind], size=min(cfg.kind_seqs, len(found[kind])), replace=False).tolist())
             trials = []
+            # a message point keeps the previous message's end tag and the newline after it
+            keep = 2 if kind == "message" else 1
+            before = cfg.prefix + cfg.kind_span + keep
             for j in pts:  # a window of `prefix` tokens before the edit, the point at `before`
                 T = toks[j - before:j + after]
-                lps = kind_paths(s, T, before, cfg.kind_span, stub, L, cfg.kind_eval, cfg.recompute)
+                lps = kind_paths(s, T, before, cfg.kind_span, stub, L, cfg.kind_eval, cfg.recompute, keep)
                 targets = T[before + L + 1:][:cfg.kind_eval]
                 m = {p: compare(lps["cold"][:-1], lps[p][:-1], targets) for p in lps if p != "cold"}
                 trials.append(m)
@@ -499,9 +536,14 @@ def render_kinds(r: dict[str, Any]) -> list[str]:
              f"An edit removes the {cfg['kind_span']} tokens before the token that precedes a point j (that token "
              f"is kept, so the point stays one) and puts `{STUB_TEXT.strip()}` there; the run from j is spliced "
              f"and the next {cfg['kind_eval']} tokens are teacher-forced. Points drawn from the held-out text "
-             "by kind: **block** = a statement at column 0 after a blank line (a new top-level definition, "
-             "this model's analog of a message start); **line** = a line start inside a block (the planner's "
-             "line point); **mid** = inside a line (never a splice point). KL in 10⁻³ nats per token against "
+             + ((f"rendered as one ChatML conversation (cut at line ends into messages of at least "
+                 f"{CHAT_MESSAGE_TOKENS} tokens, user and assistant in turn) by kind: **message** = a message "
+                 "start (`<|im_start|>`; the edit is the end of the message before it, whose end tag and "
+                 "newline are kept); **line** = a line start inside a message (the planner's line point); "
+                 "**mid** = inside a line (never a splice point). ") if cfg.get("chat") else
+                ("by kind: **block** = a statement at column 0 after a blank line (a new top-level definition, "
+                 "this model's analog of a message start); **line** = a line start inside a block (the planner's "
+                 "line point); **mid** = inside a line (never a splice point). ")) + "KL in 10⁻³ nats per token against "
              "the cold float prefill of the edited prompt (mean ± s.e. over the points); k = the run's first "
              "k tokens re-prefilled with the stub (boundary recomputation).", "",
              "| run | kind | points | cold 4-bit | " + " | ".join(f"float splice k={k}" for k in ks) + " | "
@@ -660,6 +702,9 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--key-format", default="q4",
                    help="the 4-bit paths' key_format, as the server resolves it (e.g. k6v4c: calibrated on the "
                         "server's calibration text first); default q4")
+    p.add_argument("--chat", action="store_true",
+                   help="the kinds part on the held-out text rendered as a ChatML conversation (a chat model's "
+                        "template): points at message starts, line starts and mid-line")
     p.add_argument("--render", metavar="JSON", help="only write the report (md, png) of an earlier run's JSON")
     return p.parse_args(list(argv))
 
@@ -677,7 +722,7 @@ def main(argv: Sequence[str]) -> int:
         log(f"warning: OpenBLAS is not preloaded; float32 runs 15-35x slower. Run with LD_PRELOAD={OPENBLAS}")
     cfg = QUICK if args.quick else DriftConfig()
     ints = lambda v: None if v is None else tuple(int(x) for x in v.split(","))  # noqa: E731
-    cfg = replace(cfg, **{k: v for k, v in (("seqs", args.seqs), ("facts", args.facts), ("kind_seqs", args.kind_seqs),
+    cfg = replace(cfg, chat=args.chat, **{k: v for k, v in (("seqs", args.seqs), ("facts", args.facts), ("kind_seqs", args.kind_seqs),
                                              ("kind_runs", ints(args.kind_runs)), ("recompute", ints(args.recompute)))
                           if v is not None})
     model_dir = Path(args.model_dir or (".models/quality-quick/model" if args.quick else ".models/quality"))
@@ -699,6 +744,10 @@ def main(argv: Sequence[str]) -> int:
     else:
         tokenizer, _ = load_tokenizer(model.args.vocab_size)
     tokens, files = corpus(EVAL_SOURCES, tokenizer)
+    if cfg.chat:
+        if tokenizer.token_to_id(IM_START) is None:
+            raise SystemExit(f"--chat needs a ChatML model ({IM_START} is not a token of {model_dir})")
+        tokens = chat_corpus(tokens, tokenizer)
     s = make_setup(model, cfg.bits, cfg.group_size)
     if args.key_format != "q4":  # the 4-bit paths in the server's format for this model (calibrated as at load)
         from ..key_calibration import resolve
