@@ -325,11 +325,11 @@ def point_kinds(tokens: Sequence[int], text: Callable[[int], str], lo: int, hi: 
             if any(t in tags for t in tokens[max(0, j - 4):j + 1]):
                 continue
         before, here = text(tokens[j - 1]), text(tokens[j])
-        if tags is None and re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
-            top = re.search(r"\n[ \t]*\n\Z", text(tokens[j - 2]) + before) is not None and not here[:1].isspace()
+        if re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
+            # a chat text has no blocks: its message starts are points of their own
+            top = tags is None and re.search(r"\n[ \t]*\n\Z", text(tokens[j - 2]) + before) is not None \
+                and not here[:1].isspace()
             out["block" if top else "line"].append(j)
-        elif tags is not None and re.search(r"\n[ \t]*\Z", before) and "\n" not in here:
-            out["line"].append(j)
         elif "\n" not in before and "\n" not in here:
             out["mid"].append(j)
     return out
