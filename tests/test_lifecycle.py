@@ -59,6 +59,36 @@ def agent_bytes_on_disk(model, tmp_path) -> int:
     return n
 
 
+def test_disk_bytes_count_every_manifest_at_its_size(model, tmp_path):
+    """The budget's disk_bytes is the files' bytes: a branching agent's manifest (every branch's block
+    ids) is ~10 kB on the tiny model; counted at a fixed 1 kB, a disk of small blocks passed its
+    budget (the interactions campaign's disk-over). Through saves, a pin's rewrite, an erasure, a restart."""
+    root = tmp_path / "root"
+
+    def files() -> int:
+        return sum(f.stat().st_size for d in ("agents", "blocks") for f in root.glob(f"*/{d}/**/*") if f.is_file())
+
+    pool = budget_pool(model, root)
+    for name, n_branches in (("wide", 6), ("narrow", 1), ("other", 3)):
+        base = tokens(64, seed=len(name))
+        for i in range(n_branches):  # branches share the first 48 tokens
+            seq = base[:48] + tokens(40, seed=100 + i)
+            pool.commit(name, seq, prefill(model, seq)[0])
+    pool.flush()
+    assert pool.snapshot()["disk_bytes"] == files()
+    assert pool.set_pinned("wide", True)
+    pool.flush()
+    assert pool.snapshot()["disk_bytes"] == files()
+    assert pool.erase("other")
+    pool.flush()
+    assert pool.snapshot()["disk_bytes"] == files()
+    pool.close()
+    restarted = budget_pool(model, root)
+    restarted.flush()
+    assert restarted.snapshot()["disk_bytes"] == files()
+    restarted.close()
+
+
 def test_disk_budget_holds_across_many_agents_and_keeps_the_recent_ones(model, tmp_path):
     one = agent_bytes_on_disk(model, tmp_path)
     budget = one * 8 + one // 2  # room for 8 agents

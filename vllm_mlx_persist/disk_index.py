@@ -9,11 +9,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
-from .disk_format import BlockData, Manifest
-
-# Bytes counted per manifest: they are a few hundred bytes plus 65 per block id, rewritten every
-# turn; an estimate keeps accounting free of stat calls (the budget is about blocks).
-MANIFEST_ESTIMATE = 1024
+from .disk_format import BlockData, Manifest, encode_manifest
 
 
 @dataclass
@@ -24,6 +20,7 @@ class DiskAgent:
     last_used: float
     pinned: bool = False
     n_tokens: int = 0
+    manifest_bytes: int = 0  # its manifest file's size (a few hundred bytes plus ~65 per block id)
 
 
 class DiskIndex:
@@ -33,7 +30,8 @@ class DiskIndex:
         self.block_bytes = 0  # sum of block_sizes, kept as it changes
         self.block_refs: dict[str, int] = {}  # how many manifests on disk name each block
         self.saved_order: dict[str, int] = {}  # per agent: submission order of its manifest on disk
-        self.manifest_bytes = 0  # estimated: manifests are small and rewritten every turn
+        self.manifest_bytes = 0  # sum of the agents' manifest sizes (a fixed 1 kB each undercounted a
+        # branching agent's ~10 kB: a disk of small blocks then passed its budget)
         self.other_dirs: list = []  # other models' directories under the root, oldest first
         self.other_bytes = 0
         self.live: dict[str, int] = {}  # agents with requests in flight: never erased by the budget
@@ -44,18 +42,18 @@ class DiskIndex:
 
     # ---- what the disk holds ----------------------------------------------------------------------
 
-    def index(self, m: Manifest) -> list[str]:
-        """Record `m` as the agent's manifest on disk; returns the block ids it replaced."""
+    def index(self, m: Manifest, nbytes: Optional[int] = None) -> list[str]:
+        """Record `m` as the agent's manifest on disk, `nbytes` long (default: its encoding's length);
+        returns the block ids it replaced."""
+        nbytes = len(encode_manifest(m)) if nbytes is None else nbytes
         old = self.agents.pop(m.namespace, None)
         for b in m.block_ids:
             self.block_refs[b] = self.block_refs.get(b, 0) + 1
-        if old is None:
-            self.manifest_bytes += MANIFEST_ESTIMATE
-        else:
-            for b in old.block_ids:
-                self.unref(b)
+        self.manifest_bytes += nbytes - (old.manifest_bytes if old else 0)
+        for b in old.block_ids if old else ():
+            self.unref(b)
         last_used = max(m.updated_at, old.last_used if old else 0.0)
-        self.agents[m.namespace] = DiskAgent(list(m.block_ids), last_used, m.pinned, m.n_tokens)
+        self.agents[m.namespace] = DiskAgent(list(m.block_ids), last_used, m.pinned, m.n_tokens, nbytes)
         return old.block_ids if old else []
 
     def forget(self, namespace: str) -> tuple[Optional[DiskAgent], list[str]]:
@@ -70,7 +68,7 @@ class DiskIndex:
         for b in gone:
             self.drop_size(b)
         if agent is not None:
-            self.manifest_bytes -= MANIFEST_ESTIMATE
+            self.manifest_bytes -= agent.manifest_bytes
         return agent, gone
 
     def unref(self, bid: str) -> None:

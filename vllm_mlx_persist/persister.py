@@ -341,7 +341,7 @@ class Persister:
                 if current is not None:
                     manifest.pinned = current.pinned
             if not superseded:
-                self.store.write_manifest(manifest)
+                manifest_size = self.store.write_manifest(manifest)
         except OSError as e:
             self.counts["save_failures"] += 1
             self._retry_or_drop(job, e)
@@ -365,7 +365,7 @@ class Persister:
         with self._cv:
             for bid, n in sizes.items():
                 self.index.set_size(bid, n)
-            old = self.index.index(manifest)  # the manifest on disk now names what the queued save did
+            old = self.index.index(manifest, manifest_size)  # the manifest on disk now names what the queued save did
             gone = [b for b in set(dead) | set(old) if not self.index.named(b) and b in self.index.block_sizes]
             for b in gone:
                 self.index.drop_size(b)
@@ -470,5 +470,10 @@ class Persister:
             self._finish(job, False)
             return
         m.pinned = pinned
-        self.store.write_manifest(m)
+        size = self.store.write_manifest(m)
+        with self._cv:
+            agent = self.index.agents.get(namespace)
+            if agent is not None:
+                self.index.manifest_bytes += size - agent.manifest_bytes
+                agent.manifest_bytes = size
         self._finish(job, True)

@@ -350,8 +350,8 @@ class DiskStore:
 
     # -- manifests ---------------------------------------------------------------------------
 
-    def write_manifest(self, m: Manifest) -> None:
-        """Write an agent's manifest durably. Write the blocks it names first."""
+    def write_manifest(self, m: Manifest) -> int:
+        """Write an agent's manifest durably (returns its size). Write the blocks it names first."""
         data = encode_manifest(m)
         if len(data) > MAX_MANIFEST_BYTES:  # could never be read back
             raise StoreWriteError(errno.EFBIG, f"manifest of {len(m.block_ids)} blocks is {len(data)} bytes, "
@@ -359,6 +359,7 @@ class DiskStore:
         self._atomic_write(self.manifest_path(m.namespace), [memoryview(data)], "manifest")
         with self._lock:
             self._counts["manifest_writes"] += 1
+        return len(data)
 
     def read_manifest(self, namespace: str) -> Optional[Manifest]:
         """The agent's manifest, verified; None when absent or bad (a bad file is quarantined)."""

@@ -56,9 +56,9 @@ MUTANTS = (
            "an erasure does not stop a request of the agent in flight from storing its turn"),
     Mutant("manifest_before_blocks", "persister", "vllm_mlx_persist/persister.py",
            (("            sizes = {}\n            for b in blocks:",
-             "            sizes = {}\n            if not superseded:\n                self.store.write_manifest(manifest)\n"
+             "            sizes = {}\n            if not superseded:\n                manifest_size = self.store.write_manifest(manifest)\n"
              "            for b in blocks:"),
-            ("            if not superseded:\n                self.store.write_manifest(manifest)\n        except OSError",
+            ("            if not superseded:\n                manifest_size = self.store.write_manifest(manifest)\n        except OSError",
              "        except OSError")),
            "a save writes the manifest before its blocks"),
     Mutant("erase_keeps_retrying_save", "persister", "vllm_mlx_persist/persister.py",
