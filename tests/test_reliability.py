@@ -106,3 +106,51 @@ def test_a_rewritten_report_keeps_the_state_machines_injected_defects(tmp_path):
     write_report({"machine": "m", "date": "d", "campaigns": {}}, tmp_path, "cmd")
     text = (tmp_path / "reliability.md").read_text()
     assert text.startswith("# Reliability campaigns") and text.endswith(kept) and "# old report" not in text
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Live processes whose command line contains `text` (zombies have none)."""
+    out = []
+    for p in Path("/proc").iterdir():
+        try:
+            cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if p.name.isdigit() and text in cmd:
+            out.append(f"{p.name}: {cmd[:200]}")
+    return out
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc to see the servers")
+def test_a_long_campaign_writes_its_figures_as_it_runs_and_a_sigterm_stops_it_cleanly(tmp_path):
+    """A long interactions run writes the report every --progress-steps steps; SIGTERM then stops it
+    with the figures of the steps done (marked stopped) and no server left running."""
+    import signal
+    import time
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    cmd = [str(BIN / "vllm-mlx-persist"), "reliability", "--campaigns", "interactions", "--trials",
+           "interactions=100000", "--progress-steps", "3", "--out", str(out), "--work", str(work)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600  # met in under a minute; the deadline only turns a hang into a failure
+        partial = None
+        while partial is None:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "hang"
+            try:
+                partial = json.loads((out / "reliability.json").read_text())["campaigns"]["interactions"]
+            except (OSError, ValueError, KeyError):
+                time.sleep(0.2)
+        assert partial["stopped_before_final_check"] and partial["trials"] % 3 == 0 and partial["trials"] >= 3
+        assert partial["failures"] == 0, partial["failure_cases"]
+        assert _processes_naming(str(work)), "the campaign's servers should be running now"
+        proc.send_signal(signal.SIGTERM)
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, log
+    final = json.loads((out / "reliability.json").read_text())["campaigns"]["interactions"]
+    assert final["stopped_before_final_check"] and final["trials"] >= partial["trials"], log
+    assert "(stopped)" in (out / "reliability.md").read_text() and "stopped" in log
+    assert not _processes_naming(str(work)), "servers left running after the campaign stopped"

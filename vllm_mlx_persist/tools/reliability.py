@@ -516,10 +516,10 @@ def fuzz_campaign(trials: int, seed: int, work: Path, timeout: float = 30) -> di
 
 def _server(name: str) -> Callable:
     """A campaign against a real server (server_campaigns.py), imported only when run."""
-    def run(trials: int, seed: int, work: Path) -> dict:
+    def run(trials: int, seed: int, work: Path, **kw: Any) -> dict:
         from . import server_campaigns
 
-        return getattr(server_campaigns, f"{name}_campaign")(trials, seed, work)
+        return getattr(server_campaigns, f"{name}_campaign")(trials, seed, work, **kw)
     return run
 
 
@@ -544,6 +544,8 @@ CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 
              "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk"), 4, 1),
              "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40),
              "interactions": (_server("interactions"), 700, 100)}
+# Campaigns that report their figures so far while they run (`progress`), and return them when stopped.
+PROGRESS = {"interactions"}
 
 
 def _machine() -> str:
@@ -611,7 +613,10 @@ def _report_interactions(r: dict) -> list[str]:
         return []
     ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
     ends = ", ".join(f"{k} {v}" for k, v in sorted(r["lifetimes"].items()))
-    out = [f"{r['trials']} steps, {r['agents']} agent ids (hot_mb {r['hot_mb']}, disk_mb {r['disk_mb']}, ttl_hours "
+    stopped = [f"Stopped after {r['trials']} steps (by a signal, or still running when written): the figures "
+               "are those of the steps done, without the final restart and check.", ""]
+    out = (stopped if r.get("stopped_before_final_check") else []) + [
+        f"{r['trials']} steps (seed {r.get('seed', '?')}), {r['agents']} agent ids (hot_mb {r['hot_mb']}, disk_mb {r['disk_mb']}, ttl_hours "
            f"{r['ttl_hours']}, blocks of {r['block_size']} tokens, durable writes). Steps: {ops}. Server lifetimes, by "
            f"how they ended: {ends} (write-point: the server killed itself before a chosen write step, "
            f"{r['write_point_kills']} times; requests in flight at a kill: {r['requests_killed_in_flight']}).", "",
@@ -802,7 +807,8 @@ def write_report(results: dict, out: Path, command: str) -> None:
         how = f"{run.get('date', '')}, `{run.get('command', command)}`" + (" (quick)" if run.get("quick") else "")
         if run.get("machine", results["machine"]) != results["machine"]:
             how += f", on {run['machine']}"
-        lines.append(f"| {name} | {r['trials']} | {r['failures']} | {r['seconds']} | {how} |")
+        stopped = " (stopped)" if r.get("stopped_before_final_check") else ""
+        lines.append(f"| {name} | {r['trials']}{stopped} | {r['failures']} | {r['seconds']} | {how} |")
     for name, r in results["campaigns"].items():
         lines += ["", f"## {name}", "", _WHAT.get(name, ""), ""]
         if name == "crash":
@@ -850,6 +856,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=12)
     p.add_argument("--out", default="docs", help="directory for reliability.md and reliability.json")
     p.add_argument("--work", help="scratch directory (default: a temporary one)")
+    p.add_argument("--progress-steps", type=int, default=250, metavar="N",
+                   help="interactions: write the report with the figures so far every N steps (default 250)")
     args = p.parse_args(argv)
     # Quarantines are expected by the thousand here; the campaigns count them.
     logging.getLogger("vllm_mlx_persist.store").setLevel(logging.ERROR)
@@ -860,27 +868,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, Any] = {"machine": _machine(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                "command": "vllm-mlx-persist reliability " + " ".join(argv), "campaigns": {}}
     work = Path(args.work) if args.work else Path(tempfile.mkdtemp(prefix="vllm-mlx-persist-reliability-"))
+    # SIGTERM as Ctrl-C: the campaign in progress stops its servers (no orphans) and keeps its figures.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+
+    def record(name: str, r: dict, t0: float, quick: bool) -> None:
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        r["run"] = {"command": results["command"], "date": results["date"], "quick": quick,
+                    "machine": results["machine"]}
+        results["campaigns"][name] = r
+        # after every campaign (and a long one's progress), so a run stopped later keeps its figures
+        write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
+
     try:
         for name in names:
             fn, full, quick = CAMPAIGNS[name]
             trials = args.trials.get(name) or args.trials.get("*") or (quick if args.quick else full)
+            is_quick = bool(args.quick and trials == quick)
             t0 = time.perf_counter()
+            kw = {"progress": lambda r, name=name, t0=t0: record(name, r, t0, is_quick),
+                  "every": args.progress_steps} if name in PROGRESS else {}
             try:
-                r = fn(trials, args.seed, work)
+                r = fn(trials, args.seed, work, **kw)
             except Exception:  # a campaign that cannot finish is a failure, with its reason
                 import traceback
 
                 r = {"trials": trials, "failures": 1, "failure_cases": [
                     {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
-            r["seconds"] = round(time.perf_counter() - t0, 1)
-            r["run"] = {"command": results["command"], "date": results["date"],
-                        "quick": bool(args.quick and trials == quick), "machine": results["machine"]}
-            results["campaigns"][name] = r
-            print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s", flush=True)
+            record(name, r, t0, is_quick)
+            print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s"
+                  + (" (stopped before the end)" if r.get("stopped_before_final_check") else ""), flush=True)
             for case in r.get("failure_cases", []):
                 print(f"  {name} failure: {json.dumps(case)[:600]}", flush=True)
-            # after every campaign, so a long run stopped later keeps the figures it has
-            write_report(_merged(results, Path(args.out) / "reliability.json"), Path(args.out), results["command"])
+            if r.get("stopped_before_final_check"):
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        print("stopped: the report keeps the figures of what ran", flush=True)
+        return 130
     finally:
         if any(n in names for n in ("server_crash", "disk", "storm", "soak", "interactions")):
             from .server_campaigns import close_shared

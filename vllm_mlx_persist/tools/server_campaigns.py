@@ -36,7 +36,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..faults import ENV as FAULT_ENV
 from .serving import RssSampler, Server
@@ -753,10 +753,13 @@ I_DISK_MB = 4.0  # ~12k tokens on disk: the last dozen or so agents; the budget 
 I_TTL_HOURS = 0.01  # 36 s: agents left alone that long go at the next sweep (every start, every minute);
 # at 72 s the disk budget, erasing the least recently used first, always got to them before
 I_OPTIONS = {**OPTIONS, "hot_mb": I_HOT_MB, "disk_mb": I_DISK_MB, "ttl_hours": I_TTL_HOURS, "durable_writes": True}
+I_PROGRESS_STEPS = 250  # a long run's figures so far go to `progress` this often
 I_TIMEOUT_S = 15.0  # a tiny-model turn answers in well under a second: past this the request hung
 HEALTH_LIMIT_S = 1.0
 I_WORDS = 30  # words of a user turn (~100 tokens)
-I_MAX_TURNS = 7  # an agent stops taking turns after this many (histories stay under ~1k tokens)
+I_MAX_TURNS = 7  # turns of a history, a fork's inherited ones included: an agent stops taking turns there
+# and is no fork's parent (histories stay under ~1k tokens; counting own turns only, fork chains grew them to
+# ~75 turns by step 10,000, and a step's cost with them: 34 turns sent per step instead of 5)
 I_ACTIVE = (3, 8)  # conversations taking turns: a new one is started below 3, none above 8
 DISK_BYTES_PER_TOKEN = 340  # measured: 29 blocks of 32 tokens took 308 kB on disk (headers, token ids)
 I_DOCS = ["shared document A: " + user_text("docA", 9, 60), "shared document B: " + user_text("docB", 4, 60)]
@@ -822,6 +825,11 @@ class _IConv:
     @property
     def turns(self) -> int:
         return len(self.acks)
+
+    @property
+    def history_turns(self) -> int:
+        """Turns its history holds: the ones it started from (a fork's parent's, a probe's source's) and its own."""
+        return (self.base - 1) // 2 + self.turns
 
     @property
     def last_prompt(self) -> int:
@@ -1286,10 +1294,13 @@ class _Interactions:
         return c
 
     def active(self) -> list[_IConv]:
-        return [c for c in self.convs.values() if c.turns < I_MAX_TURNS]
+        return [c for c in self.convs.values() if c.history_turns < I_MAX_TURNS]
 
-    def pick(self, with_history: bool = False) -> Optional[_IConv]:
-        pool = [c for c in self.convs.values() if c.turns > 0] if with_history else self.active()
+    def pick(self, with_history: bool = False, room: bool = False) -> Optional[_IConv]:
+        """A conversation at random: one with a turn of its own (`with_history`), or one that may take
+        another turn (`room`, or neither)."""
+        pool = [c for c in self.convs.values() if (not with_history or c.turns > 0)
+                and (with_history and not room or c.history_turns < I_MAX_TURNS)]
         return self.rng.choice(pool) if pool else None
 
     def pick_or_new(self) -> _IConv:
@@ -1333,7 +1344,7 @@ class _Interactions:
             self.finish_turns(specs)
             return f"{op} " + ",".join(sp.agent for sp in specs) + (f" kill@{kill_after:.2f}s" if kill_after else "")
         if op == "fork":
-            parent = self.pick(with_history=True)
+            parent = self.pick(with_history=True, room=True)  # the child's turns count its parent's
             if parent is None:
                 return self.do_step("turn")
             child = self.new_conv(parent)
@@ -1343,7 +1354,7 @@ class _Interactions:
             return f"fork {child.agent}<-{parent.agent}"
         if op == "branch":
             c = self.pick(with_history=True)
-            if c is None or c.turns >= I_MAX_TURNS:
+            if c is None or c.history_turns >= I_MAX_TURNS:
                 return self.do_step("turn")
             specs = [self.turn_spec(c, "branch", tag=f"-b{i}") for i in range(rng.randint(2, 3))]
             self.run_specs(specs)
@@ -1456,7 +1467,11 @@ class _Interactions:
         elif not (code == 404 and (not c.last_prompt or self.elog.since(c.agent, c.acks[-1][1]))):
             self.fail("admin", f"{'PUT' if on else 'DELETE'} /v1/agents/{c.agent}/pin answered {code}", agent=c.agent)
 
-    def run(self, n_steps: int) -> dict:
+    def run(self, n_steps: int, progress: Optional[Callable[[dict], None]] = None,
+            every: int = I_PROGRESS_STEPS) -> dict:
+        """`n_steps` steps, then the final check; `progress` gets the figures so far every `every` steps
+        (a partial result: no final check). Stopped by KeyboardInterrupt (SIGINT, or SIGTERM as
+        `reliability` turns it into one), it returns the figures of the steps done, marked stopped."""
         self._late: list[tuple[int, str]] = []
         self._over: list[tuple[int, str]] = []
         watcher = threading.Thread(target=self.watch, name="interactions-watch", daemon=True)
@@ -1488,6 +1503,8 @@ class _Interactions:
                 self.drain_watch()
                 if self.step == 4:
                     self.rss_baseline = self.rss.rss()
+                if progress is not None and (self.step + 1) % every == 0 and self.step + 1 < n_steps:
+                    progress(self.result(self.step + 1, stopped=True))
             # The last lifetime: a restart, then every conversation's next turn is checked.
             self.op = "final-check"
             self.restart("final-check")
@@ -1505,6 +1522,8 @@ class _Interactions:
             self.drain_watch()
         except _Abort:
             n_steps = self.step
+        except KeyboardInterrupt:  # the steps done so far (a step cut short is not counted)
+            return self.result(min(len(self.steps), n_steps), stopped=True)
         finally:
             self._stop.set()
             self.srv.stop(signal.SIGKILL)
@@ -1512,23 +1531,29 @@ class _Interactions:
                 self.rss.stop()
         return self.result(n_steps)
 
-    def result(self, n_steps: int) -> dict:
+    def result(self, n_steps: int, stopped: bool = False) -> dict:
+        """The figures of the first `n_steps` steps; `stopped`: the run ends (or is looked at) before its
+        final check, which is then not part of them (nothing is added to the failures themselves)."""
+        failures = list(self.failures)
         bound = (self.rss_baseline or self.rss.peak) + int((I_HOT_MB + OVERHEAD_MB) * 2**20)
         if self.rss.peak > bound:
-            self.fail("rss-over", f"RSS peak {self.rss.peak >> 20} MB over {bound >> 20} MB (post-warm-up "
-                                  f"{self.rss_baseline >> 20} + hot_mb + {OVERHEAD_MB})")
-        if n_steps and self.st["turns_checked_across_a_restart"] == 0:
-            self.fail("checked-nothing", "no acknowledged turn was checked across a restart")
+            failures.append({"kind": "rss-over", "seed": self.seed, "step": n_steps, "op": "", "steps": [],
+                             "problem": f"RSS peak {self.rss.peak >> 20} MB over {bound >> 20} MB (post-warm-up "
+                                        f"{self.rss_baseline >> 20} + hot_mb + {OVERHEAD_MB})"})
+        if n_steps and not stopped and self.st["turns_checked_across_a_restart"] == 0:
+            failures.append({"kind": "checked-nothing", "seed": self.seed, "step": n_steps, "op": "", "steps": [],
+                             "problem": "no acknowledged turn was checked across a restart"})
         kinds: dict[str, dict] = {}
-        for f in self.failures:
+        for f in failures:
             k = kinds.setdefault(f["kind"], {"count": 0, "first_step": f["step"], "first": f})
             k["count"] += 1
         # the first failure of each kind first, so the report shows every kind
         firsts = [k["first"] for k in kinds.values()]
-        cases = firsts + [f for f in self.failures if f not in firsts]
+        cases = firsts + [f for f in failures if f not in firsts]
         budget = sum(1 for _, why in self.elog.events if why == "disk budget")
         ttl = sum(1 for _, why in self.elog.events if why == "ttl")
-        return {"trials": n_steps, "failures": len(self.failures), "failure_cases": cases[:20],
+        return {"trials": n_steps, "failures": len(failures), "failure_cases": cases[:20], "seed": self.seed,
+                "stopped_before_final_check": stopped,
                 "failure_kinds": {k: {"count": v["count"], "first_step": v["first_step"]} for k, v in kinds.items()},
                 **self.st, "budget_erasures_logged": budget, "ttl_erasures_logged": ttl,
                 "agents": self.next_id, "hot_mb": I_HOT_MB, "disk_mb": I_DISK_MB, "ttl_hours": I_TTL_HOURS,
@@ -1537,8 +1562,10 @@ class _Interactions:
                 "steps": self.steps[:3000]}
 
 
-def interactions_campaign(trials: int, seed: int, work: Path) -> dict:
+def interactions_campaign(trials: int, seed: int, work: Path, progress: Optional[Callable[[dict], None]] = None,
+                          every: int = I_PROGRESS_STEPS) -> dict:
     """`trials` random steps mixing turns, forks, concurrent branches, erasures, pins, probes and SIGKILL
     restarts on one server under tight hot and disk budgets, every answer compared with a never-killed
-    reference server; then one more restart and every conversation's next turn checked."""
-    return _Interactions(seed, work).run(trials)
+    reference server; then one more restart and every conversation's next turn checked. `progress`
+    gets the figures so far every `every` steps (a long run stopped keeps them)."""
+    return _Interactions(seed, work).run(trials, progress, every)
