@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from vllm_mlx_persist.tools.server_campaigns import I_MAX_TURNS
+
 BIN = Path(sys.executable).parent
 # Trials per campaign (soak and storm: seconds; interactions: steps), each enough for every mode or
 # kind of step to occur with the campaigns' seed (12): measured, see the assertions below.
@@ -86,6 +88,7 @@ def test_quick_interactions_campaign_mixes_the_operations_and_checks_them(server
     assert c["replies_compared"] >= steps and c["turns_checked"] > 0 and c["turns_checked_across_a_restart"] > 0
     assert c["fork_first_checked"] > 0 and c["erasures_requested"] > 0 and c["erased_revisited"] > 0
     assert c["health_polls"] > 0 and c["hot_bytes_peak"] > 0 and c["disk_peak_bytes"] > 0
+    assert 2 <= c["longest_history_turns"] <= I_MAX_TURNS, c["longest_history_turns"]
     for f in c["failure_cases"]:
         assert f["seed"] == 12 and f["kind"] and f["steps"] and f["problem"], f
     assert "## interactions" in server_runs["md"] and f"| interactions | {steps} |" in server_runs["md"]
@@ -154,3 +157,32 @@ def test_a_long_campaign_writes_its_figures_as_it_runs_and_a_sigterm_stops_it_cl
     assert final["stopped_before_final_check"] and final["trials"] >= partial["trials"], log
     assert "(stopped)" in (out / "reliability.md").read_text() and "stopped" in log
     assert not _processes_naming(str(work)), "servers left running after the campaign stopped"
+
+
+def test_the_interactions_campaigns_histories_stay_bounded_through_fork_chains():
+    """The campaign's own bookkeeping (no server: each request answered at once): 3,000 steps of turns,
+    forks, branches, rewinds, probes, erasures and revisits never make a history longer than
+    I_MAX_TURNS turns. Counting only an agent's own turns, forks of forks grew histories to ~75 turns by
+    step 10,000, and the campaign's step rate fell 4x with them."""
+    import random
+
+    from vllm_mlx_persist.tools.server_campaigns import _Interactions
+
+    ops = (("turn", 30), ("concurrent", 14), ("fork", 12), ("branch", 8), ("rewind", 6), ("probe", 4),
+           ("erase", 5), ("revisit", 4))
+    camp = _Interactions.__new__(_Interactions)
+    camp.rng, camp.convs, camp.next_id, camp.restarted, camp.step = random.Random(3), {}, 0, set(), 0
+    camp.st = {"probes": 0, "erased_revisited": 0, "longest_history_turns": 0}
+    camp.max_footprint, camp.max_seq, camp.erased, camp.pinned = 0, 0, {}, set()
+    camp._lock = __import__("threading").Lock()
+    camp.erase = camp.gone  # the DELETE's bookkeeping, without a server
+
+    def answer(specs, kill_after=None):
+        for sp in specs:
+            sp.ref, sp.result = "a reply", ("ok", ("a reply", 0, 100 * len(sp.messages)))
+    camp.run_specs = answer
+    for camp.step in range(3000):
+        camp.do_step(camp.rng.choices(*zip(*ops))[0])
+    longest = max((len(c.messages) - 1) // 2 for c in camp.convs.values())  # a system message, then turns
+    assert longest == camp.st["longest_history_turns"] <= I_MAX_TURNS, longest
+    assert sum(c.parent is not None for c in camp.convs.values()) > 100 and camp.st["erased_revisited"] > 50

@@ -613,10 +613,11 @@ def _report_interactions(r: dict) -> list[str]:
         return []
     ops = ", ".join(f"{k} {v}" for k, v in sorted(r["ops"].items()))
     ends = ", ".join(f"{k} {v}" for k, v in sorted(r["lifetimes"].items()))
+    longest = f", histories of up to {r['longest_history_turns']} turns" if "longest_history_turns" in r else ""
     stopped = [f"Stopped after {r['trials']} steps (by a signal, or still running when written): the figures "
                "are those of the steps done, without the final restart and check.", ""]
     out = (stopped if r.get("stopped_before_final_check") else []) + [
-        f"{r['trials']} steps (seed {r.get('seed', '?')}), {r['agents']} agent ids (hot_mb {r['hot_mb']}, disk_mb {r['disk_mb']}, ttl_hours "
+        f"{r['trials']} steps (seed {r.get('seed', '?')}), {r['agents']} agent ids{longest} (hot_mb {r['hot_mb']}, disk_mb {r['disk_mb']}, ttl_hours "
            f"{r['ttl_hours']}, blocks of {r['block_size']} tokens, durable writes). Steps: {ops}. Server lifetimes, by "
            f"how they ended: {ends} (write-point: the server killed itself before a chosen write step, "
            f"{r['write_point_kills']} times; requests in flight at a kill: {r['requests_killed_in_flight']}).", "",
@@ -721,9 +722,11 @@ _WHAT = {
                     "an erased agent listed or served again, cached tokens for a new id, a pinned agent erased, an "
                     "agent gone after a restart with no erasure logged, a request failing or past 15 s while the "
                     "server is up, /health slower than 1 s, hot_bytes, disk or RSS past their bounds. Full run: "
-                    "`./dev reliability --campaigns interactions` (700 steps, about 12 minutes on 2 cores); "
-                    "`--quick`: 100 steps, about 2 minutes. A run of any length makes every kind of step: its "
-                    "last steps make those not drawn yet (erase, then revisit).",
+                    "`./dev reliability --campaigns interactions` (700 steps, about 4 minutes on 2 cores); "
+                    "`--quick`: 100 steps, under a minute; `--trials interactions=10000`: about an hour (a history, "
+                    "a fork's inherited turns included, stops at 7 turns, so the rate stays ~180 steps a minute). "
+                    "A run of any length makes every kind of step: its last steps make those not drawn yet (erase, "
+                    "then revisit). A long run's figures so far are written every 250 steps.",
 }
 
 

@@ -951,7 +951,7 @@ class _Interactions:
             "ops": {}, "lifetimes": {}, "answers": 0, "replies_compared": 0, "turns_checked": 0,
             "turns_checked_across_a_restart": 0, "losses_excused_by_erasure": 0, "fork_first_checked": 0,
             "erasures_requested": 0, "erased_revisited": 0, "probes": 0, "pins": 0, "unpins": 0,
-            "requests_killed_in_flight": 0, "write_point_kills": 0, "killed_during_start": 0,
+            "requests_killed_in_flight": 0, "write_point_kills": 0, "killed_during_start": 0, "longest_history_turns": 0,
             "health_polls": 0, "health_worst_s": 0.0, "health_late": 0,
             "hot_bytes_peak": 0, "hot_bound_at_peak": 0, "hot_over": 0,
             "disk_peak_bytes": 0, "disk_bound_at_peak": 0, "disk_over": 0}
@@ -1323,6 +1323,7 @@ class _Interactions:
                 done.add(sp.conv.agent)
                 sp.conv.complete(sp.k, sp.messages, sp.ref, sp.result[1][2], sp.sent_seq)
                 self.restarted.discard(sp.conv.agent)
+                self.st["longest_history_turns"] = max(self.st["longest_history_turns"], sp.conv.history_turns)
                 with self._lock:
                     self.max_footprint = max(self.max_footprint, sp.conv.footprint())
                     self.max_seq = max(self.max_seq, sp.conv.seqs[-1])
@@ -1379,7 +1380,7 @@ class _Interactions:
             if not self.erased:
                 return self.do_step("fork")
             agent = rng.choice(sorted(self.erased))
-            old = self.erased.pop(agent)
+            old = self.erased.pop(agent)[: 1 + 2 * (I_MAX_TURNS - 1)]  # its start, if long: the bound holds
             c = _IConv(agent, old, f"revisit-{agent}")  # a new conversation of the same id
             self.convs[agent] = c
             specs = [self.turn_spec(c, "revisit")]
@@ -1395,7 +1396,7 @@ class _Interactions:
             self.pin(c, op == "pin")
             return f"{op} {c.agent}"
         if op == "probe":
-            src = self.pick(with_history=True)
+            src = self.pick(with_history=True, room=True)  # the probe's turn counts the source's
             if src is None:
                 return self.do_step("turn")
             probe = self.new_conv()
@@ -1445,6 +1446,10 @@ class _Interactions:
             left = _manifests_of(self.root, c.agent)
             if left:
                 self.fail("came-back", f"a manifest of {c.agent} is on disk after its DELETE: {left}", agent=c.agent)
+        self.gone(c)
+
+    def gone(self, c: _IConv) -> None:
+        """`c` was erased (or its DELETE found nothing): its history waits for a revisit."""
         del self.convs[c.agent]
         self.pinned.discard(c.agent)
         self.erased[c.agent] = c.messages
