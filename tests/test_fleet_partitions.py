@@ -551,3 +551,43 @@ def test_a_pin_travels_and_the_latest_pin_setting_wins(fleet, fp):
 
     assert pinned(True, {}, False, {}) is True and pinned(False, {}, True, {}) is False  # unstamped: local
     assert pinned(True, {}, False, {"pinned": 1.0}) is False and pinned(False, {"pinned": 2.0}, True, {"pinned": 2.0})
+
+
+def test_the_outbox_keeps_an_agents_latest_erasure_and_holds_no_lock_across_its_writes(tmp_path):
+    """One file per pending erasure: a later erasure of the agent supersedes the earlier one's file, a
+    done removes only its own, a file of the old one-per-agent naming is read and renamed; concurrent
+    erasures (one agent and many) leave each agent's newest last in the start-up order."""
+    import hashlib
+    import json
+    import threading
+
+    from vllm_mlx_persist.fleet.outbox import Outbox
+
+    box = Outbox(tmp_path / "outbox")
+    box.add("a", "e1")
+    box.add("a", "e2")
+    box.add("b", "e3")
+    assert sorted(box.pending()) == [("a", "e2"), ("b", "e3")]
+    box.done("a", "e1")  # the superseded one's tombstone reaching Redis late: the newer stays
+    box.done("b", "e3")
+    assert box.pending() == [("a", "e2")]
+    legacy = box.dir / (hashlib.sha256(b"c").hexdigest()[:32] + ".json")
+    legacy.write_text(json.dumps({"agent": "c", "era": "old"}))
+    assert box.pending() == [("c", "old"), ("a", "e2")]  # without a time: first
+    box.done("c", "old")
+    assert box.pending() == [("a", "e2")] and not legacy.exists()
+
+    def erase_many(k: int) -> None:  # at once: each thread its own agent, and one agent all share
+        for i in range(30):
+            box.add(f"x{k}", f"t{k}-{i}")
+            if i % 3 == 0:
+                box.add("shared", f"s{k}-{i}")
+
+    threads = [threading.Thread(target=erase_many, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    order = box.pending()
+    assert {agent: era for agent, era in order if agent.startswith("x")} == {f"x{k}": f"t{k}-29" for k in range(4)}
+    assert [a for a, _ in order].count("shared") >= 1 and len(order) <= 1 + 4 + 4
