@@ -513,3 +513,23 @@ def test_a_remembered_choice_with_foreign_scales_is_refused(tmp_path):
     key_choice.save(tmp_path / "elsewhere", "k" * 32, [good, None], {"chosen": "scaled"})
     path.symlink_to(tmp_path / "elsewhere" / key_choice.CHOICES_DIR / f"{'k' * 32}.json")
     assert key_choice.load(tmp_path, "k" * 32, shapes) is None
+
+
+@pytest.mark.parametrize("name", ["k6v4c", "k5v4r", "scaled", "q4"])
+def test_from_state_rebuilds_the_key_format(model, formats, name):
+    """mlx-lm's state/meta_state round trip (vllm-mlx copies a multimodal prefix cache that way) keeps
+    each layer's key format: the rebuilt caches decode to the same logits bit for bit. A calibrated
+    format this process does not hold is refused, not read as plain keys."""
+    from vllm_mlx_persist.caches.q4 import Q4KVCache
+
+    toks = [(i * 7) % 500 + 1 for i in range(50)]
+    cache = _codec(model, formats[name]).make_cache()
+    model(mx.array([toks[:40]]), cache=cache)
+    copies = [type(c).from_state(c.state, c.meta_state) for c in cache]
+    assert all((a.key_format is None) == (b.key_format is None) for a, b in zip(cache, copies))
+    assert mx.array_equal(_read(model, cache, toks[40:], 5), _read(model, copies, toks[40:], 5)).item()
+    calibrated = next((c for c in cache if c.key_format is not None and c.key_format.scales is not None), None)
+    if calibrated is not None:
+        meta = [m if not m.startswith("kf:") else m.rsplit(":", 1)[0] + ":123" for m in calibrated.meta_state]
+        with pytest.raises(ValueError, match="calibration"):
+            Q4KVCache.from_state(calibrated.state, meta)

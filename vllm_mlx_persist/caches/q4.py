@@ -48,6 +48,7 @@ What a window cache holds, for building blocks on it (positions are logical toke
 from __future__ import annotations
 
 import copy
+import weakref
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -240,6 +241,32 @@ def _key_format(key_format: Optional[LayerKeys], bits: int) -> Optional[LayerKey
     return key_format
 
 
+# Calibrated key formats (their scales and centre are the model's, not a cache's state) by the token
+# their caches' meta_state names: from_state in this process finds the same format; elsewhere it refuses.
+_CALIBRATED: "weakref.WeakValueDictionary[str, LayerKeys]" = weakref.WeakValueDictionary()
+
+
+def _key_format_tag(kf: LayerKeys) -> str:
+    """"kf:bits:transform:values:s16:token" (token: a calibrated format's registration, else empty)."""
+    token = ""
+    if kf.scales is not None:
+        token = str(id(kf))
+        _CALIBRATED.setdefault(token, kf)
+    return f"kf:{kf.bits}:{kf.transform or ''}:{kf.values or ''}:{int(kf.scales16)}:{token}"
+
+
+def _key_format_of(tag: str) -> LayerKeys:
+    """The key format a meta_state tag names; ValueError for a calibrated one this process does not hold."""
+    _, bits, transform, values, s16, token = tag.split(":")
+    if transform in ("scaled", "centred"):
+        kf = _CALIBRATED.get(token)
+        if kf is None or (kf.bits, kf.transform) != (int(bits), transform):
+            raise ValueError(f"a cache of key format k{bits} {transform} cannot be rebuilt here: its scales are "
+                             "the model's calibration (the server's cache root keeps it), not the cache's state")
+        return kf
+    return LayerKeys(int(bits), transform or None, None, values or None, None, bool(int(s16)))
+
+
 class Q4KVCache(QuantizedKVCache):
     """Per-sequence quantized KV cache that BatchGenerator can merge into a `BatchQ4KVCache`.
 
@@ -332,14 +359,18 @@ class Q4KVCache(QuantizedKVCache):
         self.keys, self.values = v
         self.floats = None
 
-    # mlx-lm 0.32 dropped meta_state and takes from_state(state); ours keeps both forms working.
+    # mlx-lm 0.32 dropped meta_state and takes from_state(state); ours keeps both forms working. A key
+    # format other than plain `bits` is meta_state's last entry (_key_format_tag), so from_state (mlx-lm's
+    # load, vllm-mlx's copy of a multimodal prefix cache) reads the keys back as stored.
     @property
     def meta_state(self):
         extra = () if self.window is None else (self.window, self.start)
-        return tuple(map(str, (self.offset, self.group_size, self.bits) + extra))
+        tag = () if self.key_format is None else (_key_format_tag(self.key_format),)
+        return tuple(map(str, (self.offset, self.group_size, self.bits) + extra)) + tag
 
     @meta_state.setter
     def meta_state(self, v) -> None:
+        v = [x for x in v if not str(x).startswith("kf:")]
         self.offset, self.group_size, self.bits = map(int, v[:3])
         self.window, self.start = (int(v[3]), int(v[4])) if len(v) > 3 else (None, 0)
 
@@ -348,7 +379,9 @@ class Q4KVCache(QuantizedKVCache):
         keys, values = state[:2]
         if meta_state is None:
             return cls.from_arrays(keys, values, *state[3:5][::-1]) if len(state) == 5 else cls.from_arrays(keys, values, 4, 64)
-        obj = cls(group_size=int(meta_state[1]), bits=int(meta_state[2]))
+        tag = next((str(x) for x in meta_state if str(x).startswith("kf:")), None)
+        key_format = None if tag is None else _key_format_of(tag)
+        obj = cls(group_size=int(meta_state[1]), bits=int(meta_state[2]), key_format=key_format)
         obj.keys, obj.values = keys, values
         obj.meta_state = meta_state
         return obj
