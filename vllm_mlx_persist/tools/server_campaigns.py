@@ -1299,8 +1299,9 @@ class _Interactions:
     def pick(self, with_history: bool = False, room: bool = False) -> Optional[_IConv]:
         """A conversation at random: one with a turn of its own (`with_history`), or one that may take
         another turn (`room`, or neither)."""
-        pool = [c for c in self.convs.values() if (not with_history or c.turns > 0)
-                and (with_history and not room or c.history_turns < I_MAX_TURNS)]
+        pool = [c for c in self.convs.values() if c.turns > 0] if with_history else self.active()
+        if room:
+            pool = [c for c in pool if c.history_turns < I_MAX_TURNS]
         return self.rng.choice(pool) if pool else None
 
     def pick_or_new(self) -> _IConv:
