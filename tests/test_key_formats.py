@@ -480,6 +480,14 @@ def test_a_choice_is_shared_by_the_cache_roots_of_a_user(tiny, tok, tmp_path, mo
         os.utime(shared / f"{i:032x}.json", (1000 + i, 1000 + i))
     key_choice.save(tmp_path / "r3", "f" * 32, [], {"chosen": "q4"})
     assert sorted(p.stem for p in shared.glob("*.json")) == [f"{2:032x}", "f" * 32]
+    monkeypatch.setattr(key_choice, "ROOT_KEEP", 2)  # a root that served many models keeps the newest too
+    (tmp_path / "many").mkdir()
+    for i in range(3):
+        key_choice.save(tmp_path / "many", f"{i:032x}", [], {"chosen": "q4"})
+        os.utime(tmp_path / "many" / key_choice.CHOICES_DIR / f"{i:032x}.json", (1000 + i, 1000 + i))
+    key_choice.save(tmp_path / "many", "e" * 32, [], {"chosen": "q4"})
+    kept = sorted(p.stem for p in (tmp_path / "many" / key_choice.CHOICES_DIR).glob("*.json"))
+    assert kept == [f"{2:032x}", "e" * 32]
 
 
 def test_a_remembered_choice_with_foreign_scales_is_refused(tmp_path):

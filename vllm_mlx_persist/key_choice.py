@@ -5,7 +5,7 @@ root's `key-formats/`, or $VLLM_MLX_PERSIST_SHARED_KEY_FORMATS; "off" there keep
 a new cache root of a model calibrated before starts at once (issue #43: 40 s on SmolLM2 on a CPU). A
 choice read from there is copied into the root. The shared folder keeps the `SHARED_KEEP` newest.
 
-One small JSON file per (model, calibration) under `<cache root>/key-formats/`, named by a hash of the
+One small JSON file per (model, calibration) under `<cache root>/key-formats/` (the `ROOT_KEEP` newest), named by a hash of the
 model's q4 fingerprint and everything the calibration depends on (its text and length, candidates,
 limit, mlx's version): another model, another limit or another calibration never reads it. A file
 that does not parse, is for another key, or holds formats this model cannot use is ignored (the model
@@ -38,6 +38,7 @@ log = logging.getLogger("vllm_mlx_persist")
 CHOICES_DIR = "key-formats"
 SHARED_ENV = "VLLM_MLX_PERSIST_SHARED_KEY_FORMATS"
 SHARED_KEEP = 64  # files in the shared folder (tens of kB each); the oldest go first
+ROOT_KEEP = 64  # files in a cache root's folder: a root that has served many models keeps the newest
 VERSION = 1
 MAX_FILE_BYTES = 8 << 20  # scales of a few hundred layers; anything larger is not ours
 
@@ -115,7 +116,7 @@ def load(root: Path, key: str,
         if got is not None:
             formats, report = got
             report = {k: v for k, v in report.items() if k != "remembered"}
-            _save_into(Path(root) / CHOICES_DIR, key, formats, report)
+            _save_into(Path(root) / CHOICES_DIR, key, formats, report, ROOT_KEEP)
             got = formats, {**report, "remembered": got[1]["remembered"]}
     return got
 
@@ -143,10 +144,10 @@ def save(root: Path, key: str, formats: Sequence[Optional[LayerKeys]], report: d
     sees the old file, the new one or none). Never raises: a choice not written is calibrated again
     at the next start."""
     folder = Path(root) / CHOICES_DIR
-    _save_into(folder, key, formats, report)
+    _save_into(folder, key, formats, report, ROOT_KEEP)
     shared = shared_dir()
     if shared is not None and shared.resolve() != folder.resolve():
-        _save_into(shared, key, formats, report, keep=SHARED_KEEP)
+        _save_into(shared, key, formats, report, SHARED_KEEP, shared=True)
 
 
 def _prune(folder: Path, keep: int) -> None:
@@ -166,12 +167,12 @@ def _prune(folder: Path, keep: int) -> None:
 
 
 def _save_into(folder: Path, key: str, formats: Sequence[Optional[LayerKeys]], report: dict,
-               keep: Optional[int] = None) -> None:
+               keep: int, shared: bool = False) -> None:
     tmp = None
     try:
-        folder.mkdir(mode=0o700, parents=keep is not None, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=shared, exist_ok=True)
         for stale in folder.glob(".tmp-*"):  # a save cut short by a crash (one server per root: none is live)
-            if keep is None or time.time() - stale.stat().st_mtime > 3600:  # shared: another server may be writing
+            if not shared or time.time() - stale.stat().st_mtime > 3600:  # shared: another server may be writing
                 stale.unlink(missing_ok=True)
         data = {"key": key, "version": VERSION, "report": report, "layers": [_encode(f) for f in formats]}
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
@@ -179,8 +180,7 @@ def _save_into(folder: Path, key: str, formats: Sequence[Optional[LayerKeys]], r
             json.dump(data, f)
         os.replace(tmp, folder / f"{key}.json")
         tmp = None
-        if keep is not None:
-            _prune(folder, keep)
+        _prune(folder, keep)
     except (OSError, TypeError, ValueError) as e:
         log.warning("persist_q4: could not remember the key format in %s: %s", folder, e)
     finally:
