@@ -37,6 +37,8 @@ from vllm_mlx_persist.tools.quality import FORMATS
 
 def test_quick_quality(tmp_path, capsys):
     out, model_dir = tmp_path / "report", tmp_path / "model"
+    out.mkdir()
+    (out / "quality.md").write_text("# old\n\n## Command\n\nold\n\n## Written by hand\n\nkept.\n")
     assert cli.main(["quality", "--quick", "--out", str(out), "--model-dir", str(model_dir)]) == 0
     stdout = capsys.readouterr().out
     assert "command: " in stdout and "vllm-mlx-persist quality --quick" in stdout
@@ -44,6 +46,7 @@ def test_quick_quality(tmp_path, capsys):
     r = json.loads((out / "results" / "quality.json").read_text())
     md = (out / "quality.md").read_text()
     assert r["command"] in md and "## Summary: per family, against the seed paper" in md
+    assert "## Written by hand\n\nkept." in md and "# old" not in md  # a full run keeps what it does not write
     assert list(r["families"]) == list(Q.FAMILIES)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file()

@@ -979,6 +979,14 @@ def keep_written_sections(md: str, old: str) -> str:
     return "\n".join(parts)
 
 
+def write_markdown(results: dict, out: Path) -> None:
+    """<out>/quality.md from the results and the real-checkpoint reports, keeping the sections of the
+    one there that this run does not write (by hand, or by another command)."""
+    md = with_real_checkpoints(render_markdown(results), out / "results" / "real")
+    old = (out / "quality.md").read_text() if (out / "quality.md").exists() else ""
+    (out / "quality.md").write_text(keep_written_sections(md, old))
+
+
 def with_real_checkpoints(md: str, folder: Path) -> str:
     """`md` with a section holding the real-checkpoint reports `quality --model DIR --out
     <folder>/N-NAME` wrote (their .md files, in name order; N orders them and is not shown) and notes
@@ -1551,9 +1559,7 @@ def main(argv: Sequence[str]) -> int:
     if args.render:
         out = Path(args.out or "docs")
         results = json.loads((out / "results" / "quality.json").read_text())
-        md = with_real_checkpoints(render_markdown(results), out / "results" / "real")
-        old = (out / "quality.md").read_text() if (out / "quality.md").exists() else ""
-        (out / "quality.md").write_text(keep_written_sections(md, old))
+        write_markdown(results, out)
         print(f"wrote {out / 'quality.md'} from {out / 'results' / 'quality.json'} and {out / 'results' / 'real'}")
         return 0
     t_start = time.perf_counter()
@@ -1661,7 +1667,7 @@ def main(argv: Sequence[str]) -> int:
     results = json.loads(json.dumps(results, default=_json_default))
     results["plots"] = _plots(results, out / "results")
     (out / "results" / "quality.json").write_text(json.dumps(results, indent=1) + "\n")
-    (out / "quality.md").write_text(with_real_checkpoints(render_markdown(results), out / "results" / "real"))
+    write_markdown(results, out)
 
     log("")
     log(f"{'family':15s} {'KV cache':44s} {'ppl':>9s} {'Δ %':>8s} {'teacher-forced':>15s}")
