@@ -88,22 +88,25 @@ def _stored(k: mx.array, v: mx.array, bits: int, group_size: int, key_format: Op
 
 
 def _history(model, T: int, bits: int, group_size: int, seed: int = 0,
-             key_format: Optional[LayerKeys] = None) -> tuple[list, list]:
-    """Per layer, T tokens of random K/V: float `KVCache`s and the same values as `Q4KVCache`s
-    (keys stored per `key_format`, e.g. 8-bit)."""
+             key_format: Optional[LayerKeys] = None, quantized: bool = True) -> list:
+    """Per layer, T tokens of random K/V (the same values for a seed): as `Q4KVCache`s (keys stored per
+    `key_format`, e.g. 8-bit), or as float `KVCache`s (`quantized` False)."""
     mx.random.seed(seed)
     a = model.args
-    fl, q4 = [], []
+    out = []
     for _ in model.layers:
         k = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
         v = mx.random.normal((1, a.num_key_value_heads, T, _head_dim(model)))
-        c = KVCache()
-        c.update_and_fetch(k, v)
-        fl.append(c)
-        q4.append(Q4KVCache.from_arrays(*_stored(k, v, bits, group_size, key_format)[:2], bits, group_size,
-                                        key_format=key_format))
-        mx.eval(c.keys, c.values, *q4[-1].keys, *q4[-1].values)
-    return fl, q4
+        if quantized:
+            c = Q4KVCache.from_arrays(*_stored(k, v, bits, group_size, key_format)[:2], bits, group_size,
+                                      key_format=key_format)
+            mx.eval(*c.keys, *c.values)
+        else:
+            c = KVCache()
+            c.update_and_fetch(k, v)
+            mx.eval(c.keys, c.values)
+        out.append(c)
+    return out
 
 
 def _drive(model, cache: list, tokens: list[int], max_tokens: int, t0: float, c0: float) -> dict:
@@ -565,9 +568,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         with tempfile.TemporaryDirectory(prefix="hotturn-") as root:
             made: dict[str, Any] = {}
             if "vllm-default" in systems:
-                made["vllm-default"] = DefaultSystem(model, history, _history(model, T, a.bits, a.group_size)[0])
+                made["vllm-default"] = DefaultSystem(model, history,
+                                                     _history(model, T, a.bits, a.group_size, quantized=False))
             for s, (base, f) in q4_systems.items():
-                q4 = _history(model, T, a.bits, a.group_size, key_format=key_formats[f])[1]
+                q4 = _history(model, T, a.bits, a.group_size, key_format=key_formats[f])
                 made[s] = Q4System(model, history, q4, a.bits, a.group_size, Path(root) / s.replace("@", "-"),
                                    0 if base.endswith("nocarry") else a.carry_mb, mirror_mb, key_formats[f])
                 del q4
