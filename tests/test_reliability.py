@@ -10,6 +10,7 @@ rare failures is the campaigns' job (`./dev reliability`, docs/reliability.md)."
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,15 +112,19 @@ def test_a_rewritten_report_keeps_the_state_machines_injected_defects(tmp_path):
     assert text.startswith("# Reliability campaigns") and text.endswith(kept) and "# old report" not in text
 
 
-def _processes_naming(text: str) -> list[str]:
-    """Live processes whose command line contains `text` (zombies have none)."""
+def _processes_using(path: str) -> list[str]:
+    """Live processes with `path` in their command line or an open file under it (a server forked by
+    the fork server runs as `forkserver.py`: its log file tells it apart; zombies have neither)."""
     out = []
     for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
         try:
             cmd = (p / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            files = [os.readlink(fd) for fd in (p / "fd").iterdir()]
         except OSError:
             continue
-        if p.name.isdigit() and text in cmd:
+        if path in cmd or any(f.startswith(path) for f in files):
             out.append(f"{p.name}: {cmd[:200]}")
     return out
 
@@ -146,7 +151,7 @@ def test_a_long_campaign_writes_its_figures_as_it_runs_and_a_sigterm_stops_it_cl
                 time.sleep(0.2)
         assert partial["stopped_before_final_check"] and partial["trials"] % 3 == 0 and partial["trials"] >= 3
         assert partial["failures"] == 0, partial["failure_cases"]
-        assert _processes_naming(str(work)), "the campaign's servers should be running now"
+        assert _processes_using(str(work)), "the campaign's servers should be running now"
         proc.send_signal(signal.SIGTERM)
         log, _ = proc.communicate(timeout=300)
     finally:
@@ -156,7 +161,7 @@ def test_a_long_campaign_writes_its_figures_as_it_runs_and_a_sigterm_stops_it_cl
     final = json.loads((out / "reliability.json").read_text())["campaigns"]["interactions"]
     assert final["stopped_before_final_check"] and final["trials"] >= partial["trials"], log
     assert "(stopped)" in (out / "reliability.md").read_text() and "stopped" in log
-    assert not _processes_naming(str(work)), "servers left running after the campaign stopped"
+    assert not _processes_using(str(work)), "servers left running after the campaign stopped"
 
 
 def test_the_interactions_campaigns_histories_stay_bounded_through_fork_chains():

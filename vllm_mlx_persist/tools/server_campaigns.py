@@ -1084,7 +1084,7 @@ class _Interactions:
         while not self._stop.wait(0.2):
             if self._pause.is_set() or not self.alive():
                 continue
-            url, step = self.srv.url, self.step
+            url, step, proc = self.srv.url, self.step, self.srv.proc
             t = time.monotonic()
             try:
                 code, _ = request(url, "/health", b"", method="GET", timeout=HEALTH_LIMIT_S)
@@ -1092,14 +1092,18 @@ class _Interactions:
             except Exception as e:
                 problem = repr(e)[:100]
             dt = time.monotonic() - t
+
+            def ended() -> bool:  # the lifetime polled is over (a kill; the next one may be up already)
+                return self.srv.proc is not proc or proc.poll() is not None
+
             if problem is not None and not self._pause.is_set():
-                # a reset while a write-point kill takes it down is not a health failure: give its
-                # death up to 2 s to show (a loaded machine, a fork server reporting the exit)
+                # a reset while a kill takes it down is not a health failure: give its death up to 2 s
+                # to show (a loaded machine, a fork server reporting the exit)
                 for _ in range(10):
-                    if not self.alive():
+                    if ended():
                         break
                     time.sleep(0.2)
-            if self._pause.is_set() or not self.alive():
+            if self._pause.is_set() or ended():
                 continue
             with self._lock:
                 self.st["health_polls"] += 1

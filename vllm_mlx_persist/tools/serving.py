@@ -104,9 +104,10 @@ class Server:
         return cmd
 
     def start(self, timeout: float = 180, bind_attempts: int = 3) -> "Server":
-        """Start the server on a free port and wait until /health answers. The port is free when
-        picked, but another process (a parallel test) may take it before the server binds it
-        seconds later: then the server is started again on another port, up to `bind_attempts`."""
+        """Start the server on a free port and wait until /health answers and the log says this server
+        bound the port. The port is free when picked, but another process (a parallel test, another
+        campaign) may take it before the server binds it seconds later, and answer /health meanwhile:
+        then the server is started again on another port, up to `bind_attempts`."""
         self.home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.starts += 1
@@ -127,7 +128,9 @@ class Server:
                 raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
-                    if r.status == 200:
+                    # Ours, not another server that took the port first (ours then fails to bind and
+                    # exits): uvicorn logs the address once it is bound.
+                    if r.status == 200 and f"running on {self.url}" in self._log_since(start_of_log):
                         return self
             except (urllib.error.URLError, ConnectionError, OSError):
                 pass
