@@ -20,7 +20,9 @@ environment when they load).
 
 Protocol (one line each, JSON requests on the fork server's stdin, answers on its stdout):
 `{"id": ID, "argv": [...], "env": {...}, "cwd": "...", "log": "..."}` -> `pid ID N`; a child's end -> `exit N RC`
-(RC as Popen.returncode: negative for a signal). EOF on stdin ends the fork server (not its children).
+(RC as Popen.returncode: negative for a signal). EOF on stdin ends the fork server, and its children with
+it (PR_SET_PDEATHSIG): a caller killed with -9, or stopped before it stopped its servers, leaves none
+running.
 """
 
 from __future__ import annotations
@@ -241,9 +243,15 @@ def _close_all() -> None:
 
 # ---- the fork server process ----
 
-def _child(request: dict, status_out) -> None:
+def _child(request: dict, status_out, parent: int) -> None:
     """(forked child) Become the server: never returns, exits the way `vllm-mlx serve` exits
-    (SystemExit through the interpreter's normal shutdown, atexit handlers included)."""
+    (SystemExit through the interpreter's normal shutdown, atexit handlers included), or is killed
+    when the fork server `parent` ends."""
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the fork server
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
     signal.set_wakeup_fd(-1)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     status_out.close()
@@ -301,11 +309,12 @@ def _serve() -> None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                parent = os.getpid()
                 pid = os.fork()
                 if pid == 0:
                     os.close(wake_r)
                     os.close(wake_w)
-                    _child(request, status_out)
+                    _child(request, status_out, parent)
                 status_out.write(f"pid {request['id']} {pid}\n")
 
 
