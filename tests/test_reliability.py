@@ -191,3 +191,25 @@ def test_the_interactions_campaigns_histories_stay_bounded_through_fork_chains()
     longest = max((len(c.messages) - 1) // 2 for c in camp.convs.values())  # a system message, then turns
     assert longest == camp.st["longest_history_turns"] <= I_MAX_TURNS, longest
     assert sum(c.parent is not None for c in camp.convs.values()) > 100 and camp.st["erased_revisited"] > 50
+
+
+def test_a_cold_answer_that_differs_from_the_hot_reference_must_equal_the_cold_one():
+    """The campaign's reply check (no server: the reference's answers given): an answer computed
+    without a cache is held to the reference's answer without one when its answer over a cached
+    prefix differs (the two paths agree to float rounding); any other difference is a failure."""
+    from vllm_mlx_persist.tools.server_campaigns import _Interactions, _ISpec
+
+    class Reference:  # the never-killed reference's answer without a cache
+        def cold(self, messages):
+            return "cold answer"
+
+    camp = _Interactions.__new__(_Interactions)
+    camp.sh, camp.failures, camp.seed, camp.step, camp.op, camp.steps = Reference(), [], 1, 0, "anonymous", []
+    camp.st = {"answers": 0, "replies_compared": 0, "cold_replies_equal_to_cold_reference": 0}
+    sp = _ISpec("anonymous", None, [{"role": "user", "content": "x"}], "k")
+    sp.ref = "hot answer"
+    camp.check(sp, "cold answer", 0, 100)  # computed without a cache: the cold reference's
+    assert not camp.failures and camp.st["cold_replies_equal_to_cold_reference"] == 1
+    camp.check(sp, "other answer", 0, 100)
+    camp.check(sp, "cold answer", 40, 100)  # over a cached prefix: held to the reference's as before
+    assert [f["kind"] for f in camp.failures] == ["reply-differs", "reply-differs"], camp.failures

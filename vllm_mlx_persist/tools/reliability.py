@@ -621,7 +621,10 @@ def _report_interactions(r: dict) -> list[str]:
            f"{r['ttl_hours']}, blocks of {r['block_size']} tokens, durable writes). Steps: {ops}. Server lifetimes, by "
            f"how they ended: {ends} (write-point: the server killed itself before a chosen write step, "
            f"{r['write_point_kills']} times; requests in flight at a kill: {r['requests_killed_in_flight']}).", "",
-           f"Answers: {r['answers']}, every one compared with the never-killed reference: {r['replies_compared']}. "
+           f"Answers: {r['answers']}, every one compared with the never-killed reference: {r['replies_compared']}"
+           + (f" ({r['cold_replies_equal_to_cold_reference']} computed without a cache differed from the reference's "
+              "over its cached prefix and equalled its reply without one)" if r.get(
+               "cold_replies_equal_to_cold_reference") else "") + ". "
            f"Acknowledged turns checked for reuse: {r['turns_checked']} ({r['turns_checked_across_a_restart']} as an "
            f"agent's first turn after a restart; {r['losses_excused_by_erasure']} not reused because a logged erasure "
            f"removed the agent); forks' first requests checked against the parent's turn: {r['fork_first_checked']}. "
@@ -717,7 +720,9 @@ _WHAT = {
                     "and unpins, another agent's history under a new id (isolation probe), anonymous requests, "
                     "SIGKILLs between steps, mid-request and at a chosen write step; one more restart at the end, "
                     "then every conversation's next turn. Failures: a reply different from a never-killed "
-                    "reference server's (same conversation), an acknowledged turn (or a fork parent's) not covered "
+                    "reference server's (same conversation; an answer computed without a cache, where it differs "
+                    "from the reference's over a cached prefix, must equal the reference's without one: the two "
+                    "paths agree to float rounding), an acknowledged turn (or a fork parent's) not covered "
                     "by the next request's cached_tokens unless the server's log records an erasure of that agent, "
                     "an erased agent listed or served again, cached tokens for a new id, a pinned agent erased, an "
                     "agent gone after a restart with no erasure logged, a request failing or past 15 s while the "

@@ -952,6 +952,7 @@ class _Interactions:
             "turns_checked_across_a_restart": 0, "losses_excused_by_erasure": 0, "fork_first_checked": 0,
             "erasures_requested": 0, "erased_revisited": 0, "probes": 0, "pins": 0, "unpins": 0,
             "requests_killed_in_flight": 0, "write_point_kills": 0, "killed_during_start": 0, "longest_history_turns": 0,
+            "cold_replies_equal_to_cold_reference": 0,
             "health_polls": 0, "health_worst_s": 0.0, "health_late": 0,
             "hot_bytes_peak": 0, "hot_bound_at_peak": 0, "hot_over": 0,
             "disk_peak_bytes": 0, "disk_bound_at_peak": 0, "disk_over": 0}
@@ -1245,8 +1246,17 @@ class _Interactions:
         self.st["replies_compared"] += 1
         who = f"{sp.what} of {sp.agent}" + (f" (fork_from {sp.fork_from})" if sp.fork_from else "")
         if text != sp.ref:
-            self.fail("reply-differs", f"{who}: reply {text!r} differs from the reference's {sp.ref!r} "
-                                       f"(cached {cached} of {prompt})", agent=sp.agent)
+            # A prefill without a cache and one over a cached prefix agree to float rounding, not bit
+            # for bit (docs/design.md), and a random model's near-tied greedy choice can flip between
+            # them: an answer computed without a cache must equal the reference's without one.
+            cold = self.sh.cold(sp.messages) if cached == 0 else None
+            if cold is not None and text == cold:
+                self.st["cold_replies_equal_to_cold_reference"] += 1
+            else:
+                self.fail("reply-differs", f"{who}: reply {text!r} differs from the reference's {sp.ref!r} "
+                                           f"(cached {cached} of {prompt})"
+                          + (f" and from its reply without a cache {cold!r}" if cold is not None else ""),
+                          agent=sp.agent)
         if cached >= prompt > 0:
             self.fail("cached-all", f"{who}: cached {cached} of a {prompt}-token prompt", agent=sp.agent)
         if sp.what in ("probe", "revisit"):
