@@ -1128,7 +1128,9 @@ class _Interactions:
             pinned = self.pinned_tokens()
             if cache.get("hot_budget_bytes") is not None:
                 hot = cache.get("hot_bytes", 0)
-                bound = cache["hot_budget_bytes"] + (self.max_footprint + pinned) * TINY_KV_BYTES_PER_TOKEN + (64 << 10)
+                # the largest agent's last sequences: before any turn is acknowledged, the one in flight
+                footprint = max(self.max_footprint, self.max_seq)
+                bound = cache["hot_budget_bytes"] + (footprint + pinned) * TINY_KV_BYTES_PER_TOKEN + (64 << 10)
                 if hot > self.st["hot_bytes_peak"]:
                     self.st["hot_bytes_peak"], self.st["hot_bound_at_peak"] = hot, bound
                 if hot > bound:
