@@ -553,7 +553,7 @@ def test_a_pin_travels_and_the_latest_pin_setting_wins(fleet, fp):
     assert pinned(True, {}, False, {"pinned": 1.0}) is False and pinned(False, {"pinned": 2.0}, True, {"pinned": 2.0})
 
 
-def test_the_outbox_keeps_an_agents_latest_erasure_and_holds_no_lock_across_its_writes(tmp_path):
+def test_the_outbox_keeps_an_agents_latest_erasure_and_holds_no_lock_across_its_writes(tmp_path, monkeypatch):
     """One file per pending erasure: a later erasure of the agent supersedes the earlier one's file, a
     done removes only its own, a file of the old one-per-agent naming is read and renamed; concurrent
     erasures (one agent and many) leave each agent's newest last in the start-up order."""
@@ -590,4 +590,9 @@ def test_the_outbox_keeps_an_agents_latest_erasure_and_holds_no_lock_across_its_
         t.join()
     order = box.pending()
     assert {agent: era for agent, era in order if agent.startswith("x")} == {f"x{k}": f"t{k}-29" for k in range(4)}
+    again = Outbox(box.dir)  # a clock stepped back: the later erasure still supersedes the earlier
+    monkeypatch.setattr(time, "time_ns", lambda: 1)
+    again.add("y", "first")
+    again.add("y", "second")
+    assert [e for a, e in again.pending() if a == "y"] == ["second"]
     assert [a for a, _ in order].count("shared") >= 1 and len(order) <= 1 + 4 + 4

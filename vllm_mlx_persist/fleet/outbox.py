@@ -10,8 +10,9 @@ durable (as its tombstone supersedes theirs); a kill in between leaves both, que
 Bounded by the tier's `max_erasures` (the writer refuses more erasures pending at once). A file that
 does not parse is set aside, logged.
 
-Any thread, no lock: an erasure is its own file, so concurrent adds and dones touch different files
-(of one agent's, an add removes only older ones).
+Any thread, no lock across I/O: an erasure is its own file, so concurrent adds and dones touch different
+files (of one agent's, an add removes only older ones); a small lock orders the times ("at" only grows,
+whatever the clock does).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -42,6 +44,14 @@ class Outbox:
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # Times only increase, even if the clock steps back: the newest erasure sorts last.
+        self._last_at = max((e[2] for e in map(_read_quietly, self.dir.glob("*.json")) if e), default=0)
+        self._at_lock = threading.Lock()  # guards _last_at only (no I/O under it)
+
+    def _now(self) -> int:
+        with self._at_lock:
+            self._last_at = max(time.time_ns(), self._last_at + 1)
+            return self._last_at
 
     def _path(self, namespace: str, era: str) -> Path:
         return self.dir / f"{_digest(namespace, 32)}-{_digest(era, 16)}.json"
@@ -50,7 +60,7 @@ class Outbox:
         """Durably record that erasing `namespace` (tombstone id `era`) is pending; OSError if not."""
         check_era(era)
         path = self._path(namespace, era)
-        at = time.time_ns()
+        at = self._now()
         tmp = path.with_suffix(".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -95,6 +105,13 @@ class Outbox:
                     pass
             out.append(entry)
         return [(agent, era) for agent, era, _ in sorted(out, key=lambda e: e[2])]
+
+
+def _read_quietly(path: Path) -> Optional[tuple[str, str, int]]:
+    try:
+        return _read(path)
+    except ValueError:
+        return None
 
 
 def _unlink(path: Path) -> None:
