@@ -900,7 +900,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             except Exception:  # a campaign that cannot finish is a failure, with its reason
                 import traceback
 
-                r = {"trials": trials, "failures": 1, "failure_cases": [
+                done = results["campaigns"].get(name, {}).get("trials", 0) if name in PROGRESS else trials
+                r = {"trials": done, "failures": 1, "failure_cases": [  # trials: those reported done, if any
                     {"seed": args.seed, "problem": f"campaign raised: {traceback.format_exc()[-1500:]}"}]}
             record(name, r, t0, is_quick)
             print(f"{name}: {r['trials']} trials, {r['failures']} failures, {r['seconds']} s"

@@ -1174,12 +1174,14 @@ class _Interactions:
         except (socket.timeout, TimeoutError) as e:
             dead = proc.poll() is not None
             spec.result = ("dead" if dead else "hung", f"no answer in {I_TIMEOUT_S} s ({e!r})")
-        except OSError as e:  # refused or reset: dead, or dying
+        except (OSError, http.client.HTTPException) as e:  # refused, reset or cut short: dead, or dying
             try:
                 proc.wait(2)
                 spec.result = ("dead", repr(e))
             except subprocess.TimeoutExpired:
                 spec.result = ("error", repr(e))
+        except Exception as e:  # anything else is the request's failure, never the campaign's crash
+            spec.result = ("error", repr(e))
 
     def run_specs(self, specs: list[_ISpec], kill_after: Optional[float] = None) -> None:
         """Run the step's requests at once (SIGKILL the server `kill_after` s in), then check each; a
