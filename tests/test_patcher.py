@@ -96,7 +96,7 @@ def apply_old_single_patch(site: Path, *, keep_record: bool = True, only: tuple[
 
 def test_series_files_and_manifests_chain(series, chains):
     names = [p.name for p in series]
-    assert names == sorted(names) and len(names) == 5, names
+    assert names == sorted(names) and len(names) == 6, names
     assert names[0].endswith("cache-backend-seam.patch")
     # every touched file's states follow from one patch to the next (chains() checks it) and each
     # patch file parses; the seam's code stays within 310 added lines (the 300, and what
@@ -118,7 +118,7 @@ def test_apply_check_revert_roundtrip(site, chains, series, capsys):
     pyc.parent.mkdir(exist_ok=True)
     pyc.write_bytes(b"stale")
     rc, out = run("apply", site, capsys)
-    assert rc == 0 and f"applied to {site} (5 patches, {len(chains)} files)" in out, out
+    assert rc == 0 and f"applied to {site} (6 patches, {len(chains)} files)" in out, out
     assert not pyc.exists()
     assert hashes(site, chains) == patched(chains)
     for rel in chains:
@@ -190,7 +190,7 @@ def test_upgrade_from_the_single_patch(site, chains, capsys):
     rc, out = run("check", site, capsys)
     assert rc == 1 and "older version" in out, out
     rc, out = run("apply", site, capsys)
-    assert rc == 0 and "reverted an older version" in out and "(5 patches" in out, out
+    assert rc == 0 and "reverted an older version" in out and "(6 patches" in out, out
     assert hashes(site, chains) == patched(chains)
     assert run("check", site, capsys)[0] == 0
     names = sorted(p.name for p in (site / "vllm_mlx").glob(".applied-*"))

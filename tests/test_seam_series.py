@@ -461,3 +461,50 @@ def test_backend_routes_are_mounted_behind_the_api_key(tmp_path, model, started)
     assert get("/v1/recorder", "sesame") == 200
     assert get("/v1/recorder", None) == 401 and get("/v1/recorder", "wrong") == 401
     assert get("/v1/nothing-here", "sesame") == 404
+
+
+# --- 0006, alone on pristine vllm-mlx ----------------------------------------------------------
+
+RACE_PROBE = """
+import sys, threading, time
+from collections import deque
+from types import SimpleNamespace
+from vllm_mlx.scheduler import Scheduler
+sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race shows within milliseconds
+s = Scheduler.__new__(Scheduler)
+req = lambda i: SimpleNamespace(request_id=str(i), arrival_time=0.0, num_prompt_tokens=1, max_tokens=1,
+                                cache_hit_type=None, cached_tokens=0)
+s.waiting, s.running = deque(req(i) for i in range(64)), {}
+stop = False
+def churn():  # the engine's worker thread queueing and starting requests
+    i = 0
+    while not stop:
+        s.waiting.append(req(i)); s.waiting.popleft(); i += 1
+t = threading.Thread(target=churn); t.start()
+errors, deadline = 0, time.monotonic() + 1.0
+while time.monotonic() < deadline:  # the event loop serving /health meanwhile
+    try:
+        s.get_running_requests_info()
+    except RuntimeError:
+        errors += 1
+stop = True; t.join()
+print(errors)
+"""
+
+
+def test_status_reads_copies_of_the_queues_while_the_engine_steps(tmp_path):
+    """/health's request listing (Scheduler.get_running_requests_info) while another thread queues
+    requests: pristine vllm-mlx raises "deque mutated during iteration" (a /health 500 seen by the
+    interactions campaign), 0006 alone never does."""
+    import os
+    import subprocess
+    import sys
+
+    errors = {}
+    for name, numbers in (("pristine", ()), ("0006", ("0006",))):
+        tree = make_tree(tmp_path / name, numbers)
+        r = subprocess.run([sys.executable, "-c", RACE_PROBE], env={**os.environ, "PYTHONPATH": str(tree)},
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr[-2000:]
+        errors[name] = int(r.stdout.split()[-1])
+    assert errors["pristine"] > 0 and errors["0006"] == 0, errors
