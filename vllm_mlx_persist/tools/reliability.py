@@ -729,7 +729,8 @@ _WHAT = {
                     "server is up, /health slower than 1 s, hot_bytes, disk or RSS past their bounds. Full run: "
                     "`./dev reliability --campaigns interactions` (700 steps, about 4 minutes on 2 cores); "
                     "`--quick`: 100 steps, under a minute; `--trials interactions=10000`: about an hour (a history, "
-                    "a fork's inherited turns included, stops at 7 turns, so the rate stays ~180 steps a minute). "
+                    "a fork's inherited turns included, stops at 7 turns before the final check's, so the rate stays "
+                    "~170-190 steps a minute). "
                     "A run of any length makes every kind of step: its last steps make those not drawn yet (erase, "
                     "then revisit). A long run's figures so far are written every 250 steps.",
 }
