@@ -10,7 +10,8 @@ import sys
 # Subcommands that own their options: everything after the name goes to that module's main().
 ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
           "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize",
-          "splice-drift": "tools.splice_drift", "batch-invariance": "tools.batch_invariance"}
+          "splice-drift": "tools.splice_drift", "batch-invariance": "tools.batch_invariance",
+          "calibrate": "tools.calibrate"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("scenario", help="run a multi-agent scenario against a server", add_help=False)
     sub.add_parser("batch-invariance", help="answers alone vs batched through real servers, per family",
+                   add_help=False)
+    sub.add_parser("calibrate", help="calibrate a model's key_format once and remember it (--ship: into the package)",
                    add_help=False)
     sub.add_parser("retokenize-stats", help="measure re-tokenization misses over multi-turn chats", add_help=False)
 

@@ -4,6 +4,12 @@ It is also kept in a folder shared by every cache root of the user (`shared_dir`
 root's `key-formats/`, or $VLLM_MLX_PERSIST_SHARED_KEY_FORMATS; "off" there keeps choices per root), so
 a new cache root of a model calibrated before starts at once (issue #43: 40 s on SmolLM2 on a CPU). A
 choice read from there is copied into the root. The shared folder keeps the `SHARED_KEEP` newest.
+Last, the package ships the choices of the project's real checkpoints as imported by `make-model`
+(`SHIPPED_DIR`, written by `vllm-mlx-persist calibrate --ship`, issue #50): a first start of `./dev
+serve` reads its format there instead of calibrating for minutes on a CPU. They are found by the same
+key as any other (the model's weights and tokenizer, the calibration, mlx's version), so another import,
+another calibration or another mlx calibrates as before ($VLLM_MLX_PERSIST_SHIPPED_KEY_FORMATS=off: never
+read them, for measuring what a calibration costs).
 
 One small JSON file per (model, calibration) under `<cache root>/key-formats/` (the `ROOT_KEEP` newest), named by a hash of the
 model's q4 fingerprint and everything the calibration depends on (its text and length, candidates,
@@ -37,6 +43,8 @@ log = logging.getLogger("vllm_mlx_persist")
 
 CHOICES_DIR = "key-formats"
 SHARED_ENV = "VLLM_MLX_PERSIST_SHARED_KEY_FORMATS"
+SHIPPED_DIR = Path(__file__).with_name("shipped_key_formats")  # read-only, inside the package
+SHIPPED_ENV = "VLLM_MLX_PERSIST_SHIPPED_KEY_FORMATS"
 SHARED_KEEP = 64  # files in the shared folder (tens of kB each); the oldest go first
 ROOT_KEEP = 64  # files in a cache root's folder: a root that has served many models keeps the newest
 VERSION = 1
@@ -106,19 +114,25 @@ def shared_dir() -> Optional[Path]:
 
 def load(root: Path, key: str,
          scale_shapes: Sequence[Optional[tuple[int, ...]]]) -> Optional[tuple[list[Optional[LayerKeys]], dict]]:
-    """The remembered (per-layer formats, report) for `key`, from the cache root or else the shared
-    folder (then copied into the root), or None. `scale_shapes`: per layer, None where no format may
+    """The remembered (per-layer formats, report) for `key`, from the cache root, else the shared
+    folder, else the choices the package ships (either then copied into the root), or None. `scale_shapes`: per layer, None where no format may
     be (no 4-bit keys), else the shape of its scaled keys' scales, (n_kv_heads, 1, head_dim)."""
-    got = _load_from(Path(root) / CHOICES_DIR, key, scale_shapes)
+    own = Path(root) / CHOICES_DIR
+    got = _load_from(own, key, scale_shapes)
+    if got is not None:
+        return got
     shared = shared_dir()
-    if got is None and shared is not None and shared.resolve() != (Path(root) / CHOICES_DIR).resolve():
-        got = _load_from(shared, key, scale_shapes)
+    folders = [shared] if shared is not None and shared.resolve() != own.resolve() else []
+    if os.environ.get(SHIPPED_ENV, "on").strip().lower() not in ("", "0", "off", "none"):
+        folders.append(SHIPPED_DIR)
+    for folder in folders:
+        got = _load_from(folder, key, scale_shapes)
         if got is not None:
             formats, report = got
             report = {k: v for k, v in report.items() if k != "remembered"}
-            _save_into(Path(root) / CHOICES_DIR, key, formats, report, ROOT_KEEP)
-            got = formats, {**report, "remembered": got[1]["remembered"]}
-    return got
+            _save_into(own, key, formats, report, ROOT_KEEP)
+            return formats, {**report, "remembered": got[1]["remembered"]}
+    return None
 
 
 def _load_from(folder: Path, key: str,

@@ -1,0 +1,78 @@
+"""The key formats the package ships (issue #50, item 5): `vllm-mlx-persist calibrate --ship` writes a
+model's calibrated choice into the package, a server with a fresh cache root and no shared folder then
+reads it instead of calibrating, and the project's real checkpoints, as `make-model` imports them, find
+theirs (so a first `./dev serve` does not calibrate for minutes on a CPU)."""
+
+from __future__ import annotations
+
+from vllm_mlx_persist import backend as backend_mod
+from vllm_mlx_persist import key_choice
+
+
+def _backend(model, tok, root, key_format="auto"):
+    return backend_mod.PersistQ4Backend(model=model, tokenizer=tok, options={
+        "cache_dir": str(root), "warmup": False, "restore": False, "key_format": key_format})
+
+
+def _counting(monkeypatch) -> list[str]:
+    calls: list[str] = []
+    real = backend_mod.resolve_keys
+
+    def counting(option, *a, **k):
+        calls.append(option)
+        return real(option, *a, **k)
+
+    monkeypatch.setattr(backend_mod, "resolve_keys", counting)
+    return calls
+
+
+def test_a_shipped_choice_is_read_instead_of_calibrating(tiny_llama_dir, tmp_path, monkeypatch):
+    """calibrate --ship writes one file into the package folder; a server on a new root, its shared
+    folder off, reads it (and copies it into its root) without running the calibration; a damaged
+    shipped file is ignored and the model calibrated as before."""
+    from mlx_lm import load
+
+    from vllm_mlx_persist.tools.calibrate import calibrate
+
+    monkeypatch.setattr(key_choice, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.setenv(key_choice.SHARED_ENV, "off")
+    report, written = calibrate(tiny_llama_dir, "auto", ship=True)
+    assert written is not None and written.parent == tmp_path / "shipped" and "measured" in report
+    assert [p.name for p in (tmp_path / "shipped").iterdir()] == [written.name]
+
+    model, tok = load(str(tiny_llama_dir))
+    calls = _counting(monkeypatch)
+    b = _backend(model, tok, tmp_path / "root")
+    b.load()
+    assert calls == [] and b.key_report["remembered"] == str(written)
+    assert b.key_report["chosen"] == report["chosen"]
+    b.close()
+    assert (tmp_path / "root" / key_choice.CHOICES_DIR / written.name).exists()
+
+    written.write_text("{")  # not ours: calibrated again
+    b = _backend(model, tok, tmp_path / "root2")
+    b.load()
+    assert calls == ["auto"] and "remembered" not in b.key_report
+    b.close()
+
+
+def test_the_default_real_model_ships_its_choice(smollm2_dir, tmp_path, monkeypatch):
+    """SmolLM2 imported as ./dev imports it (float32 on a CPU) starts with auto's shipped choice, with
+    no calibration; and the package ships no file that no real checkpoint reads. When this fails after a
+    change to the calibration, the importer or mlx: `vllm-mlx-persist calibrate .models/smollm2-135m-instruct
+    --ship` (and remove the stale file)."""
+    from mlx_lm import load
+
+    monkeypatch.setenv(key_choice.SHARED_ENV, "off")
+    model, tok = load(str(smollm2_dir))
+    calls = _counting(monkeypatch)
+    b = _backend(model, tok, tmp_path / "root")
+    try:
+        b._resolve_keys()
+    finally:
+        b.close()
+    assert calls == [], "SmolLM2's shipped key format is stale: vllm-mlx-persist calibrate ... --ship"
+    assert b.key_report["remembered"].startswith(str(key_choice.SHIPPED_DIR))
+    assert b.key_report["chosen"] != "q4"
+    shipped = {p.name for p in key_choice.SHIPPED_DIR.glob("*.json")}
+    assert shipped == {b.key_report["remembered"].rsplit("/", 1)[-1]}, "a shipped file no checkpoint reads"
