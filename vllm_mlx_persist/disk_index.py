@@ -56,6 +56,13 @@ class DiskIndex:
         self.agents[m.namespace] = DiskAgent(list(m.block_ids), last_used, m.pinned, m.n_tokens, nbytes)
         return old.block_ids if old else []
 
+    def resize_manifest(self, namespace: str, nbytes: int) -> None:
+        """The agent's manifest was rewritten in place (a pin), now `nbytes` long."""
+        agent = self.agents.get(namespace)
+        if agent is not None:
+            self.manifest_bytes += nbytes - agent.manifest_bytes
+            agent.manifest_bytes = nbytes
+
     def forget(self, namespace: str) -> tuple[Optional[DiskAgent], list[str]]:
         """The agent leaves the index: (what it was, None if unknown; its blocks no manifest or
         queued save names any more, whose sizes leave it too)."""

@@ -94,12 +94,12 @@ class Persister:
     def load(self) -> list[Manifest]:
         """Read every manifest (small) and index it; block sizes, other models' directories and the
         budget follow on the persister thread, so start-up does not wait for a directory walk."""
-        manifests = self.store.list_manifests()
+        sized = sorted(self.store.list_sized_manifests(), key=lambda ms: ms[0].updated_at)
         with self._cv:
-            for m in sorted(manifests, key=lambda m: m.updated_at):
-                self.index.index(m)
+            for m, size in sized:
+                self.index.index(m, size)
         self._submit(self._scan_job, 0)
-        return manifests
+        return [m for m, _ in sized]
 
     def _scan_job(self, job: _Job) -> None:
         sizes = self.store.block_file_sizes()
@@ -472,8 +472,5 @@ class Persister:
         m.pinned = pinned
         size = self.store.write_manifest(m)
         with self._cv:
-            agent = self.index.agents.get(namespace)
-            if agent is not None:
-                self.index.manifest_bytes += size - agent.manifest_bytes
-                agent.manifest_bytes = size
+            self.index.resize_manifest(namespace, size)
         self._finish(job, True)

@@ -366,6 +366,11 @@ class DiskStore:
         return self._read_manifest_file(self.manifest_path(namespace), namespace)
 
     def _read_manifest_file(self, path: Path, namespace: Optional[str]) -> Optional[Manifest]:
+        got = self._read_sized_manifest(path, namespace)
+        return None if got is None else got[0]
+
+    def _read_sized_manifest(self, path: Path, namespace: Optional[str]) -> Optional[tuple[Manifest, int]]:
+        """The manifest at `path` and its file's size, verified; None when absent or bad."""
         try:
             fd, size = open_regular(path)
         except FileNotFoundError:
@@ -398,7 +403,7 @@ class DiskStore:
             os.close(fd)
         with self._lock:
             self._counts["manifest_reads"] += 1
-        return m
+        return m, size
 
     def delete_manifest(self, namespace: str) -> None:
         path = self.manifest_path(namespace)
@@ -413,6 +418,11 @@ class DiskStore:
 
     def list_manifests(self) -> list[Manifest]:
         """Every valid manifest; bad ones are quarantined and skipped."""
+        return [m for m, _ in self.list_sized_manifests()]
+
+    def list_sized_manifests(self) -> list[tuple[Manifest, int]]:
+        """Every valid manifest with its file's size (the disk budget counts it as read, not as
+        encoded again); bad ones are quarantined and skipped."""
         out = []
         try:
             entries = sorted(e.name for e in os.scandir(self.agents_dir))
@@ -420,9 +430,9 @@ class DiskStore:
             return out
         for name in entries:
             if name.endswith(".json"):
-                m = self._read_manifest_file(self.agents_dir / name, None)
-                if m is not None:
-                    out.append(m)
+                got = self._read_sized_manifest(self.agents_dir / name, None)
+                if got is not None:
+                    out.append(got)
         return out
 
     # -- housekeeping ------------------------------------------------------------------------
