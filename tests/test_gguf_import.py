@@ -15,6 +15,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -28,8 +29,6 @@ from vllm_mlx_persist.tools.models import build_model_dir  # noqa: E402
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 # Gemma 3: llama.cpp fixes the pattern at 5 sliding layers then one global, so the reference has 6.
 OVERRIDES = {"gemma3_text": {"num_hidden_layers": 6, "sliding_window_pattern": 6}}
-_NAMES = {v: k for k, v in gguf_import._LAYER_NAMES.items()}
-_GEMMA_NAMES = {v: k for k, v in gguf_import._GEMMA_LAYER_NAMES.items()}
 TEXT = "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n# 12345 tokens, what's up?"
 
 
@@ -38,16 +37,19 @@ def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_name(name: str, arch: str) -> str:
+def _gguf_name(name: str, arch: str, n_layers: int) -> str:
+    """The GGUF name llama.cpp's converter gives an HF / mlx-lm tensor name: from ggml's own
+    `gguf` tensor map, not the importer's table, so a wrong entry there is seen."""
     stem, _, suffix = name.rpartition(".")
-    if stem.startswith("model.layers."):
-        _, _, layer, part = stem.split(".", 3)
-        return f"blk.{layer}.{(_GEMMA_NAMES if arch == 'gemma3' else _NAMES)[part]}.{suffix}"
-    return {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}[stem] + f".{suffix}"
+    found = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n_layers).get_name(stem)
+    assert found is not None, name
+    return f"{found}.{suffix}"
 
 
-def write_gguf(model_dir: Path, path: Path, qtype=None) -> None:
-    """Write the model at `model_dir` as llama.cpp would: 2-D weights in `qtype` (None: F32)."""
+def write_gguf(model_dir: Path, path: Path, qtype=None, edit=None, endianess=None) -> None:
+    """Write the model at `model_dir` as llama.cpp would: 2-D weights in `qtype` (None: F32; or a
+    function of the GGUF tensor name giving its type). `edit(kv, tensors)` may change the metadata
+    (GGUFValue by key) and the tensors (GGUF name -> array, or (bytes, raw type)) before writing."""
     config = json.loads((model_dir / "config.json").read_text())
     arch = GGUF_ARCH[config["model_type"]]
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -59,7 +61,7 @@ def write_gguf(model_dir: Path, path: Path, qtype=None) -> None:
         tokens[i] = text
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
 
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, endianess=endianess or gguf.GGUFEndian.LITTLE)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])
@@ -84,6 +86,7 @@ def write_gguf(model_dir: Path, path: Path, qtype=None) -> None:
     w.add_add_bos_token(False)
     w.add_chat_template(tok_config["chat_template"])
 
+    tensors: dict[str, Any] = {}
     for name, value in sorted(mx.load(str(model_dir / "model.safetensors")).items()):
         a = np.array(value.astype(mx.float32))
         if arch == "llama" and name.endswith("q_proj.weight"):
@@ -92,10 +95,16 @@ def write_gguf(model_dir: Path, path: Path, qtype=None) -> None:
             a = _permute(a, config["num_key_value_heads"])
         elif arch == "gemma3" and name.endswith("norm.weight"):
             a = a + 1.0
-        if qtype is not None and a.ndim == 2:
-            w.add_tensor(_gguf_name(name, arch), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+        gname = _gguf_name(name, arch, config["num_hidden_layers"])
+        t = qtype(gname) if callable(qtype) else qtype
+        tensors[gname] = (gguf.quants.quantize(a, t), t) if t is not None and a.ndim == 2 else a
+    if edit is not None:
+        edit(w.kv_data[0], tensors)
+    for gname, t in tensors.items():
+        if isinstance(t, tuple):
+            w.add_tensor(gname, t[0], raw_dtype=t[1])
         else:
-            w.add_tensor(_gguf_name(name, arch), a)
+            w.add_tensor(gname, t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -112,12 +121,30 @@ def _logits(model_dir: Path, text: str = TEXT) -> tuple[mx.array, list[int]]:
     return out, ids
 
 
+def _distinct_norms(model_dir: Path) -> None:
+    """Give every RMSNorm its own random weights (built, they are all equal), so a norm imported
+    into another's place changes the logits."""
+    path = model_dir / "model.safetensors"
+    if (model_dir / ".norms").exists():
+        return
+    weights = mx.load(str(path))
+    rng = np.random.default_rng(7)
+    for name, value in weights.items():
+        if name.endswith("norm.weight"):
+            noise = rng.uniform(-0.5, 0.5, value.shape).astype(np.float32)
+            weights[name] = (value.astype(mx.float32) + mx.array(noise)).astype(value.dtype)
+    mx.save_safetensors(str(path), weights, metadata={"format": "mlx"})
+    (model_dir / ".norms").touch()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf")
 
     def make(arch: str) -> Path:
-        return build_model_dir(root / f"ref-{arch}", arch=arch, size="micro", overrides=OVERRIDES.get(arch))
+        path = build_model_dir(root / f"ref-{arch}", arch=arch, size="micro", overrides=OVERRIDES.get(arch))
+        _distinct_norms(path)
+        return path
 
     return make
 
@@ -134,7 +161,14 @@ def test_float_round_trip_is_exact(arch, reference, tmp_path):
     assert got_ids == want_ids
     assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item(), mx.abs(got - want).max().item()
     ref_tpl = json.loads((ref / "tokenizer_config.json").read_text())["chat_template"]
-    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == ref_tpl
+    tok_config = json.loads((out / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == ref_tpl
+    # the special tokens' texts are the GGUF's own tokens at its own ids (bos and eos differ here)
+    fields = {k: f.contents() for k, f in gguf.GGUFReader(str(tmp_path / "m.gguf")).fields.items()}
+    tokens = fields["tokenizer.ggml.tokens"]
+    for key, gguf_key in (("bos", "bos"), ("eos", "eos"), ("pad", "padding")):
+        assert tok_config[f"{key}_token"] == tokens[fields[f"tokenizer.ggml.{gguf_key}_token_id"]], key
+    assert tok_config["bos_token"] != tok_config["eos_token"]
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
