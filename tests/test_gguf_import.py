@@ -260,3 +260,115 @@ def test_real_checkpoint_answers_in_english(smollm2_dir):
     first = generate(model, tokenizer, prompt, max_tokens=12)
     assert "Paris" in first
     assert generate(model, tokenizer, prompt, max_tokens=12) == first
+
+
+# ---- the importer as a tool users trust with their files (issue 50, item 6) ----
+
+def _value(value: Any, vtype: str, sub: str | None = None) -> Any:
+    """A GGUF metadata value for write_gguf's edit hook."""
+    t = gguf.GGUFValueType
+    return gguf.GGUFValue(value=value, type=t[vtype], sub_type=t[sub] if sub else None)
+
+
+def _cli_refuses(capsys, source: Path, out: Path, match: str, dtype: str = "float32") -> str:
+    """The CLI's answer to a bad import: exit 2, one line on stderr naming `match`, no traceback
+    (an exception escaping main would fail the test here), `out` not created."""
+    from vllm_mlx_persist import cli
+
+    existed = out.exists()
+    capsys.readouterr()
+    rc = cli.main(["make-model", str(out), "--from-gguf", str(source), "--dtype", dtype])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and match in err, err
+    assert existed or not out.exists()
+    assert [p.name for p in out.parent.iterdir() if ".importing-" in p.name] == []
+    return err
+
+
+def test_reimport_never_deletes_files_it_did_not_write(reference, tmp_path):
+    """A directory the importer wrote may hold the user's own files (here the source GGUF, moved
+    inside, and a note): importing again, with another dtype or --force, replaces only its own."""
+    write_gguf(reference("llama"), tmp_path / "m.gguf")
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+    source = out / "m.gguf"
+    (tmp_path / "m.gguf").rename(source)
+    (out / "notes.txt").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "x.bin").write_bytes(b"x")
+    before = source.read_bytes()
+    gguf_import.import_gguf(source, out, dtype="float16")
+    assert gguf_import.read_stamp(out)["dtype"] == "float16"
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+    gguf_import.import_gguf(source, out, dtype="float16", force=True)
+    assert source.read_bytes() == before
+    assert (out / "notes.txt").read_text() == "mine" and (out / "data" / "x.bin").read_bytes() == b"x"
+    _logits(out)  # still a model
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    # a source kept under a name the import writes would be overwritten by it: refused
+    (out / "model.safetensors").write_bytes(before)
+    with pytest.raises(gguf_import.GGUFImportError, match="one of the files the import writes"):
+        gguf_import.import_gguf(out / "model.safetensors", out, dtype="float32")
+    assert (out / "model.safetensors").read_bytes() == before
+
+
+UNREADABLE = ["F64", "I8", "I16", "I32", "I64", "Q8_1", "Q8_K"]
+
+
+@pytest.mark.parametrize("qtype", UNREADABLE)
+def test_tensor_types_ggml_cannot_dequantize_are_named(qtype, reference, tmp_path, capsys):
+    """A tensor in a type ggml's gguf package cannot dequantize: one line naming the tensor and its
+    type, in every dtype; `quantized` does not send the user to a float path that fails too."""
+    t = gguf.GGMLQuantizationType[qtype]
+
+    def edit(kv, tensors):
+        a = tensors["blk.0.ffn_down.weight"]  # (hidden, intermediate=256): whole Q8_K blocks
+        if qtype in ("Q8_1", "Q8_K"):
+            block, size = gguf.GGML_QUANT_SIZES[t]
+            tensors["blk.0.ffn_down.weight"] = (np.zeros((a.shape[0], a.shape[1] // block * size), np.uint8), t)
+        else:
+            tensors["blk.0.ffn_down.weight"] = a.astype({"F64": np.float64, "I8": np.int8, "I16": np.int16,
+                                                          "I32": np.int32, "I64": np.int64}[qtype])
+
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=edit)
+    for dtype in ("float32", "quantized"):
+        err = _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", "blk.0.ffn_down.weight", dtype)
+        assert qtype in err and "float dtype" not in err, err
+
+
+def test_big_endian_file_is_refused_not_byte_swapped(reference, tmp_path, capsys):
+    """ggml's writer can write big-endian files; read as little-endian every weight would be
+    byte-swapped. Refused in one line saying how to convert; converted, it imports exactly."""
+    ref = reference("llama")
+    write_gguf(ref, tmp_path / "m.gguf", endianess=gguf.GGUFEndian.BIG)
+    for dtype in ("float32", "quantized"):
+        err = _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", "big-endian", dtype)
+        assert "gguf-convert-endian" in err
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_convert_endian", str(tmp_path / "m.gguf"), "little"],
+                   input="YES\n", text=True, check=True, capture_output=True)
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+    want, _ = _logits(ref)
+    got, _ = _logits(out)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def test_killed_imports_folders_are_swept(reference, tmp_path):
+    """A killed import leaves its hidden `.OUT.importing-*` folder; the next import of OUT removes
+    those of processes that are gone (and the pid-less ones older versions left), keeps a running
+    import's, and touches nothing else."""
+    write_gguf(reference("llama"), tmp_path / "m.gguf")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        names = {f".out.importing-{dead.pid}-ab_c1234": False, ".out.importing-x1y2z3w4": False,  # swept
+                 f".out.importing-{live.pid}-abcd1234": True, ".out.importing-notes": True,  # kept
+                 f".out.importing-7.importing-{dead.pid}-abcd1234": True,  # another OUT's ("out.importing-7")
+                 f".other.importing-{dead.pid}-abcd1234": True}
+        for name in names:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "model.safetensors").write_bytes(b"partial")
+        gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+        assert {n: (tmp_path / n).exists() for n in names} == names
+    finally:
+        live.communicate(b"")

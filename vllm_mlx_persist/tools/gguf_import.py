@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,10 +92,38 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
         fields = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     except Exception as e:  # on damage the reader raises ValueError (a cut tensor), IndexError, struct errors...
         raise GGUFImportError(f"{p}: damaged or truncated GGUF ({type(e).__name__}: {e})") from e
+    if reader.byte_order != "I":  # the reader views metadata swapped, but hands tensor bytes over as stored
+        raise GGUFImportError(f"{p}: a {reader.endianess.name.lower()}-endian GGUF, which this importer does "
+                              f"not read; convert a copy first: gguf-convert-endian COPY {sys.byteorder}")
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise GGUFImportError(f"{p}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    _check_tensor_types(p, reader)
     return GGUFModel(p, reader, fields, arch)
+
+
+def _dequantizable(qtype: Any) -> bool:
+    """Whether ggml's gguf package can dequantize tensors of this type (it raises
+    NotImplementedError for the others: F64, I8-I64, Q8_1, Q8_K, ...)."""
+    import gguf
+
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    try:
+        gguf.quants.dequantize(np.zeros((1, type_size), np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _check_tensor_types(path: Path, reader: Any) -> None:
+    """Refuse a file holding a tensor no import path can read, naming it (before anything is written)."""
+    readable: dict[Any, bool] = {}
+    bad = [t for t in reader.tensors
+           if not readable.setdefault(t.tensor_type, _dequantizable(t.tensor_type))]
+    if bad:
+        more = f" (and {len(bad) - 1} more tensors)" if len(bad) > 1 else ""
+        raise GGUFImportError(f"{path}: tensor {bad[0].name} is of type {bad[0].tensor_type.name}{more}, which "
+                              "ggml's gguf package cannot dequantize; no dtype can import this file")
 
 
 def model_config(m: GGUFModel) -> dict[str, Any]:
@@ -304,13 +334,63 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
 
+# A hidden import folder: ".OUT.importing-PID-XXXXXXXX" (PID-less before; mkdtemp's 8 characters).
+_IMPORTING = re.compile(r"(?:(\d+)-)?[a-z0-9_]{8}")
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def sweep_stale_imports(out: Path) -> list[Path]:
+    """Remove the hidden folders that killed imports into `out` left beside it: those whose process
+    is gone, and the PID-less ones of older versions. A running import's folder is kept."""
+    prefix = f".{out.name}.importing-"
+    try:
+        entries = [p for p in out.parent.iterdir() if p.name.startswith(prefix)]
+    except OSError:
+        return []
+    swept = []
+    for p in entries:
+        match = _IMPORTING.fullmatch(p.name[len(prefix):])
+        if match is None or p.is_symlink() or not p.is_dir():
+            continue
+        if match.group(1) is not None and _running(int(match.group(1))):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+        swept.append(p)
+    return swept
+
+
+def _install(tmp: Path, out: Path, stamp: dict[str, Any]) -> None:
+    """Put the import written in `tmp` at `out`. A new (or empty) `out` is `tmp` renamed. Into an
+    earlier import only the importer's own files are replaced, one by one, between a stamp marked
+    incomplete and the real one: whatever else the user keeps there is never touched."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        move_into_place(tmp, out, lambda: read_stamp(out) == stamp)  # a concurrent import of the same file
+        return
+    pending = tmp / f"{STAMP_FILE}.pending"
+    _write_json(pending, {**stamp, "complete": False})  # still the importer's, never taken as done
+    os.replace(pending, out / STAMP_FILE)
+    for name in MODEL_FILES:
+        os.replace(tmp / name, out / name)
+    os.replace(tmp / STAMP_FILE, out / STAMP_FILE)
+
+
 def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "auto",
                 force: bool = False) -> Path:
     """Write an mlx-lm model directory at `out_dir` from a GGUF file; return its absolute path.
 
     Does nothing when `out_dir` already holds this file imported with this dtype (unless `force`).
-    Writes into a sibling temporary directory renamed into place, so a half-written directory is never
-    taken for a model; refuses to replace a non-empty directory it did not write.
+    Writes into a sibling temporary directory first (a killed import's is swept by the next import of
+    `out_dir`), so a half-written directory is never taken for a model; refuses a non-empty directory
+    it did not write, and in one it wrote replaces only its own files.
     """
     import mlx.core as mx
 
@@ -321,6 +401,10 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
     source = Path(gguf_path).expanduser()
     if not source.is_file():
         raise GGUFImportError(f"{source}: no such file")
+    ours = {out / f for f in (*MODEL_FILES, STAMP_FILE)}
+    if source.resolve() in ours:
+        raise GGUFImportError(f"{source}: the source is one of the files the import writes; move it elsewhere")
+    sweep_stale_imports(out)
     stamp = _stamp(source, dtype)  # before parsing: a re-run on an imported directory costs one hash
     if not force and read_stamp(out) == stamp and all((out / f).is_file() for f in MODEL_FILES):
         return out
@@ -338,7 +422,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
         weights = float_weights(m, config, dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.importing-{os.getpid()}-", dir=out.parent))
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), dict(sorted(weights.items())),
                             metadata={"format": "mlx"})
@@ -349,7 +433,7 @@ def import_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, dtype:
                                                      "eos_token_id": config["eos_token_id"]})
         _write_json(tmp / STAMP_FILE, stamp)  # last: marks the directory complete
         os.chmod(tmp, 0o755)
-        move_into_place(tmp, out, lambda: read_stamp(out) == stamp)  # a concurrent import of the same file
+        _install(tmp, out, stamp)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
