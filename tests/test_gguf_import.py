@@ -372,3 +372,140 @@ def test_killed_imports_folders_are_swept(reference, tmp_path):
         assert {n: (tmp_path / n).exists() for n in names} == names
     finally:
         live.communicate(b"")
+
+
+def test_end_of_turn_ids_are_stop_tokens(reference, tmp_path):
+    """eos <|endoftext|>, eot <|im_end|>, eom <|im_start|>: all three are stop tokens for mlx-lm (hence
+    vllm-mlx's scheduler, which reads mlx-lm's tokenizer) and in the config files; a reply that ends
+    its turn stops there."""
+    from mlx_lm import load, stream_generate
+    from vllm_mlx.utils.tokenizer import collect_eos_token_ids
+
+    from vllm_mlx_persist.tools.models import IM_END_ID, IM_START_ID, PAD_ID
+
+    def edit(kv, tensors):
+        kv["tokenizer.ggml.eos_token_id"] = _value(PAD_ID, "UINT32")
+        kv["tokenizer.ggml.eot_token_id"] = _value(IM_END_ID, "UINT32")
+        kv["tokenizer.ggml.eom_token_id"] = _value(IM_START_ID, "UINT32")
+
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=edit)
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+    stops = [PAD_ID, IM_END_ID, IM_START_ID]
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == stops
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == stops
+    model, tokenizer = load(str(out))
+    assert set(tokenizer.eos_token_ids) == set(stops)
+    assert collect_eos_token_ids(tokenizer, out) == set(stops)
+
+    steps = []
+
+    def end_turn_at_third(tokens, logits):  # the model "answers" two tokens, then ends its turn
+        steps.append(len(steps))
+        if len(steps) == 3:
+            return mx.where(mx.arange(logits.shape[-1]) == IM_END_ID, 1e9, -1e9)[None]
+        return logits
+
+    last = None
+    for last in stream_generate(model, tokenizer, "hello", max_tokens=20, logits_processors=[end_turn_at_third]):
+        pass
+    assert last.finish_reason == "stop" and last.generation_tokens <= 3, (last.finish_reason, last.generation_tokens)
+
+
+def _drop(key):
+    def edit(kv, tensors):
+        del kv[key]
+    return edit
+
+
+def _set(key, value):
+    def edit(kv, tensors):
+        kv[key] = value
+    return edit
+
+
+ODD_METADATA = {  # edit -> what the one-line error must name
+    "block_count as text": (_set("llama.block_count", _value("two", "STRING")), "llama.block_count"),
+    "head_count differs per layer": (_set("llama.attention.head_count", _value([2, 4], "ARRAY", "UINT32")),
+                                     "llama.attention.head_count"),
+    "head_count_kv differs per layer": (_set("llama.attention.head_count_kv", _value([1, 2], "ARRAY", "UINT32")),
+                                        "llama.attention.head_count_kv"),
+    "feed_forward_length as a float": (_set("llama.feed_forward_length", _value(256.0, "FLOAT32")),
+                                       "llama.feed_forward_length"),
+    "rope.freq_base as text": (_set("llama.rope.freq_base", _value("10000", "STRING")), "llama.rope.freq_base"),
+    "no embedding_length": (_drop("llama.embedding_length"), "llama.embedding_length"),
+    "bos id as text": (_set("tokenizer.ggml.bos_token_id", _value("1", "STRING")), "tokenizer.ggml.bos_token_id"),
+    "eos id past the vocabulary": (_set("tokenizer.ggml.eos_token_id", _value(10**6, "UINT32")),
+                                   "tokenizer.ggml.eos_token_id"),
+    "eot id past the vocabulary": (_set("tokenizer.ggml.eot_token_id", _value(4096, "UINT32")),
+                                   "tokenizer.ggml.eot_token_id"),
+    "tokens as one string": (_set("tokenizer.ggml.tokens", _value("abc", "STRING")), "tokenizer.ggml.tokens"),
+    "tokens as numbers": (_set("tokenizer.ggml.tokens", _value(list(range(1024)), "ARRAY", "INT32")),
+                          "tokenizer.ggml.tokens"),
+    "no merges for a gpt2 tokenizer": (_drop("tokenizer.ggml.merges"), "tokenizer.ggml.merges"),
+    "token_type of another length": (_set("tokenizer.ggml.token_type", _value([1, 3], "ARRAY", "INT32")),
+                                     "tokenizer.ggml.token_type"),
+    "add_bos_token as text": (_set("tokenizer.ggml.add_bos_token", _value("false", "STRING")),
+                              "tokenizer.ggml.add_bos_token"),
+    "chat_template as a number": (_set("tokenizer.chat_template", _value(5, "UINT32")), "tokenizer.chat_template"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ODD_METADATA))
+def test_odd_metadata_is_one_clear_line(case, reference, tmp_path, capsys):
+    """Missing or wrong-typed metadata: the CLI's one line names the key (no KeyError / TypeError
+    traceback, no model stamped complete from a value read wrongly)."""
+    edit, key = ODD_METADATA[case]
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=edit)
+    _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", key)
+
+
+def test_per_layer_values_that_agree_are_taken(reference, tmp_path):
+    """llama.cpp's per-layer arrays (head counts, feed-forward sizes) import when every layer agrees."""
+    ref = reference("llama")
+    config = json.loads((ref / "config.json").read_text())
+    n = config["num_hidden_layers"]
+
+    def edit(kv, tensors):
+        for key, name in (("llama.attention.head_count", "num_attention_heads"),
+                          ("llama.attention.head_count_kv", "num_key_value_heads"),
+                          ("llama.feed_forward_length", "intermediate_size")):
+            kv[key] = _value([config[name]] * n, "ARRAY", "UINT32")
+
+    write_gguf(ref, tmp_path / "m.gguf", edit=edit)
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+    want, _ = _logits(ref)
+    got, _ = _logits(out)
+    assert mx.allclose(got, want, atol=1e-4, rtol=1e-4).item()
+
+
+def _tensor(name, fn):
+    def edit(kv, tensors):
+        if fn is None:
+            del tensors[name]
+        else:
+            tensors[name] = fn(tensors[name])
+    return edit
+
+
+MISMATCHED = {  # edit -> what the one-line error must name
+    "hidden size": (_set("llama.embedding_length", _value(192, "UINT32")), "token_embd.weight"),
+    "heads": (_set("llama.attention.head_count", _value(4, "UINT32")), "blk.0.attn_q.weight"),
+    "kv heads": (_set("llama.attention.head_count_kv", _value(2, "UINT32")), "blk.0.attn_k.weight"),
+    "more layers than tensors": (_set("llama.block_count", _value(3, "UINT32")), "blk.2."),
+    "fewer layers than tensors": (_set("llama.block_count", _value(1, "UINT32")), "blk.1."),
+    "vocabulary past the embedding": (_set("llama.vocab_size", _value(512, "UINT32")), "token_embd.weight"),
+    "a tensor missing": (_tensor("blk.1.ffn_up.weight", None), "blk.1.ffn_up.weight"),
+    "a tensor transposed": (_tensor("blk.0.ffn_down.weight", lambda a: np.ascontiguousarray(a.T)),
+                            "blk.0.ffn_down.weight"),
+    "a norm of another length": (_tensor("blk.1.attn_norm.weight", lambda a: a[:64]), "blk.1.attn_norm.weight"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MISMATCHED))
+def test_tensors_not_matching_the_metadata_are_refused(case, reference, tmp_path, capsys):
+    """Tensors are checked against the model the metadata describes (mlx-lm's own class for it)
+    before anything is written: never imported and stamped complete."""
+    edit, name = MISMATCHED[case]
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=edit)
+    for dtype in ("float32", "quantized"):
+        _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", name, dtype)
