@@ -509,3 +509,39 @@ def test_tensors_not_matching_the_metadata_are_refused(case, reference, tmp_path
     write_gguf(reference("llama"), tmp_path / "m.gguf", edit=edit)
     for dtype in ("float32", "quantized"):
         _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", name, dtype)
+
+
+def test_mixed_quantized_file_declares_each_modules_bits(reference, tmp_path):
+    """llama.cpp mixes types in one file (Q4_K_M keeps some tensors at higher precision): a Q8_0
+    tensor in a Q4_0 file must be declared 8-bit for its module in config.json's quantization, as the
+    GGUF's own tensor types say, and compute what the dequantized import computes."""
+    ref = reference("llama")
+    eight = {"blk.0.attn_v.weight", "blk.1.ffn_down.weight", "token_embd.weight"}
+    q = gguf.GGMLQuantizationType
+    write_gguf(ref, tmp_path / "m.gguf", qtype=lambda name: q.Q8_0 if name in eight else q.Q4_0)
+    kept = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "q", dtype="quantized")
+    floats = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "f32", dtype="float32")
+    quantization = json.loads((kept / "config.json").read_text())["quantization"]
+    bits = {q.Q4_0: 4, q.Q8_0: 8}
+    for t in gguf.GGUFReader(str(tmp_path / "m.gguf")).tensors:
+        if t.tensor_type in bits:
+            module = gguf_import.mlx_name(t.name, "llama").rpartition(".")[0]
+            assert quantization.get(module, quantization)["bits"] == bits[t.tensor_type], t.name
+    got_q, _ = _logits(kept)
+    got, _ = _logits(floats)
+    scale = mx.abs(got).max().item()
+    assert mx.allclose(got_q, got, atol=1e-3 * scale).item(), mx.abs(got_q - got).max().item()
+
+
+def test_gemma_sliding_window_pattern_as_per_layer_flags(reference, tmp_path, capsys):
+    """llama.cpp may state Gemma 3's layout per layer (true: sliding window): five sliding then one
+    global is mlx-lm's pattern 6; any layout mlx-lm cannot express is refused, naming the key."""
+    ref = reference("gemma3_text")
+    key = "gemma3.attention.sliding_window_pattern"
+    write_gguf(ref, tmp_path / "m.gguf", edit=_set(key, _value([True] * 5 + [False], "ARRAY", "BOOL")))
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+    assert json.loads((out / "config.json").read_text())["sliding_window_pattern"] == 6
+    for layout in ([True, False, True, True, True, False], [True] * 6, "5 then 1"):
+        value = _value(layout, "STRING") if isinstance(layout, str) else _value(layout, "ARRAY", "BOOL")
+        write_gguf(ref, tmp_path / "m.gguf", edit=_set(key, value))
+        _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "other", key)
