@@ -305,6 +305,13 @@ def test_reimport_never_deletes_files_it_did_not_write(reference, tmp_path):
     assert (out / "notes.txt").read_text() == "mine" and (out / "data" / "x.bin").read_bytes() == b"x"
     _logits(out)  # still a model
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+    # a file it cannot import leaves the earlier import as it was
+    snapshot = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    (tmp_path / "cut.gguf").write_bytes(before[: len(before) // 2])
+    with pytest.raises(gguf_import.GGUFImportError, match="truncated"):
+        gguf_import.import_gguf(tmp_path / "cut.gguf", out, dtype="float32")
+    (tmp_path / "cut.gguf").unlink()
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == snapshot
     # a source kept under a name the import writes would be overwritten by it: refused
     (out / "model.safetensors").write_bytes(before)
     with pytest.raises(gguf_import.GGUFImportError, match="one of the files the import writes"):
