@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             source = args.from_gguf or gguf_import.packaged_gguf(args.from_package)
             print(gguf_import.import_gguf(source, args.out_dir, dtype=args.dtype, force=args.force))
-        except (gguf_import.GGUFImportError, FileExistsError) as e:
+        except (gguf_import.GGUFImportError, OSError) as e:  # OSError: FileExistsError, a full disk, ...
             print(f"vllm-mlx-persist make-model: {e}", file=sys.stderr)
             return 2
         return 0
