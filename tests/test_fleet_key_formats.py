@@ -6,6 +6,7 @@ Pools hold synthetic 4-bit blocks (test_remote.chain) on one real redis-server."
 from __future__ import annotations
 
 import hashlib
+import time
 import logging
 from pathlib import Path
 
@@ -112,3 +113,32 @@ def test_an_unknown_agent_is_still_unknown_on_every_key_format(servers):
     a, _ = servers("a", "q4")
     servers("b", "k8v4")
     assert not a.erase("nobody")
+
+
+def test_an_erasure_that_misses_another_keyspace_stays_pending_and_is_sent_after_a_restart(servers, redis_server):
+    """The outbox lets an erasure go only once every keyspace of the weights has its tombstone: one
+    that cannot be written there (here: the key holds another type, so Redis answers WRONGTYPE) stays
+    pending, and the next start writes it."""
+    a, _ = servers("a", "q4")
+    b, _ = servers("b", "k8v4")
+    client = redis_server.client()
+    key_b = b.fleet.tier.manifest_key("y")
+    client.set(key_b, b"not a manifest hash")
+    a.erase("y")
+    assert a.fleet.tier.flush(20)
+    deadline = time.monotonic() + 20
+    while a.fleet.stats()["family_erasure_failures"] < 1:
+        assert time.monotonic() < deadline, "the failed erasure in B's keyspace was never seen"
+        time.sleep(0.02)
+    outbox = Path(a.fleet.outbox.dir)
+    assert len(list(outbox.glob("*.json"))) == 1  # still pending
+    client.delete(key_b)
+    a.close()
+    a, _ = servers("a", "q4")  # the same disk: its outbox queues the erasure again
+    assert a.fleet.tier.flush(20)
+    deadline = time.monotonic() + 20
+    while not list(outbox.glob("*.json")) == []:
+        assert time.monotonic() < deadline, "the erasure stayed pending after the restart"
+        time.sleep(0.02)
+    m = b.fleet.tier.get_manifest("y")
+    assert m is not None and m.erased

@@ -73,13 +73,15 @@ class Family:
         self.registered.set()
         return True
 
-    def refresh(self, force: bool = False) -> dict[str, dict]:
+    def refresh(self, force: bool = False, strict: bool = False) -> dict[str, dict]:
         """The other keyspaces of these weights (fingerprint -> what they registered), read again when
-        `force` or older than REFRESH_S; registers this one first if it has not yet. Never raises."""
+        `force` or older than REFRESH_S (and, unless forced, Redis not known down: the tier's breaker);
+        registers this one first if it has not yet. Never raises, unless `strict` (then a failed read
+        raises the tier's Redis error instead of answering what the last read found)."""
         now = self.clock()
         with self._lock:
             due = force or self._read_at is None or now - self._read_at >= REFRESH_S
-            if not due:
+            if not due or (not force and not self.tier.conn.breaker.allow()):  # Redis known down: not waited on
                 return dict(self._others)
             self._read_at = now
         if not self.registered.is_set():
@@ -88,6 +90,8 @@ class Family:
             raw = self.tier.conn.client.hgetall(self.key)
         except self.tier.conn.redis_errors as e:
             log.debug("fleet: reading the weights' keyspaces failed: %s", e)
+            if strict:
+                raise
             with self._lock:
                 return dict(self._others)
         others = {}
@@ -155,7 +159,7 @@ class Family:
     def _erase(self, namespace: str, ident: str) -> None:
         tier = self.tier
         client = tier.conn.write_client
-        for fp, info in self.refresh(force=True).items():
+        for fp, info in self.refresh(force=True, strict=True).items():
             keys, manifests = self._sibling(fp)
             key = keys.manifest(namespace)
             for _ in range(_CAS_TRIES):
