@@ -234,7 +234,9 @@ class PersistQ4Backend:
         settings = self.fleet_settings
 
         def build(pool: Any) -> Fleet:
-            fleet = Fleet(pool, lambda **callbacks: RemoteTier(settings, self.fingerprint, **callbacks))
+            # The weights' keyspaces of every key format (fleet/family.py): q4's fingerprint is theirs.
+            family = (self._q4_fingerprint(), str((self.key_report or {}).get("chosen") or self.opts["key_format"]))
+            fleet = Fleet(pool, lambda **callbacks: RemoteTier(settings, self.fingerprint, **callbacks), family)
             t = fleet.tier
             log.info("persist_q4: fleet tier on: %s%s (requests wait for it at most %.1fs; %s)", t.url_redacted,
                      " (Redis Cluster)" if t.cluster else "", settings.wait_s,
@@ -365,6 +367,8 @@ class PersistQ4Backend:
                **{f"carry_float_{k}": v for k, v in fc.carry_counts.items()}, **keys}
         if self.fleet is not None:
             out["remote"] = self.fleet.stats()
+            if out["remote"].get("mixed_key_formats"):  # servers of these weights that share no K/V with this one
+                out["health"]["fleet_key_formats"] = out["remote"]["key_formats"]
         return out
 
     def clear(self) -> None:

@@ -41,6 +41,9 @@ class Branch:
     `made`: when a commit last wrote the branch's content (None: at `last_used`, as a commit sets
     both); a lookup serving from the branch moves `last_used` only, so a use never makes content
     removed by a forget newer than its removal (`written`; docs/fleet.md, "The merge rules").
+    `prompt`: how many of its tokens its last turn's request sent (the rest is the reply as generated;
+    None: not known, e.g. read back from a manifest); in memory only, for the commit's choice of
+    which branch goes beyond the bound (commit.py).
     A branch is never changed in place: a changed branch (even only its `last_used`) is a new Branch.
     """
 
@@ -51,6 +54,7 @@ class Branch:
     rotations: Segments = ()
     generation: int = 0
     made: Optional[float] = None
+    prompt: Optional[int] = None
 
     @property
     def spliced(self) -> bool:

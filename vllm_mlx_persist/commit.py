@@ -24,7 +24,7 @@ import mlx.core as mx
 from .agents import Agents
 from .blocks import Agent, Block, BlockState, BlockTable, Run
 from .caches import ModelCodec
-from .chain import Branch, Chains, Links, common, lcp, limit_branches, manifest_of
+from .chain import Branch, Chains, Links, common, lcp, manifest_of
 from .disk_format import BlockData
 from .namespace import spliced_seed
 from .persister import Persister
@@ -60,6 +60,7 @@ class Plan:
     # Recurrent models: (block id, position in it) of the resume points of the agent's branches that
     # stay beside the turn's (their checkpoints are kept).
     resume_keep: set = field(default_factory=set)
+    asked: Optional[int] = None  # tokens of the turn the request sent (chain.Branch.prompt; None: unknown)
 
 
 @dataclass
@@ -87,10 +88,11 @@ class Commit:
     # ---- plan (lock held) -----------------------------------------------------------------------
 
     def plan(self, agent: Agent, tokens: list[int], fork_from: Optional[str], reused: int, epoch: int,
-             rotations: Segments = (), generation: int = 0) -> Plan:
+             rotations: Segments = (), generation: int = 0, asked: Optional[int] = None) -> Plan:
         """`reused`: the tokens the request's lookup took from this agent's blocks; the cache holds
         them bit for bit, so the blocks holding only those become views of it too. `rotations`,
-        `generation`: a spliced history's (kv_edit; 0: an honest turn)."""
+        `generation`: a spliced history's (kv_edit; 0: an honest turn). `asked`: how many of
+        `tokens` the request sent (its prompt as served; None: not known)."""
         links = self._links_for(agent, tokens, fork_from, generation)
         ids = self.chains.ids(links, tokens)
         steps = []
@@ -109,7 +111,7 @@ class Commit:
             else:
                 steps.append(Step(start, chunk, bid, block, "keep", block.layers, others > 0))
         plan = Plan(agent, tokens, links, ids, steps, epoch, rotations=clip(rotations, len(tokens)),
-                    generation=generation)
+                    generation=generation, asked=asked)
         if self.codec.has_state:
             plan.old_hot = self._hot_prefixes(agent, tokens)
             plan.resume_keep = {r for br in agent.branches if self.stays(br, tokens, generation)
@@ -189,6 +191,43 @@ class Commit:
                     break
                 start += n
         return out
+
+    def limit(self, branches: list[Branch], limit: int,
+              turn: Callable[[str], Optional[tuple]] = lambda bid: None) -> list[Branch]:
+        """(lock held) `branches` (least recently used first, the turn's last) within `limit` of each
+        kind (honest, spliced; `limit_branches`). Beyond it a branch whose whole prompt another kept
+        branch holds goes first (`prompt_held`: its own tokens are only a reply as generated, which
+        the client re-rendered and sent on: its follow-up is that other branch), the least recently
+        used such; only then the least recently used. So concurrent turns of one agent keep each
+        other, whatever order their commits and their follow-ups land in. The turn's never goes.
+        `turn`: the tokens of the turn's blocks (not in the table yet) by id."""
+        out = list(branches)
+        while True:
+            kinds = [k for k in (False, True) if sum(br.spliced == k for br in out) > limit]
+            if not kinds:
+                return out
+            same = [i for i, br in enumerate(out) if br.spliced == kinds[0]]
+            spare = [i for i in same if i != len(out) - 1
+                     and any(self.prompt_held(out[i], out[j], turn) for j in same if j != i)]
+            del out[(spare or same)[0]]
+
+    def prompt_held(self, b: Branch, c: Branch, turn: Callable[[str], Optional[tuple]] = lambda bid: None) -> bool:
+        """(lock held) Whether branch `c` holds every token of `b`'s last prompt (`Branch.prompt`):
+        the same whole blocks, then the same tokens of the block it ends in (False when not known:
+        no prompt recorded, or a block's tokens not in memory)."""
+        p = b.prompt
+        if not p or c.n_tokens < p:
+            return False
+        w, r = divmod(p, self.block_size)
+        if c.block_ids[:w] != b.block_ids[:w]:
+            return False
+        if not r:
+            return True
+        if len(c.block_ids) <= w or len(b.block_ids) <= w:
+            return False
+        mine, theirs = (turn(x) or getattr(self.table.blocks.get(x), "tokens", ())
+                        for x in (b.block_ids[w], c.block_ids[w]))
+        return len(mine) >= r and len(theirs) >= r and tuple(mine[:r]) == tuple(theirs[:r])
 
     # ---- build (no lock) ------------------------------------------------------------------------
 
@@ -318,8 +357,9 @@ class Commit:
         if forget is not None:
             kept = forget(kept)
         kept.append(Branch(plan.ids, len(tokens), plan.links, self.agents.stamp(agent), plan.rotations,
-                           plan.generation))
-        limited = limit_branches(kept, limit)
+                           plan.generation, prompt=plan.asked))
+        turn = {s.block_id: s.tokens for s in plan.steps}
+        limited = self.limit(kept, limit, turn.get)
         self.stats["branches_evicted"] += len(kept) - len(limited)
         kept = limited
         dead = self.table.name(agent, kept)

@@ -266,7 +266,8 @@ class BlockPool:
         prompt = [int(t) for t in prompt]
         with self.core.lock:
             if request_id is not None and namespace is not None:
-                self.core.inflight[request_id] = [namespace, False, 0, self.core.epoch, self.clock()]
+                # [agent, erased meanwhile, tokens reused, epoch, when, tokens of the prompt served]
+                self.core.inflight[request_id] = [namespace, False, 0, self.core.epoch, self.clock(), len(prompt)]
                 if self.persister is not None:
                     self.persister.begin_use(namespace)
             agent = self.agents.find_anonymous(prompt) if namespace is None else self.agents.get(namespace)
@@ -325,6 +326,8 @@ class BlockPool:
         with self.core.lock:
             if request_id is not None and request_id in self.core.inflight:
                 self.core.inflight[request_id][2] = covered
+                if found.prompt is not None:  # served as the stored tokens (matched by text)
+                    self.core.inflight[request_id][5] = len(found.prompt)
             self.stats["hits_disk" if found.from_disk else "hits_hot"] += 1
             self.stats["tokens_reused"] += covered
             forked = parent is not None and found.src is parent
@@ -408,7 +411,10 @@ class BlockPool:
                     return 0, None  # a forget dropped the agent's spliced histories (or all of it) since the lookup
                 # A spliced cache holds no stored block bit for bit (its lookup was another agent's).
                 reused = inflight[2] if inflight and not generation else 0
-                plan = self.committer.plan(agent, tokens, fork_from, reused, self.core.epoch, rotations, generation)
+                # the request's prompt, so a later turn holding all of it may take this branch's place
+                asked = inflight[5] if inflight and not generation and inflight[5] <= len(tokens) else None
+                plan = self.committer.plan(agent, tokens, fork_from, reused, self.core.epoch, rotations, generation,
+                                           asked)
             built = self.committer.build(plan, cache)  # MLX, no lock
             with self.core.lock:
                 if inflight is not None and inflight[1]:

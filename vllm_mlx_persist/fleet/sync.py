@@ -45,6 +45,7 @@ from typing import Callable, Optional
 
 from ..chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
 from ..disk_format import BlockData, Manifest
+from .family import Family
 from .manifests import RemoteManifest
 from .outbox import OUTBOX_DIR, Outbox
 from .pool_api import FleetPool
@@ -56,12 +57,15 @@ log = logging.getLogger("vllm_mlx_persist.fleet")
 class Fleet:
     """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
 
-    def __init__(self, pool: FleetPool, make_tier: Callable[..., RemoteTier]):
+    def __init__(self, pool: FleetPool, make_tier: Callable[..., RemoteTier],
+                 family: Optional[tuple[str, str]] = None):
         """`make_tier(block_source=, on_erased=, branches=, keep_continued=)`: the RemoteTier, built
         here with this fleet's callbacks (blocks a put lacks come from the local disk, verified; a put
         refused by another server's erasure erases the agent here) and what a merge in Redis keeps:
         the pool's `branches`, and continued branches on a model with bounded sliding windows. The
-        tier's settings (FleetSettings) are this fleet's too."""
+        tier's settings (FleetSettings) are this fleet's too. `family`: (the weights' fingerprint with
+        keys as q4, this server's key format): the keyspaces of other key formats of the same weights
+        are watched (a mixed fleet is reported) and erasures reach them too (family.py)."""
         if pool.disk_queue_bytes is None:
             raise ValueError("the fleet tier needs the local disk tier")
         self.pool = pool
@@ -72,9 +76,12 @@ class Fleet:
              "lookup_wait_s_max"], 0)
         # Erasures acknowledged and not yet in Redis, on the local disk: queued again after a restart.
         self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR)
+        self.family: Optional[Family] = None
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
-                              on_erase_done=self.outbox.done, branches=pool.max_branches,
+                              on_erase_done=self._erase_done, branches=pool.max_branches,
                               keep_continued=pool.bounded_windows)
+        if family is not None:
+            self.family = Family(self.tier, *family)
         for namespace, era in self.outbox.pending():  # a server killed before its erasures reached Redis
             log.info("fleet: agent %r: its erasure did not reach Redis before the last stop; queued again",
                      namespace)
@@ -92,6 +99,8 @@ class Fleet:
         self._syncs: "OrderedDict[str, Future]" = OrderedDict()
         self._exec = ThreadPoolExecutor(settings.sync_threads, thread_name_prefix="vllm-mlx-persist-fleet")
         self._closed = False
+        if self.family is not None:
+            self._exec.submit(self.family.refresh)  # registers this keyspace; a mixed fleet is logged
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
@@ -135,8 +144,22 @@ class Fleet:
         """Erase fleet-wide (an API erasure, after the local one is durable); True if Redis held a
         live manifest for it (read within the tier's read time-out). The tombstone is queued."""
         m = self.tier.get_manifest(namespace)
+        elsewhere = self.family is not None and self.family.holds(namespace)  # another key format's keyspace
         self._erase_durably(namespace)
-        return m is not None and not m.erased
+        return (m is not None and not m.erased) or elsewhere
+
+    def _erase_done(self, namespace: str, ident: str) -> None:
+        """Tier writer thread: erasure `ident`'s tombstone is in this keyspace; written to the other
+        key formats' keyspaces of the weights too before the outbox lets it go (on a Redis failure
+        there it stays pending, queued again at the next start)."""
+        if self.family is not None:
+            try:
+                self.family.erase(namespace, ident)
+            except Exception as e:
+                log.error("fleet: agent %r: its erasure did not reach the keyspaces of other key formats (%s); "
+                          "kept pending", namespace, e)
+                return
+        self.outbox.done(namespace, ident)
 
     def _erase_durably(self, namespace: str) -> None:
         """Queue the fleet-wide erasure after recording it in the outbox (durable before the caller
@@ -223,6 +246,8 @@ class Fleet:
             log.exception("fleet: syncing agent %r failed", namespace)
 
     def _sync_agent(self, namespace: str) -> None:
+        if self.family is not None:
+            self.family.refresh()  # at most every family.REFRESH_S
         for _ in range(3):  # again after acting on an erasure: then the agent's history is of its era
             if not self._sync_once(namespace):
                 return
@@ -396,6 +421,8 @@ class Fleet:
             out = dict(self.counts)
             out["syncs_tracked"] = len(self._syncs)
         out.update(self.tier.stats())
+        if self.family is not None:
+            out.update(self.family.stats())
         out["wait_s"] = self.wait_s
         return out
 

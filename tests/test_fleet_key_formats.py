@@ -1,0 +1,144 @@
+"""Servers of one model's weights with different key formats on one Redis (issue #53 item 4): their
+keyspaces differ (the fingerprint includes the key format), so they share no K/V; the mixed fleet is
+detected and reported, and an erasure on either reaches the other's keyspace (fleet/family.py).
+Pools hold synthetic 4-bit blocks (test_remote.chain) on one real redis-server."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
+
+from test_remote import SECRET, TOKENS_PER_BLOCK, RedisServer, chain, fp, held, manifest  # noqa: E402,F401
+
+from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
+from vllm_mlx_persist.store import DiskStore  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    srv = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def servers(redis_server, fp, tmp_path):
+    """make(name, key_format) -> a pool of the weights `fp` storing keys as `key_format` (q4: the
+    keyspace of `fp` itself; another: of a fingerprint that includes it, as the backend's)."""
+    made: list = []
+
+    def make(name: str, key_format: str):
+        from vllm_mlx_persist.fleet import Fleet
+        from vllm_mlx_persist.pool import BlockPool
+
+        own = fp if key_format == "q4" else hashlib.sha256(f"{fp}\n{key_format}".encode()).hexdigest()
+        settings = FleetSettings(redis_server.url, secret=SECRET, read_timeout_s=2.0)
+        fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
+        pool = BlockPool(fingerprint=own, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
+                         hot_bytes=1 << 30, store=DiskStore(tmp_path / name, own, {"test": True}, fmt),
+                         disk_budget=1 << 30,
+                         fleet=lambda p: Fleet(p, lambda **cb: RemoteTier(settings, own, **cb), (fp, key_format)))
+        pool.load_manifests()
+        made.append(pool)
+        assert pool.fleet.family.registered.wait(20)  # its keyspace claimed (a sync thread, at start)
+        return pool, own
+
+    yield make
+    for p in made:
+        p.close()
+
+
+def publish(redis_server, fingerprint: str, agent: str, n: int = 2) -> set:
+    """An agent's history written into the keyspace of `fingerprint` (as a server of it publishes one)."""
+    t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fingerprint)
+    hist = chain(fingerprint, agent, n)
+    assert t.put(manifest(agent, hist), {b.block_id: b for b in hist}) and t.flush(10)
+    t.close(2)
+    return {b.block_id for b in hist}
+
+
+def test_a_mixed_fleet_is_detected_and_reported(servers, caplog):
+    a, _ = servers("a", "q4")
+    with caplog.at_level(logging.WARNING, logger="vllm_mlx_persist.fleet"):
+        b, _ = servers("b", "k8v4")
+        b.fleet.family.refresh(force=True)
+        a.fleet.family.refresh(force=True)
+    for pool in (a, b):
+        stats = pool.fleet.stats()
+        assert stats["mixed_key_formats"] and stats["key_formats"] == ["k8v4", "q4"], stats
+        assert stats["keyspaces_of_weights"] == 2
+    assert "MIXED FLEET" in caplog.text and "'k8v4'" in caplog.text
+
+
+def test_one_key_format_is_no_mixed_fleet(servers):
+    a, _ = servers("a", "q4")
+    b, _ = servers("b", "q4")  # the same keyspace: sharing as ever
+    for pool in (a, b):
+        assert pool.fleet.family.refresh(force=True) == {}
+        stats = pool.fleet.stats()
+        assert stats["mixed_key_formats"] is False and stats["key_formats"] == ["q4"], stats
+
+
+@pytest.mark.parametrize("eraser", ["q4", "k8v4"])
+def test_an_erasure_on_one_key_format_reaches_the_others(servers, redis_server, eraser):
+    """B (k8v4) serves agent X; A (q4) never did. DELETE on A is not a 404, and B's next sync of X
+    acts on the tombstone A's erasure wrote into B's keyspace: B holds nothing of X any more. Either way round."""
+    a, fp_a = servers("a", "q4")
+    b, fp_b = servers("b", "k8v4")
+    eraser_pool, holder, fp_holder = (a, b, fp_b) if eraser == "q4" else (b, a, fp_a)
+    ids = publish(redis_server, fp_holder, "x")
+    holder.fleet._sync_agent("x")
+    assert held(holder, "x") == ids
+    assert eraser_pool.agent("x") is None
+    assert eraser_pool.erase("x")  # known: another keyspace of the weights held it
+    assert eraser_pool.fleet.tier.flush(20)
+    t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fp_holder)
+    m = t.get_manifest("x")
+    t.close(2)
+    assert m is not None and m.erased, m
+    holder.fleet._sync_agent("x")
+    assert not held(holder, "x")
+    assert eraser_pool.fleet.stats()["family_erasures"] == 1
+    # the erasure was acknowledged and let go only once written everywhere
+    assert not list((Path(eraser_pool.fleet.outbox.dir)).glob("*.json"))
+
+
+def test_an_unknown_agent_is_still_unknown_on_every_key_format(servers):
+    a, _ = servers("a", "q4")
+    servers("b", "k8v4")
+    assert not a.erase("nobody")
+
+
+def test_an_erasure_that_misses_another_keyspace_stays_pending_and_is_sent_after_a_restart(servers, redis_server):
+    """The outbox lets an erasure go only once every keyspace of the weights has its tombstone: one
+    that cannot be written there (here: the key holds another type, so Redis answers WRONGTYPE) stays
+    pending, and the next start writes it."""
+    a, _ = servers("a", "q4")
+    b, _ = servers("b", "k8v4")
+    client = redis_server.client()
+    key_b = b.fleet.tier.manifest_key("y")
+    client.set(key_b, b"not a manifest hash")
+    a.erase("y")
+    assert a.fleet.tier.flush(20)
+    deadline = time.monotonic() + 20
+    while a.fleet.stats()["family_erasure_failures"] < 1:
+        assert time.monotonic() < deadline, "the failed erasure in B's keyspace was never seen"
+        time.sleep(0.02)
+    outbox = Path(a.fleet.outbox.dir)
+    assert len(list(outbox.glob("*.json"))) == 1  # still pending
+    client.delete(key_b)
+    a.close()
+    a, _ = servers("a", "q4")  # the same disk: its outbox queues the erasure again
+    assert a.fleet.tier.flush(20)
+    deadline = time.monotonic() + 20
+    while not list(outbox.glob("*.json")) == []:
+        assert time.monotonic() < deadline, "the erasure stayed pending after the restart"
+        time.sleep(0.02)
+    m = b.fleet.tier.get_manifest("y")
+    assert m is not None and m.erased
