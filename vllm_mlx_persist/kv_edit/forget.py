@@ -40,7 +40,7 @@ class Forgets:
         served = found.prompt if found.prompt is not None else prompt
         bs = self.core.block_size
         removals: dict[str, Removal] = {}
-        now = self.core.agents.later(agent)  # after every write of the agent seen here, whatever the clock
+        now = self.core.clock()  # provisional: `record` stamps it after every write its record holds then
         for f in [found] + [t for t in found.ties if t.src is agent]:
             point = edit_point([got.tokens for got, _ in f.used], served)
             bid = superseded_block(f.branch, point, bs)
@@ -66,8 +66,9 @@ class Forgets:
         """(lock held) A forget's removals entered in the agent's record: of `branches` (the
         agent's), those naming a superseded block and every spliced one go (returns those kept), and
         the removal records stay with the record, bounded, for the fleet's merges. Each is stamped
-        (again) after every write the record holds now: one committed since its lookup (a concurrent
-        turn, a sync) counts as older than the removal, as it does here, in every merge."""
+        now, after every stamp the record holds (whatever the clock says: one stepped back, or stamps
+        of a server whose clock is ahead), so every write it removes here counts as older than the
+        removal in every merge, a turn committed since the forget's lookup included."""
         now = self.core.agents.later(agent)
         kept = surviving(branches, removals)
         # spliced copies may hold what is removed: every one written before now goes, this record's and
