@@ -27,7 +27,7 @@ ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous
 
 # The least a decision is stamped after the newest stamp its record holds: strictly later (a merge
 # breaks a tie the other way: a removal takes what was written at its stamp, a tie of settings goes
-# to the refusal), and a microsecond survives every float round trip of a stamp (JSON, repr).
+# to the refusal); a microsecond is a distinct float at any wall-clock time (an ulp there: 2.4e-7 s).
 STAMP_STEP_S = 1e-6
 
 
