@@ -39,14 +39,14 @@ def fleet(redis_server, fp, tmp_path):
             proxies.append(p)
             return p
 
-        def server(self, name: str, proxy: PartitionProxy | None = None):
+        def server(self, name: str, proxy: PartitionProxy | None = None, clock=None):
             proxy = proxy or self.proxy()
 
             def make_tier(**cb):
                 return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
                                                 backoff_s=0.05, backoff_max_s=0.2, read_timeout_s=1.0), fp, **cb)
 
-            pool = fleet_pool(fp, tmp_path / name, make_tier)
+            pool = fleet_pool(fp, tmp_path / name, make_tier, **({"clock": clock} if clock else {}))
             made.append(pool)
             return pool, proxy
 
@@ -209,8 +209,8 @@ def model():
     return m
 
 
-def model_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy):
-    """A pool of `model` (its turns made on real MLX) behind `proxy`."""
+def model_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy, clock=None):
+    """A pool of `model` (its turns made on real MLX) behind `proxy` (`clock`: the pool's, default time.time)."""
     from test_pool import make_pool
 
     from vllm_mlx_persist.fleet import Fleet
@@ -220,7 +220,8 @@ def model_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy):
                                         backoff_s=0.05, backoff_max_s=0.2, max_attempts=2, read_timeout_s=1.0),
                           fp, **cb)
 
-    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier))
+    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier),
+                     **({"clock": clock} if clock else {}))
 
 
 def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fleet, model, fp, tmp_path):

@@ -7,6 +7,8 @@ here fails with its defect injected (tools/mutants.py lists them) and passes wit
 - disk_touch_not_recency:    the disk index's recency not refreshed by a use (the budget erases in save order)
 - budget_newest_dir_first:   the budget removing the newest of other models' directories first
 - scaled_identity_by_shape:  a scaled key format's identity depending on its scales' shape, not their values
+
+And five defects of the floor and the settings merge (issue #53), listed with their tests below.
 """
 
 from __future__ import annotations
@@ -189,3 +191,134 @@ def test_a_scaled_key_formats_identity_is_its_scales_values():
     fa, fb, fa2 = LayerKeys(4, "scaled", a), LayerKeys(4, "scaled", b), LayerKeys(4, "scaled", mx.array(a))
     assert fa.digest() != fb.digest() and fa.digest() == fa2.digest()
     assert identity([None, fa]) != identity([None, fb]) and identity([None, fa]) == identity([None, fa2])
+
+
+# ---- issue #53: the floor, the settings merge and their stamps -------------------------------------------
+#
+# - sync_ignores_local_floor:  a sync's merge ignoring the local record's removed_floor
+# - put_takes_put_pin:         a put's merge taking the put's pin instead of the merged one
+# - differ_values_only:        record_settings.differ comparing values and not their stamps
+# - load_drops_settings_at:    Records.load dropping settings_at
+# - floor_by_last_used:        chain.above_floor comparing last_used instead of written
+
+
+def test_the_sync_merge_applies_the_local_records_floor(tmp_path):
+    """sync_ignores_local_floor: the record here compacted removal records into a floor (20); the
+    fleet's copy, from a server that never saw them, holds a branch written before the floor that
+    this record does not hold: the sync's merge drops it and keeps the floor."""
+    hist = chain(FP, "x", 3)
+    alt = chain(FP, "x", 1, seed=3, after=hist[0])
+    ids = [b.block_id for b in hist]
+    mine = Branch([ids[0], alt[0].block_id], 2 * TOKENS_PER_BLOCK, ((0, "x"),), 30.0)
+    old = Branch(ids, 3 * TOKENS_PER_BLOCK, ((0, "x"),), 10.0)
+    pool = _pool(tmp_path)
+    try:
+        _save_fetched(pool, "x", Copy((mine,), removed_floor=20.0), [hist[0], alt[0]])
+        assert pool.agent("x").removed_floor == 20.0
+        _save_fetched(pool, "x", Copy((old,)), hist)
+        rec = pool.agent("x")
+        assert [br.block_ids for br in rec.branches] == [mine.block_ids], "the sync kept a branch below the floor"
+        assert rec.removed_floor == 20.0
+    finally:
+        pool.close()
+
+
+def test_a_puts_merge_keeps_the_merged_pin():
+    """put_takes_put_pin: Redis's record was pinned at 20; a put whose record was unpinned earlier (10)
+    merges with it: the merged record is pinned, its pin's time 20 (the latest setting wins)."""
+    from vllm_mlx_persist.fleet.manifests import merged
+
+    hist = chain(FP, "x", 3)
+    ids = [b.block_id for b in hist]
+    theirs = manifest_of("x", [Branch(ids[:2], 2 * TOKENS_PER_BLOCK, ((0, "x"),), 30.0)], True, 30.0,
+                         settings_at={"pinned": 20.0})
+    put = manifest_of("x", [Branch(ids, 3 * TOKENS_PER_BLOCK, ((0, "x"),), 40.0)], False, 40.0,
+                      settings_at={"pinned": 10.0})
+    m = merged(put, theirs, 4, False)
+    assert m is not None and m.pinned is True and m.settings_at["pinned"] == 20.0, "the put's older unpin won"
+    # the other way round: the put's later unpin wins over Redis's earlier pin
+    m = merged(manifest_of("x", [Branch(ids, 3 * TOKENS_PER_BLOCK, ((0, "x"),), 40.0)], False, 40.0,
+                           settings_at={"pinned": 25.0}), theirs, 4, False)
+    assert m is not None and m.pinned is False and m.settings_at["pinned"] == 25.0
+
+
+def test_a_setting_set_again_to_its_value_is_published_with_its_new_time():
+    """differ_values_only: Redis holds a refusal set at 10; a server refuses again at 20 (the same value,
+    a later decision) and puts the same branches: the merge must publish it (a grant made at 15 on a
+    third server must lose to it), not find the put 'the same' because the values agree."""
+    from vllm_mlx_persist.fleet.manifests import merged
+    from vllm_mlx_persist.record_settings import differ, merge_records_settings, merge_settings
+
+    ids = [b.block_id for b in chain(FP, "x", 2)]
+    br = Branch(ids, 2 * TOKENS_PER_BLOCK, ((0, "x"),), 30.0)
+    theirs = manifest_of("x", [br], False, 30.0, forkable=False, settings_at={"forkable": 10.0})
+    put = manifest_of("x", [br], False, 30.0, forkable=False, settings_at={"forkable": 20.0})
+    assert differ(*merge_records_settings(put, theirs), theirs)
+    m = merged(put, theirs, 4, False)
+    assert m is not None and m.settings_at["forkable"] == 20.0, "the later refusal was not published"
+    values, _ = merge_settings({"forkable": False}, m.settings_at, {"forkable": True}, {"forkable": 15.0})
+    assert values["forkable"] is False
+
+
+def test_an_agents_setting_times_survive_a_restart(tmp_path):
+    """load_drops_settings_at: a refusal set here (stamped) is read back from disk with its time, so a
+    grant stamped before it on another server still loses to it after a restart."""
+    from vllm_mlx_persist.record_settings import merge_records_settings
+
+    hist = chain(FP, "x", 2)
+    br = Branch([b.block_id for b in hist], 2 * TOKENS_PER_BLOCK, ((0, "x"),), 10.0)
+    pool = _pool(tmp_path, clock=lambda: 100.0)
+    try:
+        _save_fetched(pool, "x", Copy((br,)), hist)
+        assert pool.set_forkable("x", False)
+        at = dict(pool.agent("x").settings_at)
+        assert at["forkable"] >= 100.0
+    finally:
+        pool.close()
+    pool = _pool(tmp_path, clock=lambda: 100.0)
+    try:
+        rec = pool.agent("x")
+        assert rec.settings_at == at, "the setting's time was lost across the restart"
+        grant = Copy((br,), forkable=True, settings_at={"forkable": 50.0})
+        values, _ = merge_records_settings(rec, grant)
+        assert values["forkable"] is False
+    finally:
+        pool.close()
+
+
+def test_the_floor_compares_when_content_was_written_not_used():
+    """floor_by_last_used: a branch written before the floor (10 < 20) and served since (used at 30)
+    still holds what the compacted records removed: the floor removes it; one written after it stays."""
+    from vllm_mlx_persist.chain import above_floor
+
+    ids = [b.block_id for b in chain(FP, "x", 3)]
+    old = Branch(ids, 3 * TOKENS_PER_BLOCK, ((0, "x"),), 10.0).used(30.0)
+    again = Branch(ids, 3 * TOKENS_PER_BLOCK, ((0, "x"),), 25.0)
+    assert above_floor([old], 20.0, []) == []
+    assert above_floor([again], 20.0, []) == [again]
+    got, _, _, floor = merge_records([old], Copy(()), Copy((), removed_floor=20.0), 32, 0.0, lambda b: None)
+    assert got == [] and floor == 20.0
+
+
+def test_settings_are_stamped_after_the_records_stamps(tmp_path):
+    """A decision made on a clock stepped back is still the later one: a grant after a refusal (the
+    clock stepped from 100 back to 50) is stamped after the refusal and wins a merge with a copy that
+    holds the refusal; and so is an unpin after a pin."""
+    from vllm_mlx_persist.record_settings import merge_records_settings
+
+    now = [100.0]
+    hist = chain(FP, "x", 2)
+    br = Branch([b.block_id for b in hist], 2 * TOKENS_PER_BLOCK, ((0, "x"),), 90.0)
+    pool = _pool(tmp_path, clock=lambda: now[0])
+    try:
+        _save_fetched(pool, "x", Copy((br,)), hist)
+        assert pool.set_forkable("x", False) and pool.set_pinned("x", True)
+        refusal = Copy((br,), forkable=False, pinned=True, settings_at=dict(pool.agent("x").settings_at))
+        now[0] = 50.0
+        assert pool.set_forkable("x", True) and pool.set_pinned("x", False)
+        rec = pool.agent("x")
+        assert all(rec.settings_at[k] > refusal.settings_at[k] for k in ("forkable", "pinned"))
+        values, _ = merge_records_settings(rec, refusal)
+        assert values == {"forkable": True, "pinned": False}
+    finally:
+        pool.close()

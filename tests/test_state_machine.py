@@ -68,6 +68,7 @@ def replay(steps: list[tuple[str, dict]], check: Optional[Callable[[PoolMachine]
             state.consistent()
             state.disk_within_budget_and_clean()
             state.held_histories()
+            state.pins_as_set()
         if check is not None:
             check(state)
     finally:
@@ -310,3 +311,31 @@ def test_a_forget_on_a_server_without_spliced_branches_still_clears_the_fleets()
             ("amortize", dict(agent="c", pick=0, cut=0.5, new=[31, 32, 33])),
             ("fleet_forget", dict(agent="c", pick=0, cut=0.3, new=[34, 35], aborted=False)),
             ("partition", dict(cut=False))])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+def test_an_unpin_on_a_clock_stepped_back_wins_over_the_pin_before_it():
+    """Issue #53, item 3 in the machine: A pins agent a, B syncs the pin (its turn), A's clock steps
+    back 120 s and A unpins; B's next turn merges its pin with A's unpin and publishes, and A's next
+    turn syncs. Stamped with the raw clock the unpin was older than the pin, which came back to A."""
+    replay([("turn", dict(agent="a", pick=0, cut=0.0, new=[20, 21, 22, 23, 24, 25])),
+            ("pin", dict(agent="a", pin=True)),
+            ("fleet_turn", dict(agent="a", new=[26])),
+            ("clock_step", dict(server="a", step=-120.0)),
+            ("pin", dict(agent="a", pin=False)),
+            ("fleet_turn", dict(agent="a", new=[27])),
+            ("turn", dict(agent="a", pick=0, cut=1.0, new=[28]))])
+
+
+@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.parametrize("server", ["a", "b"])
+def test_a_forget_on_a_clock_behind_the_writes_it_removes_holds(server):
+    """Issue #53, item 2 in the machine: agent c's history is stored on A and synced by B; then
+    `server`'s clock steps (A's back 120 s, or B's forward 120 s: B's next stamps ahead of A's) and A
+    forgets part of it while B stores a turn of c first. Stamped with the raw clock the removal was
+    older than the branches it removes, and B's sync kept what A forgot."""
+    replay([("turn", dict(agent="c", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29])),
+            ("clock_step", dict(server=server, step=-120.0 if server == "a" else 120.0)),
+            ("fleet_turn", dict(agent="c", new=[30])),
+            ("forget_edit", dict(agent="c", pick=0, cut=0.3, new=[34, 35], aborted=False)),
+            ("fleet_turn", dict(agent="c", new=[31]))])

@@ -25,6 +25,29 @@ log = logging.getLogger("vllm_mlx_persist.pool")
 ANON_PREFIX = "\x00anon:"  # valid agent ids cannot start with NUL, so anonymous entries never collide
 
 
+# The least a decision is stamped after the newest stamp its record holds: strictly later (a merge
+# breaks a tie the other way: a removal takes what was written at its stamp, a tie of settings goes
+# to the refusal); a microsecond is a distinct float at any wall-clock time (an ulp there: 2.4e-7 s).
+STAMP_STEP_S = 1e-6
+
+
+def after(t: float) -> float:
+    """A stamp strictly later than `t` (0: none)."""
+    return t + STAMP_STEP_S if t > 0 else 0.0
+
+
+def removed_at(agent: Agent) -> float:
+    """The newest removal the agent's record holds: its removal records, `spliced_cleared`, the floor."""
+    return max([agent.spliced_cleared, agent.removed_floor] + [r.at for r in agent.removals])
+
+
+def newest(agent: Agent) -> float:
+    """The newest stamp the agent's record holds: its branches' uses and writes, its removals and
+    its settings' times."""
+    return max([removed_at(agent)] + [t for br in agent.branches for t in (br.last_used, br.written)]
+               + list(agent.settings_at.values()))
+
+
 class Agents:
     """The agent registry, the anonymous LRU, eviction and the hot budget."""
 
@@ -58,10 +81,17 @@ class Agents:
         self.table.list(agent, True)
 
     def stamp(self, agent: Agent) -> float:
-        """When a use of one of the agent's branches happens now: the clock, but never before the
-        agent's most recent branch (a clock stepped back, or branches stamped by a server whose
-        clock is ahead, cannot make its newest use count as older than its others)."""
-        return max([self.clock()] + [br.last_used for br in agent.branches])
+        """When a use of one of the agent's branches, or a commit of one, happens now: the clock, but
+        never before the agent's most recent branch, and after every removal its record holds (a clock
+        stepped back, or stamps of a server whose clock is ahead, cannot make its newest use count as
+        older than its others, nor content sent again after a forget as written before it)."""
+        return max([self.clock(), after(removed_at(agent))] + [br.last_used for br in agent.branches])
+
+    def later(self, agent: Agent) -> float:
+        """When a decision on the agent's record (a removal, a setting) is made now: the clock, but
+        after every stamp the record holds, so no clock step or skew orders it before a write it
+        removes or a setting it overrides that this server has seen (docs/fleet.md, "The merge rules")."""
+        return max(self.clock(), after(newest(agent)))
 
     def touch(self, agent: Agent) -> None:
         agent.last_used = self.clock()

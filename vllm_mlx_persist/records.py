@@ -152,7 +152,8 @@ class Records:
             if agent is None:
                 return False
             agent.pinned = pinned
-            agent.settings_at = {**agent.settings_at, "pinned": core.clock()}  # the latest setting wins
+            # the latest setting wins: stamped after every stamp the record holds (a clock behind cannot lose it)
+            agent.settings_at = {**agent.settings_at, "pinned": core.agents.later(agent)}
             if not pinned:
                 core.enforce_budget()  # what the pin held over the budget leaves memory now
             future = core.persister.set_pinned(namespace, pinned) if core.persister is not None else None
@@ -192,7 +193,8 @@ class Records:
             if agent is None:
                 return False
             agent.forkable = forkable
-            agent.settings_at = {**agent.settings_at, "forkable": core.clock()}  # the latest setting wins
+            # the latest setting wins: stamped after every stamp the record holds (a clock behind cannot lose it)
+            agent.settings_at = {**agent.settings_at, "forkable": core.agents.later(agent)}
             future = core.save(agent, [], {}, [], list(agent.branches)) if core.persister is not None else None
         if future is not None:
             future.result(timeout)

@@ -13,6 +13,7 @@ with it held (the worker's lookups and commits, the finish of a request).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 from ..blocks import Agent
@@ -39,7 +40,7 @@ class Forgets:
         served = found.prompt if found.prompt is not None else prompt
         bs = self.core.block_size
         removals: dict[str, Removal] = {}
-        now = self.core.clock()
+        now = self.core.clock()  # provisional: `record` stamps it after every write its record holds then
         for f in [found] + [t for t in found.ties if t.src is agent]:
             point = edit_point([got.tokens for got, _ in f.used], served)
             bid = superseded_block(f.branch, point, bs)
@@ -64,15 +65,20 @@ class Forgets:
     def record(self, agent: Agent, branches: list[Branch], removals: dict[str, Removal]) -> list[Branch]:
         """(lock held) A forget's removals entered in the agent's record: of `branches` (the
         agent's), those naming a superseded block and every spliced one go (returns those kept), and
-        the removal records stay with the record, bounded, for the fleet's merges."""
-        now = self.core.clock()
+        the removal records stay with the record, bounded, for the fleet's merges. Each is stamped
+        now, after every stamp the record holds (whatever the clock says: one stepped back, or stamps
+        of a server whose clock is ahead), so every write it removes here counts as older than the
+        removal in every merge, a turn committed since the forget's lookup included."""
+        now = self.core.agents.later(agent)
         kept = surviving(branches, removals)
         # spliced copies may hold what is removed: every one written before now goes, this record's and
         # those another server holds (its copy merged later), even when this record holds none
         agent.spliced_cleared = max(agent.spliced_cleared, now)
         kept = [br for br in kept if not br.spliced]
-        agent.removals, agent.removed_floor = bound_removals([*agent.removals, *removals.values()], MAX_REMOVALS,
-                                                             now - self.removal_ttl_s, agent.removed_floor)
+        stamped = [replace(r, at=max(r.at, now)) for r in removals.values()]
+        agent.removals, agent.removed_floor = bound_removals([*agent.removals, *stamped], MAX_REMOVALS,
+                                                             self.core.clock() - self.removal_ttl_s,
+                                                             agent.removed_floor)
         self.core.stats["branches_superseded"] += len(branches) - len(kept)
         return kept
 

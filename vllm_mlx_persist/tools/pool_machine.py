@@ -6,7 +6,7 @@ turns (growing or diverging histories), forks, two requests of one agent at once
 whose history is re-tokenized (matched by text), forget edits (span directives; their turn stored or
 the request aborted), amortize turns (spliced branches), histories sent again after an erasure or a
 forget, anonymous requests, erasure, pin and unpin, hot and disk budget changes, the TTL with a clock
-moved on, restart (close and reopen), crash (the disk fails with writes queued, then close), a kill
+moved on, each server's clock stepped back and forward (CLOCK_STEPS), restart (close and reopen), crash (the disk fails with writes queued, then close), a kill
 before the Nth write step (in process: the store directory as it was at that step is what the restart
 finds), turns whose saves stay queued (the writer held) while an erasure (then, maybe, a new turn of
 the erased agent), a disk budget (none at all included), a sweep or a fleet erasure runs, and on the
@@ -24,6 +24,8 @@ Invariants, checked after every step (and the memory ones after every pool opera
   splice's, token by token, for an amortize lookup, and a splice's only where the agent holds a
   spliced history of those tokens;
 - the text of a prompt served as stored tokens (matching by text) is the client's text;
+- an agent is pinned on this server exactly when its last pin or unpin here pinned it (no merge
+  brings an earlier one back, whatever the servers' clocks);
 - every operation returns within OP_TIMEOUT_S (a watchdog fails the run, never hangs it);
 - every branch a pool holds is (a prefix of) a history the model says that agent may hold: honest
   ones of its honest histories, spliced ones of its spliced histories; a pool that has not synced an
@@ -245,6 +247,22 @@ class Clock:
         return time.time() + self.offset
 
 
+# A server's clock is the machine's wall clock stepped by one of these (seconds): a rule steps each
+# server's clock back and forward, so the servers disagree by up to CLOCK_SPAN.
+CLOCK_STEPS = (-120.0, -60.0, 0.0, 60.0, 120.0)
+CLOCK_SPAN = max(CLOCK_STEPS) - min(CLOCK_STEPS)
+
+
+class ServerClock:
+    """One server's clock: the wall clock (`Clock`) stepped by `step` seconds."""
+
+    def __init__(self, wall: Clock) -> None:
+        self.wall, self.step = wall, 0.0
+
+    def __call__(self) -> float:
+        return self.wall() + self.step
+
+
 class Gate:
     """A store fault hook (store._FAULT, faults.py's seam) that holds the first thread to reach a write
     step after it is installed (the persister, inside the save it is writing: every job queued after
@@ -306,7 +324,7 @@ FLEET_SETTINGS = {"wait_s": 10.0, "breaker_open_s": FLEET_BREAKER_S, "backoff_s"
                   "max_attempts": 2, "read_timeout_s": 2.0}
 
 
-def open_pool(root: Path, *, hot: int, disk: int, clock: Clock, redis_url: Optional[str] = None,
+def open_pool(root: Path, *, hot: int, disk: int, clock: Callable[[], float], redis_url: Optional[str] = None,
               retry_delays: tuple = (0.05,)) -> BlockPool:
     fmt = {"bits": BITS, "group_size": GROUP, "block_size": BLOCK}
     fleet = None
@@ -384,6 +402,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.chains = Chains(FINGERPRINT, BLOCK)
         self._ids_memo: dict[tuple, list[str]] = {}
         self.clock = Clock()
+        self.clocks = {n: ServerClock(self.clock) for n in "ab"}  # each server's, stepped by `clock_step`
         self.hot, self.disk = HOT_BUDGETS[0], DISK_BUDGETS[0]
         self.redis = Redis(self.work) if self.fleet else None
         # Each pool reaches Redis through its own partition proxy (tools/partition.py): a rule cuts one
@@ -430,7 +449,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def _open(self, root: Path) -> BlockPool:
         proxy = self.proxies.get(root.name)
-        return watchdog(open_pool, root, hot=self.hot, disk=self.disk, clock=self.clock,
+        return watchdog(open_pool, root, hot=self.hot, disk=self.disk, clock=self.clocks[root.name],
                         redis_url=proxy.url if proxy is not None else None)
 
     def teardown(self) -> None:
@@ -883,13 +902,20 @@ class PoolMachine(RuleBasedStateMachine):
     @rule()
     def ttl(self) -> None:
         """The clock moves past the TTL: every agent but the pinned ones is erased (no request is in
-        flight between steps)."""
-        self.clock.offset += TTL_S + 1
+        flight between steps; past it whatever the server's clock was stepped to since)."""
+        self.clock.offset += TTL_S + 1 + CLOCK_SPAN
         watchdog(self.pool.persister.sweep().result, OP_TIMEOUT_S)
         for a in AGENTS:
             if a not in self.pinned:
                 self._forget(a, fleet_wide=False)
         self.saved_last = set()
+
+    @rule(server=st.sampled_from("ab"), step=st.sampled_from(CLOCK_STEPS))
+    def clock_step(self, server: str, step: float) -> None:
+        """A server's clock steps (back or forward; the two servers' then disagree): its stamps of
+        uses, commits, removals and settings (the merge rules order by them) must still order each
+        after what its record has seen (docs/fleet.md, "The merge rules"), so no invariant changes."""
+        self.clocks[server].step = step
 
     def _reopen(self) -> None:
         self._base_erasures = self._erasures_now()  # the closed pool's, every one before the restart included
@@ -1262,6 +1288,20 @@ class PoolMachine(RuleBasedStateMachine):
         slack += sum(x.hot_bytes for x in self.pool.agents.anonymous.values())
         assert self.pool.hot_bytes <= self.hot + slack, (
             f"hot bytes {self.pool.hot_bytes} over the budget {self.hot} + {slack}")
+
+    @invariant()
+    def pins_as_set(self) -> None:
+        """This server's pins are the ones it set last (the other server sets none; its merges carry
+        them): an earlier pin or unpin never comes back through a merge, whatever the clocks did. An
+        agent the other server erased is as it was here until this server syncs it."""
+        if not hasattr(self, "pool"):
+            return
+        for a in AGENTS:
+            rec = self.pool.agent(a)
+            if rec is not None and a not in self.stale["a"]:
+                assert rec.pinned == (a in self.pinned), (
+                    f"agent {a!r} is {'' if rec.pinned else 'un'}pinned here; it was last "
+                    f"{'' if a in self.pinned else 'un'}pinned")
 
     @invariant()
     def held_histories(self) -> None:
