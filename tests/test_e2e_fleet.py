@@ -506,3 +506,41 @@ def test_a_fork_refusal_on_one_server_holds_on_every_other(fleet):
              > before["puts_published"] + before["puts_merged"], "B's put of P")
     assert manifest(rds, "guarded-f")["body"].get("forkable") is False
     assert call(a, "GET", "/v1/agents/guarded-f")[1]["forkable"] is False
+
+
+def test_a_forget_acknowledged_before_a_crash_holds_fleet_wide(fleet, tmp_path):
+    """Issue #53 (item 1): server C, cut off from Redis (a partition proxy), forgets a reply of agent Y
+    (acknowledged), is SIGKILLed; Redis comes back, C restarts. B, which synced Y before the forget,
+    then serves Y's old conversation: it must reuse nothing past the edit point. The forget's publish
+    was pending in C's outbox before C answered, and the restarted C sends it without any request."""
+    from vllm_mlx_persist.tools.partition import PartitionProxy
+
+    rds, a, b = fleet
+    proxy = PartitionProxy("127.0.0.1", rds.port)
+    c = Server(a.model, tmp_path / "c", options=options(tmp_path / "c-cache", proxy.url),
+               extra_args=("--api-key", KEY), env={SECRET_ENV: SECRET})
+    try:
+        c.start()
+        conv = Conversation("crash-fgt", "crash-fgt")
+        conv.turn(c)
+        conv.turn(c)
+        wait_for(lambda: published(rds, "crash-fgt", conv.prompts[1]), "C's turn in Redis")
+        conv.turn(b)  # B holds Y: synced from Redis, and its own turn on it
+        wait_for(lambda: published(rds, "crash-fgt", conv.prompts[2]), "B's turn in Redis")
+        old = conv.chat.messages
+        edited = old[:1] + [{"role": "assistant", "content": "(forgotten)"}] + old[2:] + [
+            {"role": "user", "content": "go on"}]
+        proxy.cut()
+        forget = _edit(c, "crash-fgt", edited, "forget")["kv_edit"]  # the acknowledgement
+        assert forget["applied"] and forget["superseded_branches"] >= 1, forget
+        prefix = forget["exact_prefix_tokens"]
+        c.stop(signal.SIGKILL)
+        assert not _removals(rds, "crash-fgt")  # it never reached Redis before the kill
+        proxy.heal()
+        c.start()
+        wait_for(lambda: _removals(rds, "crash-fgt"), "the forget's removal in Redis from C's outbox", timeout=60)
+        _, cached, _ = Chat("crash-fgt").send(b, old + [{"role": "user", "content": "remember?"}])
+        assert cached <= prefix + 1, (cached, prefix)
+    finally:
+        c.stop()
+        proxy.close()

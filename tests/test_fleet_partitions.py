@@ -597,3 +597,332 @@ def test_the_outbox_keeps_an_agents_latest_erasure_and_holds_no_lock_across_its_
     again.add("y", "second")
     assert [e for a, e in again.pending() if a == "y"] == ["second"]
     assert [a for a, _ in order].count("shared") >= 1 and len(order) <= 1 + 4 + 4
+
+
+# ---- issue #53: a forget's publish and every pending removal are durable, drained and bounded -----------
+
+
+def crash(pool) -> None:
+    """kill -9, as far as the fleet can tell: its threads stop, the writer's queue vanishes unsent (no
+    close(), no flush), and the disk is left as it is."""
+    pool.fleet.stop()
+    writer = pool.fleet.tier.writer
+    with writer._cond:
+        writer._state.stop = True
+        writer._q.clear()
+        writer._cond.notify_all()
+    pool.persister.close()
+
+
+def drained_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy, **settings):
+    """model_server whose outbox is sent again every 0.2 s (FleetSettings: `settings` over these)."""
+    from test_pool import make_pool
+
+    from vllm_mlx_persist.fleet import Fleet
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, **{
+            "secret": SECRET, "breaker_failures": 1, "breaker_open_s": 0.2, "backoff_s": 0.05, "backoff_max_s": 0.2,
+            "max_attempts": 2, "read_timeout_s": 1.0, "outbox_retry_s": 0.2, **settings}), fp, **cb)
+
+    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier))
+
+
+def _removed_in_redis(w, agent: str, removal) -> bool:
+    m = w.get_manifest(agent)
+    return m is not None and not m.erased and removal in m.removals
+
+
+def test_a_forget_acknowledged_before_a_crash_reaches_the_fleet_after_the_restart(fleet, model, fp, tmp_path):
+    """Issue #53, item 1: A, cut off from Redis, forgets a span (the turn is acknowledged: durable
+    locally), and is killed before its put reaches Redis; Redis comes back and A restarts. Nothing
+    asks A for the agent again, yet the removal must reach Redis from A's outbox, so B (which synced
+    the agent before the forget) drops the forgotten span at its next sync."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa, pb = fleet.proxy(), fleet.proxy()
+    a = drained_server(fleet, model, tmp_path / "a", fp, pa)
+    b = model_server(fleet, model, tmp_path / "b", fp, pb)
+    try:
+        head, span, tail = _history()
+        _turn(a, model, "x", head + span + tail, "r1")
+        settle(a)
+        b.fleet._sync_agent("x")
+        old = list(a.agent("x").branches[-1].block_ids)
+        pa.cut()
+        _turn(a, model, "x", head + tail, "r2", edit=FORGET)  # acknowledged: pool.commit waited for the disk
+        (removal,) = a.agent("x").removals
+        gone = set(old[removal.index:])
+        assert held(b, "x") & gone
+        crash(a)
+        pa.heal()
+        a = drained_server(fleet, model, tmp_path / "a", fp, pa)  # restarted; X is never asked for
+        w = fleet.tier()
+        wait_for(lambda: _removed_in_redis(w, "x", removal), "the forget's removal in Redis from the outbox")
+        wait_for(lambda: not a.fleet.outbox.forgets(), "the outbox letting go of the forget's publish")
+        b.fleet._sync_agent("x")
+        assert not held(b, "x") & gone, "B still serves the span A forgot"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_forget_whose_put_was_given_up_reaches_redis_while_the_server_runs(fleet, model, fp, tmp_path):
+    """Issue #53, item 2 for a forget: A's put of its forget is given up while A is cut off; after the
+    heal, with no request of the agent and no restart, the outbox sends it again."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    pa = fleet.proxy()
+    a = drained_server(fleet, model, tmp_path / "a", fp, pa)
+    try:
+        head, span, tail = _history()
+        _turn(a, model, "x", head + span + tail, "r1")
+        settle(a)
+        pa.cut()
+        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+        (removal,) = a.agent("x").removals
+        pending = a.fleet.outbox.forgets()
+        assert list(pending) == ["x"] and pending["x"] >= removal.at, "the forget was acknowledged with no pending publish"
+        a.flush(30)
+        assert a.fleet.tier.flush(30)  # its put given up: Redis unreachable
+        assert not _removed_in_redis(fleet.tier(), "x", removal)
+        syncs = a.fleet.counts["syncs"]  # the turns' own
+        pa.heal()
+        w = fleet.tier()
+        wait_for(lambda: _removed_in_redis(w, "x", removal), "the forget's removal in Redis while A runs")
+        wait_for(lambda: not a.fleet.outbox.forgets(), "the outbox letting go of the forget's publish")
+        assert a.fleet.counts["forgets_sent_again"] >= 1 and a.fleet.counts["syncs"] == syncs, "a sync published it"
+    finally:
+        a.close()
+
+
+def test_an_erasure_in_the_outbox_reaches_redis_while_the_server_runs(fleet, fp, tmp_path):
+    """Issue #53, item 5: an erasure pending in the outbox that no write carries (the writer refused
+    it, or let it go) was read only at the next start. Now the running server sends it again."""
+    w = fleet.tier()
+    hist = chain(fp, "p", 2)
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    proxy = fleet.proxy()
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, outbox_retry_s=0.2), fp, **cb)
+
+    a = fleet_pool(fp, tmp_path / "a", make_tier)
+    try:
+        a.fleet.outbox.add("p", "e" * 16)  # pending, not queued
+        wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased and m.ident == "e" * 16,
+                 "the pending erasure's tombstone in Redis while the server runs")
+        wait_for(lambda: not a.fleet.outbox.pending(), "the outbox letting go of it")
+    finally:
+        a.close()
+
+
+def test_removals_past_the_bound_are_refused_with_503_not_acknowledged(fleet, fp, tmp_path, monkeypatch):
+    """Issue #53, item 5: with `max_erasures` removals pending (A cut off from Redis), DELETE answered
+    200, the writer refused to queue the erasure, and after the heal A fetched the agent back and
+    served it. Now the next removal is refused (503, nothing removed: A still serves it), a forget
+    too (503 at admission); after the heal the pending ones reach Redis while A runs, and a removal
+    is taken again."""
+    import asyncio
+    import weakref
+
+    from fastapi import HTTPException
+
+    from vllm_mlx_persist import plugin
+    from vllm_mlx_persist.admin import make_router
+
+    w = fleet.tier()
+    for agent in ("p1", "p2", "p3"):
+        hist = chain(fp, agent, 2)
+        assert w.put(manifest(agent, hist), {b.block_id: b for b in hist})
+    assert w.flush(10)
+    proxy = fleet.proxy()
+
+    def make_tier(**cb):
+        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
+                                        read_timeout_s=1.0, max_erasures=2, outbox_retry_s=0.2), fp, **cb)
+
+    a = fleet_pool(fp, tmp_path / "a", make_tier)
+
+    class Backend:  # what the admin routes and the namespace hook ask of the backend serving
+        closed = False
+        loaded_pool = a
+
+        def removal_room(self) -> bool:
+            return a.fleet.removal_room()
+
+        def may_fork(self, parent: str) -> bool:
+            return True
+
+        def prefetch(self, route) -> None:
+            pass
+
+    backend = Backend()
+    live = weakref.WeakSet()
+    live.add(backend)
+    monkeypatch.setattr(plugin, "_LIVE_BACKENDS", live)
+    delete = next(r.endpoint for r in make_router(lambda: backend).routes
+                  if r.path == "/v1/agents/{agent_id}" and "DELETE" in r.methods)
+
+    def forget(agent: str):
+        from types import SimpleNamespace
+
+        return plugin.vllm_mlx_cache_namespace(request=SimpleNamespace(metadata=None, prompt_cache_key=None),
+                                               headers={"x-agent-id": agent, "x-kv-edit": "forget"},
+                                               endpoint="/v1/chat/completions")
+
+    try:
+        for agent in ("p1", "p2", "p3"):
+            a.fleet._sync_agent(agent)
+            assert held(a, agent)
+        proxy.cut()
+        for agent in ("p1", "p2"):
+            assert asyncio.run(delete(agent_id=agent)) == {"id": agent, "deleted": True}
+        refused = asyncio.run(delete(agent_id="p3"))
+        assert getattr(refused, "status_code", 200) == 503, "an erasure past the bound was acknowledged"
+        assert b"pending" in refused.body and refused.headers["retry-after"]
+        assert held(a, "p3"), "a refused erasure removed the agent"
+        with pytest.raises(HTTPException) as e:
+            forget("p3")
+        assert e.value.status_code == 503 and "pending" in e.value.detail
+        assert a.fleet.counts["removals_refused"] == 2
+        proxy.heal()
+        for agent in ("p1", "p2"):
+            wait_for(lambda: (m := w.get_manifest(agent)) is not None and m.erased, f"{agent}'s tombstone")
+        wait_for(lambda: a.fleet.removal_room(), "room again once the pending erasures are in Redis")
+        assert forget("p3") == "p3\0edit:forget"
+        assert asyncio.run(delete(agent_id="p3")) == {"id": "p3", "deleted": True}
+        wait_for(lambda: (m := w.get_manifest("p3")) is not None and m.erased, "p3's tombstone")
+        for agent in ("p1", "p2", "p3"):
+            a.fleet._sync_agent(agent)
+            assert a.fleet_view.branch_state(agent) is None, f"A fetched the erased {agent} back"
+    finally:
+        a.close()
+
+
+# ---- issue #53: the outbox's own promises, each guarding a defect injected by hand ----------------------
+
+
+def test_a_failed_erasure_record_keeps_the_agents_earlier_one(tmp_path, monkeypatch):
+    """The outbox removes an agent's earlier erasure files only once its own is durable: a write that
+    fails (here its fsync) leaves the earlier erasure pending."""
+    from vllm_mlx_persist.fleet import outbox as ob
+
+    box = ob.Outbox(tmp_path / "outbox")
+    box.add("a", "e1")
+    box.add_forget("a", 5.0)
+
+    def failing(fd: int) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ob, "_fsync", failing)
+    with pytest.raises(OSError):
+        box.add("a", "e2")
+    with pytest.raises(OSError):
+        box.add_forget("a", 6.0)
+    assert box.pending() == [("a", "e1")] and box.forgets() == {"a": 5.0}
+    assert ob.Outbox(box.dir).pending() == [("a", "e1")]
+
+
+def test_an_outbox_file_is_fsynced_before_its_rename_and_the_directory_after(tmp_path, monkeypatch):
+    """Each entry: written to a temporary file, fsynced, renamed into place, then the directory
+    fsynced (else a power loss can leave the name pointing at nothing)."""
+    import os
+
+    from vllm_mlx_persist.fleet import outbox as ob
+
+    calls: list = []
+    real_fsync, real_replace, real_dir = ob._fsync, ob._replace, ob._fsync_dir
+
+    def fsync(fd: int) -> None:
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        calls.append(("replace", str(src), str(dst)))
+        real_replace(src, dst)
+
+    def fsync_dir(path) -> None:
+        calls.append(("fsync_dir", str(path)))
+        real_dir(path)
+
+    monkeypatch.setattr(ob, "_fsync", fsync)
+    monkeypatch.setattr(ob, "_replace", replace)
+    monkeypatch.setattr(ob, "_fsync_dir", fsync_dir)
+    box = ob.Outbox(tmp_path / "outbox")
+    for add in (lambda: box.add("a", "e1"), lambda: box.add_forget("b", 1.0)):
+        calls.clear()
+        add()
+        (i, (_, tmp, final)), = [(i, c) for i, c in enumerate(calls) if c[0] == "replace"]
+        assert ("fsync", tmp) in calls[:i], f"renamed without an fsync of its file: {calls}"
+        assert ("fsync_dir", str(box.dir)) in calls[i + 1:], f"no directory fsync after the rename: {calls}"
+        assert Path(final).exists() and not Path(tmp).exists()
+
+
+def test_outbox_times_go_on_from_the_files_after_a_restart_whatever_the_clock(tmp_path, monkeypatch):
+    """Restarted with its clock behind the newest pending entry's time, the outbox goes on from that
+    time: a new erasure of the agent still supersedes the earlier one and sorts last."""
+    from vllm_mlx_persist.fleet import outbox as ob
+
+    box = ob.Outbox(tmp_path / "outbox")
+    box.add("a", "e1")
+    box.add("b", "e2")
+    monkeypatch.setattr(ob, "_clock_ns", lambda: 1000)  # the clock stepped back, then the server restarted
+    again = ob.Outbox(box.dir)
+    again.add("a", "e3")
+    assert again.pending() == [("b", "e2"), ("a", "e3")]
+
+
+def test_the_outbox_records_an_erasure_before_its_tombstone_is_queued(fleet, fp, tmp_path):
+    """The tombstone is queued only once the erasure is durable in the outbox (a writer that reached
+    Redis first could let go of a file not written yet, which then stays and is sent again forever)."""
+    a, _ = fleet.server("a")
+    hist = chain(fp, "p", 2)
+    w = fleet.tier()
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a.fleet._sync_agent("p")
+    queued_at_add = []
+    real_add = a.fleet.outbox.add
+
+    def add(namespace: str, era: str) -> None:
+        queued_at_add.append(a.fleet.tier.stats()["erases"])
+        real_add(namespace, era)
+
+    a.fleet.outbox.add = add
+    assert a.erase("p", 30)
+    assert queued_at_add == [0], "the tombstone was queued before the erasure was in the outbox"
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone")
+    wait_for(lambda: not a.fleet.outbox.pending(), "the outbox letting go of it")
+
+
+def test_the_writer_lets_an_erasure_go_only_once_its_tombstone_is_written(fleet, fp, tmp_path):
+    """The outbox file of an erasure stays while its tombstone's write fails (here the compare-and-set
+    itself), and goes once it is written."""
+    import redis
+
+    a, _ = fleet.server("a")
+    hist = chain(fp, "p", 2)
+    w = fleet.tier()
+    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    a.fleet._sync_agent("p")
+    writer = a.fleet.tier.writer
+    real_cas, failures, failing = writer._cas_script, [], [True]
+
+    def cas(client, keys, args):
+        if failing[0]:
+            failures.append(keys)
+            raise redis.exceptions.ConnectionError("the tombstone's write failed")
+        return real_cas(client, keys, args)
+
+    writer._cas_script = cas
+    assert a.erase("p", 30)
+    wait_for(lambda: len(failures) >= 2, "the tombstone's write to fail twice")
+    assert a.fleet.outbox.pending(), "the writer let the erasure go before its tombstone was written"
+    assert not w.get_manifest("p").erased
+    failing[0] = False
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased, "the tombstone")
+    wait_for(lambda: not a.fleet.outbox.pending(), "the outbox letting go of it")

@@ -129,7 +129,7 @@ def fp(request) -> str:
 
 
 # What a RemoteTier is given beside its settings (the fleet glue's callbacks, and what a merge keeps).
-TIER_ARGS = ("block_source", "on_erased", "on_erase_done", "branches", "keep_continued")
+TIER_ARGS = ("block_source", "on_erased", "on_erase_done", "on_put_done", "branches", "keep_continued")
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@
                                    and on disk, tier, pinned, last used, branches (tokens of each, newest
                                    first), shared_blocks, forked_from
     GET    /v1/agents/{id}         one agent (404 if unknown)
-    DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown)
+    DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown;
+                                   503 with a fleet tier whose pending removals are at their bound)
     PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL
     DELETE /v1/agents/{id}/pin     unpin
     PUT    /v1/agents/{id}/forkable     other agents may fork it (whatever the fork_policy, but "none")
@@ -28,8 +29,15 @@ from .namespace import validate_agent_id
 PAGE_DEFAULT, PAGE_MAX = 100, 1000  # agents per GET /v1/agents reply: every response has a bound
 
 
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}})
+def _error(status: int, message: str, headers: Optional[dict] = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": {"message": message, "code": status}},
+                        headers=headers)
+
+
+def removals_full_message(fleet: Any) -> str:
+    """What a removal refused at the outbox's bound is told (HTTP 503)."""
+    return (f"this server has {fleet.settings.max_erasures} removals (erasures and forgets) pending for the "
+            "fleet tier, which cannot reach Redis: nothing was removed; retry once Redis is reachable")
 
 
 def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
@@ -78,6 +86,10 @@ def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
         pool, err = agent_and_pool(agent_id)
         if err:
             return err
+        fleet = getattr(pool, "fleet", None)
+        if fleet is not None and not fleet.removal_room():  # refused, not acknowledged and left undone
+            return _error(503, removals_full_message(fleet),
+                          {"Retry-After": str(max(1, round(fleet.settings.outbox_retry_s)))})
         if not await asyncio.to_thread(pool.erase, agent_id):
             return _error(404, f"no agent {agent_id!r}")
         return {"id": agent_id, "deleted": True}

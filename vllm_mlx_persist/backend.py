@@ -296,6 +296,13 @@ class PersistQ4Backend:
             return self.opts["fork_policy"] == "open"
         return pool.may_fork(parent)
 
+    def removal_room(self) -> bool:
+        """Whether a new removal (a forget) may be acknowledged: False when the fleet tier's pending
+        removals are at their bound (fleet.Fleet.removal_room). Any thread, no I/O."""
+        pool = self._pool
+        fleet = pool.fleet if pool is not None else None
+        return fleet is None or fleet.removal_room()
+
     def ready(self, request: Any) -> Optional[Future]:
         """A future done once the disk reads (and the Redis sync) the request's lookup needs are done,
         or None. The engine awaits it before admitting the request (seam: EngineCore.add_request), so

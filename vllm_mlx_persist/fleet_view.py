@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 from .blocks import Agent
 from .chain import (Branch, Copy, Removal, manifest_of, merge_branches, merge_records, same_branches,
                     surviving_removals)
-from .disk_format import MAX_REMOVALS, BlockData
+from .disk_format import MAX_REMOVALS, BlockData, Manifest
 from .pool_core import PoolCore
 from .record_settings import differ, merge_records_settings, values_of
 from .store import DiskStore
@@ -81,6 +81,10 @@ class FleetView:
     def read_disk_block(self, block_id: str) -> Optional[BlockData]:
         """The block read from disk, verified; None when absent or bad."""
         return self.store.read_block(block_id)
+
+    def read_record(self, namespace: str) -> Optional[Manifest]:
+        """The agent's record as its manifest on the local disk, verified; None when absent or bad."""
+        return self.store.read_manifest(namespace)
 
     def chain_prefix(self, branch: Branch, fetched: dict[str, BlockData]) -> tuple[int, bool]:
         """`Chains.prefix` of a branch fetched from the fleet, the disk's blocks held."""

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import pluggy
 
-from .kv_edit import resolve_mode
+from .kv_edit import FORGET, resolve_mode
 from .namespace import Route, validate_agent_id
 from .refusal import refuse
 
@@ -111,10 +111,24 @@ class ForkRefused(PermissionError):
     """A fork the server's fork_policy (or the parent's own setting) does not allow: HTTP 403."""
 
 
+def removals_refused(backend: Any) -> Exception:
+    """HTTP 503 for a forget refused at the fleet's bound of pending removals: refused before its lookup,
+    rather than acknowledged and never published (the API's own handler answers a FastAPI
+    HTTPException with its status)."""
+    from fastapi import HTTPException
+
+    from .admin import removals_full_message
+
+    fleet = backend.loaded_pool.fleet
+    return HTTPException(503, removals_full_message(fleet),
+                         headers={"Retry-After": str(max(1, round(fleet.settings.outbox_retry_s)))})
+
+
 @hookimpl
 def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint: str) -> Optional[str]:
     """A request's route (agent id, fork parent, edit mode) as the one string vllm-mlx carries;
-    ValueError (HTTP 400) for a malformed one, PermissionError (HTTP 403) for a fork not allowed. None,
+    ValueError (HTTP 400) for a malformed one, PermissionError (HTTP 403) for a fork not allowed, an
+    HTTPException 503 for a forget past the fleet's bound of pending removals. None,
     without reading the request, unless persist_q4 is the backend serving in this process: vllm-mlx
     calls every plugin's hook, whichever backend --cache-backend selected."""
     backends = [b for b in list(_LIVE_BACKENDS) if not getattr(b, "closed", False)]
@@ -137,6 +151,10 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
         # Refused before any lookup, the same way for an unknown parent: nothing about the parent's
         # history (or existence) reaches the client, through cached_tokens or otherwise.
         raise ForkRefused(f"agent {agent_id!r} may not fork from {parent!r} on this server (fork_policy)")
+    if mode == FORGET:
+        full = [b for b in backends if not b.removal_room()]
+        if full:
+            raise removals_refused(full[0])
     route = Route(agent_id, parent, mode)
     # The earliest moment we know the agent: start reading its blocks (and its parent's) from disk
     # now, so the worker thread's fetch, which stalls every running sequence while it waits, finds

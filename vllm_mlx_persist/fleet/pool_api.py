@@ -43,6 +43,10 @@ class FleetPool(Protocol):
     def has_disk_block(self, block_id: str) -> bool:
         """Whether the local disk holds the block's file (not verified: a read does that)."""
 
+    def read_record(self, namespace: str) -> Optional[Manifest]:
+        """The agent's manifest on the local disk (its durable record: what a forget's pending publish
+        sends), verified; None when absent or bad."""
+
     def read_disk_block(self, block_id: str) -> Optional[BlockData]:
         """The block from the local disk, verified; None when absent or bad."""
 

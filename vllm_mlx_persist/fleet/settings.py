@@ -40,9 +40,12 @@ class FleetSettings:
     block_ttl_s: int = 7 * 86400
     manifest_ttl_s: int = 30 * 86400
     tombstone_ttl_s: Optional[int] = None
-    # This server's view of agents in Redis: how many it remembers, erasures queued at once.
+    # This server's view of agents in Redis: how many it remembers; removals (erasures and forgets'
+    # publishes) pending in the outbox at once (more are refused: HTTP 503), and how often the outbox
+    # is sent again while the server runs.
     max_agents: int = 100_000
     max_erasures: int = 10_000
+    outbox_retry_s: float = 10.0
     # The sync side (fleet.sync.Fleet): how long a request waits for its agent's sync, how long a
     # sync waits for the local save of what it fetched, its threads, the syncs tracked at once, and
     # the block data one sync holds (None: the local write queue's byte budget).
@@ -62,8 +65,12 @@ class FleetSettings:
             object.__setattr__(self, "secret", self.secret.encode())
         if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
             raise ValueError(f"the fleet secret must have at least {MIN_SECRET_BYTES} bytes")
-        if min(self.queue_max, self.read_threads, self.max_attempts, self.fetch_blocks, self.fetch_bytes) < 1:
-            raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks and fetch_bytes must be at least 1")
+        if min(self.queue_max, self.read_threads, self.max_attempts, self.fetch_blocks, self.fetch_bytes,
+               self.max_erasures) < 1:
+            raise ValueError("queue_max, read_threads, max_attempts, fetch_blocks, fetch_bytes and max_erasures "
+                             "must be at least 1")
+        if not self.outbox_retry_s > 0:
+            raise ValueError("outbox_retry_s must be positive")
 
     @classmethod
     def from_options(cls, opts: Mapping[str, Any]) -> "FleetSettings":

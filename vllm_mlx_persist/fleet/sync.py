@@ -5,6 +5,10 @@
               rest from the local disk through block_source if it lacks them.
     erasure:  DELETE /v1/agents/ID (pool.erase) -> tier.erase, a tombstone fleet-wide. The disk
               budget and the TTL are this server's space decisions: they erase locally only.
+    removals: an erasure, and a forget's publish (a saved record holding a removal newer than any this
+              server recorded or published), are in the outbox (outbox.py) before they are
+              acknowledged; the outbox is sent again at start-up and every `outbox_retry_s` while the
+              server runs, and refuses new removals at its bound (`removal_room`: HTTP 503).
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
               module's own threads: read the agent's manifest in Redis; an erasure this server has
               not acted on (a tombstone, or a history of a newer era: started on a tombstone this
@@ -47,7 +51,7 @@ from ..chain import Branch, Copy, branch_of, cut_branch, limit_branches, survivi
 from ..disk_format import BlockData, Manifest
 from .family import Family
 from .manifests import RemoteManifest
-from .outbox import OUTBOX_DIR, Outbox
+from .outbox import OUTBOX_DIR, Outbox, removal_mark
 from .pool_api import FleetPool
 from .tier import RemoteTier
 
@@ -73,20 +77,27 @@ class Fleet:
             ["syncs", "syncs_skipped", "syncs_unchanged", "agents_fetched", "blocks_fetched", "tokens_fetched",
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
              "erased_from_fleet", "syncs_outdated", "syncs_republished", "lookup_waits", "lookup_wait_timeouts",
-             "lookup_wait_s_max"], 0)
-        # Erasures acknowledged and not yet in Redis, on the local disk: queued again after a restart.
-        self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR)
+             "lookup_wait_s_max", "forgets_recorded", "forgets_sent_again", "forgets_lost_locally",
+             "removals_refused"], 0)
+        self._lock = threading.Lock()
         self.family: Optional[Family] = None
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
-                              on_erase_done=self._erase_done, branches=pool.max_branches,
-                              keep_continued=pool.bounded_windows)
+                              on_erase_done=self._erase_done, on_put_done=self._put_done,
+                              branches=pool.max_branches, keep_continued=pool.bounded_windows)
         if family is not None:
             self.family = Family(self.tier, *family)
+        settings = self.settings = self.tier.settings
+        # Removals acknowledged and not yet in Redis, on the local disk: sent again after a restart
+        # and while the server runs (the drain thread).
+        self.outbox = Outbox(Path(pool.fleet_dir) / OUTBOX_DIR, settings.max_erasures)
         for namespace, era in self.outbox.pending():  # a server killed before its erasures reached Redis
             log.info("fleet: agent %r: its erasure did not reach Redis before the last stop; queued again",
                      namespace)
             self.tier.erase(namespace, era)
-        settings = self.settings = self.tier.settings
+        # The newest removal each agent's record holds that is in the outbox or in Redis (bounded):
+        # a save holding a newer one records its publish first.
+        self._marks: "OrderedDict[str, float]" = OrderedDict()
+        self._marks_lock = threading.Lock()
         self.wait_s = settings.wait_s
         self.write_timeout_s = settings.save_timeout_s
         self.max_syncs = settings.max_syncs
@@ -95,12 +106,16 @@ class Fleet:
         # Memory: threads x this.
         self.max_fetch_bytes = (settings.max_fetch_bytes if settings.max_fetch_bytes is not None
                                 else pool.disk_queue_bytes)
-        self._lock = threading.Lock()
         self._syncs: "OrderedDict[str, Future]" = OrderedDict()
         self._exec = ThreadPoolExecutor(settings.sync_threads, thread_name_prefix="vllm-mlx-persist-fleet")
         self._closed = False
         if self.family is not None:
             self._exec.submit(self.family.refresh)  # registers this keyspace; a mixed fleet is logged
+        self._drain_wake = threading.Event()
+        self._drain_seen: set[str] = set()  # agents whose forget's publish was pending at the last drain
+        self._idle_erasures: set[tuple[str, str]] = set()  # erasures pending and not queued at the last drain
+        self._drainer = threading.Thread(target=self._drain_loop, name="vllm-mlx-persist-fleet-outbox", daemon=True)
+        self._drainer.start()
 
     # ---- commits and erasure (called by the pool) ------------------------------------------------
 
@@ -109,10 +124,110 @@ class Fleet:
         before the turn). Never blocks, never raises (the persister must finish its job whatever
         happens here)."""
         try:
+            self._record_removal(manifest)  # before the turn is acknowledged (this runs before)
             self.tier.known_era(manifest.namespace, manifest.era)  # the tier may have forgotten it (its bound)
             self.tier.put(manifest, {b.block_id: b for b in blocks}, base)
         except Exception:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
+
+    def _record_removal(self, manifest: Manifest) -> None:
+        """A record holding a removal newer than any recorded or published for the agent (a forget,
+        saved): its publish is pending in the outbox, durably, before the put is queued."""
+        mark = removal_mark(manifest)
+        if mark <= 0.0 or mark <= self._mark(manifest.namespace):
+            return
+        try:
+            self.outbox.add_forget(manifest.namespace, mark)
+        except OSError as e:  # still queued: it reaches Redis unless this server dies first
+            log.error("fleet: agent %r: recording its forget's pending publish failed (%s); not kept across "
+                      "a restart", manifest.namespace, e)
+            return
+        self._count("forgets_recorded")
+        self._set_mark(manifest.namespace, mark)
+
+    def _mark(self, namespace: str) -> float:
+        with self._marks_lock:
+            return self._marks.get(namespace, 0.0)
+
+    def _set_mark(self, namespace: str, mark: float) -> None:
+        with self._marks_lock:
+            if mark > self._marks.get(namespace, 0.0):
+                self._marks[namespace] = mark
+            self._marks.move_to_end(namespace)
+            while len(self._marks) > self.settings.max_agents:
+                self._marks.popitem(last=False)
+
+    def _put_done(self, manifest: Manifest) -> None:
+        """Tier writer thread: Redis holds the put's record (or the agent was erased since): the
+        forgets' publishes it carries are done."""
+        mark = removal_mark(manifest)
+        if mark > 0.0:
+            self._set_mark(manifest.namespace, mark)
+            self.outbox.forget_done(manifest.namespace, mark)
+
+    def removal_room(self) -> bool:
+        """Whether a new removal (an erasure, a forget) may be acknowledged: False (counted) when the
+        outbox holds `max_erasures` pending ones; the caller answers 503. Any thread, no I/O."""
+        if self.outbox.full():
+            self._count("removals_refused")
+            return False
+        return True
+
+    # ---- the outbox, sent again while the server runs -----------------------------------------------
+
+    def _drain_loop(self) -> None:
+        first = True
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                self.drain(first)
+            except Exception:  # never kill the drain thread
+                log.exception("fleet: sending the outbox again failed")
+            first = False
+            self._drain_wake.wait(self.settings.outbox_retry_s)
+            self._drain_wake.clear()
+
+    def drain(self, now: bool = False) -> int:
+        """Send the outbox's pending removals that no write in flight carries: erasures not queued
+        (queued again with their ids) and forgets' publishes (the agent's record on the local disk,
+        put again). A publish is sent again only when it was pending at the previous drain too, and no
+        put of the agent is queued (`now`: at start-up, at once). Returns how many were queued."""
+        sent = 0
+        # An erasure not queued at two drains in a row (the writer lets one go between writing its
+        # tombstone and removing its file: not queued again for that). Start-up queued every one.
+        idle = set()
+        for namespace, era in self.outbox.erasures():
+            if self.tier.erasing(namespace):
+                continue
+            idle.add((namespace, era))
+            if (namespace, era) in self._idle_erasures and self.tier.erase(namespace, era):
+                sent += 1
+        self._idle_erasures = idle
+        forgets = self.outbox.forgets()
+        seen, self._drain_seen = self._drain_seen, set(forgets)
+        room = self.tier.room() // 2  # leave room for the turns' own puts
+        for namespace, mark in forgets.items():
+            if room <= 0:
+                break
+            if (not now and namespace not in seen) or self.tier.putting(namespace):
+                continue
+            m = self.pool.read_record(namespace)
+            if m is None or removal_mark(m) < mark:
+                # erased since (here or by another server: nothing to send), or evicted by the disk
+                # budget or the TTL before its forget reached Redis (docs/fleet.md: a known limit)
+                log.warning("fleet: agent %r: its record left the local disk before its forget's publish "
+                            "reached Redis", namespace)
+                self._count("forgets_lost_locally")
+                self.outbox.forget_done(namespace, mark)
+                continue
+            self.tier.known_era(namespace, m.era)
+            if self.tier.put(m):
+                sent += 1
+                room -= 1
+                self._count("forgets_sent_again")
+        return sent
 
     def superseded(self, block_ids: list[str]) -> None:
         """A forget edit's save is durable and its manifest's put queued: delete the blocks it no
@@ -423,6 +538,7 @@ class Fleet:
         out.update(self.tier.stats())
         if self.family is not None:
             out.update(self.family.stats())
+        out["removals_pending"], out["removals_bound"] = len(self.outbox), self.outbox.bound
         out["wait_s"] = self.wait_s
         return out
 
@@ -437,6 +553,7 @@ class Fleet:
             for fut in self._syncs.values():
                 fut.cancel()
             self._syncs.clear()
+        self._drain_wake.set()  # the drain thread ends
         self._exec.shutdown(wait=False, cancel_futures=True)
 
     def close(self, timeout: float = 5.0) -> None:

@@ -30,9 +30,14 @@ thread:
     tier.put(manifest, blocks=None, base=None) -> bool      # any thread; never blocks: queues the
                                                             # upload, False when dropped (queue full);
                                                             # a concurrent update is merged with it
-    tier.erase(agent, ident=None) -> bool                   # any thread; never blocks: queued ahead
-                                                            # of the bound, retried until done or close();
-                                                            # on_erase_done(agent, ident) once in Redis
+    tier.erase(agent, ident=None) -> bool                   # any thread; never blocks: queued (the
+                                                            # outbox bounds them), retried until done or
+                                                            # close(); on_erase_done(agent, ident) once
+                                                            # in Redis; on_put_done(manifest) once a put's
+                                                            # record is (or need not be)
+    tier.putting(agent) -> bool                             # any thread: a put of it queued or running
+    tier.erasing(agent) -> bool                             # any thread: an erasure of it queued
+    tier.room() -> int                                      # any thread: puts the queue takes now
     tier.drop_blocks(block_ids) -> bool                     # any thread: a forget's superseded blocks
     tier.erased_locally(agent, ident) -> bool               # any thread: this server dropped its copy
                                                             # because of erasure `ident` (from
@@ -93,7 +98,8 @@ class RemoteTier:
 
     def __init__(self, settings: FleetSettings, fingerprint: str, *, block_source: Optional[BlockSource] = None,
                  on_erased: Optional[Callable[[str, str], None]] = None,
-                 on_erase_done: Optional[Callable[[str, str], None]] = None, branches: int = 4,
+                 on_erase_done: Optional[Callable[[str, str], None]] = None,
+                 on_put_done: Optional[Callable[[Manifest], None]] = None, branches: int = 4,
                  keep_continued: bool = False):
         if not isinstance(fingerprint, str) or len(fingerprint) < 32:
             raise ValueError("fingerprint must be a string of at least 32 characters")
@@ -108,7 +114,8 @@ class RemoteTier:
         eras = self.eras = Eras(state, settings.max_agents)
         self.reads = Reads(settings, keys, tagger, self.manifests, conn, eras, state)
         self.writer = Writer(settings, keys, tagger, self.manifests, conn, eras, state, block_source=block_source,
-                             on_erased=on_erased, on_erase_done=on_erase_done, branches=branches,
+                             on_erased=on_erased, on_erase_done=on_erase_done, on_put_done=on_put_done,
+                             branches=branches,
                              keep_continued=keep_continued)
         # The writer is a daemon thread: give queued writes a short, bounded chance at exit.
         ref = weakref.ref(self)
@@ -152,6 +159,17 @@ class RemoteTier:
 
     def drop_blocks(self, block_ids: Sequence[str]) -> bool:
         return self.writer.drop_blocks(block_ids)
+
+    def putting(self, namespace: str) -> bool:
+        return self.writer.putting(namespace)
+
+    def erasing(self, namespace: str) -> bool:
+        """Whether an erasure of the agent is queued (any thread)."""
+        with self._state.lock:
+            return namespace in self.eras.pending_erase
+
+    def room(self) -> int:
+        return self.writer.room()
 
     def flush(self, timeout: Optional[float] = None) -> bool:
         return self.writer.flush(timeout)

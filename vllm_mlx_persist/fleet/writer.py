@@ -81,30 +81,35 @@ class Writer:
     """`put`, `erase`, `drop_blocks` queue; `flush` waits; `close` stops. `block_source(block_id)`:
     the local disk, for blocks a put names that Redis lacks and the put does not carry. `on_erased(
     agent, erasure)`: a put found the agent erased by another server (called on this thread).
-    `branches`, `keep_continued`: what a merged manifest keeps (manifests.merged)."""
+    `on_erase_done(agent, erasure)`: an erasure's tombstone is in Redis. `on_put_done(manifest)`: Redis
+    holds everything the put's record holds (published, merged, already there), or the agent was
+    erased since it was queued (this thread). `branches`, `keep_continued`: what a merged manifest
+    keeps (manifests.merged)."""
 
     def __init__(self, settings: FleetSettings, keys: Keyspace, tagger: Tagger, manifests: Manifests,
                  conn: Connection, eras: Eras, state: TierState, *, block_source: Optional[BlockSource] = None,
                  on_erased: Optional[Callable[[str, str], None]] = None,
-                 on_erase_done: Optional[Callable[[str, str], None]] = None, branches: int = 4,
+                 on_erase_done: Optional[Callable[[str, str], None]] = None,
+                 on_put_done: Optional[Callable[[Manifest], None]] = None, branches: int = 4,
                  keep_continued: bool = False):
         self.keys, self.tagger, self.manifests = keys, tagger, manifests
         self.conn, self.eras, self._state = conn, eras, state
         self.block_source = block_source
         self.on_erased = on_erased
         self.on_erase_done = on_erase_done
+        self.on_put_done = on_put_done
         self.queue_max, self.queue_max_bytes = settings.queue_max, settings.queue_max_bytes
         self.max_attempts, self.backoff_s, self.backoff_max_s = (settings.max_attempts, settings.backoff_s,
                                                                  settings.backoff_max_s)
         self.block_ttl_s, self.manifest_ttl_s = settings.block_ttl_s, settings.manifest_ttl_s
         self.tombstone_ttl_s = settings.tombstone_ttl_s
-        self.max_erasures = settings.max_erasures
         self.branches = max(1, int(branches))  # a merged manifest keeps this many (the pool's `branches`)
         self.keep_continued = keep_continued  # a model with bounded sliding windows: see chain.merge_branches
         self._cas_script = Lua(_CAS_LUA, conn.no_script)
 
         self._q: deque = deque()
         self._q_puts = 0
+        self._puts_of: dict[str, int] = {}  # agent -> its puts queued or running
         self._q_bytes = 0
         self._busy = False
         self._cond = state.cond
@@ -140,6 +145,7 @@ class Writer:
                                 rules.digest(base) if base is not None else None, st.era))
             self._q_puts += 1
             self._q_bytes += nbytes
+            self._puts_of[manifest.namespace] = self._puts_of.get(manifest.namespace, 0) + 1
             self._cond.notify()
         return True
 
@@ -147,15 +153,15 @@ class Writer:
         """Queue erasing the agent from Redis (manifest replaced by a tombstone one version up, so a
         put from before the erasure cannot bring it back); queued puts for it are discarded. This
         server's era for the agent is the new tombstone's id from now on (its later histories follow
-        it). Not bounded by queue_max; retried until done or close(). False if it cannot be queued.
+        it). Not bounded here (the fleet's outbox bounds the erasures pending, and refuses new ones at
+        its bound); retried until done or close(). False if it cannot be queued (closing).
         `ident`: the tombstone's id, chosen by the caller (an erasure kept in the fleet's outbox)."""
         agent_key_of(namespace)
         with self._cond:
             self._state.c["erases"] += 1
-            if self._closing or len(self.eras.pending_erase) >= self.max_erasures:
+            if self._closing:
                 self._state.c["errors"] += 1
-                logger.error("fleet: cannot queue the erasure of an agent (closing or %d pending)",
-                             len(self.eras.pending_erase))
+                logger.error("fleet: cannot queue the erasure of an agent (closing)")
                 return False
             self.eras.erasing(namespace, ident)
             self._q.append(_Erase(namespace))
@@ -206,6 +212,7 @@ class Writer:
             self._state.c["dropped"] += len(left)
             self._q.clear()
             self._q_puts = self._q_bytes = 0
+            self._puts_of.clear()
             self._cond.notify_all()
         if erasures:
             logger.error("fleet: %d agent erasure(s) could not reach Redis before shutdown", len(erasures))
@@ -214,6 +221,16 @@ class Writer:
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout=max(1.0, timeout))
+
+    def putting(self, namespace: str) -> bool:
+        """Whether a put of the agent is queued or running (any thread)."""
+        with self._cond:
+            return namespace in self._puts_of
+
+    def room(self) -> int:
+        """Puts the queue takes now (by count)."""
+        with self._cond:
+            return 0 if self._closing else max(0, self.queue_max - self._q_puts)
 
     def queued(self) -> tuple[int, int]:
         """(lock held) Writes queued, and the bytes of block data they carry."""
@@ -242,6 +259,13 @@ class Writer:
             with self._cond:
                 if requeue and not self._state.stop:
                     self._q.append(item)
+                elif isinstance(item, _Put):
+                    ns = item.manifest.namespace
+                    left = self._puts_of.get(ns, 0) - 1
+                    if left > 0:
+                        self._puts_of[ns] = left
+                    else:
+                        self._puts_of.pop(ns, None)
                 self._busy = False
                 self._cond.notify_all()
 
@@ -324,7 +348,8 @@ class Writer:
 
     def _put_now(self, p: _Put) -> None:
         m = p.manifest
-        if self._stale(p):
+        if self._stale(p):  # erased since: nothing of it may reach Redis, and nothing needs to
+            self._put_done(m)
             return
         key = self.keys.manifest(m.namespace)
         client, state, eras = self.conn.write_client, self._state, self.eras
@@ -365,10 +390,12 @@ class Writer:
             # The erasure check and the base are read together: an erasure this server makes or sees
             # after this point changes the value (or the base), so the compare-and-set refuses.
             with state.lock:
-                if self._stale(p, locked=True):
-                    return
+                stale = self._stale(p, locked=True)
                 st = eras.agent(m.namespace)
                 seen_v, seen_id = st.seen_v, st.seen_id
+            if stale:
+                self._put_done(m)
+                return
             cur_era = cur.ident if cur.erased else (theirs.era or "") if theirs is not None else ""
             outcome, version = rules.decide(cur, seen_v, seen_id, digest, p.base_digest, p.era, cur_era)
             value = m  # what is written: the put, or (a concurrent update) the put merged with the current
@@ -406,11 +433,22 @@ class Writer:
                 eras.meet_erasure(st, cur.version, cur_era)
         if outcome == "foreign":
             self.manifests.refused(cur, "a put left it alone")
-        elif met and self.on_erased is not None:
+            return
+        if met and self.on_erased is not None:
             try:
                 self.on_erased(m.namespace, cur_era)
             except Exception:
                 logger.exception("fleet: on_erased callback failed")
+        # Written, merged or held already; or the agent erased by another server (nothing of it may
+        # come back): what the put's record holds needs no other put.
+        self._put_done(m)
+
+    def _put_done(self, m: Manifest) -> None:
+        if self.on_put_done is not None:
+            try:
+                self.on_put_done(m)
+            except Exception:
+                logger.exception("fleet: on_put_done callback failed")
 
     def _stale(self, p: _Put, locked: bool = False) -> bool:
         """Whether the put's agent was erased (here, or seen erased) after the put was queued."""

@@ -158,16 +158,65 @@ RULE_MUTANTS = (
            (("hashlib.sha256(np.array(self.scales).tobytes())", "hashlib.sha256(str(np.array(self.scales).shape).encode())"),),
            "a scaled key format's identity depends on its scales' shape, not their values",
            "tests/test_merge_rules.py::test_a_scaled_key_formats_identity_is_its_scales_values"),
+    # The fleet's outbox (issue #53): pending removals durable, in order, drained and bounded.
+    Mutant("outbox_drops_earlier_first", "outbox", "vllm_mlx_persist/fleet/outbox.py",
+           (("        self._write(path, {\"agent\": namespace, \"era\": era, \"at\": at}, Entry(namespace, at, era=era))\n"
+             "        self._drop_older(namespace, path, at, forgets_only=False)",
+             "        self._drop_older(namespace, path, at, forgets_only=False)\n"
+             "        self._write(path, {\"agent\": namespace, \"era\": era, \"at\": at}, Entry(namespace, at, era=era))"),),
+           "an erasure's record removes the agent's earlier ones before its own is durable",
+           "tests/test_fleet_partitions.py::test_a_failed_erasure_record_keeps_the_agents_earlier_one"),
+    Mutant("outbox_rename_unsynced", "outbox", "vllm_mlx_persist/fleet/outbox.py",
+           (("            os.write(fd, json.dumps(value, sort_keys=True).encode())\n            _fsync(fd)",
+             "            os.write(fd, json.dumps(value, sort_keys=True).encode())"),),
+           "an outbox file is renamed into place without an fsync",
+           "tests/test_fleet_partitions.py::test_an_outbox_file_is_fsynced_before_its_rename_and_the_directory_after"),
+    Mutant("outbox_times_from_zero", "outbox", "vllm_mlx_persist/fleet/outbox.py",
+           (("        self._last_at = max((e.at for e in self._files.values()), default=0)",
+             "        self._last_at = 0"),),
+           "a restarted outbox's times start again from the clock, not from its pending entries",
+           "tests/test_fleet_partitions.py::test_outbox_times_go_on_from_the_files_after_a_restart_whatever_the_clock"),
+    Mutant("tombstone_before_outbox", "outbox", "vllm_mlx_persist/fleet/sync.py",
+           (("        ident = secrets.token_hex(8)\n        try:\n            self.outbox.add(namespace, ident)",
+             "        ident = secrets.token_hex(8)\n        self.tier.erase(namespace, ident)\n        try:\n"
+             "            self.outbox.add(namespace, ident)"),),
+           "the tombstone is queued before the erasure is in the outbox",
+           "tests/test_fleet_partitions.py::test_the_outbox_records_an_erasure_before_its_tombstone_is_queued"),
+    Mutant("erasure_let_go_early", "outbox", "vllm_mlx_persist/fleet/writer.py",
+           (("            if int(self._cas_script(client, [key], [cur.raw_id, self.tombstone_ttl_s, *fields])):",
+             "            if self.on_erase_done is not None:\n                self.on_erase_done(namespace, ident)\n"
+             "            if int(self._cas_script(client, [key], [cur.raw_id, self.tombstone_ttl_s, *fields])):"),),
+           "the writer lets an erasure go (its outbox file) before its tombstone is written",
+           "tests/test_fleet_partitions.py::test_the_writer_lets_an_erasure_go_only_once_its_tombstone_is_written"),
+    Mutant("forget_publish_not_recorded", "outbox", "vllm_mlx_persist/fleet/sync.py",
+           (("            self._record_removal(manifest)  # before the turn is acknowledged (this runs before)\n", ""),),
+           "a forget is acknowledged with no pending publish in the outbox",
+           "tests/test_fleet_partitions.py::test_a_forget_acknowledged_before_a_crash_reaches_the_fleet_after_the_restart"),
+    Mutant("forget_let_go_when_given_up", "outbox", "vllm_mlx_persist/fleet/writer.py",
+           (("        self._state.count(\"put_failures\")\n        return False",
+             "        self._state.count(\"put_failures\")\n        self._put_done(item.manifest)\n        return False"),),
+           "a forget's pending publish is let go when its put is given up",
+           "tests/test_fleet_partitions.py::test_a_forget_whose_put_was_given_up_reaches_redis_while_the_server_runs"),
+    Mutant("outbox_read_at_start_only", "outbox", "vllm_mlx_persist/fleet/sync.py",
+           (("            self._drain_wake.wait(self.settings.outbox_retry_s)", "            return"),),
+           "the outbox is sent again at start-up only, not while the server runs",
+           "tests/test_fleet_partitions.py::test_an_erasure_in_the_outbox_reaches_redis_while_the_server_runs"),
+    Mutant("removals_past_bound_acknowledged", "outbox", "vllm_mlx_persist/fleet/outbox.py",
+           (("        return len(self) >= self.bound", "        return False"),),
+           "removals past the outbox's bound are acknowledged",
+           "tests/test_fleet_partitions.py::test_removals_past_the_bound_are_refused_with_503_not_acknowledged"),
 )
 
 
 def copy_with(m: Mutant | None, dest: Path) -> Path:
     """The package, the state machine's tests and pyproject.toml under `dest` (and a rule mutant's
-    test file with test_remote.py, whose helpers it uses), with `m` applied."""
+    test file with test_remote.py, test_pool.py and test_forget.py, whose helpers it uses), with `m`
+    applied."""
     shutil.copytree(REPO / "vllm_mlx_persist", dest / "vllm_mlx_persist",
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (dest / "tests").mkdir()
-    extra = (m.test.split("::")[0], "tests/test_remote.py") if m is not None and m.test else ()
+    extra = (m.test.split("::")[0], "tests/test_remote.py", "tests/test_pool.py",
+             "tests/test_forget.py") if m is not None and m.test else ()
     for f in ("tests/conftest.py", "tests/test_state_machine.py", "pyproject.toml", *extra):
         shutil.copy(REPO / f, dest / f)
     if m is not None:

@@ -1122,6 +1122,20 @@ class PoolMachine(RuleBasedStateMachine):
         assert wait_until(lambda: (tier.get_manifest(AGENTS[0]), tier.stats()["connected"])[1], OP_TIMEOUT_S), (
             "a healed server did not reach Redis again")
 
+    def _removals_in_redis(self, pool: BlockPool, agent: str) -> bool:
+        """Whether Redis's copy of the agent holds the newest removal of the pool's record (its removal
+        records, spliced_cleared and floor), or is a tombstone; read with the pool's tier."""
+        with pool.core.lock:
+            rec = pool.agent(agent)
+            mine = 0.0 if rec is None else max([r.at for r in rec.removals] + [rec.spliced_cleared,
+                                                                               rec.removed_floor])
+        if mine <= 0.0:
+            return True
+        rm = pool.fleet.tier.get_manifest(agent)
+        if rm is None:
+            return False
+        return rm.erased or max([r.at for r in rm.removals] + [rm.spliced_cleared, rm.removed_floor]) >= mine
+
     def _die(self, pool: BlockPool) -> None:
         """kill -9 of the server, as far as the fleet goes: its writer's queue (puts, erasures) is lost
         unsent; the disk's own writes are done (what was acknowledged is durable before its answer)."""
@@ -1190,8 +1204,9 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(agent=names, pick=st.integers(0, 99), cut=st.floats(0.0, 0.9), new=words)
     def forget_then_killed(self, agent: str, pick: int, cut: float, new: list[int]) -> None:
         """A forget edit on this server while it is cut off from Redis (its turn acknowledged: durable
-        locally; its put given up), then the process killed, restarted and healed: its first sync of
-        the agent publishes the forget (the other server holds what it removed until then). Only of an
+        locally; its put given up), then the process killed, restarted and healed: its outbox publishes
+        the forget at start-up, with no request or sync of the agent (issue #53; the other server holds
+        what it removed until then). Only of an
         agent this server holds: then its record keeps the erasure its history follows (an agent it
         erased and restarted since has no record left saying so, and a turn of it made while cut off
         meets its own old tombstone as an erasure at the heal: a known limit, docs/fleet.md)."""
@@ -1208,7 +1223,8 @@ class PoolMachine(RuleBasedStateMachine):
             self.cut.discard("a")
         self._reopen()
         self._reach(self.pool)
-        watchdog(self.pool.fleet._sync_agent, agent)
+        assert wait_until(lambda: self._removals_in_redis(self.pool, agent), OP_TIMEOUT_S), (
+            "a forget acknowledged before a kill was not published from the outbox after the restart")
         watchdog(self.pool.flush, OP_TIMEOUT_S)
         assert self.pool.fleet.tier.flush(OP_TIMEOUT_S)
         self.unpublished["a"].discard(agent)
