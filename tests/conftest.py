@@ -27,7 +27,7 @@ os.environ.setdefault(key_choice.SHARED_ENV, "off")
 # listed follow in their usual order. Re-measure with `./dev test --durations=0`.
 SLOWEST_FIRST = (
     "test_reliability.py", "test_bench.py", "test_e2e_real_model.py", "test_real_quality.py", "test_quality.py", "test_scenario.py",
-    "test_real_model_quality.py",
+    "test_real_model_quality.py", "test_e2e_gemma.py",
     "test_e2e_kv_edit.py",
     "test_e2e_server.py", "test_e2e_batch_invariance.py", "test_batch_invariance.py", "test_seam_series.py",
     "test_e2e_families.py", "test_seam_cli.py", "test_upstream_suite.py", "test_e2e_admission.py",
