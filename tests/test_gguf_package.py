@@ -88,6 +88,14 @@ def test_a_damaged_chunk_is_refused_and_leaves_nothing(packages, tmp_path):
     assert not any(p.is_file() for p in cache.rglob("*"))
 
 
+def test_an_unwritable_cache_is_a_clear_error(packages, tmp_path):
+    (tmp_path / "cache").write_text("a file where the cache folder would be")
+    with pytest.raises(gguf_import.GGUFImportError, match="cannot assemble tiny-model.gguf in .*"
+                                                          "VLLM_MLX_PERSIST_GGUF_CACHE"):
+        gguf_package.packaged_gguf("tiny-gguf", cache=tmp_path / "cache")
+    assert (tmp_path / "cache").read_text() == "a file where the cache folder would be"
+
+
 def test_a_missing_part_package_or_chunk_is_named(packages, tmp_path):
     site, _ = packages
     cache = tmp_path / "cache"

@@ -156,4 +156,8 @@ def packaged_gguf(distribution: str, cache: Optional[Path] = None) -> Path:
         raise GGUFImportError(f"package {distribution!r}: {SUMS_FILE} names an odd file {name!r}")
     chunks = chunk_files(dist, name)
     folder = (cache or cache_dir()) / f"{dist.metadata['Name']}-{dist.version}"
-    return assemble(chunks, folder / name, sha)
+    try:
+        return assemble(chunks, folder / name, sha)
+    except OSError as e:  # a cache that cannot be written (a file in the way, a full disk, read-only)
+        raise GGUFImportError(f"cannot assemble {name} in {folder}: {e.strerror or e} "
+                              f"(set {CACHE_ENV} to a writable folder)") from e
