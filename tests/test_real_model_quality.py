@@ -64,6 +64,7 @@ def test_smollm2_centred_formats_against_the_float_cache(smollm2_dir):
     t0 = time.perf_counter()
     r = _measure(smollm2_dir, ["k5v4c", "k6v4c"])
     msg = f"{_summary(r)} ({time.perf_counter() - t0:.0f} s)"
+    assert r["fp32"]["first_ids"][0] != 1, msg  # its GGUF says add_bos_token false: no BOS (id 1) added
     assert r["fp32"]["ppl"] < 20.0, msg  # 17.54
     assert r["k6v4c"]["kl_from_full"] <= 0.0095 and r["k6v4c"]["argmax_agreement"] >= 0.955, msg
     assert r["k5v4c"]["kl_from_full"] <= 0.018 and r["k5v4c"]["argmax_agreement"] >= 0.93, msg
