@@ -51,6 +51,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .caches.codec import ModelCodec
@@ -275,8 +276,6 @@ def option_obstacle(option: str, model: Any, codec: ModelCodec) -> Optional[str]
         layers = getattr(model, "layers", None)
         layers = model.model.layers if layers is None else layers
         for l in q4:
-            from mlx.utils import tree_flatten
-
             if any(name.split(".")[-1] == "sinks" for name, _ in tree_flatten(layers[l].parameters())):
                 return (f"layer {l}: its attention takes sinks, whose logit does not shift with the "
                         f"scores (key_format {option} centres keys, which shifts every score of a query)")
