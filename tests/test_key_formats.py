@@ -409,6 +409,7 @@ def _factory(model, tok, root, **options):
     ("deepseek_v3", "tiny", {"key_format": "k8v4"}, "no layer stores 4-bit keys and values"),
     ("llama", "tiny", {"latent_bits": 8}, "latent_bits 8 needs layers that cache MLA latents; this model has none"),
     ("deepseek_v3", "tiny", {"latent_bits": 8}, None),
+    ("llama", "tiny", {"group_size": 128}, "head_dim 64 is not a multiple of the quantization group size 128"),
 ])
 def test_an_option_the_model_cannot_take_is_refused_by_the_factory(tok, tmp_path, arch, size, options, why):
     """issue #50: an explicit key_format the model cannot take was calibrated on the worker, failed
