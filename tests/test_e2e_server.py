@@ -257,6 +257,20 @@ def test_unsupported_model_is_refused_at_startup(tmp_path):
     assert "gemma2" in str(e.value) + srv.log_tail() and "computes the scores itself" in str(e.value) + srv.log_tail()
 
 
+def test_a_key_format_the_model_cannot_take_stops_the_server(tmp_path):
+    """issue #50: `key_format: k6v4c` on a model with attention sinks (gpt_oss) started a server that
+    stored plain q4 after a logged traceback. It now exits non-zero at start-up with one line naming
+    the layer and the property, and writes no cache."""
+    model = build_model_dir(tmp_path / "gpt_oss", arch="gpt_oss", size="tiny")
+    srv = Server(model, tmp_path / "home", options={**OPTIONS, "key_format": "k6v4c"})
+    with pytest.raises(RuntimeError, match=r"server exited with [1-9]") as e:
+        srv.start(timeout=120)
+    line = "persist_q4 key_format k6v4c cannot be served on this model: layer 0: its attention takes sinks"
+    log = str(e.value) + srv.log_tail()
+    assert line in log and "keys stored as q4" not in log
+    assert not list((tmp_path / "home").rglob("*.safetensors"))
+
+
 def test_streaming_paths_carry_the_agent_and_report_cached_tokens(server):
     chat = Chat("streamer")
     chat.turn(server, 0)

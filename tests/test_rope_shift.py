@@ -233,3 +233,30 @@ def test_shifting_a_block_moves_keys_and_leaves_values_byte_identical():
     step = mx.abs(ref["0.k.s"].astype(mx.float32)).max().item()
     assert mx.abs(deq(moved, 0) - deq(ref, 0)).max().item() <= 1.5 * step
     assert mx.abs(deq(arrays, 0) - deq(ref, 0)).max().item() > 1.5 * step  # unmoved: far off
+
+
+def test_a_dead_leading_rotary_pair_is_still_rotated_from_channel_0():
+    """Gemma 3 270M's layer 12 has a K-norm weight of 0 on channels 0 and 128 (the first RoPE pair):
+    its keys never move there, so the first moving channel is 1. The probe once read that as a
+    rotary slice starting at 1 (an odd width no RoPE has) and refused the layer, which cost the
+    model its splices and its centred key formats (issue #50). A gemma3_text of that shape (head
+    dim 256, one KV head) with that pair zeroed on one layer: every layer rotates, from channel 0."""
+    from vllm_mlx_persist.kv_edit.rope_shift import _attention_of, _Recorder
+    from vllm_mlx_persist.tools.models import Size
+
+    size = Size(layers=2, hidden=256, heads=4, kv_heads=1, head_dim=256, intermediate=512, vocab=1024)
+    model, _ = build_model("gemma3_text", size)
+    norm = model.layers[1].self_attn.k_norm
+    dead = mx.zeros((256,)).at[mx.array([0, 128])].add(1.0)
+    norm.weight = norm.weight * (1 - dead) - dead  # mlx-lm's Gemma norm scales by (1 + w): 0 there
+    verdicts = probe_model(model)
+    assert all(v.ok for v in verdicts), [v.reason for v in verdicts]
+    params = verdicts[1].slots[0].params
+    assert (params.start, params.dims) == (0, 256)
+    x = mx.random.normal((1, 3, 256), key=mx.random.key(4)) * 0.5
+    a, b = _Recorder(5), _Recorder(905)
+    attn = _attention_of(model.layers[1])
+    attn(x, mask=None, cache=a)
+    attn(x, mask=None, cache=b)
+    assert float(mx.abs(a.slots()[0][..., 0]).max()) == 0.0  # the pair is dead
+    assert identity_error(a.slots()[0], b.slots()[0], 900, params) <= 1e-4

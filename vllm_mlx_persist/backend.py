@@ -21,12 +21,12 @@ from .cache_root import CacheDirLock
 from .caches import ModelCodec
 from .caches.attention import install_attention_fix
 from .caches.floats import FloatCopies
-from .caches.kinds import Q4
+from .caches.kinds import FULL, Q4
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
 from .identity import model_fingerprint
 from . import key_choice
-from .key_calibration import CALIBRATED, calibration_params, scale_shapes
+from .key_calibration import CALIBRATED, calibration_params, option_obstacle, scale_shapes
 from .key_calibration import describe as describe_keys
 from .key_calibration import identity as keys_identity
 from .key_calibration import resolve as resolve_keys
@@ -84,7 +84,7 @@ class PersistQ4Backend:
             # Refuses, naming the model type and the reason, the few models that cannot work.
             self.codec = ModelCodec.for_model(model, opts["bits"], opts["group_size"], bounded=True,
                                               latent_bits=opts["latent_bits"], float_copies=self.float_copies)
-            _check_key_format(opts["key_format"], model, self.codec)
+            _check_key_format(opts, model, self.codec)
         except ValueError as e:
             raise refuse(e)
         install_attention_fix()  # after the model's module is imported: it rebinds the SDPA dispatcher
@@ -109,6 +109,7 @@ class PersistQ4Backend:
         # The key_format option resolved per layer (`_resolve_keys`, on the worker: "auto" and "scaled"
         # run the model); until then the codec's caches store keys like values. Read by get_stats.
         self.key_report: Optional[dict] = None
+        self._keys_error: Optional[RuntimeError] = None  # an explicit key_format that calibration refused
         self._q4_fp: Optional[str] = None  # the model identity with q4 keys, hashed once (worker)
         # span directives (kv_edit/): a request's usage.kv_edit, and an amortize request's splice
         self.edits = SpanDirectives(model, tokenizer, self.codec, opts["kv_edit"], opts["block_size"])
@@ -196,13 +197,22 @@ class PersistQ4Backend:
         if self.key_report is not None:
             return
         option = self.opts["key_format"]
+        if self._keys_error is not None:
+            raise self._keys_error
         try:
             if option in CALIBRATED and Q4 in self.codec.kinds:
                 formats, report = self._remembered_keys(option)
             else:
                 formats, report = resolve_keys(option, self.model, self.tokenizer, self.codec)
-        except Exception as e:  # never fatal: keys are then stored like values, and the stats say why
-            log.exception("persist_q4: key_format %s could not be resolved; keys stored as q4", option)
+        except Exception as e:
+            if option != "auto":
+                # An explicit format is never served as q4 instead (issue #50). The factory refused
+                # what the model's shapes rule out; what only calibration finds fails every cache.
+                log.error("persist_q4: key_format %s cannot be served: %s: %s", option, type(e).__name__, e)
+                self._keys_error = RuntimeError(f"persist_q4 key_format {option} cannot be served: {e}")
+                raise self._keys_error from e
+            # auto: keys are then stored like values, and the stats say why
+            log.exception("persist_q4: key_format auto could not be resolved; keys stored as q4")
             formats = [None] * self.codec.n_layers
             report = {"option": option, "chosen": "q4", "error": f"{type(e).__name__}: {e}"}
         self.codec.key_formats = formats  # in place: SpanDirectives holds this codec too
@@ -412,16 +422,17 @@ class PersistQ4Backend:
         self._dir_lock.release()
 
 
-def _check_key_format(option: str, model: Any, codec: ModelCodec) -> None:
-    """Refuse at start-up a fixed key format the model cannot take (a Hadamard rotation of keys or
-    values: a power-of-two head_dim)."""
-    if option not in ("hadamard", "k5v4r", "k8v4r") or Q4 not in codec.kinds:
-        return
-    from .caches.kinds import _head_dims
-
-    for name, dim in _head_dims(model).items():
-        if dim & (dim - 1) and (option != "k8v4r" or not name.startswith("key")):  # k8v4r rotates values only
-            raise ValueError(f"persist_q4 key_format {option} needs a power-of-two head dimension; {name} is {dim}")
+def _check_key_format(opts: dict, model: Any, codec: ModelCodec) -> None:
+    """Refuse at start-up an option this model cannot honour, naming the layer and the property: a
+    fixed key_format (key_calibration.option_obstacle; never served as q4 instead), or latent_bits
+    on a model without MLA latents."""
+    why = option_obstacle(opts["key_format"], model, codec)
+    if why is not None:
+        raise ValueError(f"persist_q4 key_format {opts['key_format']} cannot be served on this model: {why}")
+    if opts["latent_bits"] is not None and not any(k == FULL or (isinstance(k, tuple) and FULL in k[1])
+                                                   for k in codec.kinds):
+        raise ValueError(f"persist_q4 latent_bits {opts['latent_bits']} needs layers that cache MLA latents; "
+                         "this model has none")
 
 
 def route_of(request: Any) -> Route:

@@ -11,15 +11,22 @@ model predicts well, never negative (a lucky text does not hide a loss), and far
 perplexity change of 384 tokens, which swung by +-0.8 points around it on SmolLM2 (it is reported
 beside it). On SmolLM2's held-out text the predictions agree with the measured perplexity change
 within 0.75 points or 25% (docs/quality.md; tests/test_real_quality.py checks it).
-It picks the cheapest candidate (bytes/token, then compute) predicted within `LIMIT_PCT`:
+It measures the candidates cheapest first (bytes/token, then compute), every candidate of one cost
+before the next cost, and stops after the first cost with one predicted within `LIMIT_PCT`:
 
-  q4 (4-bit K and V) < scaled (+ one multiply of the queries) < hadamard (+ a head_dim matmul of
-  queries and keys) < k5v4c (5-bit keys centred, balanced and rotated, 16-bit key scales, values
+  q4 (4-bit K and V) = scaled (+ one multiply of the queries) = hadamard (+ a head_dim rotation of
+  queries and keys) = k4v4r (keys and values rotated: + a rotation of values and attention output)
+  < k5v4c (5-bit keys centred, balanced and rotated, 16-bit key scales, values
   rotated: 1.05x q4's bytes on a float32 model) < k5v4r (keys rotated and packed in 5 bits, values
   rotated: 1.1x) < k56v4c (k5v4c with 6-bit keys on the layers that lose most, within 1.15x) < k6v4c
-  (6-bit: 1.15x) < mixed (8-bit keys
-  on the layers whose keys quantize worst, 4-bit elsewhere) < k8v4 (8-bit keys everywhere) < k8v4r
-  (8-bit keys, values rotated: the same bytes, + a rotation of values and attention output)
+  (6-bit: 1.15x) < mixed / mixedr (8-bit keys on the layers whose keys quantize worst, 4-bit
+  elsewhere; mixedr with every value rotated) < k8v4 (8-bit keys everywhere) = k8v4r (8-bit keys,
+  values rotated)
+
+At every key cost there is a candidate with rotated values (issue #50: on Gemma 3 270M the values
+carry most of the 4-bit error). `choose` never serves a candidate that another of equal or fewer
+bytes measured better: of the cheapest cost within the limit, the best measured (ties: the least
+compute).
 
 "Rotated" is the Hadamard rotation along the head dimension (power-of-two head dims only): it spreads
 an outlier channel over all of them, and rotated values lose a quarter of what plain 4-bit values
@@ -27,8 +34,9 @@ lose on SmolLM2 (issue #43, docs/quality.md). "Centred" takes out what a rotatio
 channel's offset shared by every token (per-token groups spend their range on it); the queries'
 sizes come from the same float pass, through the attention dispatcher.
 
-and, when none is within the limit, the cheapest one predicted within 10% (at least 0.1 point)
-of the best (where no key format helps, the loss is not the keys': q4). What it measured is returned as a dict
+When none is within the limit, the cheapest predicted within 10% (at least 0.1 point) of the best,
+among the candidates no cheaper-or-equal one beats (where no key format helps, the loss is not the
+keys': q4). What it measured is returned as a dict
 (get_stats' `key_format`, the start-up log line).
 
 MLX work: runs on the worker thread (the backend resolves on first use), once; keeps nothing.
@@ -43,6 +51,7 @@ import time
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .caches.codec import ModelCodec
@@ -57,7 +66,8 @@ log = logging.getLogger("vllm_mlx_persist")
 LIMIT_PCT = 1.0  # a format is acceptable when its predicted perplexity change is at most this
 CALIBRATION_TOKENS = 384
 # The formats with rotated values (power-of-two head dims): option -> every 4-bit layer's format.
-ROTATED = {"k5v4r": LayerKeys(5, "hadamard", values="hadamard"), "k8v4r": LayerKeys(8, values="hadamard")}
+ROTATED = {"k4v4r": LayerKeys(4, "hadamard", values="hadamard"), "k5v4r": LayerKeys(5, "hadamard", values="hadamard"),
+           "k8v4r": LayerKeys(8, values="hadamard")}
 # Shares of the 4-bit layers given 8-bit keys in the "mixed" candidates, worst-quantized first.
 MIXED_SHARES = (0.25, 0.5)
 # The centred formats (key_formats: keys centred, balanced against the queries and rotated; values
@@ -71,7 +81,8 @@ MIX_BUDGET = 1.15
 CENTER_HORIZON = 8192  # positions a centred format's center is averaged over (rope_center)
 # The options resolve() calibrates on the model (key_choice remembers what they chose).
 CALIBRATED = ("auto", "scaled", *CENTRED, "k56v4c")
-ORDER = ("q4", "scaled", "hadamard", "k5v4c", "k5v4r", "k56v4c", "k6v4c", "mixed", "k8v4", "k8v4r")
+ORDER = ("q4", "scaled", "hadamard", "k4v4r", "k5v4c", "k5v4r", "k56v4c", "k6v4c", "mixed", "mixedr", "k8v4",
+         "k8v4r")
 # With no candidate within the limit, the cheapest predicted within this much of the best one.
 NEAR_FRACTION, NEAR_PCT = 0.1, 0.1
 
@@ -238,20 +249,73 @@ def rope_center(keys: mx.array, shift: Any, horizon: int = CENTER_HORIZON) -> Op
     return mx.mean(spread, axis=1, keepdims=True)
 
 
+# What each fixed option rotates (a Hadamard rotation needs a power-of-two head dimension).
+ROTATES_KEYS = ("hadamard", "k4v4r", "k5v4r", *CENTRED, "k56v4c")
+ROTATES_VALUES = ("k4v4r", "k5v4r", "k8v4r", *CENTRED, "k56v4c")
+
+
+def option_obstacle(option: str, model: Any, codec: ModelCodec) -> Optional[str]:
+    """Why this model cannot take the `key_format` option, naming the layer and the property, or
+    None; from the model's shapes and parameters alone (no MLX work: the backend factory asks it at
+    start-up, where a refusal stops the server). "auto" and "q4" fit every model."""
+    from .caches.kinds import _head_dims
+
+    if option in ("auto", "q4"):
+        return None
+    q4 = _q4_layers(codec)
+    if not q4:
+        return "no layer stores 4-bit keys and values (its layers are latent, recurrent or convolution state)"
+    dims = _head_dims(model)
+    key_dim = dims.get("key head_dim", dims.get("head_dim"))
+    value_dim = dims.get("value head_dim", dims.get("head_dim"))
+    for what, dim, rotated in (("key", key_dim, ROTATES_KEYS), ("value", value_dim, ROTATES_VALUES)):
+        if option in rotated and dim is not None and (dim < 1 or dim & (dim - 1)):
+            return (f"layer {q4[0]}: its {what} head dimension is {dim}, not a power of two "
+                    f"(key_format {option} rotates the {what}s by a Hadamard matrix of that order)")
+    if option in CALIBRATED and option != "scaled":
+        layers = getattr(model, "layers", None)
+        layers = model.model.layers if layers is None else layers
+        for l in q4:
+            if any(name.split(".")[-1] == "sinks" for name, _ in tree_flatten(layers[l].parameters())):
+                return (f"layer {l}: its attention takes sinks, whose logit does not shift with the "
+                        f"scores (key_format {option} centres keys, which shifts every score of a query)")
+    return None
+
+
+def centred_obstacle(codec: ModelCodec, keys: dict[int, mx.array], query_rms: dict[int, mx.array]) -> Optional[str]:
+    """Why the centred formats cannot be calibrated on this model ("layer L: ..."), or None. They
+    need, on every 4-bit layer, the calibration keys and the queries' channel sizes: a layer with
+    attention sinks has no query sizes (shifting its scores by q . center is not free beside a sink's
+    logit, which does not shift), and a Hadamard rotation needs a power-of-two head dimension."""
+    for l in _q4_layers(codec):
+        if l not in keys:
+            return f"layer {l}: its cache holds no plain keys to calibrate on"
+        D = int(keys[l].shape[-1])
+        if D & (D - 1):
+            return f"layer {l}: head dimension {D} is not a power of two (the Hadamard rotation needs one)"
+        if l not in query_rms:
+            return (f"layer {l}: its attention takes sinks (or its queries were not seen), so shifting every "
+                    "score of a query by the same amount is not free there")
+    return None
+
+
 def centred_formats(codec: ModelCodec, keys: dict[int, mx.array], query_rms: dict[int, mx.array],
                     bits: int, shifts: Sequence[Any]) -> Optional[list[Optional[LayerKeys]]]:
     """Centred, balanced, rotated `bits`-bit keys and rotated values on every 4-bit layer, calibrated
     on `keys` and `query_rms` (float_keys) and the layers' RoPE (`shifts`: rope_shift.probe_model);
-    None unless every 4-bit layer has all three (a layer with attention sinks has no query sizes:
-    shifting its scores is not free)."""
+    None where `centred_obstacle` names a layer that cannot take them. A layer whose RoPE the probe
+    cannot undo is centred on the calibration keys' plain mean (any center is exact: it shifts
+    every score of a query alike; the RoPE-aware one only quantizes later positions better)."""
+    if centred_obstacle(codec, keys, query_rms) is not None:
+        return None
     out: list[Optional[LayerKeys]] = []
     for l, k in enumerate(codec.kinds):
         if k != Q4:
             out.append(None)
             continue
-        center = rope_center(keys[l], shifts[l]) if l in keys and l < len(shifts) else None
-        if center is None or l not in query_rms:
-            return None
+        center = rope_center(keys[l], shifts[l]) if l < len(shifts) else None
+        if center is None:
+            center = mx.mean(keys[l].astype(mx.float32), axis=1, keepdims=True)
         scales = balance_scales(keys[l], query_rms[l], center)
         mx.eval(center, scales)
         out.append(LayerKeys(bits, "centred", scales, values="hadamard", center=center, scales16=True))
@@ -358,17 +422,17 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
             "option": option, "chosen": "scaled", "calibration_tokens": len(tokens),
             "s": round(time.perf_counter() - t0, 3)}
     centred: dict[str, Optional[list[Optional[LayerKeys]]]] = {}
-    if rotatable_values(model) and _kv_shape(keys)[1] & (_kv_shape(keys)[1] - 1) == 0:
+    obstacle = centred_obstacle(codec, keys, query_rms) if rotatable_values(model) else \
+        "the value head dimension is not a power of two (the Hadamard rotation needs one)"
+    if obstacle is None:
         shifts = probe_model(model)
         centred = {name: centred_formats(codec, keys, query_rms, bits, shifts) for name, bits in CENTRED.items()}
-        if centred["k5v4c"] is not None and centred["k6v4c"] is not None:
-            centred["k56v4c"] = centred_mix(codec, centred["k5v4c"], centred["k6v4c"], keys, query_rms)
-            if option == "auto" and all(f is None or f.bits == 6 for f in centred["k56v4c"]):
-                del centred["k56v4c"]  # the budget holds 6-bit keys everywhere: k6v4c itself
+        centred["k56v4c"] = centred_mix(codec, centred["k5v4c"], centred["k6v4c"], keys, query_rms)
+        if option == "auto" and all(f is None or f.bits == 6 for f in centred["k56v4c"]):
+            del centred["k56v4c"]  # the budget holds 6-bit keys everywhere: k6v4c itself
     if option != "auto":
-        if centred.get(option) is None:
-            raise ValueError(f"key_format {option} needs a power-of-two head dimension and attention without "
-                             "sinks on every 4-bit layer")
+        if obstacle is not None:
+            raise ValueError(f"persist_q4 key_format {option} cannot be served on this model: {obstacle}")
         report = {"option": option, "chosen": option, "calibration_tokens": len(tokens),
                   "s": round(time.perf_counter() - t0, 3)}
         if option == "k56v4c":
@@ -379,49 +443,87 @@ def resolve(option: str, model: Any, tokenizer: Any, codec: ModelCodec,
     ref = float_keys(model, measured_on)[-1]
     n_kv, D = _kv_shape(keys)
     errors = key_errors(codec, keys)
-    worst = sorted(errors, key=lambda l: -errors[l])
-    candidates: list[tuple[str, list[Optional[LayerKeys]]]] = [("q4", uniform(codec, None)),
-                                                               ("scaled", scaled_formats(codec, keys, codec.bits))]
-    if D & (D - 1) == 0:
-        candidates.append(("hadamard", uniform(codec, LayerKeys(codec.bits, "hadamard"))))
-    k8 = LayerKeys(8)
-    for n in sorted({max(1, round(share * len(worst))) for share in MIXED_SHARES}):
-        if n < len(worst):
-            top = set(worst[:n])
-            candidates.append((f"mixed:{n}", [k8 if l in top else None for l in range(codec.n_layers)]))
-    candidates.append(("k8v4", uniform(codec, k8)))
-    if rotatable_values(model) and D & (D - 1) == 0:
-        candidates += [(name, uniform(codec, fmt)) for name, fmt in ROTATED.items()]
-        candidates += [(name, fmts) for name, fmts in centred.items() if fmts is not None]
+    candidates = auto_candidates(model, codec, keys, errors, centred)
     measured: dict[str, dict[str, Any]] = {}
-    chosen = None
-    # Cheapest first: stop at the first within the limit (bytes first, then compute).
-    ranked = sorted(candidates, key=lambda c: (bytes_per_token(codec, c[1], n_kv, D),
-                                               ORDER.index(c[0].split(":")[0])))
-    for name, formats in ranked:
+    # Cheapest first (bytes, then compute), every candidate of one cost measured before the next
+    # cost is tried: the choice is never one a candidate of the same bytes measured better.
+    ranked = sorted(candidates, key=lambda c: (_cost(codec, c[1], n_kv, D), ORDER.index(c[0].split(":")[0])))
+    for i, (name, formats) in enumerate(ranked):
         m = measure(model, codec, measured_on, formats, ref)
         m["bytes_per_token"] = bytes_per_token(codec, formats, n_kv, D)
         if name.startswith("mixed"):
-            m["k8_layers"] = sorted(l for l, f in enumerate(formats) if f is not None)
+            m["k8_layers"] = sorted(l for l, f in enumerate(formats) if f is not None and f.bits == 8)
         if name == "k56v4c":
             m["k6_layers"] = [l for l, f in enumerate(formats) if f is not None and f.bits == 6]
         measured[name] = m
-        if m["predicted_pct"] <= limit_pct:
-            chosen = (name, formats)
+        last_of_cost = i + 1 == len(ranked) or \
+            _cost(codec, ranked[i + 1][1], n_kv, D) != _cost(codec, formats, n_kv, D)
+        if last_of_cost and any(v["predicted_pct"] <= limit_pct for v in measured.values()):
             break
-    within = chosen is not None
-    if chosen is None:
-        # None within the limit: the cheapest close to the best (where no key format helps, the
-        # loss is the values' or the model's own: q4), measured in cost order as above.
-        name = near_best([(n, measured[n]["predicted_pct"]) for n, _ in ranked])
-        chosen = next(c for c in candidates if c[0] == name)
+    name, within = choose([(n, measured[n]["bytes_per_token"], measured[n]["predicted_pct"]) for n, _ in ranked
+                           if n in measured], limit_pct)
+    chosen = next(c for c in candidates if c[0] == name)
     report = {"option": "auto", "chosen": chosen[0].split(":")[0], "limit_pct": limit_pct, "within_limit": within,
               "calibration_tokens": len(tokens), "measured": measured,
               "key_rel_error": {str(l): round(e, 4) for l, e in errors.items()},
               "s": round(time.perf_counter() - t0, 3)}
+    if obstacle is not None:
+        report["centred_skipped"] = obstacle
     if chosen[0].startswith("mixed"):
         report["k8_layers"] = measured[chosen[0]]["k8_layers"]
     return chosen[1], report
+
+
+def auto_candidates(model: Any, codec: ModelCodec, keys: dict[int, mx.array], errors: dict[int, float],
+                    centred: dict[str, Optional[list[Optional[LayerKeys]]]]) -> list[tuple[str, list]]:
+    """What auto measures: at each key cost a format with plain and one with rotated values where the
+    head dimension allows (issue #50: on Gemma 3 the values carry most of the 4-bit error, 8-bit keys
+    +2.86% with plain values, +0.02% with rotated ones), "mixed:n"/"mixedr:n" with 8-bit keys on the
+    n layers whose keys quantize worst, and the centred formats (`centred`, where calibrated)."""
+    D = _kv_shape(keys)[1]
+    rotatable = rotatable_values(model) and D & (D - 1) == 0
+    worst = sorted(errors, key=lambda l: -errors[l])
+    out: list[tuple[str, list]] = [("q4", uniform(codec, None)), ("scaled", scaled_formats(codec, keys, codec.bits))]
+    if D & (D - 1) == 0:
+        out.append(("hadamard", uniform(codec, LayerKeys(codec.bits, "hadamard"))))
+    k8, k8r = LayerKeys(8), ROTATED["k8v4r"]
+    for n in sorted({max(1, round(share * len(worst))) for share in MIXED_SHARES}):
+        if n < len(worst):
+            top = set(worst[:n])
+            out.append((f"mixed:{n}", [k8 if l in top else None for l in range(codec.n_layers)]))
+            if rotatable:
+                out.append((f"mixedr:{n}", [None if k != Q4 else k8r if l in top else ROTATED["k4v4r"]
+                                            for l, k in enumerate(codec.kinds)]))
+    out.append(("k8v4", uniform(codec, k8)))
+    if rotatable:
+        out += [(name, uniform(codec, fmt)) for name, fmt in ROTATED.items()]
+        out += [(name, fmts) for name, fmts in centred.items() if fmts is not None]
+    return out
+
+
+def _cost(codec: ModelCodec, formats: Sequence[Optional[LayerKeys]], n_kv: int, D: int) -> float:
+    """Bytes per token, rounded so that formats of one cost compare equal."""
+    return round(bytes_per_token(codec, formats, n_kv, D), 6)
+
+
+def choose(measured: Sequence[tuple[str, float, float]], limit_pct: float = LIMIT_PCT) -> tuple[str, bool]:
+    """Of (name, bytes per token, predicted %) in cost order (bytes, then compute), auto's choice and
+    whether it is within `limit_pct`. Only candidates no other beats are eligible: one is out when
+    another of equal or fewer bytes is predicted lower (or the same, earlier in the order). Of
+    those, the cheapest within the limit; with none within it, the cheapest predicted within
+    NEAR_FRACTION (at least NEAR_PCT points) of the best (where no key format helps, the loss is the
+    values' or the model's own: q4)."""
+    rows = list(measured)
+
+    def beaten(i: int) -> bool:
+        _, b, p = rows[i]
+        return any(ob <= b + 1e-6 and (op < p or (op == p and j < i)) for j, (_, ob, op) in enumerate(rows) if j != i)
+
+    front = [r for i, r in enumerate(rows) if not beaten(i)]
+    within = next((n for n, _, p in front if p <= limit_pct), None)
+    if within is not None:
+        return within, True
+    return near_best([(n, p) for n, _, p in front]), False
 
 
 def calibration_params(limit_pct: float = LIMIT_PCT) -> dict[str, Any]:

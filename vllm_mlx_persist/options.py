@@ -24,8 +24,8 @@ DEFAULTS: dict[str, Any] = {
     "bits": 4,
     "group_size": 64,
     # How 4-bit layers store keys (issue #33, caches/key_formats.py): "q4" (like the values), "k8v4"
-    # (8-bit keys), "k8v4r" (8-bit keys, Hadamard-rotated values), "k5v4r" (Hadamard-rotated 5-bit
-    # keys and 4-bit values: 1.1x q4's bytes), "k5v4c" / "k6v4c" (5- or 6-bit keys centred, balanced
+    # (8-bit keys), "k8v4r" (8-bit keys, Hadamard-rotated values), "k4v4r" / "k5v4r" (Hadamard-rotated
+    # 4- or 5-bit keys and 4-bit values: 1x or 1.1x q4's bytes), "k5v4c" / "k6v4c" (5- or 6-bit keys centred, balanced
     # against the queries and rotated, calibrated at load; rotated 4-bit values), "scaled" (per-channel scales
     # calibrated at load), "hadamard" (rotated keys), or "auto": measured at load on a calibration
     # text, the cheapest within +1% (key_calibration.py).
@@ -113,8 +113,11 @@ def parse_options(options: Optional[dict]) -> dict[str, Any]:
         raise ValueError(f"persist_q4 latent_bits must be null, 4 or 8; got {opts['latent_bits']!r}")
     if opts["key_format"] not in KEY_FORMATS:
         raise ValueError(f"persist_q4 key_format must be one of {', '.join(KEY_FORMATS)}; got {opts['key_format']!r}")
-    if opts["key_format"] in ("auto", "k5v4r", "k8v4", "k8v4r") and opts["bits"] == 8:
+    if opts["key_format"] == "auto" and opts["bits"] == 8:
         opts["key_format"] = "q4"  # keys are 8-bit already: nothing to choose
+    if opts["key_format"].startswith("k") and opts["bits"] != 4:
+        raise ValueError(f"persist_q4 key_format {opts['key_format']} stores 4-bit values, but bits is {opts['bits']}: "
+                         "use key_format q4 (keys and values in `bits`) or auto")
     if opts["prefill_attention"] not in PREFILL_ATTENTION_MODES:
         raise ValueError(
             f"persist_q4 prefill_attention must be one of {PREFILL_ATTENTION_MODES}; "

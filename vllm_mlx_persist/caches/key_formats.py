@@ -48,7 +48,7 @@ import mlx.core as mx
 import numpy as np
 
 # The `key_format` option's values. "auto": measured at load (key_calibration.choose).
-KEY_FORMATS = ("auto", "q4", "k5v4r", "k5v4c", "k56v4c", "k6v4c", "k8v4", "k8v4r", "scaled", "hadamard")
+KEY_FORMATS = ("auto", "q4", "k4v4r", "k5v4r", "k5v4c", "k56v4c", "k6v4c", "k8v4", "k8v4r", "scaled", "hadamard")
 TRANSFORMS = (None, "scaled", "hadamard", "centred")
 VALUE_TRANSFORMS = (None, "hadamard")
 

@@ -234,7 +234,7 @@ def _same_keys(a: Optional[LayerKeys], b: Optional[LayerKeys]) -> bool:
 
 def _key_format(key_format: Optional[LayerKeys], bits: int) -> Optional[LayerKeys]:
     """None for a plain format of the cache's own bits (what every cache without one means)."""
-    if key_format is not None and key_format.transform is None and key_format.bits == bits:
+    if key_format is not None and key_format.transform is None and key_format.values is None and key_format.bits == bits:
         return None
     if key_format is not None:
         _check_format(key_format.bits, 64)

@@ -253,11 +253,17 @@ def probe_attention(attn: nn.Module, hidden: int, shifts: Sequence[tuple[int, in
             slots.append(SlotShift("static"))
             continue
         start = min(a for a in starts if a is not None)
-        width = next(iter(written.values()))[s].shape[-1] - start
+        full = next(iter(written.values()))[s].shape[-1]
         found = None
-        for params in (c for m in mods for c in _param_candidates(m, width, start)):
-            if all(identity_error(written[p][s], written[p + d][s], d, params) <= tol for p, d in shifts):
-                found = params
+        # The first moving channel is where the rotary slice starts (MLA: after the nope part), unless
+        # the leading rotary pair is dead: a K-norm weight of 0 there (Gemma 3 270M's layer 12 zeroes
+        # channels 0 and 128) leaves it still at every position, so the whole width is tried too.
+        for begin in dict.fromkeys((start, 0)):
+            for params in (c for m in mods for c in _param_candidates(m, full - begin, begin)):
+                if all(identity_error(written[p][s], written[p + d][s], d, params) <= tol for p, d in shifts):
+                    found = params
+                    break
+            if found is not None:
                 break
         slots.append(SlotShift("rotate", found) if found is not None
                      else SlotShift("refuse", reason="unsupported_positions"))

@@ -604,6 +604,7 @@ def served_key_formats(tokenizer: Any) -> list[KVFormat]:
     rows = [("k8v4srv", "keys 8-bit, values 4-bit (served: key_format k8v4)", "k8v4"),
             ("k8v4rsrv", "keys 8-bit, values Hadamard-rotated 4-bit (served: key_format k8v4r)", "k8v4r"),
             ("k5v4rsrv", "keys 5-bit and values 4-bit, both Hadamard-rotated (served: key_format k5v4r)", "k5v4r"),
+            ("k4v4rsrv", "keys and values 4-bit, both Hadamard-rotated (served: key_format k4v4r)", "k4v4r"),
             ("k5v4csrv", "keys 5-bit centred, balanced and rotated, values rotated 4-bit (served: key_format k5v4c)",
              "k5v4c"),
             ("k6v4csrv", "keys 6-bit centred, balanced and rotated, values rotated 4-bit (served: key_format k6v4c)",

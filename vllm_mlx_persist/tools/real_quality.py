@@ -469,7 +469,7 @@ def _pareto_plot(model: str, pts: list[dict], front: set, base: float | None, pa
 
 
 # Served rows -> the name `auto` measured the same format under.
-AUTO_NAMES = {"q4g64": "q4", "q4g64ssrv": "scaled", "q4g64hsrv": "hadamard", "k5v4rsrv": "k5v4r",
+AUTO_NAMES = {"q4g64": "q4", "q4g64ssrv": "scaled", "q4g64hsrv": "hadamard", "k4v4rsrv": "k4v4r", "k5v4rsrv": "k5v4r",
               "k5v4csrv": "k5v4c", "k56v4csrv": "k56v4c", "k6v4csrv": "k6v4c", "k8v4srv": "k8v4",
               "k8v4rsrv": "k8v4r"}
 
