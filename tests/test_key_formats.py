@@ -716,3 +716,25 @@ def test_from_state_rebuilds_the_key_format(model, formats, name):
         meta = [m if not m.startswith("kf:") else m.rsplit(":", 1)[0] + ":123" for m in calibrated.meta_state]
         with pytest.raises(ValueError, match="calibration"):
             Q4KVCache.from_state(calibrated.state, meta)
+
+
+def test_calibration_text_starts_with_the_tokenizers_prefix_once(tmp_path):
+    """A tokenizer that puts BOS before every text (Gemma 3's, as imported) gives calibration tokens
+    with BOS at the start only, as a served prompt has it: repeating the encoded text put a BOS in the
+    middle of every repeat. One that adds nothing repeats the text as before."""
+    from tokenizers import Tokenizer, processors
+
+    from vllm_mlx_persist import key_calibration as kc
+    from vllm_mlx_persist.tools.models import build_model_dir
+
+    plain = Tokenizer.from_file(str(build_model_dir(tmp_path / "m", "llama", "tiny", 0) / "tokenizer.json"))
+    body = plain.encode(kc.CALIBRATION_TEXT).ids
+    assert kc.calibration_tokens(plain, n=3 * len(body)) == body * 3
+    bos = 1
+    bos_text = plain.id_to_token(bos)
+    with_bos = Tokenizer.from_str(plain.to_str())
+    with_bos.post_processor = processors.TemplateProcessing(single=f"{bos_text}:0 $A:0",
+                                                            special_tokens=[(bos_text, bos)])
+    assert with_bos.encode(kc.CALIBRATION_TEXT).ids[0] == bos
+    got = kc.calibration_tokens(with_bos, n=3 * len(body))
+    assert got[0] == bos and got[1:] == (body * 3)[:len(got) - 1] and bos not in body

@@ -148,14 +148,25 @@ different types, unless the cache is told to ignore types.
 
 
 def calibration_tokens(tokenizer: Any, n: int = CALIBRATION_TOKENS, text: str = CALIBRATION_TEXT) -> list[int]:
-    """The calibration text (or `text`) in the model's own tokens, repeated up to n tokens."""
-    ids = tokenizer.encode(text)
-    ids = list(getattr(ids, "ids", ids))  # a `tokenizers.Tokenizer` gives an Encoding
-    if not ids:
+    """The calibration text (or `text`) in the model's own tokens, repeated up to n tokens; what the
+    tokenizer puts before every text (Gemma's BOS) comes once, at the start, as in a served prompt."""
+    ids = _encode(tokenizer, text, True)
+    body = _encode(tokenizer, text, False)
+    if not body:
         raise ValueError("the tokenizer gives no tokens for the calibration text")
-    while len(ids) < n:
-        ids += ids
-    return ids[:n]
+    head = ids[:len(ids) - len(body)] if ids[len(ids) - len(body):] == body else []
+    out = list(head)
+    while len(out) < n:
+        out += body
+    return out[:n]
+
+
+def _encode(tokenizer: Any, text: str, specials: bool) -> list[int]:
+    try:
+        ids = tokenizer.encode(text, add_special_tokens=specials)
+    except TypeError:  # an encode without the keyword: it adds nothing
+        ids = tokenizer.encode(text)
+    return list(getattr(ids, "ids", ids))  # a `tokenizers.Tokenizer` gives an Encoding
 
 
 def _q4_layers(codec: ModelCodec) -> list[int]:
