@@ -5,6 +5,8 @@ theirs (so a first `./dev serve` does not calibrate for minutes on a CPU)."""
 
 from __future__ import annotations
 
+import pytest
+
 from vllm_mlx_persist import backend as backend_mod
 from vllm_mlx_persist import key_choice
 
@@ -56,23 +58,33 @@ def test_a_shipped_choice_is_read_instead_of_calibrating(tiny_llama_dir, tmp_pat
     b.close()
 
 
-def test_the_default_real_model_ships_its_choice(smollm2_dir, tmp_path, monkeypatch):
-    """SmolLM2 imported as ./dev imports it (float32 on a CPU) starts with auto's shipped choice, with
-    no calibration; and the package ships no file that no real checkpoint reads. When this fails after a
-    change to the calibration, the importer or mlx: `vllm-mlx-persist calibrate .models/smollm2-135m-instruct
-    --ship` (and remove the stale file)."""
+REAL = {"smollm2_dir": "smollm2-135m-instruct", "gemma3_dir": "gemma3-270m"}  # ./dev's import folders
+
+
+@pytest.mark.parametrize("fixture", sorted(REAL))
+def test_the_real_models_ship_their_choice(fixture, request, tmp_path, monkeypatch):
+    """SmolLM2 and Gemma 3 270M, imported as ./dev imports them (float32 on a CPU), start with auto's
+    shipped choice, no calibration. When this fails after a change to the calibration, the importer or
+    mlx: `vllm-mlx-persist calibrate .models/<folder> --ship` for each (it replaces the stale file)."""
     from mlx_lm import load
 
+    model_dir = request.getfixturevalue(fixture)
     monkeypatch.setenv(key_choice.SHARED_ENV, "off")
-    model, tok = load(str(smollm2_dir))
+    model, tok = load(str(model_dir))
     calls = _counting(monkeypatch)
     b = _backend(model, tok, tmp_path / "root")
     try:
         b._resolve_keys()
     finally:
         b.close()
-    assert calls == [], "SmolLM2's shipped key format is stale: vllm-mlx-persist calibrate ... --ship"
+    assert calls == [], f"{REAL[fixture]}'s shipped key format is stale: vllm-mlx-persist calibrate ... --ship"
     assert b.key_report["remembered"].startswith(str(key_choice.SHIPPED_DIR))
-    assert b.key_report["chosen"] != "q4"
-    shipped = {p.name for p in key_choice.SHIPPED_DIR.glob("*.json")}
-    assert shipped == {b.key_report["remembered"].rsplit("/", 1)[-1]}, "a shipped file no checkpoint reads"
+    assert b.key_report["shipped_for"] == REAL[fixture] and b.key_report["chosen"] != "q4"
+
+
+def test_the_package_ships_one_choice_per_real_model():
+    """No stale file rides along: one shipped choice per real checkpoint, each one of them."""
+    from vllm_mlx_persist.tools.calibrate import _shipped_for
+
+    shipped = sorted(_shipped_for(p) or p.name for p in key_choice.SHIPPED_DIR.glob("*.json"))
+    assert shipped == sorted(REAL.values())

@@ -11,8 +11,8 @@ Prints the chosen format, what auto measured and how long it took.
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -49,9 +49,16 @@ def calibrate(model_dir: Path, option: str = "auto", ship: bool = False) -> tupl
                 files = sorted(Path(root, key_choice.CHOICES_DIR).glob("*.json"))
                 if len(files) != 1:
                     raise RuntimeError(f"expected one choice file in the calibration's root, found {len(files)}")
+                # Named for the import folder it was made from (./dev's: smollm2-135m-instruct,
+                # gemma3-270m), so a stale file of the same checkpoint is replaced, not kept beside.
+                data = json.loads(files[0].read_text())
+                data["report"]["shipped_for"] = Path(model_dir).name
                 key_choice.SHIPPED_DIR.mkdir(exist_ok=True)
+                for old in key_choice.SHIPPED_DIR.glob("*.json"):
+                    if _shipped_for(old) == Path(model_dir).name:
+                        old.unlink()
                 written = key_choice.SHIPPED_DIR / files[0].name
-                shutil.copyfile(files[0], written)
+                written.write_text(json.dumps(data))
             return report, written
     finally:
         if ship:
@@ -59,6 +66,13 @@ def calibrate(model_dir: Path, option: str = "auto", ship: bool = False) -> tupl
                 os.environ.pop(key_choice.SHARED_ENV, None)
             else:
                 os.environ[key_choice.SHARED_ENV] = saved_env
+
+
+def _shipped_for(path: Path) -> Optional[str]:
+    try:
+        return json.loads(path.read_text())["report"].get("shipped_for")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
