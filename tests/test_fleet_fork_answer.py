@@ -1,0 +1,106 @@
+"""The fork answer is the fleet's, not one server's (issue #53, item 6): a fork request's admission
+(the namespace hook: pool.may_fork) reads the parent's settings in Redis, within a bound, and merges
+them with the local record by the settings' merge rule; a server that never served the parent answers
+as the one that set it. Cut off from Redis, a server answers from what it knows (docs/fleet.md, "The
+fork answer"). Pools on one real redis-server, each behind its own partition proxy."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
+
+from test_fleet_partitions import fleet, redis_server, settle, wait_for  # noqa: E402,F401
+from test_remote import chain, fp, held, manifest  # noqa: E402,F401
+
+
+def published(fleet, fp, agent: str = "p") -> list:
+    """A history of `agent` in Redis, written by a server that is no pool here."""
+    w = fleet.tier()
+    hist = chain(fp, agent, 2)
+    assert w.put(manifest(agent, hist), {b.block_id: b for b in hist}) and w.flush(10)
+    return hist
+
+
+def test_a_server_that_never_served_the_parent_refuses_like_the_one_that_set_it(fleet, fp):
+    """P set non-forkable on A; B never served P (nor synced it): a fork of P on B is refused, the
+    answer A gives. Nothing of P is fetched by the answer itself."""
+    published(fleet, fp)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    a.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    assert not a.may_fork("p")
+    assert not b.may_fork("p"), "B allows a fork of P, which A refused (B never synced P)"
+    assert not held(b, "p"), "the admission check fetched P's history"
+    # a later grant on A: B follows without a sync either
+    assert a.set_forkable("p", True)
+    settle(a)
+    assert b.may_fork("p")
+
+
+def test_under_the_listed_policy_a_grant_travels_to_a_server_that_never_served_the_parent(fleet, fp):
+    """fork_policy "listed": only agents set forkable may be forked. A grants P; B, which never
+    served P, allows the fork too; an agent that no server knows is refused on both alike."""
+    published(fleet, fp)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.records.fork_policy = "listed"
+    a.fleet._sync_agent("p")
+    assert not a.may_fork("p") and not b.may_fork("p")
+    assert a.set_forkable("p", True)
+    settle(a)
+    assert a.may_fork("p")
+    assert b.may_fork("p"), "B refuses a fork of P, which A granted (B never synced P)"
+    assert not a.may_fork("nobody") and not b.may_fork("nobody")
+
+
+def test_a_refusal_in_redis_wins_over_an_older_local_grant(fleet, fp):
+    """B synced P while it was forkable and holds its record; A refuses forks later. B's admission
+    answers by the merge of its record with Redis's (the later setting wins), without a sync first."""
+    published(fleet, fp)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+    assert a.set_forkable("p", True)
+    settle(a)
+    b.fleet._sync_agent("p")
+    assert b.may_fork("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    assert not b.may_fork("p"), "B's older grant won over A's later refusal at admission"
+
+
+def test_an_erased_parent_is_answered_like_an_unknown_one(fleet, fp):
+    """P refused forks, then was erased fleet-wide (a tombstone): a server that still holds P's old
+    record answers like for any unknown agent (the policy), not by the erased record's setting."""
+    published(fleet, fp)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    for pool in (a, b):
+        pool.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    b.fleet._sync_agent("p")
+    assert not b.may_fork("p")
+    assert a.erase("p")
+    wait_for(lambda: (m := fleet.tier().get_manifest("p")) is not None and m.erased, "the tombstone in Redis")
+    assert b.may_fork("p") == b.may_fork("nobody") is True
+
+
+def test_cut_off_from_redis_a_server_answers_from_what_it_knows(fleet, fp):
+    """B cannot reach Redis: its answer is its own record's (here: none, so the policy's), within the
+    read's bound; once healed it answers as A does."""
+    published(fleet, fp)
+    a, _ = fleet.server("a")
+    b, proxy = fleet.server("b")
+    a.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    proxy.cut()
+    assert b.may_fork("p"), "cut off, B must answer from its local knowledge (the open policy)"
+    proxy.heal()
+    wait_for(lambda: not b.may_fork("p"), "B's answer once it reaches Redis again")
