@@ -104,3 +104,70 @@ def test_cut_off_from_redis_a_server_answers_from_what_it_knows(fleet, fp):
     assert b.may_fork("p"), "cut off, B must answer from its local knowledge (the open policy)"
     proxy.heal()
     wait_for(lambda: not b.may_fork("p"), "B's answer once it reaches Redis again")
+
+
+def test_admission_checks_do_not_queue_behind_the_syncs_reads(fleet, fp):
+    """Every reader of the syncs is taken (syncs stuck on a slow Redis): a fork's admission still reads
+    the parent's settings, on the admission checks' own reader, and refuses as A does."""
+    published(fleet, fp)
+    a, _ = fleet.server("a")
+    b, _ = fleet.server("b")
+    a.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    slots = b.fleet.tier.reads._read_slots
+    taken = 0
+    while slots.acquire(blocking=False):
+        taken += 1
+    try:
+        assert taken >= 1
+        assert not b.may_fork("p"), "the admission check was skipped behind the syncs' readers"
+    finally:
+        for _ in range(taken):
+            slots.release()
+
+
+def test_the_answer_waits_at_most_the_fleets_bound_on_a_redis_that_never_answers(fp, tmp_path):
+    """A Redis that takes the connection and never answers (hung): the admission waits min(wait_s,
+    read timeout), here 0.3 s against a 60 s read timeout, then answers from the local record. The
+    assertion's margin is two orders of magnitude: it shows which bound applies, not a speed."""
+    import socket
+    import time
+
+    from test_remote import SECRET, fleet_pool
+
+    from vllm_mlx_persist.fleet import FleetSettings, RemoteTier
+
+    hung = socket.socket()
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(16)  # accepted by the kernel, never read
+    url = f"redis://127.0.0.1:{hung.getsockname()[1]}/0"
+    pool = fleet_pool(fp, tmp_path / "b", lambda **cb: RemoteTier(
+        FleetSettings(url, secret=SECRET, read_timeout_s=60.0, connect_timeout_s=60.0, wait_s=0.3), fp, **cb))
+    try:
+        t0 = time.monotonic()
+        assert pool.may_fork("p")  # nothing known here: the open policy
+        assert time.monotonic() - t0 < 30.0, "the admission waited for the read timeout, not the fleet's bound"
+        assert pool.fleet.tier.stats()["timeouts"] == 1  # it did wait for the read, and gave up
+        pool.records.fork_policy = "listed"
+        assert not pool.may_fork("p")  # the next check is skipped at once: its reader is still held
+    finally:
+        pool.close()
+        hung.close()
+
+
+def test_the_admission_merge_is_the_settings_merge_rule():
+    """RemoteSettings.merged_forkable, the rule the sync's merge applies (record_settings.py): the
+    later setting wins, on a tie a refusal; a record of a past an erasure ended does not count."""
+    from types import SimpleNamespace as Rec
+
+    from vllm_mlx_persist.record_settings import RemoteSettings
+
+    grant_then = lambda t: RemoteSettings(True, {"forkable": t})  # noqa: E731
+    assert grant_then(1.0).merged_forkable(Rec(forkable=False, settings_at={"forkable": 2.0})) is False
+    assert grant_then(3.0).merged_forkable(Rec(forkable=False, settings_at={"forkable": 2.0})) is True
+    assert grant_then(2.0).merged_forkable(Rec(forkable=False, settings_at={"forkable": 2.0})) is False
+    assert grant_then(1.0).merged_forkable(Rec(forkable=None, settings_at={})) is True
+    assert grant_then(1.0).merged_forkable(None) is True
+    assert RemoteSettings(None, {}).merged_forkable(Rec(forkable=False, settings_at={"forkable": 1.0})) is False
+    assert RemoteSettings(replaces=True).merged_forkable(Rec(forkable=False, settings_at={"forkable": 9.0})) is None
