@@ -91,6 +91,25 @@ def test_an_erased_parent_is_answered_like_an_unknown_one(fleet, fp):
     assert b.may_fork("p") == b.may_fork("nobody") is True
 
 
+def test_a_history_begun_after_an_erasure_answers_by_its_own_settings(fleet, fp):
+    """B refused forks of P and holds that record; P is then erased elsewhere and a new history of P
+    begun on its tombstone, with no fork setting. B has not synced since: its record is of the past
+    the erasure ended and does not count; B answers by the new history's settings (the policy)."""
+    w = fleet.tier()
+    new = chain(fp, "p", 1, seed=5)
+    published(fleet, fp)
+    b, _ = fleet.server("b")
+    b.fleet._sync_agent("p")
+    assert b.set_forkable("p", False)
+    settle(b)
+    assert w.erase("p") and w.flush(10)
+    assert w.put(manifest("p", new), {x.block_id: x for x in new}) and w.flush(10)
+    m = w.get_manifest("p")
+    assert not m.erased and m.era and m.forkable is None
+    assert held(b, "p")  # B still holds its record of P's erased past
+    assert b.may_fork("p"), "B answered by its record of P's erased past"
+
+
 def test_cut_off_from_redis_a_server_answers_from_what_it_knows(fleet, fp):
     """B cannot reach Redis: its answer is its own record's (here: none, so the policy's), within the
     read's bound; once healed it answers as A does."""
