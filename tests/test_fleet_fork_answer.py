@@ -148,8 +148,9 @@ def test_admission_checks_do_not_queue_behind_the_syncs_reads(fleet, fp):
 
 def test_the_answer_waits_at_most_the_fleets_bound_on_a_redis_that_never_answers(fp, tmp_path):
     """A Redis that takes the connection and never answers (hung): the admission waits min(wait_s,
-    read timeout), here 0.3 s against a 60 s read timeout, then answers from the local record. The
-    assertion's margin is two orders of magnitude: it shows which bound applies, not a speed."""
+    read timeout), here 0.3 s against a 60 s read timeout, then answers from the local record, without
+    opening the breaker for the syncs. The assertion's margin is two orders of magnitude: it shows which
+    bound applies, not a speed."""
     import socket
     import time
 
@@ -162,12 +163,15 @@ def test_the_answer_waits_at_most_the_fleets_bound_on_a_redis_that_never_answers
     hung.listen(16)  # accepted by the kernel, never read
     url = f"redis://127.0.0.1:{hung.getsockname()[1]}/0"
     pool = fleet_pool(fp, tmp_path / "b", lambda **cb: RemoteTier(
-        FleetSettings(url, secret=SECRET, read_timeout_s=60.0, connect_timeout_s=60.0, wait_s=0.3), fp, **cb))
+        FleetSettings(url, secret=SECRET, read_timeout_s=60.0, connect_timeout_s=60.0, wait_s=0.3,
+                     breaker_failures=1), fp, **cb))
     try:
         t0 = time.monotonic()
         assert pool.may_fork("p")  # nothing known here: the open policy
         assert time.monotonic() - t0 < 30.0, "the admission waited for the read timeout, not the fleet's bound"
-        assert pool.fleet.tier.stats()["timeouts"] == 1  # it did wait for the read, and gave up
+        stats = pool.fleet.tier.stats()
+        assert stats["timeouts"] == 1  # it did wait for the read, and gave up
+        assert stats["breaker_opens"] == 0  # its own shorter bound is no verdict on Redis (the syncs' reads judge)
         pool.records.fork_policy = "listed"
         assert not pool.may_fork("p")  # the next check is skipped at once: its reader is still held
     finally:

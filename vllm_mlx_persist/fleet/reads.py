@@ -231,6 +231,11 @@ class Reads:
         try:
             result = fut.result(timeout=limit)
         except FutureTimeout:
+            if limit < self.read_timeout_s:
+                # the caller's shorter bound, not Redis's failure: the breaker is left to full reads
+                self._state.count("timeouts")
+                logger.debug("fleet: a read gave up after the caller's %.2fs", limit)
+                return _FAILED
             conn.failed("timeouts", "read timed out after %.2fs" % limit, transport=True)
             return _FAILED
         except RemoteUnavailable:
