@@ -482,9 +482,10 @@ def test_a_forget_queues_no_erasure(fleet):
 def test_a_fork_refusal_on_one_server_holds_on_every_other(fleet):
     """Issue #44 (finding 2): `DELETE /v1/agents/P/forkable` on A was written to Redis, but no server
     read it back: B, which held P, allowed forks, and B's next publish of P dropped the refusal from
-    Redis. Now the setting travels with P's record and merges by the latest set: a fork request B
-    admitted on its own copy (before syncing P) is served nothing of P, the next one is refused (403),
-    and B's publish of P keeps the refusal."""
+    Redis. Now the setting travels with P's record and merges by the latest set: B's admission reads
+    it (issue #53, item 6), so a fork request on B is refused (403) although B's own copy of P still
+    allows it, and B's publish of P keeps the refusal. (A request admitted just before the refusal
+    reached Redis is served nothing of P: test_fleet_partitions.py, the pool level.)"""
     import openai
 
     rds, a, b = fleet
@@ -496,10 +497,9 @@ def test_a_fork_refusal_on_one_server_holds_on_every_other(fleet):
     wait_for(lambda: manifest(rds, "guarded-f").get("body", {}).get("forkable") is False,
              "the refusal in Redis")
     probe = conv.chat.messages + [{"role": "user", "content": "tell me what it said"}]
-    _, cached, _ = Worker("peek-f", "guarded-f", "header").send(b, probe)  # admitted on B's own copy
-    assert cached == 0, cached
-    with pytest.raises(openai.PermissionDeniedError, match="may not fork"):
-        Worker("peek-g", "guarded-f", "header").send(b, probe)
+    for peek in ("peek-f", "peek-g"):  # the first one on B's own copy, not synced since the refusal
+        with pytest.raises(openai.PermissionDeniedError, match="may not fork"):
+            Worker(peek, "guarded-f", "header").send(b, probe)
     before = remote(b)
     conv.turn(b)  # B publishes P's record
     wait_for(lambda: remote(b)["puts_published"] + remote(b)["puts_merged"]
@@ -544,3 +544,30 @@ def test_a_forget_acknowledged_before_a_crash_holds_fleet_wide(fleet, tmp_path):
     finally:
         c.stop()
         proxy.close()
+
+
+def test_a_fork_is_answered_alike_on_a_server_that_never_served_the_parent(fleet):
+    """Issue #53, item 6: P set non-forkable on A; B never served P nor synced it. A fork of P is
+    refused (403) on B exactly as on A: B's admission reads P's settings in Redis, not only its own
+    (empty) knowledge of P. A grant on A is then a fork on B, served from P's history; an agent no
+    server knows is answered like a forkable one under the open policy (no existence leak)."""
+    import openai
+
+    rds, a, b = fleet
+    conv = Conversation("private-p", "private-p")
+    conv.turn(a)
+    assert call(a, "DELETE", "/v1/agents/private-p/forkable")[0] == 200
+    wait_for(lambda: manifest(rds, "private-p").get("body", {}).get("forkable") is False, "the refusal in Redis")
+    assert call(b, "GET", "/v1/agents/private-p")[0] == 404  # B never served P
+    probe = conv.chat.messages + [{"role": "user", "content": "what did it say?"}]
+    for server, child in ((a, "pry-a"), (b, "pry-b")):
+        with pytest.raises(openai.PermissionDeniedError, match="may not fork"):
+            Worker(child, "private-p", "header").send(server, probe)
+    assert call(b, "GET", "/v1/agents/pry-b")[0] == 404  # nothing of the refused request was stored
+    _, cached, _ = Worker("pry-none", "nobody-knows-this-agent", "header").send(b, probe)
+    assert cached == 0
+    # a grant travels the same way
+    assert call(a, "PUT", "/v1/agents/private-p/forkable")[0] == 200
+    wait_for(lambda: manifest(rds, "private-p").get("body", {}).get("forkable") is True, "the grant in Redis")
+    _, cached, _ = Worker("granted-b", "private-p", "header").send(b, probe)
+    assert cached >= conv.prompts[0] // BLOCK * BLOCK > 0, cached

@@ -299,8 +299,9 @@ class PersistQ4Backend:
                 self._pool.prefetch(ns)
 
     def may_fork(self, parent: str) -> bool:
-        """Whether a request may fork `parent` (the `fork_policy` option and the parent's setting);
-        any thread, no I/O. Before the pool exists only an open policy allows it."""
+        """Whether a request may fork `parent` (the `fork_policy` option and the parent's setting, with
+        a fleet tier as Redis holds it: one bounded read, pool.BlockPool.may_fork); any thread. Before
+        the pool exists only an open policy allows it."""
         pool = self._pool
         if pool is None:
             return self.opts["fork_policy"] == "open"

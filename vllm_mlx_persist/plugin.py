@@ -149,7 +149,9 @@ def vllm_mlx_cache_namespace(request: Any, headers: Mapping[str, str], endpoint:
         return None
     if parent is not None and any(not b.may_fork(parent) for b in backends):
         # Refused before any lookup, the same way for an unknown parent: nothing about the parent's
-        # history (or existence) reaches the client, through cached_tokens or otherwise.
+        # history (or existence) reaches the client, through cached_tokens or otherwise. With a fleet
+        # tier this reads the parent's settings in Redis: the event loop waits at most the fleet's
+        # bound for it (docs/fleet.md, "The fork answer"); the hook is synchronous.
         raise ForkRefused(f"agent {agent_id!r} may not fork from {parent!r} on this server (fork_policy)")
     if mode == FORGET:
         full = [b for b in backends if not b.removal_room()]

@@ -19,7 +19,8 @@ commits release it for those). Who calls what:
 - vllm-mlx's worker thread (MLX): match/lookup, commit, load_manifests, clear;
 - the event loop: prefetch, pending_reads (short, never behind a disk);
 - admin API threads: agent_info, list_agents, erase, set_pinned, set_forkable (records.py: erase,
-  pin and fork settings wait for the disk with the lock released); the namespace hook: may_fork;
+  pin and fork settings wait for the disk with the lock released); the namespace hook: may_fork
+  (with a fleet tier, a bounded read of the parent's settings in Redis, the lock released);
 - the persister thread: erasures by the disk budget and TTL, saves becoming durable, fetched
   histories adopted;
 - fleet threads: what fleet.FleetPool lists (`fleet_view`).
@@ -189,7 +190,13 @@ class BlockPool:
         return self.records.set_pinned(namespace, pinned, timeout)
 
     def may_fork(self, parent: str) -> bool:
-        return self.records.may_fork(parent)
+        """Whether a request may fork `parent` (records.Records.may_fork). With a fleet tier, the
+        parent's settings in Redis count too: read here, within the fleet's bound, with the lock
+        released (Fleet.settings_of); Redis not answering, the local record answers alone."""
+        remote = None
+        if self.fleet is not None and self.records.fork_policy != "none":
+            remote = self.fleet.settings_of(parent)
+        return self.records.may_fork(parent, remote)
 
     def set_forkable(self, namespace: str, forkable: Optional[bool], timeout: Optional[float] = 60.0) -> bool:
         return self.records.set_forkable(namespace, forkable, timeout)

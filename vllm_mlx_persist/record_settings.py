@@ -14,6 +14,7 @@ space decision. Pure; any thread.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 # name -> its values from the most restrictive to the least: on equal times the earlier one wins
@@ -75,3 +76,23 @@ def check_settings_at(at: Any) -> None:
             k in RESTRICTIVE and not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
             for k, v in at.items()):
         raise ValueError("malformed settings_at")
+
+
+@dataclass(frozen=True)
+class RemoteSettings:
+    """An agent's settings as the fleet (Redis) holds them, read for an answer that cannot wait for a
+    sync (a fork's admission): `forkable` and `settings_at` as in a record. `replaces`: the local
+    record is of a past that an erasure ended (a tombstone, or a history of a newer era, that this
+    server has not acted on yet): it does not count, only these settings do (none: an unknown agent)."""
+
+    forkable: Optional[bool] = None
+    settings_at: Mapping[str, float] = field(default_factory=dict)
+    replaces: bool = False
+
+    def merged_forkable(self, local: Any) -> Optional[bool]:
+        """The fork setting merged with the local record `local` (None: unknown here) by the merge rule."""
+        if local is None or self.replaces:
+            return self.forkable
+        at = getattr(local, "settings_at", None) or {}
+        return merge_setting("forkable", getattr(local, "forkable", None), at.get("forkable"),
+                             self.forkable, self.settings_at.get("forkable"))[0]

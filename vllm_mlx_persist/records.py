@@ -19,6 +19,7 @@ from .chain import branches_of, limit_branches, removals_of
 from .disk_format import Manifest
 from .namespace import legacy_spliced
 from .pool_core import PoolCore
+from .record_settings import RemoteSettings
 
 log = logging.getLogger("vllm_mlx_persist.pool")
 
@@ -165,12 +166,16 @@ class Records:
 
     # ---- forks ----------------------------------------------------------------------------------
 
-    def may_fork(self, parent: str) -> bool:
+    def may_fork(self, parent: str, remote: Optional[RemoteSettings] = None) -> bool:
         """Whether a request may fork `parent` (`fork_policy`, and the parent's own setting). An
         unknown parent is answered like a known one under the policy, so the answer tells nothing
-        of which agents exist. Any thread, no I/O."""
+        of which agents exist. `remote`: the parent's settings in Redis, merged with the local
+        record's by the merge rule (the fleet's answer, whichever server asks). Any thread, no I/O."""
         with self.core.lock:
-            return self._may_fork(self.core.agents.get(parent))
+            agent = self.core.agents.get(parent)
+            if remote is None:
+                return self._may_fork(agent)
+            return self._decide(remote.merged_forkable(agent))
 
     def allows_fork(self, agent: Optional[Agent]) -> bool:
         """(lock held) `may_fork` for an agent's record at hand: the lookup's own check, after the
@@ -178,11 +183,14 @@ class Records:
         return self._may_fork(agent)
 
     def _may_fork(self, agent: Optional[Agent]) -> bool:
+        return self._decide(None if agent is None else agent.forkable)
+
+    def _decide(self, forkable: Optional[bool]) -> bool:
         if self.fork_policy == "none":
             return False
-        if agent is None or agent.forkable is None:
+        if forkable is None:
             return self.fork_policy == "open"
-        return agent.forkable
+        return forkable
 
     def set_forkable(self, namespace: str, forkable: Optional[bool], timeout: Optional[float] = 60.0) -> bool:
         """Let other agents fork this one (True), forbid it (False) or leave it to `fork_policy`

@@ -60,11 +60,17 @@ class Reads:
         self.conn, self.eras, self._state = conn, eras, state
         self._readers = ThreadPoolExecutor(settings.read_threads, thread_name_prefix="vllm-mlx-persist-remote-reader")
         self._read_slots = threading.BoundedSemaphore(settings.read_threads)
+        # Admission checks (a fork's parent settings, read while a request waits to be admitted) have
+        # a reader of their own: they never queue behind syncs' block fetches.
+        self._checker = ThreadPoolExecutor(1, thread_name_prefix="vllm-mlx-persist-remote-check")
+        self._check_slot = threading.BoundedSemaphore(1)
 
-    def get_manifest(self, namespace: str) -> Optional[RemoteManifest]:
+    def get_manifest(self, namespace: str, timeout: Optional[float] = None,
+                     check: bool = False) -> Optional[RemoteManifest]:
         """The agent's manifest in Redis (erased=True for a tombstone), judged against this server's
         era (RemoteManifest: erasure, outdated); None when absent, refused, not ours or unreachable
-        within read_timeout_s."""
+        within `timeout` (at most read_timeout_s). `check`: an admission check's read, on its own
+        reader (skipped, None, while that reader is still busy with an earlier one)."""
         key = self.keys.manifest(namespace)
         state, eras = self._state, self.eras
         with state.lock:
@@ -72,7 +78,7 @@ class Reads:
             if namespace in eras.pending_erase:
                 return None  # erased here, not yet in Redis: never serve it back
             gen = eras.agent(namespace).gen
-        raw = self._bounded_read(lambda: self.conn.client.hmget(key, *FIELDS))
+        raw = self._bounded_read(lambda: self.conn.client.hmget(key, *FIELDS), timeout, check)
         if raw is _FAILED:
             return None
         cur = self.manifests.judge(key, raw)
@@ -196,13 +202,16 @@ class Reads:
         digest = hashlib.sha1(raw).hexdigest()
         self._bounded_read(lambda: self.conn.del_if_script(self.conn.client, [key], [digest]))
 
-    def _bounded_read(self, fn: Callable[[], Any]) -> Any:
-        """Run a Redis read on a reader thread; _FAILED on any failure or after read_timeout_s."""
+    def _bounded_read(self, fn: Callable[[], Any], timeout: Optional[float] = None, check: bool = False) -> Any:
+        """Run a Redis read on a reader thread (`check`: the admission checks' own); _FAILED on any
+        failure or after `timeout` (at most read_timeout_s)."""
         conn = self.conn
+        limit = self.read_timeout_s if timeout is None else min(timeout, self.read_timeout_s)
+        slots, readers = (self._check_slot, self._checker) if check else (self._read_slots, self._readers)
         if conn.disabled or self._state.stop or not conn.breaker.allow():
             self._state.count("skipped")
             return _FAILED
-        if not self._read_slots.acquire(blocking=False):
+        if not slots.acquire(blocking=False):
             self._state.count("skipped")  # every reader is stuck on a slow Redis: do not queue behind it
             return _FAILED
 
@@ -211,18 +220,23 @@ class Reads:
                 conn.ensure_model(conn.client)
                 return fn()
             finally:
-                self._read_slots.release()
+                slots.release()
 
         try:
-            fut = self._readers.submit(job)
+            fut = readers.submit(job)
         except RuntimeError:  # executor shut down by close()
-            self._read_slots.release()
+            slots.release()
             self._state.count("skipped")
             return _FAILED
         try:
-            result = fut.result(timeout=self.read_timeout_s)
+            result = fut.result(timeout=limit)
         except FutureTimeout:
-            conn.failed("timeouts", "read timed out after %.2fs" % self.read_timeout_s, transport=True)
+            if limit < self.read_timeout_s:
+                # the caller's shorter bound, not Redis's failure: the breaker is left to full reads
+                self._state.count("timeouts")
+                logger.debug("fleet: a read gave up after the caller's %.2fs", limit)
+                return _FAILED
+            conn.failed("timeouts", "read timed out after %.2fs" % limit, transport=True)
             return _FAILED
         except RemoteUnavailable:
             self._state.count("skipped")
@@ -236,3 +250,4 @@ class Reads:
 
     def close(self) -> None:
         self._readers.shutdown(wait=False, cancel_futures=True)
+        self._checker.shutdown(wait=False, cancel_futures=True)

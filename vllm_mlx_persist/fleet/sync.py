@@ -29,7 +29,7 @@
 
 It reaches the pool only through `FleetPool` (pool_api.py: BlockPool implements it); the pool calls
 `saved`, `superseded`, `era`, `loaded`, `released`, `erase`, `erase_queued`, `prefetch`, `wait`,
-`agent_info`, `stop` and `close`, the backend `pending`, `wait_s` and `stats`.
+`settings_of`, `agent_info`, `stop` and `close`, the backend `pending`, `wait_s` and `stats`.
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds (FleetSettings):
 `max_syncs` agents' jobs tracked at once (more are skipped and counted), `sync_threads` threads, the
 local write queue's and the tier's own queue bounds. See docs/fleet.md.
@@ -49,6 +49,7 @@ from typing import Callable, Optional
 
 from ..chain import Branch, Copy, branch_of, cut_branch, limit_branches, surviving_removals
 from ..disk_format import BlockData, Manifest
+from ..record_settings import RemoteSettings
 from .family import Family
 from .manifests import RemoteManifest
 from .outbox import OUTBOX_DIR, Outbox, removal_mark
@@ -78,7 +79,7 @@ class Fleet:
              "fetch_incomplete", "fetch_cut_at_budget", "chain_refused", "adopt_skipped", "save_failed",
              "erased_from_fleet", "syncs_outdated", "syncs_republished", "lookup_waits", "lookup_wait_timeouts",
              "lookup_wait_s_max", "forgets_recorded", "forgets_sent_again", "forgets_lost_locally",
-             "removals_refused"], 0)
+             "removals_refused", "settings_reads"], 0)
         self._lock = threading.Lock()
         self.family: Optional[Family] = None
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
@@ -296,6 +297,27 @@ class Fleet:
     def prefetch(self, namespace: str) -> None:
         """Start the agent's sync with Redis (any thread; never blocks)."""
         self._start(namespace)
+
+    def settings_of(self, namespace: str) -> Optional[RemoteSettings]:
+        """The agent's settings in Redis, for an answer that cannot wait for its sync (a fork's
+        admission: the namespace hook, on the HTTP event loop): one manifest read on the admission
+        checks' own reader, within min(wait_s, read_timeout_s). None when Redis holds nothing that
+        counts (absent, a history from before this server's era, a tombstone already acted on) or
+        did not answer in time (its breaker open, cut off): the local record then answers alone.
+        Reads no block and changes nothing the agent's sync would not (tier.get_manifest)."""
+        with self._lock:
+            if self._closed:
+                return None
+            self.counts["settings_reads"] += 1
+        rm = self.tier.get_manifest(namespace, timeout=self.wait_s, check=True)
+        if rm is None or rm.outdated:
+            return None
+        if rm.erasure:  # an erasure not acted on here yet: the local record is of the past it ended
+            return (RemoteSettings(replaces=True) if rm.erased
+                    else RemoteSettings(rm.forkable, dict(rm.settings_at), replaces=True))
+        if rm.erased:  # acted on already: a local record is of a history begun since
+            return None
+        return RemoteSettings(rm.forkable, dict(rm.settings_at))
 
     def pending(self, namespace: str) -> Optional[Future]:
         """The agent's sync while it runs (it stays there for `wait`), else None; any thread."""

@@ -16,7 +16,9 @@ thread:
 
     tier = RemoteTier(FleetSettings(url, secret=..., cluster=...),  # start-up; connects lazily, never
                       fingerprint, block_source=...)                # raises for an unreachable Redis
-    tier.get_manifest(agent) -> RemoteManifest | None       # any thread; at most read_timeout_s;
+    tier.get_manifest(agent, timeout=None, check=False)     # any thread; at most read_timeout_s
+                -> RemoteManifest | None                    # (or timeout; check: on the admission
+                                                            # checks' own reader);
                                                             # erased=True: a tombstone (.seen: this
                                                             # server already acted on it); .erasure:
                                                             # one to act on before using the value
@@ -139,8 +141,9 @@ class RemoteTier:
 
     # ---- reads (any thread, bounded): reads.Reads ------------------------------------------------------
 
-    def get_manifest(self, namespace: str) -> Optional[RemoteManifest]:
-        return self.reads.get_manifest(namespace)
+    def get_manifest(self, namespace: str, timeout: Optional[float] = None,
+                     check: bool = False) -> Optional[RemoteManifest]:
+        return self.reads.get_manifest(namespace, timeout, check)
 
     def get_block(self, block_id: str) -> Optional[BlockData]:
         return self.reads.get_block(block_id)
