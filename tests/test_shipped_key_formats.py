@@ -44,9 +44,14 @@ def test_a_shipped_choice_is_read_instead_of_calibrating(tiny_llama_dir, tmp_pat
 
     model, tok = load(str(tiny_llama_dir))
     calls = _counting(monkeypatch)
+    digests = []
+    real_digest = backend_mod.model_digest
+    monkeypatch.setattr(backend_mod, "model_digest", lambda *a: digests.append(1) or real_digest(*a))
     b = _backend(model, tok, tmp_path / "root")
     b.load()
     assert calls == [] and b.key_report["remembered"] == str(written)
+    # the weights are hashed once for both fingerprints (q4's, the choice's key; the chosen format's)
+    assert len(digests) == 1 and b.fingerprint != b._q4_fingerprint()
     assert b.key_report["chosen"] == report["chosen"]
     b.close()
     assert (tmp_path / "root" / key_choice.CHOICES_DIR / written.name).exists()

@@ -24,7 +24,7 @@ from .caches.floats import FloatCopies
 from .caches.kinds import FULL, Q4
 from .disk_format import FORMAT_VERSION
 from .futures import when_all, with_deadline
-from .identity import model_fingerprint
+from .identity import model_digest, model_fingerprint
 from . import key_choice
 from .key_calibration import CALIBRATED, calibration_params, option_obstacle, scale_shapes
 from .key_calibration import describe as describe_keys
@@ -111,6 +111,7 @@ class PersistQ4Backend:
         self.key_report: Optional[dict] = None
         self._keys_error: Optional[RuntimeError] = None  # an explicit key_format that calibration refused
         self._q4_fp: Optional[str] = None  # the model identity with q4 keys, hashed once (worker)
+        self._model_digest: Optional[str] = None  # the weights' hash both fingerprints share (worker)
         # span directives (kv_edit/): a request's usage.kv_edit, and an amortize request's splice
         self.edits = SpanDirectives(model, tokenizer, self.codec, opts["kv_edit"], opts["block_size"])
         self.closed = False
@@ -130,7 +131,7 @@ class PersistQ4Backend:
             keys_id = keys_identity(self.codec.key_formats)
             if keys_id is not None:  # keys stored otherwise: another model directory (q4's is unchanged)
                 cache_format["key_format"] = keys_id
-                self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format)
+                self.fingerprint = model_fingerprint(self.model, self.tokenizer, cache_format, self._digest())
             else:
                 self.fingerprint = self._q4_fingerprint()
             n_layers = self.codec.n_layers
@@ -187,8 +188,14 @@ class PersistQ4Backend:
     def _q4_fingerprint(self) -> str:
         """The model identity with keys stored as q4 (hashed once: the key choice's file and the pool)."""
         if self._q4_fp is None:
-            self._q4_fp = model_fingerprint(self.model, self.tokenizer, self._cache_format())
+            self._q4_fp = model_fingerprint(self.model, self.tokenizer, self._cache_format(), self._digest())
         return self._q4_fp
+
+    def _digest(self) -> str:
+        """The model's digest (identity.model_digest: every weight hashed), once (worker)."""
+        if self._model_digest is None:
+            self._model_digest = model_digest(self.model, self.tokenizer)
+        return self._model_digest
 
     def _resolve_keys(self) -> None:
         """Resolve the key_format option into the codec's per-layer key formats, once, before any

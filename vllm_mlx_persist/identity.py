@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
@@ -55,14 +55,15 @@ def _vocab_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode()).hexdigest()
 
 
-def model_fingerprint(model: Any, tokenizer: Any, cache_format: dict) -> str:
-    """sha256 hex of (cache format, model config, tokenizer vocabulary, weights)."""
+def model_digest(model: Any, tokenizer: Any) -> str:
+    """sha256 hex of the model itself (its type, config, tokenizer vocabulary and weights): the costly
+    part of a fingerprint (every weight byte up to FULL_HASH_LIMIT), hashed once per process however
+    many cache formats are fingerprinted (auto's q4 key, then the chosen format's directory)."""
     params = sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0])
     total = sum(p.nbytes for _, p in params)
     full = total <= FULL_HASH_LIMIT
     h = hashlib.sha256()
     header = {
-        "format": cache_format,
         "model_type": type(model).__module__,
         "args": _model_args(model),
         "vocab": _vocab_digest(tokenizer),
@@ -73,3 +74,11 @@ def model_fingerprint(model: Any, tokenizer: Any, cache_format: dict) -> str:
     for _, p in params:
         _hash_tensor(h, p, full)
     return h.hexdigest()
+
+
+def model_fingerprint(model: Any, tokenizer: Any, cache_format: dict, digest: Optional[str] = None) -> str:
+    """sha256 hex of (cache format, the model's digest): `digest` is `model_digest(model, tokenizer)`,
+    computed here when not given."""
+    digest = model_digest(model, tokenizer) if digest is None else digest
+    blob = json.dumps({"format": cache_format, "model": digest}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
