@@ -34,14 +34,22 @@ SLOWEST_FIRST = (
 )
 
 
-def pytest_report_header(config) -> str:
-    """Which BLAS the model's matmuls run on: the numerics tests must pass on every kernel
-    (`./dev test-kernels`, docs/operations.md)."""
+def _blas() -> str:
     import mlx.core  # noqa: F401  (loads the BLAS it links, if none was preloaded)
 
     from vllm_mlx_persist.tools import blas
 
     return f"BLAS: {blas.describe()}"
+
+
+def pytest_report_header(config) -> str:
+    """Which BLAS the model's matmuls run on: the numerics tests must pass on every kernel
+    (`./dev test-kernels`, docs/operations.md)."""
+    return _blas()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(_blas())  # also under -q, where the header is not printed
 
 
 def pytest_collection_modifyitems(config, items) -> None:
