@@ -2,9 +2,10 @@
 
 Real MLX on CPU with tiny random float32 llamas. Each format: the served cache equals its
 simulation (a float cache holding exactly the values the format stores: tools/quality.py's
-method); batched (mlx-lm's BatchGenerator: batched prefill and decode) equals alone, tokens, logprobs
-and stored K/V bit for bit with the model's projections run per row (on every BLAS kernel); blocks on disk rebuild bit-identical caches; a splice moves a rotated or
-scaled key by RoPE correctly. Then the `key_format` option: model identity keeps formats apart,
+method; on a one-layer model, so both are fed the same keys and values); batched (mlx-lm's
+BatchGenerator: batched prefill and decode) equals alone, tokens, logprobs and stored K/V bit for bit
+with the model's projections run per row (so on every BLAS kernel); blocks on disk rebuild
+bit-identical caches; a splice moves a rotated or scaled key by RoPE correctly. Then the `key_format` option: model identity keeps formats apart,
 old (q4) caches are still read, and `auto` picks q4 on a plain model and a fix on one whose keys
 carry outlier channels, reporting what it measured in get_stats.
 """
