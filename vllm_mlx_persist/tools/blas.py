@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
 
 
 def kernel() -> str:
@@ -59,8 +60,10 @@ def cpu_flags() -> set[str]:
 
 def runnable_kernels(wanted: str = "default") -> list[str]:
     """The OpenBLAS kernel sets to test on this CPU: `wanted` is 'default', 'all' or a comma-separated
-    list of names; a name the CPU cannot run is left out (on a CPU other than x86-64, none: only the
-    kernel OpenBLAS picks, and mlx's own BLAS, are tested)."""
+    list of names; a name the CPU cannot run is left out. On a CPU other than x86-64: ['auto'], the
+    kernel set OpenBLAS picks (these names are x86-64's)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["auto"]
     flags = cpu_flags()
     names = list(X86_KERNELS) if wanted == "all" else list(DEFAULT_KERNELS) if wanted == "default" else [
         n.strip() for n in wanted.split(",") if n.strip()]
