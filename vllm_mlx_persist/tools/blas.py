@@ -35,10 +35,11 @@ def describe() -> str:
 
 
 # OpenBLAS 0.3.21's DYNAMIC_ARCH x86-64 kernel sets (`OPENBLAS_CORETYPE` names) and the CPU flags
-# (/proc/cpuinfo) their code needs: a kernel set the CPU cannot run dies on an illegal instruction.
+# (/proc/cpuinfo) their code needs: a kernel set the CPU cannot run dies on an illegal instruction
+# (Opteron's, 3DNow!, did on this AMD EPYC, which has none).
 X86_KERNELS = {
     "Prescott": {"pni"}, "Core2": {"ssse3"}, "Penryn": {"sse4_1"}, "Dunnington": {"sse4_1"},
-    "Nehalem": {"sse4_2"}, "Atom": {"ssse3"}, "Opteron": {"sse2"}, "Barcelona": {"pni", "sse4a"},
+    "Nehalem": {"sse4_2"}, "Atom": {"ssse3"}, "Opteron": {"sse2", "3dnowext"}, "Barcelona": {"pni", "sse4a"},
     "Bobcat": {"pni", "sse4a"}, "Sandybridge": {"avx"}, "Bulldozer": {"avx", "fma4"},
     "Piledriver": {"avx", "fma4", "fma"}, "Steamroller": {"avx", "fma4", "fma"}, "Excavator": {"avx2", "fma4", "fma"},
     "Haswell": {"avx2", "fma"}, "Zen": {"avx2", "fma"},
