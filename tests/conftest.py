@@ -35,6 +35,24 @@ SLOWEST_FIRST = (
 )
 
 
+def _blas() -> str:
+    import mlx.core  # noqa: F401  (loads the BLAS it links, if none was preloaded)
+
+    from vllm_mlx_persist.tools import blas
+
+    return f"BLAS: {blas.describe()}"
+
+
+def pytest_report_header(config) -> str:
+    """Which BLAS the model's matmuls run on: the numerics tests must pass on every kernel
+    (`./dev test-kernels`, docs/operations.md)."""
+    return _blas()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    terminalreporter.write_line(_blas())  # also under -q, where the header is not printed
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: same order per file
@@ -153,3 +171,42 @@ def serving_backend(tmp_path, monkeypatch):
         "cache_dir": str(tmp_path / "cache"), "warmup": False, "restore": False})
     yield backend
     backend.close()
+
+
+@pytest.fixture
+def row_by_row(monkeypatch):
+    """The model's projections (Linear, tied embeddings, MoE experts, short convolutions) one token row
+    at a time: each row's product is then the same BLAS call whatever else is in the batch, so a test
+    comparing a row alone with the same row batched compares the cache's own computations, bit for
+    bit, on every BLAS kernel (a BLAS may round a row of a product differently with the number of
+    rows in it: docs/design.md, "Batch invariance")."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import switch_layers
+
+    def rows(x: mx.array, w: mx.array) -> mx.array:
+        flat = x.reshape(-1, x.shape[-1])
+        out = mx.concatenate([flat[i : i + 1] @ w.T for i in range(flat.shape[0])], axis=0)
+        return out.reshape(*x.shape[:-1], w.shape[0])
+
+    def linear(self, x):
+        y = rows(x, self["weight"])
+        return y + self["bias"] if "bias" in self else y
+
+    def switch_glu(self, x, indices):  # mlx-lm's SwitchGLU without sorting tokens by expert
+        x = mx.expand_dims(x, (-2, -3))
+        x = self.down_proj(self.activation(self.up_proj(x, indices), self.gate_proj(x, indices)), indices)
+        return x.squeeze(-2)
+
+    conv1d = nn.Conv1d.__call__
+
+    def conv_rows(self, x):  # a short convolution (qwen3_next, lfm2) one output position at a time
+        assert self.padding == 0 and self.stride == 1 and self.dilation == 1
+        k = self.weight.shape[1]
+        rows = [[conv1d(self, x[b : b + 1, t : t + k]) for t in range(x.shape[1] - k + 1)] for b in range(x.shape[0])]
+        return mx.concatenate([mx.concatenate(r, axis=1) for r in rows], axis=0)
+
+    monkeypatch.setattr(nn.Linear, "__call__", linear)
+    monkeypatch.setattr(nn.Conv1d, "__call__", conv_rows)
+    monkeypatch.setattr(nn.Embedding, "as_linear", lambda self, x: rows(x, self.weight))
+    monkeypatch.setattr(switch_layers.SwitchGLU, "__call__", switch_glu)
