@@ -20,6 +20,7 @@ Files differ between Python versions, so a report carries the text's sha256 and 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import sysconfig
 from dataclasses import dataclass, field
@@ -197,30 +198,35 @@ def _ids(x: Any) -> list[int]:
     return [int(t) for t in getattr(x, "ids", x)]
 
 
-def bos_id(tokenizer: Any) -> int | None:
-    """The BOS id when the tokenizer starts every sequence with it (or its config says to), else None."""
+def bos_id(tokenizer: Any, model_dir: str | Path | None = None) -> int | None:
+    """The BOS id when the tokenizer starts every sequence with it, or the model's
+    tokenizer_config.json says to (`add_bos_token`: Gemma 3 needs it, and a tokenizer may not
+    apply it), else None."""
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return None
     ids = _ids(tokenizer.encode("Hello"))
     if ids and ids[0] == bos:
         return int(bos)
-    inner = getattr(tokenizer, "_tokenizer", tokenizer)
-    wants = getattr(inner, "add_bos_token", None)
-    if wants is None:
-        wants = (getattr(inner, "init_kwargs", None) or {}).get("add_bos_token")
-    return int(bos) if wants else None
+    if model_dir is not None:
+        try:
+            config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())
+        except (OSError, ValueError):
+            config = {}
+        if config.get("add_bos_token") is True:
+            return int(bos)
+    return None
 
 
 def _strip_bos(ids: list[int], bos: int | None) -> list[int]:
     return ids[1:] if bos is not None and ids[:1] == [bos] else ids
 
 
-def load(kind: str, tokenizer: Any) -> HeldOut:
-    """The held-out text `kind` (TEXT_KINDS) in `tokenizer`'s ids."""
+def load(kind: str, tokenizer: Any, model_dir: str | Path | None = None) -> HeldOut:
+    """The held-out text `kind` (TEXT_KINDS) in `tokenizer`'s ids, a leading BOS left off."""
     if kind not in TEXT_KINDS:
         raise HeldOutError(f"unknown text kind {kind!r} (one of {', '.join(TEXT_KINDS)})")
-    bos = bos_id(tokenizer)
+    bos = bos_id(tokenizer, model_dir)
     notes: list[str] = []
     if kind == "topics":
         text, sources = topics_text(), ["pydoc_data/topics.py"]

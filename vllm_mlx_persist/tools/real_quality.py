@@ -280,8 +280,8 @@ def main(argv: Sequence[str]) -> int:
     kinds = a.text.split(",")
     reports = []
     for kind in kinds:
-        held = heldout.load(kind, tokenizer)
-        windows = heldout.windows(held.ids, a.windows, a.window, a.skip, heldout.bos_id(tokenizer))
+        held = heldout.load(kind, tokenizer, a.model)
+        windows = heldout.windows(held.ids, a.windows, a.window, a.skip, heldout.bos_id(tokenizer, a.model))
         n = len(windows)
         print(f"{a.model}: {n} held-out windows of {a.window} tokens ({held.description}), chunk {a.chunk}, "
               f"{len(formats)} formats", flush=True)
