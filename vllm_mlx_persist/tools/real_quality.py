@@ -340,7 +340,7 @@ def margin(measured: float, sem: float = 0.0) -> float:
 
 def within_margin(predicted: float, measured: float, sem: float = 0.0) -> bool:
     """Whether auto's `predicted` change (%) agrees with the `measured` one (%) within the margin."""
-    return abs(predicted - measured) <= margin(measured, sem)
+    return bool(abs(predicted - measured) <= margin(measured, sem))
 
 
 def _auto_entry(auto: dict[str, Any]) -> tuple[str | None, dict[str, Any] | None]:
@@ -369,7 +369,7 @@ def auto_check(report: dict[str, Any]) -> dict[str, Any]:
                    measured_kl_pct=kl_pct, within=within_margin(m["predicted_pct"], row["delta_ppl_pct"], row["sem_pct"]),
                    within_kl=within_margin(m["predicted_pct"], kl_pct),
                    bytes_vs_q4=row["bytes_vs_q4"],
-                   goal=row["delta_ppl_pct"] <= 1.0 and (row["bytes_vs_q4"] or math.inf) <= 1.15 + 1e-9)
+                   goal=bool(row["delta_ppl_pct"] <= 1.0) and (row["bytes_vs_q4"] or math.inf) <= 1.15 + 1e-9)
     cands = {}
     for served, cand in AUTO_NAMES.items():
         p = (auto.get("measured") or {}).get(cand)
