@@ -55,6 +55,12 @@ def test_a_shipped_choice_is_read_instead_of_calibrating(tiny_llama_dir, tmp_pat
     assert b.key_report["chosen"] == report["chosen"]
     b.close()
     assert (tmp_path / "root" / key_choice.CHOICES_DIR / written.name).exists()
+    # the block size is no part of a choice: a server with other blocks reads it too
+    b = backend_mod.PersistQ4Backend(model=model, tokenizer=tok, options={
+        "cache_dir": str(tmp_path / "root-blocks"), "warmup": False, "restore": False, "block_size": 32})
+    b.load()
+    assert calls == [] and b.key_report["remembered"] == str(written)
+    b.close()
 
     written.write_text("{")  # not ours: calibrated again
     b = _backend(model, tok, tmp_path / "root2")

@@ -228,7 +228,11 @@ class PersistQ4Backend:
     def _remembered_keys(self, option: str) -> tuple[list, dict]:
         """A calibrating option's per-layer formats: read back from the cache root when this model
         and calibration chose before, else measured and remembered there."""
-        key = key_choice.choice_key(self._q4_fingerprint(), option, calibration_params())
+        # What the choice depends on: the model, bits and group size; not the block size (a server
+        # with block_size 32 read no choice made at 256, and calibrated for minutes).
+        calibrated_on = {"bits": self.bits, "group_size": self.group_size, "latent_bits": self.opts["latent_bits"]}
+        fingerprint = model_fingerprint(self.model, self.tokenizer, calibrated_on, self._digest())
+        key = key_choice.choice_key(fingerprint, option, calibration_params())
         got = key_choice.load(self.cache_dir, key, scale_shapes(self.model, self.codec))
         if got is not None:
             return got
