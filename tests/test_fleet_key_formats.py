@@ -142,3 +142,32 @@ def test_an_erasure_that_misses_another_keyspace_stays_pending_and_is_sent_after
         time.sleep(0.02)
     m = b.fleet.tier.get_manifest("y")
     assert m is not None and m.erased
+
+
+def test_a_tombstone_written_here_is_not_written_again_while_another_keyspace_waits(servers, redis_server,
+                                                                                   monkeypatch):
+    """An erasure whose tombstone is in this keyspace but could not reach another key format's stays
+    pending, and the drain retries only the other keyspace: writing this keyspace's tombstone again
+    (as an erasure never written) could end a history begun since (an independent review's finding)."""
+    a, _ = servers("a", "q4")
+    b, _ = servers("b", "k8v4")
+    client = redis_server.client()
+    key_b = b.fleet.tier.manifest_key("z")
+    client.set(key_b, b"not a manifest hash")
+    a.erase("z")
+    assert a.fleet.tier.flush(20)
+    deadline = time.monotonic() + 20
+    while a.fleet.stats()["family_erasure_failures"] < 1:
+        assert time.monotonic() < deadline, "the failed erasure in B's keyspace was never seen"
+        time.sleep(0.02)
+    rewritten: list = []
+    real = a.fleet.tier.erase
+    monkeypatch.setattr(a.fleet.tier, "erase", lambda *args, **kw: rewritten.append(args) or real(*args, **kw))
+    for _ in range(3):  # an erasure not queued at two drains in a row is queued again
+        a.fleet.drain()
+    assert rewritten == [] and len(a.fleet.outbox) == 1
+    client.delete(key_b)
+    a.fleet.drain()
+    assert rewritten == [] and len(a.fleet.outbox) == 0
+    m = b.fleet.tier.get_manifest("z")
+    assert m is not None and m.erased

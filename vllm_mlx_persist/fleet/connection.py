@@ -154,7 +154,9 @@ class Connection:
         # socket operation is bounded. The pool holds at most one connection per thread of ours (on
         # a Cluster: per node; MOVED/ASK redirections are still followed, they are not failures).
         self.client = self._make_client(url, redis, Retry, NoBackoff, settings.read_timeout_s,
-                                        settings.connect_timeout_s, settings.read_threads + 2)
+                                        settings.connect_timeout_s,
+                                        # reads, syncs, the fork checks' reader, the key-format family
+                                        settings.read_threads + settings.sync_threads + 4)
         self.write_client = self._make_client(url, redis, Retry, NoBackoff, settings.write_timeout_s,
                                               settings.connect_timeout_s, 1)
         self.url_redacted = redact(url)

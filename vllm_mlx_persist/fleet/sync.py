@@ -59,6 +59,11 @@ from .tier import RemoteTier
 log = logging.getLogger("vllm_mlx_persist.fleet")
 
 
+# At most this long on the HTTP event loop for a fork parent's settings (settings_of): every stream of
+# the server waits meanwhile; past it the local record answers.
+ADMISSION_READ_S = 0.5
+
+
 class Fleet:
     """One server's side of the fleet: when to ask Redis, what to fetch, what to publish."""
 
@@ -81,6 +86,9 @@ class Fleet:
              "lookup_wait_s_max", "forgets_recorded", "forgets_sent_again", "forgets_lost_locally",
              "removals_refused", "settings_reads"], 0)
         self._lock = threading.Lock()
+        # Erasures whose tombstone is in this keyspace but not yet in every other key format's
+        # (bounded by the outbox): the drain retries only that part (before the tier: its writer calls back).
+        self._family_pending: set[tuple[str, str]] = set()
         self.family: Optional[Family] = None
         self.tier = make_tier(block_source=pool.read_disk_block, on_erased=self._erased_elsewhere,
                               on_erase_done=self._erase_done, on_put_done=self._put_done,
@@ -196,11 +204,22 @@ class Fleet:
         put again). A publish is sent again only when it was pending at the previous drain too, and no
         put of the agent is queued (`now`: at start-up, at once). Returns how many were queued."""
         sent = 0
+        with self._lock:
+            family_pending = set(self._family_pending)
+        for namespace, ident in sorted(family_pending):  # the tombstone is here: only the other keyspaces
+            try:
+                self.family.erase(namespace, ident)
+            except Exception:
+                continue
+            with self._lock:
+                self._family_pending.discard((namespace, ident))
+            family_pending.discard((namespace, ident))
+            self.outbox.done(namespace, ident)
         # An erasure not queued at two drains in a row (the writer lets one go between writing its
         # tombstone and removing its file: not queued again for that). Start-up queued every one.
         idle = set()
         for namespace, era in self.outbox.erasures():
-            if self.tier.erasing(namespace):
+            if self.tier.erasing(namespace) or (namespace, era) in family_pending:
                 continue
             idle.add((namespace, era))
             if (namespace, era) in self._idle_erasures and self.tier.erase(namespace, era):
@@ -208,7 +227,7 @@ class Fleet:
         self._idle_erasures = idle
         forgets = self.outbox.forgets()
         seen, self._drain_seen = self._drain_seen, set(forgets)
-        room = self.tier.room() // 2  # leave room for the turns' own puts
+        room = max(1, self.tier.room() // 2)  # leave room for the turns' own puts
         for namespace, mark in forgets.items():
             if room <= 0:
                 break
@@ -266,14 +285,17 @@ class Fleet:
 
     def _erase_done(self, namespace: str, ident: str) -> None:
         """Tier writer thread: erasure `ident`'s tombstone is in this keyspace; written to the other
-        key formats' keyspaces of the weights too before the outbox lets it go (on a Redis failure
-        there it stays pending, queued again at the next start)."""
+        key formats' keyspaces of the weights too before the outbox lets it go. On a Redis failure
+        there it stays pending, and only that part is tried again by the drain (`_family_pending`):
+        writing this keyspace's tombstone again could end a history begun since."""
         if self.family is not None:
             try:
                 self.family.erase(namespace, ident)
             except Exception as e:
                 log.error("fleet: agent %r: its erasure did not reach the keyspaces of other key formats (%s); "
                           "kept pending", namespace, e)
+                with self._lock:
+                    self._family_pending.add((namespace, ident))
                 return
         self.outbox.done(namespace, ident)
 
@@ -309,7 +331,7 @@ class Fleet:
             if self._closed:
                 return None
             self.counts["settings_reads"] += 1
-        rm = self.tier.get_manifest(namespace, timeout=self.wait_s, check=True)
+        rm = self.tier.get_manifest(namespace, timeout=min(self.wait_s, ADMISSION_READ_S), check=True)
         if rm is None or rm.outdated:
             return None
         if rm.erasure:  # an erasure not acted on here yet: the local record is of the past it ended
@@ -581,4 +603,6 @@ class Fleet:
     def close(self, timeout: float = 5.0) -> None:
         """Stop, then send queued writes to Redis within `timeout` and stop the tier. Idempotent."""
         self.stop()
+        if self._drainer is not threading.current_thread():
+            self._drainer.join(timeout)  # a drain under way ends before the tier closes under it
         self.tier.close(timeout)
