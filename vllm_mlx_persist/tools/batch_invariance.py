@@ -268,7 +268,8 @@ def start_servers(model: Path, home: Path, names: Sequence[str], options: Option
         full = None if opts is None else {**BASE_OPTIONS, **(options or {}), **opts}
         servers[name] = Server(model, home / name.replace(" ", "-"), backend=backend, options=full)
     with ThreadPoolExecutor(len(servers)) as pool:
-        started = [pool.submit(s.start) for s in servers.values()]
+        # 900 s as the bench: a first start of a bigger model under load (Gemma 3 270M) passed 180 s
+        started = [pool.submit(s.start, 900) for s in servers.values()]
     if any(f.exception() for f in started):
         for s in servers.values():
             s.stop()  # the ones that did start

@@ -1450,6 +1450,7 @@ def main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     command = shlex.join(["vllm-mlx-persist", "bench", *argv])
     started = time.time()
+    load_at_start = [round(x, 2) for x in os.getloadavg()]  # machine_info runs at the end
     say(f"work dir {work}; results to {out}")
     if not openblas_path() and platform.system() == "Linux":
         say("WARNING: OpenBLAS not found (apt-get install libopenblas0-pthread): MLX on CPU will be 15-35x slower")
@@ -1505,7 +1506,7 @@ def main(argv: list[str]) -> int:
                                    "capacity_systems")
                        for s in getattr(plan, k)},
                       key=SYSTEMS.index)
-        machine = machine_info(work)
+        machine = {**machine_info(work), "load_average_at_start": load_at_start}
         run = {"command": command, "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)),
                "duration_s": round(finished - started, 1), "sections": list(results),
                "git_commit": machine["git_commit"], "load_average_at_start": machine["load_average_at_start"]}
