@@ -115,21 +115,28 @@ def test_an_unknown_agent_is_still_unknown_on_every_key_format(servers):
     assert not a.erase("nobody")
 
 
-def test_an_erasure_that_misses_another_keyspace_stays_pending_and_is_sent_after_a_restart(servers, redis_server):
-    """The outbox lets an erasure go only once every keyspace of the weights has its tombstone: one
-    that cannot be written there (here: the key holds another type, so Redis answers WRONGTYPE) stays
-    pending, and the next start writes it."""
+def _erasure_missing_a_keyspace(servers, redis_server, agent: str):
+    """Pools a (q4) and b (k8v4); a erases `agent`, whose tombstone cannot be written into b's keyspace
+    (the key holds another type: Redis answers WRONGTYPE), seen failing. Returns (a, b, client, b's key)."""
     a, _ = servers("a", "q4")
     b, _ = servers("b", "k8v4")
     client = redis_server.client()
-    key_b = b.fleet.tier.manifest_key("y")
+    key_b = b.fleet.tier.manifest_key(agent)
     client.set(key_b, b"not a manifest hash")
-    a.erase("y")
+    a.erase(agent)
     assert a.fleet.tier.flush(20)
     deadline = time.monotonic() + 20
     while a.fleet.stats()["family_erasure_failures"] < 1:
         assert time.monotonic() < deadline, "the failed erasure in B's keyspace was never seen"
         time.sleep(0.02)
+    return a, b, client, key_b
+
+
+def test_an_erasure_that_misses_another_keyspace_stays_pending_and_is_sent_after_a_restart(servers, redis_server):
+    """The outbox lets an erasure go only once every keyspace of the weights has its tombstone: one
+    that cannot be written there (here: the key holds another type, so Redis answers WRONGTYPE) stays
+    pending, and the next start writes it."""
+    a, b, client, key_b = _erasure_missing_a_keyspace(servers, redis_server, "y")
     outbox = Path(a.fleet.outbox.dir)
     assert len(list(outbox.glob("*.json"))) == 1  # still pending
     client.delete(key_b)
@@ -149,17 +156,7 @@ def test_a_tombstone_written_here_is_not_written_again_while_another_keyspace_wa
     """An erasure whose tombstone is in this keyspace but could not reach another key format's stays
     pending, and the drain retries only the other keyspace: writing this keyspace's tombstone again
     (as an erasure never written) could end a history begun since (an independent review's finding)."""
-    a, _ = servers("a", "q4")
-    b, _ = servers("b", "k8v4")
-    client = redis_server.client()
-    key_b = b.fleet.tier.manifest_key("z")
-    client.set(key_b, b"not a manifest hash")
-    a.erase("z")
-    assert a.fleet.tier.flush(20)
-    deadline = time.monotonic() + 20
-    while a.fleet.stats()["family_erasure_failures"] < 1:
-        assert time.monotonic() < deadline, "the failed erasure in B's keyspace was never seen"
-        time.sleep(0.02)
+    a, b, client, key_b = _erasure_missing_a_keyspace(servers, redis_server, "z")
     rewritten: list = []
     real = a.fleet.tier.erase
     monkeypatch.setattr(a.fleet.tier, "erase", lambda *args, **kw: rewritten.append(args) or real(*args, **kw))
