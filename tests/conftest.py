@@ -184,14 +184,7 @@ def row_by_row(monkeypatch):
     import mlx.nn as nn
     from mlx_lm.models import switch_layers
 
-    def rows(x: mx.array, w: mx.array) -> mx.array:
-        flat = x.reshape(-1, x.shape[-1])
-        out = mx.concatenate([flat[i : i + 1] @ w.T for i in range(flat.shape[0])], axis=0)
-        return out.reshape(*x.shape[:-1], w.shape[0])
-
-    def linear(self, x):
-        y = rows(x, self["weight"])
-        return y + self["bias"] if "bias" in self else y
+    from vllm_mlx_persist.tools.blas import row_linear, row_products
 
     def switch_glu(self, x, indices):  # mlx-lm's SwitchGLU without sorting tokens by expert
         x = mx.expand_dims(x, (-2, -3))
@@ -206,7 +199,7 @@ def row_by_row(monkeypatch):
         rows = [[conv1d(self, x[b : b + 1, t : t + k]) for t in range(x.shape[1] - k + 1)] for b in range(x.shape[0])]
         return mx.concatenate([mx.concatenate(r, axis=1) for r in rows], axis=0)
 
-    monkeypatch.setattr(nn.Linear, "__call__", linear)
+    monkeypatch.setattr(nn.Linear, "__call__", row_linear)
     monkeypatch.setattr(nn.Conv1d, "__call__", conv_rows)
-    monkeypatch.setattr(nn.Embedding, "as_linear", lambda self, x: rows(x, self.weight))
+    monkeypatch.setattr(nn.Embedding, "as_linear", lambda self, x: row_products(x, self.weight))
     monkeypatch.setattr(switch_layers.SwitchGLU, "__call__", switch_glu)

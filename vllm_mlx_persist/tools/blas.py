@@ -9,6 +9,22 @@ import os
 import platform
 
 
+def row_products(x, w):
+    """`x @ w.T` one row of x at a time: each row's product is then the same BLAS call whatever the
+    number of rows (the tests' `row_by_row`, blas_bench's --rows)."""
+    import mlx.core as mx
+
+    flat = x.reshape(-1, x.shape[-1])
+    out = mx.concatenate([flat[i : i + 1] @ w.T for i in range(flat.shape[0])], axis=0)
+    return out.reshape(*x.shape[:-1], w.shape[0])
+
+
+def row_linear(layer, x):
+    """`nn.Linear.__call__` through `row_products`."""
+    y = row_products(x, layer["weight"])
+    return y + layer["bias"] if "bias" in layer else y
+
+
 def kernel() -> str:
     """'OpenBLAS <version> <core>' (the core OpenBLAS picked at load, or `OPENBLAS_CORETYPE`'s) when
     OpenBLAS is in the process, else 'mlx' (mlx-cpu's bundled BLAS)."""

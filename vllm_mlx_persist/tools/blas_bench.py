@@ -25,17 +25,8 @@ def per_row_projections() -> None:
     """Every Linear (and tied embedding head) one token row at a time: a row's product is then the
     same BLAS call whatever the batch (the tests' `row_by_row`, for Linear layers only)."""
 
-    def rows(x: mx.array, w: mx.array) -> mx.array:
-        flat = x.reshape(-1, x.shape[-1])
-        out = mx.concatenate([flat[i : i + 1] @ w.T for i in range(flat.shape[0])], axis=0)
-        return out.reshape(*x.shape[:-1], w.shape[0])
-
-    def linear(self, x):
-        y = rows(x, self["weight"])
-        return y + self["bias"] if "bias" in self else y
-
-    nn.Linear.__call__ = linear
-    nn.Embedding.as_linear = lambda self, x: rows(x, self.weight)
+    nn.Linear.__call__ = blas.row_linear
+    nn.Embedding.as_linear = lambda self, x: blas.row_products(x, self.weight)
 
 
 def decode_rate(model, codec, batch: int, prompt_len: int, max_tokens: int) -> tuple[float, float]:
