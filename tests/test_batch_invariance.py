@@ -52,7 +52,7 @@ from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.q4 import Q4KVCache
-from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+from vllm_mlx_persist.tools.models.build import SIZES, Size, build_model
 
 WINDOW = 16
 SIZE = Size(**{**SIZES["micro"].__dict__, "sliding_window": WINDOW, "vocab": 512})

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_persist.tools.bench import FAMILY_TURNS, STATES, classify
+from vllm_mlx_persist.tools.bench.main import FAMILY_TURNS, STATES, classify
 
 QUICK_SECTIONS = ("ttft", "reload", "families", "long", "concurrency", "stall", "capacity", "edits")
 
@@ -89,7 +89,7 @@ def test_classify_reads_both_servers_log_lines():
 
 
 def test_families_table_from_samples():
-    from vllm_mlx_persist.tools.bench import QUICK, _md_families, headline, summarize_families
+    from vllm_mlx_persist.tools.bench.main import QUICK, _md_families, headline, summarize_families
 
     plan = dataclasses.replace(QUICK, family_archs=["gemma3_text"])
     samples = []
@@ -161,7 +161,7 @@ def test_quick_workload_sections(quick):
 
 
 def test_goal_ratios_read_each_section():
-    from vllm_mlx_persist.tools.bench import GOALS, _md_goals, goal_ratios
+    from vllm_mlx_persist.tools.bench.main import GOALS, _md_goals, goal_ratios
 
     sections = {
         "ttft": {"summary": {"persist_q4": {"4096": {"hot": {"median_s": 1.0}, "restart_sigkill": {"median_s": 1.1},
@@ -183,7 +183,7 @@ def test_goal_ratios_read_each_section():
 def test_capacity_formulas_on_published_shapes():
     """The analytical half of the capacity section: layer patterns read from the published configs,
     and per-agent bytes (design.md's Gemma-3-12B figures at 32k: persist_q4 ~0.72 GB, vllm-mlx ~2.4 GB)."""
-    from vllm_mlx_persist.tools.bench_capacity import (PUBLISHED, agent_bytes, published_rows, shape_from_config,
+    from vllm_mlx_persist.tools.bench.capacity import (PUBLISHED, agent_bytes, published_rows, shape_from_config,
                                                        window_tokens)
 
     gemma = shape_from_config(PUBLISHED["gemma3_text"]["config"])
@@ -254,7 +254,7 @@ def test_edit_accounting_follows_the_servers_cut():
     message): exact and forget re-prefill after the common prefix, vllm-mlx reuses nothing under 128
     tokens, and amortize prefills the stub and what the run leaves (the server always keeps the last
     prompt token to prefill, so a run reaching the end is cut by one)."""
-    from vllm_mlx_persist.tools.bench_edits import VLLM_MIN_PREFIX, reprefill
+    from vllm_mlx_persist.tools.bench.edits import VLLM_MIN_PREFIX, reprefill
 
     def msg(start: int, n: int) -> list[int]:
         return [7, *range(start, start + n - 1)]
@@ -283,9 +283,9 @@ def test_edit_conversations_and_truncation_policy(tiny_llama_dir):
     """The section's conversations, rendered with the tiny model's chat template: a grid point stubs
     whole tool outputs where it says, each edit is one splice moved by the tokens removed so far, and
     the truncation trace stubs exactly the outputs older than two turns, one more per turn."""
-    from vllm_mlx_persist.tools.bench_edits import (Chat, EditPoint, edit_history, edit_position, edited_turn,
+    from vllm_mlx_persist.tools.bench.edits import (Chat, EditPoint, edit_history, edit_position, edited_turn,
                                                     reprefill, stub_msg, trace_requests)
-    from vllm_mlx_persist.tools.bench_kit import Prompts
+    from vllm_mlx_persist.tools.bench.kit import Prompts
 
     chat = Chat(Prompts(tiny_llama_dir))
     assert chat.anchor is not None

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from vllm_mlx_persist.tools import bench_plots
+from vllm_mlx_persist.tools.bench import plots as bench_plots
 
 
 def test_missing_matplotlib_names_the_extra_and_installs_nothing(monkeypatch, tmp_path):

@@ -21,7 +21,7 @@ from vllm_mlx_persist.disk_format import manifest_name
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from test_pool import make_pool, prefill, tokens
 from test_sharing import check_accounting
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 BLOCK = 32

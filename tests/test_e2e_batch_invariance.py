@@ -7,7 +7,7 @@ models, one module-scoped set of servers: vllm-mlx's own cache (no --cache-backe
 (for gemma3_text also with the float decode mirror off and prefill attention quantized). Three
 prompts longer than the window (227-297 tokens), 16 greedy tokens, sent to each server alone, then
 together (released at once) and staggered (each released when the one before it has streamed its
-first token, joining a batch already decoding); each request its own agent (tools/batch_invariance.py,
+first token, joining a batch already decoding); each request its own agent (tools/quality/batch_invariance.py,
 which also runs the full sweep as the `vllm-mlx-persist batch-invariance` command). Nothing waits on
 a clock.
 
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_mlx_persist.tools.batch_invariance import (FAMILIES, MODES, Answers, admissions, differing, prompts,
+from vllm_mlx_persist.tools.quality.batch_invariance import (FAMILIES, MODES, Answers, admissions, differing, prompts,
                                                      run_family, start_servers, table, unexplained)
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 
 N_PROMPTS = 3  # the "three at a time"
 FIRST_PROMPT = 9  # on this machine's OpenBLAS, prompt 11 flips on gemma3_text when prefilled with 9 and 10

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from test_e2e_server import Chat, user_text
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 # The defaults (blocks of 256, branches 4, match_text on), key_format q4: auto's choice here, without

@@ -23,7 +23,7 @@ import threading
 
 import pytest
 
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 from test_e2e_server import OPTIONS, Chat

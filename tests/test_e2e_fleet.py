@@ -25,7 +25,7 @@ from test_e2e_server import Chat, user_text
 from test_e2e_sharing import Worker, doc_messages
 from vllm_mlx_persist.fleet import SECRET_ENV
 from vllm_mlx_persist.disk_format import decode_block
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
@@ -513,7 +513,7 @@ def test_a_forget_acknowledged_before_a_crash_holds_fleet_wide(fleet, tmp_path):
     (acknowledged), is SIGKILLed; Redis comes back, C restarts. B, which synced Y before the forget,
     then serves Y's old conversation: it must reuse nothing past the edit point. The forget's publish
     was pending in C's outbox before C answered, and the restarted C sends it without any request."""
-    from vllm_mlx_persist.tools.partition import PartitionProxy
+    from vllm_mlx_persist.tools.reliability.partition import PartitionProxy
 
     rds, a, b = fleet
     proxy = PartitionProxy("127.0.0.1", rds.port)

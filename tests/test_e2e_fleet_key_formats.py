@@ -10,7 +10,7 @@ import pytest
 
 from test_e2e_fleet import BLOCK, Conversation, remote, wait_for
 from test_e2e_lifecycle import call
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')

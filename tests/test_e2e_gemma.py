@@ -16,7 +16,9 @@ import os
 import openai
 import pytest
 
-from vllm_mlx_persist.tools import gguf_import, gguf_package
+from vllm_mlx_persist.tools.models import gguf_import
+
+from vllm_mlx_persist.tools.models import gguf_package
 from vllm_mlx_persist.tools.serving import Server
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "

@@ -28,7 +28,7 @@ import anthropic
 import openai
 import pytest
 
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 MAX_TOKENS = 4

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from test_e2e_server import Chat
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 KEY = "test"  # Chat's clients send this key; the server is started with --api-key test

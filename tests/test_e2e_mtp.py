@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from test_e2e_server import OPTIONS, Chat
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 

@@ -21,7 +21,7 @@ import pytest
 
 from vllm_mlx_persist.disk_format import MODEL_DIR_RE
 from vllm_mlx_persist.tools.serving import Server
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 
 MAX_TOKENS = 12
 # Small blocks: a few turns span many blocks. Matching by text is off here: these tests compare an
@@ -242,7 +242,7 @@ def test_unsupported_model_is_refused_at_startup(tmp_path):
     """gemma2 computes attention scores itself (no shared SDPA): refused, naming type and reason."""
     from mlx_lm.utils import _get_classes
 
-    from vllm_mlx_persist.tools.models import _draw_weights, model_config, train_tokenizer, write_model_files
+    from vllm_mlx_persist.tools.models.build import _draw_weights, model_config, train_tokenizer, write_model_files
 
     config = {**model_config("llama", "tiny"), "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"],
               "query_pre_attn_scalar": 64}

@@ -19,7 +19,7 @@ from test_e2e_lifecycle import call
 from test_e2e_server import MAX_TOKENS, Chat, user_text
 from test_e2e_text_match import stored_tokens
 from test_text_match import fed
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 # Room for 8 branches: this model's replies hold bytes that are not UTF-8, which the client gets as

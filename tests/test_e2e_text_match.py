@@ -21,7 +21,7 @@ import pytest
 
 from test_text_match import CLEAN, FILL, SPACED, fed
 from vllm_mlx_persist.disk_format import decode_block
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 MAX_TOKENS = 12

@@ -1,5 +1,5 @@
 """Every cache kind persist_q4 serves, per model family, on tiny random float32 models built with
-mlx-lm's own classes (vllm_mlx_persist.tools.models): sliding window (gemma3_text), sliding window +
+mlx-lm's own classes (vllm_mlx_persist.tools.models.build): sliding window (gemma3_text), sliding window +
 attention sinks + MoE (gpt_oss), gated-delta linear attention (qwen3_next) and short-convolution
 (lfm2) hybrids, latent MLA (deepseek_v3).
 
@@ -30,7 +30,7 @@ from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
-from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+from vllm_mlx_persist.tools.models.build import SIZES, Size, build_model
 
 REL_TOL = 0.4
 BLOCK = 16

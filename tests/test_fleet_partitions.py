@@ -1,5 +1,5 @@
 """Removals and settings that hold in a fleet that partitions and crashes (issue #44): servers behind
-a partition proxy (tools/partition.py) in front of one real redis-server, cut and healed by the tests.
+a partition proxy (tools/reliability/partition.py) in front of one real redis-server, cut and healed by the tests.
 Pools here hold synthetic 4-bit blocks (test_remote.chain) unless a test needs a model's turns."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytest.importorskip("redis", reason='the fleet extra is not installed: pip insta
 from test_remote import SECRET, RedisServer, chain, fleet_pool, fp, held, manifest  # noqa: E402,F401
 
 from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
-from vllm_mlx_persist.tools.partition import PartitionProxy  # noqa: E402
+from vllm_mlx_persist.tools.reliability.partition import PartitionProxy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +203,7 @@ def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet,
 
 @pytest.fixture(scope="module")
 def model():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     m, _ = build_model("llama", "tiny", seed=0)
     return m

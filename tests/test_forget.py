@@ -15,7 +15,7 @@ from test_pool import BLOCK, COLD_HOT_TOL, make_pool, prefill, tokens
 
 @pytest.fixture(scope="module")
 def model():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     m, _ = build_model("llama", "tiny", seed=0)
     return m

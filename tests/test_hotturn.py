@@ -21,7 +21,7 @@ from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 from vllm_mlx_persist.store import DiskStore
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 
 BLOCK = 16
 

@@ -1,7 +1,7 @@
 """Served key formats (issue #33): 8-bit keys, per-channel scaled keys, Hadamard-rotated keys.
 
 Real MLX on CPU with tiny random float32 llamas. Each format: the served cache equals its
-simulation (a float cache holding exactly the values the format stores: tools/quality.py's
+simulation (a float cache holding exactly the values the format stores: tools/quality/main.py's
 method; on a one-layer model, so both are fed the same keys and values); batched (mlx-lm's
 BatchGenerator: batched prefill and decode) equals alone, tokens, logprobs and stored K/V bit for bit
 with the model's projections run per row (so on every BLAS kernel); blocks on disk rebuild
@@ -275,7 +275,7 @@ def _gemma(layers=3, window=32):
     """Gemma 3 270M's attention shape on a tiny gemma3_text: head dim 256, 4 query heads on one KV
     head, sliding windows on all but every 3rd layer, and layer 1's first RoPE pair dead (a K-norm
     weight of 0 on channels 0 and 128, as the real model's layer 12)."""
-    from vllm_mlx_persist.tools.models import Size, build_model
+    from vllm_mlx_persist.tools.models.build import Size, build_model
 
     size = Size(layers=layers, hidden=256, heads=4, kv_heads=1, head_dim=256, intermediate=512, vocab=1024,
                 sliding_window=window)
@@ -310,7 +310,7 @@ def test_centred_formats_serve_gemma3_shapes_on_sliding_window_layers(tok, name)
 def test_centred_formats_skip_a_model_with_attention_sinks():
     """Shifting every score of a query by q . center is free only without a sink's logit beside
     them: gpt-oss's layers get no centred format (auto's candidates then leave it out)."""
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     install_attention_fix()
     sinky = build_model("gpt_oss", "tiny", seed=0)[0]
@@ -368,7 +368,7 @@ def test_auto_never_chooses_a_format_beaten_at_equal_or_fewer_bytes():
 def _value_outliers(scale: float):
     """The tiny llama with two outlier channels in every head's values (v_proj rows 5 and 40 times
     `scale`): the 4-bit values then carry the error, as on Gemma 3."""
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     m = build_model("llama", "tiny", seed=0)[0]
     for layer in m.layers:
@@ -438,7 +438,7 @@ def test_an_option_the_model_cannot_take_is_refused_by_the_factory(tok, tmp_path
     stops the server with one line) refuses it, naming the layer and the property."""
     from dataclasses import replace
 
-    from vllm_mlx_persist.tools.models import SIZES, build_model
+    from vllm_mlx_persist.tools.models.build import SIZES, build_model
 
     install_attention_fix()
     m = build_model(arch, replace(SIZES["tiny"], **size) if isinstance(size, dict) else size)[0]
@@ -472,14 +472,14 @@ def test_an_explicit_format_that_calibration_refuses_is_never_served_as_q4(tiny,
 def tok(tmp_path_factory):
     from mlx_lm.tokenizer_utils import load
 
-    from vllm_mlx_persist.tools.models import build_model_dir
+    from vllm_mlx_persist.tools.models.build import build_model_dir
 
     return load(build_model_dir(tmp_path_factory.mktemp("m") / "llama", "llama", "tiny", 0))
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     install_attention_fix()
     return build_model("llama", "tiny", seed=0)[0]
@@ -538,10 +538,10 @@ def test_formats_keep_their_own_blocks_and_old_caches_still_read(tiny, tok, tmp_
 def test_auto_stays_at_q4_bytes_for_plain_keys_and_fixes_outlier_keys(tiny, tok):
     """`auto` measures the model's keys on the calibration text: the plain tiny llama stays at q4's
     bytes (the best measured of that cost: every candidate of it is measured, issue #50); with
-    Qwen2-like outlier channels in its keys (tools/quality.py's Outliers) q4 is predicted past +1%
+    Qwen2-like outlier channels in its keys (tools/quality/main.py's Outliers) q4 is predicted past +1%
     and a format within it is chosen; the report lists what was measured."""
-    from vllm_mlx_persist.tools.models import build_model
-    from vllm_mlx_persist.tools.quality import Outliers, add_key_outliers
+    from vllm_mlx_persist.tools.models.build import build_model
+    from vllm_mlx_persist.tools.quality.main import Outliers, add_key_outliers
 
     codec = ModelCodec.for_model(tiny)
     fmts, report = resolve("auto", tiny, tok, codec)
@@ -565,8 +565,8 @@ def test_a_calibrated_choice_is_remembered_per_model_and_calibration(tiny, tok, 
     corrupt or foreign file is measured again and rewritten; another model never reads it."""
     from vllm_mlx_persist import backend as backend_mod
     from vllm_mlx_persist import key_choice
-    from vllm_mlx_persist.tools.models import build_model
-    from vllm_mlx_persist.tools.quality import Outliers, add_key_outliers
+    from vllm_mlx_persist.tools.models.build import build_model
+    from vllm_mlx_persist.tools.quality.main import Outliers, add_key_outliers
 
     outl = build_model("llama", "tiny", seed=0)[0]
     add_key_outliers(outl, Outliers(pairs=2, scale=32.0))
@@ -627,8 +627,8 @@ def test_a_choice_is_shared_by_the_cache_roots_of_a_user(tiny, tok, tmp_path, mo
     damaged, it calibrates again; the folder keeps only the newest SHARED_KEEP choices."""
     from vllm_mlx_persist import backend as backend_mod
     from vllm_mlx_persist import key_choice
-    from vllm_mlx_persist.tools.models import build_model
-    from vllm_mlx_persist.tools.quality import Outliers, add_key_outliers
+    from vllm_mlx_persist.tools.models.build import build_model
+    from vllm_mlx_persist.tools.quality.main import Outliers, add_key_outliers
 
     shared = tmp_path / "shared"
     monkeypatch.setenv(key_choice.SHARED_ENV, str(shared))
@@ -746,7 +746,7 @@ def test_calibration_text_starts_with_the_tokenizers_prefix_once(tmp_path):
     from tokenizers import Tokenizer, processors
 
     from vllm_mlx_persist import key_calibration as kc
-    from vllm_mlx_persist.tools.models import build_model_dir
+    from vllm_mlx_persist.tools.models.build import build_model_dir
 
     plain = Tokenizer.from_file(str(build_model_dir(tmp_path / "m", "llama", "tiny", 0) / "tokenizer.json"))
     body = plain.encode(kc.CALIBRATION_TEXT).ids

@@ -13,7 +13,7 @@ from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.latent import dequantize_latent, latent_group, quantize_latent
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
-from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+from vllm_mlx_persist.tools.models.build import SIZES, Size, build_model
 
 from test_families import _logits, _prompt  # the same vocabulary (512)
 

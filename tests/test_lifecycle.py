@@ -12,7 +12,7 @@ import pytest
 
 from test_pool import BITS, BLOCK, GROUP, assert_same_cache, prefill, tokens
 from vllm_mlx_persist.identity import model_fingerprint
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 from vllm_mlx_persist.pool import BlockPool, BlockState
 from vllm_mlx_persist.disk_format import Manifest
 from vllm_mlx_persist.store import DiskStore, StoreWriteError

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-from vllm_mlx_persist.tools import models
+from vllm_mlx_persist.tools.models import build as models
 from vllm_mlx_persist.cli import main as cli_main
 
 PARTS = [{"type": "text", "text": "Hello there, "}, {"type": "text", "text": "how is the cache?"}]
@@ -54,7 +54,7 @@ def test_build_is_deterministic(tmp_path):
 
 
 def test_tokenizer_training_is_deterministic_across_processes():
-    code = ("import hashlib; from vllm_mlx_persist.tools import models; "
+    code = ("import hashlib; from vllm_mlx_persist.tools.models import build as models; "
             "print(hashlib.sha256(models.train_tokenizer(1024).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == hashlib.sha256(models.train_tokenizer(1024).encode()).hexdigest()

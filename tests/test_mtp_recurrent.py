@@ -27,7 +27,7 @@ from vllm_mlx_persist.caches import ModelCodec, StateCache
 from vllm_mlx_persist.caches.recurrent import LOST
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.kinds import STATE
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 
 STATE_TOL = 1e-4
 LOGIT_TOL = 1e-3

@@ -22,7 +22,7 @@ from vllm_mlx_persist.disk_format import Manifest
 from vllm_mlx_persist.identity import model_fingerprint
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 
 BITS, GROUP, BLOCK = 4, 64, 16
 COLD_HOT_TOL = 1e-2

@@ -31,8 +31,8 @@ import numpy as np
 import pytest
 
 from vllm_mlx_persist import cli
-from vllm_mlx_persist.tools import quality as Q
-from vllm_mlx_persist.tools.quality import FORMATS
+from vllm_mlx_persist.tools.quality import main as Q
+from vllm_mlx_persist.tools.quality.main import FORMATS
 
 
 def test_quick_quality(tmp_path, capsys):
@@ -124,7 +124,7 @@ def test_quick_quality(tmp_path, capsys):
 def test_quick_training_is_deterministic_and_reused(tmp_path):
     from dataclasses import replace
 
-    from vllm_mlx_persist.tools.train import QUICK_CONFIG, train
+    from vllm_mlx_persist.tools.quality.train import QUICK_CONFIG, train
 
     cfg = replace(QUICK_CONFIG, steps=8, heldout_windows=2)  # both phases: 6 short steps, then 2 long
     logs: list[str] = []
@@ -141,7 +141,7 @@ def test_quick_training_is_deterministic_and_reused(tmp_path):
 
 def test_llama_stamp_unchanged_by_family_fields():
     """A llama trained before TrainConfig had `arch`/`overrides` keeps its stamp (and is reused)."""
-    from vllm_mlx_persist.tools.train import TrainConfig
+    from vllm_mlx_persist.tools.quality.train import TrainConfig
 
     d = TrainConfig().to_dict()
     assert "arch" not in d and "overrides" not in d
@@ -150,7 +150,7 @@ def test_llama_stamp_unchanged_by_family_fields():
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     model, _ = build_model("llama", "tiny", seed=3)
     return model
@@ -205,7 +205,7 @@ def test_simulated_4bit_matches_the_served_cache(tiny_llama):
 def test_outlier_construction_keeps_the_float_model():
     import mlx.core as mx
 
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     model, _ = build_model("llama", "tiny", seed=3)
     tokens = list(range(5, 69))
@@ -258,8 +258,8 @@ def test_latent_caches_quantize_the_latent_only():
     import mlx.core as mx
     from mlx_lm.utils import _get_classes
 
-    from vllm_mlx_persist.tools.models import Size, model_config
-    from vllm_mlx_persist.tools.train import family_overrides, init_weights
+    from vllm_mlx_persist.tools.models.build import Size, model_config
+    from vllm_mlx_persist.tools.quality.train import family_overrides, init_weights
 
     size = Size(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, vocab=512)
     config = model_config("deepseek_v3", size)

@@ -1,4 +1,4 @@
-"""`quality --model DIR` (tools/real_quality.py): the simulated levers must reproduce what the served
+"""`quality --model DIR` (tools/quality/real.py): the simulated levers must reproduce what the served
 caches do where they claim to (else their rows say nothing about a served format), and keep exact
 floats exactly where they say they do."""
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from vllm_mlx_persist.tools.real_quality import Lever, lever_view, main
+from vllm_mlx_persist.tools.quality.real import Lever, lever_view, main
 
 
 def _kv(T: int = 100, seed: int = 0):
@@ -68,8 +68,8 @@ def test_auto_predictions_agree_with_held_out_text_on_smollm2(smollm2_dir):
     from vllm_mlx_persist.caches import ModelCodec
     from vllm_mlx_persist.caches.attention import install_attention_fix
     from vllm_mlx_persist.kv_edit.rope_shift import probe_model
-    from vllm_mlx_persist.tools.quality import FULL, KVFormat, float_copies, perplexity
-    from vllm_mlx_persist.tools.real_quality import heldout_text
+    from vllm_mlx_persist.tools.quality.main import FULL, KVFormat, float_copies, perplexity
+    from vllm_mlx_persist.tools.quality.real import heldout_text
 
     install_attention_fix()
     model, tok = load(str(smollm2_dir))
@@ -96,7 +96,7 @@ def test_auto_predictions_agree_with_held_out_text_on_smollm2(smollm2_dir):
 def test_chat_mode_compares_greedy_replies_with_the_float_cache(model_dir, tmp_path):
     """`quality --model DIR --chat`: per served format, how many replies to CHAT_PROMPTS start and
     stay as the float cache's, and which prompts' first token changed."""
-    from vllm_mlx_persist.tools.real_quality import CHAT_PROMPTS
+    from vllm_mlx_persist.tools.quality.real import CHAT_PROMPTS
 
     out = tmp_path / "chat"
     assert main(["--model", str(model_dir("llama", "micro")), "--chat", "--served", "q8g64,q4g64",

@@ -22,7 +22,7 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture(scope="module")
 def model():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     m, _ = build_model("llama", "tiny", seed=0)
     return m

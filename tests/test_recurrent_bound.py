@@ -21,7 +21,7 @@ from test_families import BLOCK, SIZE, _logits, _pool
 from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.kinds import STATE
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 
 LOGIT_TOL = 1e-3
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_persist.tools.server_campaigns import I_MAX_TURNS
+from vllm_mlx_persist.tools.reliability.server_campaigns import I_MAX_TURNS
 
 BIN = Path(sys.executable).parent
 # Trials per campaign (soak and storm: seconds; interactions: steps), each enough for every mode or
@@ -101,9 +101,9 @@ def test_quick_interactions_campaign_finds_nothing(server_runs):
 
 
 def test_a_rewritten_report_keeps_the_state_machines_injected_defects(tmp_path):
-    """docs/reliability.md's last section (tools/mutants.py's table, written by hand) survives a campaign's
+    """docs/reliability.md's last section (tools/reliability/mutants.py's table, written by hand) survives a campaign's
     rewrite of the report."""
-    from vllm_mlx_persist.tools.reliability import KEPT_SECTION, write_report
+    from vllm_mlx_persist.tools.reliability.main import KEPT_SECTION, write_report
 
     kept = f"{KEPT_SECTION}\n\n| defect | suite |\n|---|---|\n| lru_reversed | caught |\n"
     (tmp_path / "reliability.md").write_text("# old report\n\n" + kept)
@@ -171,7 +171,7 @@ def test_the_interactions_campaigns_histories_stay_bounded_through_fork_chains()
     step 10,000, and the campaign's step rate fell 4x with them."""
     import random
 
-    from vllm_mlx_persist.tools.server_campaigns import _Interactions
+    from vllm_mlx_persist.tools.reliability.server_campaigns import _Interactions
 
     ops = (("turn", 30), ("concurrent", 14), ("fork", 12), ("branch", 8), ("rewind", 6), ("probe", 4),
            ("erase", 5), ("revisit", 4))
@@ -197,7 +197,7 @@ def test_a_cold_answer_that_differs_from_the_hot_reference_must_equal_the_cold_o
     """The campaign's reply check (no server: the reference's answers given): an answer computed
     without a cache is held to the reference's answer without one when its answer over a cached
     prefix differs (the two paths agree to float rounding); any other difference is a failure."""
-    from vllm_mlx_persist.tools.server_campaigns import _Interactions, _ISpec
+    from vllm_mlx_persist.tools.reliability.server_campaigns import _Interactions, _ISpec
 
     class Reference:  # the never-killed reference's answer without a cache
         def cold(self, messages):

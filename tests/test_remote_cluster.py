@@ -368,7 +368,7 @@ def test_agent_moves_between_two_servers_over_a_cluster(cluster, tmp_path):
     """Turns 1-2 on server A, turn 3 on server B (`remote_cluster: true`, each given another node's
     URL): B reuses everything A computed, and answers as a one-server conversation does."""
     from test_e2e_fleet import BLOCK, KEY, Conversation, options, remote, wait_for
-    from vllm_mlx_persist.tools.models import build_model_dir
+    from vllm_mlx_persist.tools.models.build import build_model_dir
     from vllm_mlx_persist.tools.serving import Server
 
     model = build_model_dir(tmp_path / "model", arch="llama", size="tiny", seed=0)

@@ -22,7 +22,7 @@ from vllm_mlx_persist.kv_edit.rope_shift import (
     rotate_q4,
     shift_arrays,
 )
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 
 W = 128
 # Every rope class mlx-lm 0.31.3 builds through initialize_rope, plus the models' own classes.
@@ -242,7 +242,7 @@ def test_a_dead_leading_rotary_pair_is_still_rotated_from_channel_0():
     model its splices and its centred key formats (issue #50). A gemma3_text of that shape (head
     dim 256, one KV head) with that pair zeroed on one layer: every layer rotates, from channel 0."""
     from vllm_mlx_persist.kv_edit.rope_shift import _attention_of, _Recorder
-    from vllm_mlx_persist.tools.models import Size
+    from vllm_mlx_persist.tools.models.build import Size
 
     size = Size(layers=2, hidden=256, heads=4, kv_heads=1, head_dim=256, intermediate=512, vocab=1024)
     model, _ = build_model("gemma3_text", size)

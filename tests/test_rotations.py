@@ -18,7 +18,7 @@ from vllm_mlx_persist.chain import Branch, branches_of, manifest_of
 from vllm_mlx_persist.disk_format import check_branches
 from vllm_mlx_persist.namespace import spliced_seed
 from test_e2e_kv_edit import _text, _tool_output
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 
 
 def test_counts_pieces_and_moves():

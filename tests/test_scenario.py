@@ -15,9 +15,9 @@ import json
 import pytest
 
 from vllm_mlx_persist.tools.serving import Server
-from vllm_mlx_persist.tools import retokenize
-from vllm_mlx_persist.tools import scenario as runner
-from vllm_mlx_persist.tools.scenario_spec import ScenarioError, load_scenario, shipped_scenarios
+from vllm_mlx_persist.tools.scenarios import retokenize
+from vllm_mlx_persist.tools.scenarios import main as runner
+from vllm_mlx_persist.tools.scenarios.spec import ScenarioError, load_scenario, shipped_scenarios
 
 # key_format q4: auto's choice here, without calibrating (tests/test_e2e_server.py says why).
 OPTIONS = {"block_size": 32, "hot_mb": 64, "key_format": "q4"}

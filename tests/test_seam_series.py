@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from vllm_mlx_persist.tools.serving import Server
-from vllm_mlx_persist.tools.upstream import make_tree
+from vllm_mlx_persist.tools.upstream.copies import make_tree
 
 RECORDER = Path(__file__).with_name("seam_recorder.py")
 # Imported first by the server's Python (it is first on PYTHONPATH): hides the plugins that other
@@ -123,7 +123,7 @@ def serve(tmp_path: Path, model: Path, numbers: tuple[str, ...], *, backend: Opt
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
-    from vllm_mlx_persist.tools.models import build_model_dir
+    from vllm_mlx_persist.tools.models.build import build_model_dir
 
     return build_model_dir(tmp_path_factory.mktemp("models") / "llama", arch="llama", size="tiny", seed=0)
 

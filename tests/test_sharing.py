@@ -12,7 +12,7 @@ from collections import Counter
 import mlx.core as mx
 import pytest
 
-from vllm_mlx_persist.tools.models import build_model
+from vllm_mlx_persist.tools.models.build import build_model
 from vllm_mlx_persist.chain import Branch, merge_branches
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.text_match import align as _align

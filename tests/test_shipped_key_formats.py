@@ -34,7 +34,7 @@ def test_a_shipped_choice_is_read_instead_of_calibrating(tiny_llama_dir, tmp_pat
     shipped file is ignored and the model calibrated as before."""
     from mlx_lm import load
 
-    from vllm_mlx_persist.tools.calibrate import calibrate
+    from vllm_mlx_persist.tools.quality.calibrate import calibrate
 
     monkeypatch.setattr(key_choice, "SHIPPED_DIR", tmp_path / "shipped")
     monkeypatch.setenv(key_choice.SHARED_ENV, "off")
@@ -95,7 +95,7 @@ def test_the_real_models_ship_their_choice(fixture, request, tmp_path, monkeypat
 
 def test_the_package_ships_one_choice_per_real_model():
     """No stale file rides along: one shipped choice per real checkpoint, each one of them."""
-    from vllm_mlx_persist.tools.calibrate import _shipped_for
+    from vllm_mlx_persist.tools.quality.calibrate import _shipped_for
 
     shipped = sorted(_shipped_for(p) or p.name for p in key_choice.SHIPPED_DIR.glob("*.json"))
     assert shipped == sorted(REAL.values())

@@ -26,7 +26,7 @@ def msg(n, seed):
 
 @pytest.fixture(scope="module")
 def model():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     m, _ = build_model("llama", "tiny", seed=0)
     return m
@@ -93,7 +93,7 @@ def test_a_splice_moves_the_run_and_keeps_everything_else(model, tmp_path, stub_
 
 
 def test_which_models_are_spliced_here():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     assert splice.supported(ModelCodec.for_model(build_model("llama", "tiny")[0]))
     assert splice.supported(ModelCodec.for_model(build_model("deepseek_v3", "tiny")[0]))
@@ -108,7 +108,7 @@ def test_mla_layers_splice_their_rotary_slot_only(tmp_path, arch):
     deepseek_v32's also the indexer's keys) moves, the latent stays; layer 0 then equals a cold
     prefill's within float rounding."""
     from vllm_mlx_persist.kv_edit.rope_shift import slot_names
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     model, _ = build_model(arch, "tiny")
     codec = ModelCodec.for_model(model)
@@ -278,7 +278,7 @@ def _window_model(arch):
     """A 16-token window (blocks of 16): gemma3_text with layer 0 sliding (its own RoPE base), gpt_oss
     with layer 0 global and layer 1 sliding, so layer 0 checks each kind against a cold prefill."""
     from vllm_mlx_persist.caches.attention import install_attention_fix
-    from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+    from vllm_mlx_persist.tools.models.build import SIZES, Size, build_model
 
     size = Size(**{**SIZES["tiny"].__dict__, "sliding_window": 16, "vocab": 512})
     over = {"layer_types": ["full_attention", "sliding_attention"]} if arch == "gpt_oss" else None
@@ -424,7 +424,7 @@ def test_latent_packed_mla_moves_k_pe_only(tmp_path, bits):
     (the live float cache re-packs to the same codes), only k_pe moves; layer 0's k_pe then equals a
     cold prefill's to the packing's precision, and the exact prefix is stored bytes too."""
     from vllm_mlx_persist.caches.latent import dequantize_latent
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     model, _ = build_model("deepseek_v3", "tiny")
     codec = ModelCodec.for_model(model, latent_bits=bits)

@@ -1,4 +1,4 @@
-"""tools/splice_drift.py's measurement functions on a tiny llama (real MLX, float32): the comparisons,
+"""tools/quality/splice_drift.py's measurement functions on a tiny llama (real MLX, float32): the comparisons,
 the float splice built through `splice.apply` with a float codec, and the recall probe's wiring."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from vllm_mlx_persist.tools import splice_drift as sd
+from vllm_mlx_persist.tools.quality import splice_drift as sd
 
 
 @pytest.fixture(scope="module")
 def setup():
-    from vllm_mlx_persist.tools.models import build_model
+    from vllm_mlx_persist.tools.models.build import build_model
 
     model, _ = build_model("llama", "tiny", seed=0)
     return sd.make_setup(model)
@@ -79,7 +79,7 @@ def test_chained_splices_compound_4bit_key_error_but_not_float(setup):
 
 
 def test_recall_probe_wiring(setup):
-    from vllm_mlx_persist.tools.train import load_tokenizer
+    from vllm_mlx_persist.tools.quality.train import load_tokenizer
 
     tok, _ = load_tokenizer(512)
     keys, values = sd.fact_vocab(tok)

@@ -1,4 +1,4 @@
-"""`quality --model DIR --text prose|code|chat` (tools/heldout.py, issue #50 item 3): held-out texts of
+"""`quality --model DIR --text prose|code|chat` (tools/quality/heldout.py, issue #50 item 3): held-out texts of
 three kinds from files CPython ships, never what calibration reads, the same on every run; and on the
 real SmolLM2, auto's predictions agree with what those texts measure within the stated margin."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from vllm_mlx_persist import key_calibration as kc
-from vllm_mlx_persist.tools import heldout
-from vllm_mlx_persist.tools.real_quality import MARGIN_POINTS, MARGIN_SHARE, main, within_margin
+from vllm_mlx_persist.tools.quality import heldout
+from vllm_mlx_persist.tools.quality.real import MARGIN_POINTS, MARGIN_SHARE, main, within_margin
 
 
 @pytest.mark.parametrize("kind", ["prose", "code", "chat"])
@@ -118,7 +118,7 @@ def test_text_kinds_report_auto_against_each_text(model_dir, tmp_path):
 
 
 def test_served_front_keeps_only_formats_no_cheaper_one_beats():
-    from vllm_mlx_persist.tools.real_quality import served_front
+    from vllm_mlx_persist.tools.quality.real import served_front
 
     row = lambda name, b, d, served=True: {"name": name, "bytes_per_token": b, "delta_ppl_pct": d, "served": served}
     rows = [row("fp32", 900, 0.0), row("q8g64", 180, 0.1), row("q4g64", 100, 17.0), row("scaled", 100, 12.0),
@@ -142,7 +142,7 @@ def test_auto_predictions_hold_on_code_and_chat_on_smollm2(smollm2_dir):
     from vllm_mlx_persist.caches import ModelCodec
     from vllm_mlx_persist.caches.attention import install_attention_fix
     from vllm_mlx_persist.kv_edit.rope_shift import probe_model
-    from vllm_mlx_persist.tools.quality import FULL, KVFormat, float_copies, perplexity
+    from vllm_mlx_persist.tools.quality.main import FULL, KVFormat, float_copies, perplexity
 
     install_attention_fix()
     model, tok = load(str(smollm2_dir))

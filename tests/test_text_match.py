@@ -18,7 +18,7 @@ import pytest
 
 from test_pool import COLD_HOT_TOL, prefill
 from vllm_mlx_persist.backend import PersistQ4Backend
-from vllm_mlx_persist.tools.models import build_model, build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model, build_model_dir
 
 FILL = ("the cache keeps what the agent has read so that a returning agent only prefills what is new "
         "while every other agent keeps its own memory ")
@@ -181,7 +181,7 @@ def _metaspace_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from vllm_mlx_persist.tools.models import SPECIAL_TOKENS, _stdlib_text
+    from vllm_mlx_persist.tools.models.build import SPECIAL_TOKENS, _stdlib_text
 
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")

@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_persist.tools import upstream, upstream_tests
-from vllm_mlx_persist.tools.upstream_tests import PRISTINE, Comparison
+from vllm_mlx_persist.tools.upstream import copies as upstream
+
+from vllm_mlx_persist.tools.upstream import suite as upstream_tests
+from vllm_mlx_persist.tools.upstream.suite import PRISTINE, Comparison
 
 # Each exercises code the series changes. The three copies took 53-58 s here under a load average
 # of 8-9 on 2 cores (the whole suite, file by file: `vllm-mlx-persist patch --upstream-tests`).

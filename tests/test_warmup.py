@@ -9,7 +9,7 @@ import pytest
 
 import openai
 
-from vllm_mlx_persist.tools.models import build_model_dir
+from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 

@@ -34,7 +34,7 @@ from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.codec import WIN_FROM
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache
-from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+from vllm_mlx_persist.tools.models.build import SIZES, Size, build_model
 
 WINDOW = 16
 SLACK = min(Q4KVCache.step, WINDOW)  # what the caches allow beyond the window between two drops
@@ -431,7 +431,7 @@ def test_codec_slice_follows_spans(family):
 
 def test_window_bench_runs(capsys):
     """The benchmark tool (docs/performance.md) runs end to end on the tiny model."""
-    from vllm_mlx_persist.tools import window_bench
+    from vllm_mlx_persist.tools.bench import window as window_bench
 
     assert window_bench.main(["--size", "tiny", "--context", "300", "--steps", "1", "--reps", "1"]) == 0
     out = capsys.readouterr().out

@@ -23,7 +23,7 @@ from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.store import DiskStore
-from vllm_mlx_persist.tools.models import SIZES, Size, build_model
+from vllm_mlx_persist.tools.models.build import SIZES, Size, build_model
 
 WINDOW, BLOCK = 16, 16
 SIZE = Size(**{**SIZES["tiny"].__dict__, "sliding_window": WINDOW, "vocab": 512})

@@ -8,10 +8,10 @@ import sys
 
 
 # Subcommands that own their options: everything after the name goes to that module's main().
-ROUTES = {"bench": "tools.bench", "quality": "tools.quality", "agents": "offline", "reliability": "tools.reliability",
-          "scenario": "tools.scenario", "retokenize-stats": "tools.retokenize",
-          "splice-drift": "tools.splice_drift", "batch-invariance": "tools.batch_invariance",
-          "calibrate": "tools.calibrate"}
+ROUTES = {"bench": "tools.bench.main", "quality": "tools.quality.main", "agents": "offline", "reliability": "tools.reliability.main",
+          "scenario": "tools.scenarios.main", "retokenize-stats": "tools.scenarios.retokenize",
+          "splice-drift": "tools.quality.splice_drift", "batch-invariance": "tools.quality.batch_invariance",
+          "calibrate": "tools.quality.calibrate"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--dtype", default="auto", help="with --from-gguf/--from-package: float32, float16, bfloat16, "
                    "quantized (keep Q4_0/Q4_1/Q8_0 as mlx 4/8-bit) or auto (quantized on a GPU, float32 on a CPU)")
     m.add_argument("--arch", default="llama", help="llama, qwen2, qwen3, gemma3_text, gpt_oss, qwen3_next, lfm2, deepseek_v3 or deepseek_v32")
-    m.add_argument("--size", default="small", help="preset size (see tools/models.py SIZES)")
+    m.add_argument("--size", default="small", help="preset size (see tools/models/build.py SIZES)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true", help="rebuild even if out_dir holds a model")
     m.add_argument("--template", default="chatml", choices=("chatml", "qwen"),
@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.stat:
             return patcher.stat()
         if args.upstream_tests is not None:
-            from .tools import upstream_tests
+            from .tools.upstream import suite as upstream_tests
 
             return upstream_tests.main(args.upstream_tests)
         return patcher.run("check" if args.check else "revert" if args.revert else "apply")
     if args.command == "make-model" and (args.from_gguf or args.from_package):
-        from .tools import gguf_import
+        from .tools.models import gguf_import
 
         try:
             source = args.from_gguf or gguf_import.packaged_gguf(args.from_package)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "make-model":
-        from .tools.models import build_model_dir
+        from .tools.models.build import build_model_dir
 
         path = build_model_dir(args.out_dir, arch=args.arch, size=args.size, seed=args.seed, force=args.force,
                                template=args.template)
