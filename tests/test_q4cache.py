@@ -29,11 +29,10 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models import gemma3_text, llama, qwen2, qwen3
 from mlx_lm.models.cache import KVCache
 
-from vllm_mlx_persist.caches import ModelCodec, attention, floats
+from vllm_mlx_persist.caches import ModelCodec, attention, dequant, floats
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.kinds import Q4, UnsupportedModelError, check_model_supported
-from vllm_mlx_persist.caches import q4 as q4mod
 from vllm_mlx_persist.caches.q4 import BatchQ4KVCache, Q4KVCache, make_q4_prompt_cache
 
 VOCAB = 512
@@ -376,7 +375,7 @@ def test_other_formats(bits, group_size, attention_mode, decode_mirror, float_co
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_dequantize_is_mx_dequantize_bit_for_bit(dtype):
-    """`q4.dequantize` (byte unpacking on the CPU for 2 to 8 bits, mx.dequantize elsewhere) gives
+    """`dequant.dequantize` (byte unpacking on the CPU for 2 to 8 bits, mx.dequantize elsewhere) gives
     mx.dequantize's values bit for bit: every format, one group per row and several, one token (a
     decode step) and many, values spread over every level."""
     raw = mx.uint32 if dtype == mx.float32 else mx.uint16
@@ -388,10 +387,10 @@ def test_dequantize_is_mx_dequantize_bit_for_bit(dtype):
                 x = (mx.random.normal((2, 3, T, D), key=mx.random.key(bits * D + T)) * 3).astype(dtype)
                 q = mx.quantize(x, group_size=group_size, bits=bits)
                 want = mx.dequantize(*q, group_size=group_size, bits=bits)
-                got = q4mod.dequantize(q, group_size, bits)
+                got = dequant.dequantize(q, group_size, bits)
                 assert got.dtype == want.dtype and got.shape == want.shape
                 assert mx.array_equal(got.view(raw), want.view(raw)).item(), (bits, group_size, D, T)
-    assert all(q4mod._exact.values())  # the byte path was taken (and checked) for every format here
+    assert all(dequant._exact.values())  # the byte path was taken (and checked) for every format here
 
 
 def test_logits_close_to_full_precision():

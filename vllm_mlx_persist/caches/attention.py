@@ -23,9 +23,11 @@ from typing import Any, Callable, Iterator, Optional
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
 
+from .dequant import dequantize, widened
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES
 from .key_formats import key_bits, transformed
-from .q4 import BatchQ4KVCache, QTuple, dequantize, widened
+from .packed import QTuple
+from .q4 import BatchQ4KVCache
 
 
 # Set only while `observing_queries` runs (key calibration's float pass, on the worker thread).

@@ -41,7 +41,8 @@ from .floats import CarriedFloats, FloatCopies
 from .key_formats import LayerKeys
 from .kinds import FULL, LIST, Q4, STATE, layer_kinds, layer_windows
 from .latent import LATENT_BITS, dequantize_latent, quantize_latent
-from .q4 import Q4KVCache, _same_keys
+from .packed import _same_keys
+from .q4 import Q4KVCache
 from .recurrent import StateCache
 
 Arrays = dict  # name -> mx.array

@@ -12,7 +12,9 @@ runs on float copies of the K/V and bounds those copies: the *decode mirror* a `
 keeps on the CPU, and the floats a `Q4KVCache` carries from one turn to the agent's next. A batch
 cache takes its rows' and hands it to what it extracts; caches under different ones do not batch.
 `caches.kinds` decides which layers get these classes. Cache objects are built, updated and read on
-the worker thread only (MLX work).
+the worker thread only (MLX work). Their packed storage and its writes are `caches.packed`'s, the
+float values of it `caches.dequant`'s (`dequantize` and `widened` are importable from here too),
+and the batch cache's decode mirror `caches.mirror`'s (`DecodeMirror`, its base).
 
 Sliding-window layers (`window=w` on both classes; `caches.ModelCodec(bounded=True)` sets it from
 the layer's mlx-lm `RotatingKVCache`) hold only their window. The storage stays linear and
@@ -47,8 +49,6 @@ What a window cache holds, for building blocks on it (positions are logical toke
 
 from __future__ import annotations
 
-import copy
-import weakref
 from typing import List, Optional, Sequence
 
 import mlx.core as mx
@@ -56,215 +56,13 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
+from .dequant import dequantize, widened  # noqa: F401  (re-exported: tools import them from here)
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES, MIRROR_PREFILL_MAX_QUERIES, FloatCopies
 from .key_formats import LayerKeys, key_bits
 from .kinds import Q4, UnsupportedModelError, layer_kinds, layer_windows, model_type_of
-
-QTuple = tuple  # (packed uint32, scales, biases), each (B, n_kv_heads, T, ·)
-
-SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
-SUPPORTED_GROUP_SIZES = (32, 64, 128)
-
-
-def _check_format(bits: int, group_size: int) -> None:
-    if bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}")
-    if group_size not in SUPPORTED_GROUP_SIZES:
-        raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}")
-
-
-def _alloc(like: QTuple, B: int, T: int) -> QTuple:
-    """Zeros shaped like the components of `like`, with batch B and length T."""
-    return tuple(mx.zeros((B, x.shape[1], T, x.shape[3]), dtype=x.dtype) for x in like)
-
-
-def _regrow(q: QTuple, lo: int, hi: int, cap: int) -> QTuple:
-    """Tokens [lo, hi) moved to the front of new storage of `cap` tokens (zeros after them)."""
-    return tuple(
-        mx.concatenate([x[:, :, lo:hi], mx.zeros((*x.shape[:2], cap - (hi - lo), x.shape[3]), x.dtype)], axis=2)
-        for x in q
-    )
-
-
-def _window_slack(cache) -> int:
-    """Tokens a sliding-window cache may hold beyond its window between two drops: drops copy
-    the window, so they come at most once per `slack` decode steps."""
-    return min(cache.step, cache.window)
-
-
-def _window_drop(cache, held: int, S: int) -> int:
-    """Leading tokens a sliding-window cache holding `held` tokens drops before writing S more:
-    none while the result fits window + slack, else all but the last `window`."""
-    if held + S <= cache.window + _window_slack(cache):
-        return 0
-    return max(0, held - cache.window)
-
-
-def _capacity(cache, held: int, S: int) -> int:
-    """Storage tokens to allocate for `held` kept tokens and S new ones: grown in `step` chunks,
-    and for a sliding window no more than window + slack unless this write needs it."""
-    cap = held + (cache.step + S - 1) // cache.step * cache.step
-    if getattr(cache, "window", None) is not None:
-        cap = min(cap, max(cache.window + _window_slack(cache), held + S))
-    return cap
-
-
-def _append(cache, prev: int, keys: mx.array, values: mx.array, drop: int = 0,
-            ) -> tuple[QTuple, QTuple, QTuple, QTuple]:
-    """Quantize `keys`/`values` and write them after the first `prev` stored tokens of `cache`,
-    less the `drop` leading ones (moved out first), growing the storage in `cache.step` chunks.
-    Returns the (possibly new) storage tuples and the quantized new tokens."""
-    S = keys.shape[2]
-    fmt = cache.key_format
-    if fmt is not None:
-        keys, values = fmt.encode(keys), fmt.encode_values(values)
-    qk = mx.quantize(keys, group_size=cache.group_size, bits=key_bits(cache))
-    if fmt is not None and fmt.scales16 and qk[1].dtype == mx.float32:
-        qk = [qk[0], qk[1].astype(mx.float16), qk[2].astype(mx.float16)]
-    qv = mx.quantize(values, group_size=cache.group_size, bits=cache.bits)
-    k, v = cache.keys, cache.values
-    if k is None or drop or prev + S > k[0].shape[2]:
-        n = _capacity(cache, prev - drop, S)
-        if k is None:
-            k, v = _alloc(qk, keys.shape[0], n), _alloc(qv, keys.shape[0], n)
-        else:
-            k, v = _regrow(k, drop, prev, n), _regrow(v, drop, prev, n)
-    at = prev - drop
-    for dst, src in zip(k + v, qk + qv):
-        dst[:, :, at : at + S] = src
-    return k, v, qk, qv
-
-
-# Bits whose packed words split into whole bytes: `dequantize` unpacks them with a few byte ops
-# (the shifts of each level within its byte).
-_BYTE_SHIFTS = {2: (0, 2, 4, 6), 4: (0, 4), 8: None}
-# Bits whose eight levels fill `bits` bytes (3, 5, 6: the bit stream, lowest bits first, crosses
-# bytes): the bytes joined into one 64-bit word, then each level shifted out of it.
-_STREAM_BITS = (3, 5, 6)
-_shift_arrays: dict = {}
-_exact: dict = {}  # (bits, group_size, dtype) -> whether the unpacking below equals mx.dequantize (CPU)
-
-
-def _unpack(w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> mx.array:
-    """`mx.dequantize` for 2, 3, 4, 5, 6 and 8 bits in a handful of ops: the uint32 words viewed as bytes
-    (little-endian, the lowest bits first, as mx.quantize packs them), each byte shifted into its
-    levels, then `levels * scales + biases` in the scales' dtype, the arithmetic of mx.dequantize's
-    CPU fallback, which builds the levels with about 50 ops for 4 bits: on a decode step's one new
-    token per layer those ops, not the data, were the cost."""
-    *lead, P = w.shape
-    D = P * 32 // bits
-    levels = w.view(mx.uint8)
-    if bits in _STREAM_BITS:
-        shifts = _shift_arrays.get(bits)
-        if shifts is None:
-            shifts = _shift_arrays[bits] = (mx.array([8 * i for i in range(bits)], dtype=mx.uint64),
-                                            mx.array([bits * j for j in range(8)], dtype=mx.uint64))
-        words = (levels.reshape(*lead, D // 8, bits).astype(mx.uint64) << shifts[0]).sum(axis=-1)
-        levels = (words[..., None] >> shifts[1]) & ((1 << bits) - 1)
-    elif _BYTE_SHIFTS[bits] is not None:
-        shifts = _shift_arrays.get(bits)
-        if shifts is None:
-            shifts = _shift_arrays[bits] = mx.array(_BYTE_SHIFTS[bits], dtype=mx.uint8)
-        levels = (levels[..., None] >> shifts) & ((1 << bits) - 1)
-    groups = D // group_size
-    if groups == 1:  # one group per row (head_dim == group_size): scales broadcast as they are
-        return levels.reshape(*lead, D).astype(scales.dtype) * scales + biases
-    levels = levels.reshape(*lead, groups, group_size).astype(scales.dtype)
-    return (levels * scales[..., None] + biases[..., None]).reshape(*lead, D)
-
-
-def _unpack_exact(bits: int, group_size: int, dtype) -> bool:
-    """Whether `_unpack` gives mx.dequantize's values bit for bit on the CPU, for this format
-    and scales dtype: checked once on values spread over every level of several groups."""
-    key = (bits, group_size, dtype)
-    ok = _exact.get(key)
-    if ok is None:
-        x = (mx.sin(mx.arange(4 * 3 * 2 * group_size, dtype=mx.float32) * 0.37) * 5
-             + mx.arange(4 * 3 * 2 * group_size) % 7).reshape(4, 3, 2 * group_size).astype(dtype)
-        q = mx.quantize(x, group_size=group_size, bits=bits)
-        a, u = mx.dequantize(*q, group_size=group_size, bits=bits), _unpack(*q, group_size, bits)
-        raw = mx.uint32 if dtype.size == 4 else mx.uint16
-        ok = a.dtype == u.dtype and a.shape == u.shape and bool(mx.array_equal(a.view(raw), u.view(raw)).item())
-        _exact[key] = ok
-    return ok
-
-
-def dequantize(q: QTuple, group_size: int, bits: int) -> mx.array:
-    """Float values of packed (uint32, scales, biases) components, exactly `mx.dequantize`'s. On the
-    CPU, 2- to 8-bit components are unpacked with a few byte ops (`_unpack`, checked bit for
-    bit against mx.dequantize once per format); a decode step dequantizes each layer's new token, so
-    mx.dequantize's op count showed in every step. Elsewhere (a GPU's kernel), mx.dequantize."""
-    w, scales, biases = q
-    if ((bits in _BYTE_SHIFTS or bits in _STREAM_BITS) and w.shape[-1] * 32 // bits % group_size == 0
-            and mx.default_device().type == mx.DeviceType.cpu
-            and _unpack_exact(bits, group_size, scales.dtype)):
-        return _unpack(w, scales, biases, group_size, bits)
-    return mx.dequantize(w, scales, biases, group_size=group_size, bits=bits)
-
-
-# The per-step paths index the 4-D (B, n_kv_heads, T, .) arrays as `x[:, :, a:b]`: MLX parses an
-# index with `...` in about twice the time (~10 against ~5 us), which a decode step pays ~16 times a
-# layer.
-
-
-def widened(q: QTuple, like: Optional[QTuple]) -> QTuple:
-    """Packed keys whose scales and biases are kept in 16 bits (`LayerKeys.scales16`) with them in
-    the dtype of `like`'s (the values'), exactly; anything else as it is."""
-    if like is None or q[1].dtype == like[1].dtype:
-        return q
-    return (q[0], q[1].astype(like[1].dtype), q[2].astype(like[1].dtype))
-
-
-def _qmap(fn, *qs: QTuple) -> QTuple:
-    return tuple(fn(*xs) for xs in zip(*qs))
-
-
-def _qslice(q: QTuple, end: int) -> QTuple:
-    return tuple(x[:, :, :end] for x in q)
-
-
-def _qnbytes(q: Optional[QTuple]) -> int:
-    return 0 if q is None else sum(x.nbytes for x in q)
-
-
-def _same_keys(a: Optional[LayerKeys], b: Optional[LayerKeys]) -> bool:
-    """Whether two caches' key formats store keys alike (None: the cache's own bits, plain)."""
-    return a is b or (a is not None and a.same(b))
-
-
-def _key_format(key_format: Optional[LayerKeys], bits: int) -> Optional[LayerKeys]:
-    """None for a plain format of the cache's own bits (what every cache without one means)."""
-    if key_format is not None and key_format.transform is None and key_format.values is None and key_format.bits == bits:
-        return None
-    if key_format is not None:
-        _check_format(key_format.bits, 64)
-    return key_format
-
-
-# Calibrated key formats (their scales and centre are the model's, not a cache's state) by the token
-# their caches' meta_state names: from_state in this process finds the same format; elsewhere it refuses.
-_CALIBRATED: "weakref.WeakValueDictionary[str, LayerKeys]" = weakref.WeakValueDictionary()
-
-
-def _key_format_tag(kf: LayerKeys) -> str:
-    """"kf:bits:transform:values:s16:token" (token: a calibrated format's registration, else empty)."""
-    token = ""
-    if kf.scales is not None:
-        token = str(id(kf))
-        _CALIBRATED.setdefault(token, kf)
-    return f"kf:{kf.bits}:{kf.transform or ''}:{kf.values or ''}:{int(kf.scales16)}:{token}"
-
-
-def _key_format_of(tag: str) -> LayerKeys:
-    """The key format a meta_state tag names; ValueError for a calibrated one this process does not hold."""
-    _, bits, transform, values, s16, token = tag.split(":")
-    if transform in ("scaled", "centred"):
-        kf = _CALIBRATED.get(token)
-        if kf is None or (kf.bits, kf.transform) != (int(bits), transform):
-            raise ValueError(f"a cache of key format k{bits} {transform} cannot be rebuilt here: its scales are "
-                             "the model's calibration (the server's cache root keeps it), not the cache's state")
-        return kf
-    return LayerKeys(int(bits), transform or None, None, values or None, None, bool(int(s16)))
+from .mirror import DecodeMirror
+from .packed import (QTuple, _alloc, _append, _check_format, _key_format, _key_format_of, _key_format_tag,
+                     _qmap, _qnbytes, _qslice, _same_keys, _window_drop)
 
 
 class Q4KVCache(QuantizedKVCache):
@@ -437,7 +235,7 @@ class Q4KVCache(QuantizedKVCache):
         return _qnbytes(self.keys) + _qnbytes(self.values)
 
 
-class BatchQ4KVCache(_BaseCache):
+class BatchQ4KVCache(DecodeMirror, _BaseCache):
     """Batched quantized KV cache: `BatchKVCache`'s contract over (packed, scales, biases).
 
     Sequences are left-padded; `_idx` is the physical write index, `offset[b]` the logical
@@ -446,7 +244,7 @@ class BatchQ4KVCache(_BaseCache):
     (see `Q4KVCache`): rows are aligned at their newest token, so the last columns are every row's
     most recent tokens; row b then holds positions [offset[b] - (_idx - left_padding[b]), offset[b]).
 
-    `_mirror` is the optional float decode mirror (see above): (keys, values) float arrays laid out
+    `_mirror` is the optional float decode mirror (`DecodeMirror`): (keys, values) float arrays laid out
     exactly like the packed storage (same rows, same capacity), built on the first decode-sized
     update and then following every operation on the packed storage, within the budget of
     `float_copies` (the rows'), which also counts it.
@@ -454,8 +252,6 @@ class BatchQ4KVCache(_BaseCache):
 
     step = 256
     window: Optional[int] = None
-    _mirror: Optional[tuple] = None  # class default: from_state builds objects without __init__
-    _mirror_refused = False  # the budget refused this cache's mirror (counted once, retried each step)
     # Per-row token counts of the right-padded prompt call in progress (prepare .. finalize) and
     # the write index it started at: which queries of a chunk are real tokens (`real_queries`).
     _lengths: Optional[List[int]] = None
@@ -511,100 +307,9 @@ class BatchQ4KVCache(_BaseCache):
             self._mirror_build()
         return _qslice(self.keys, self._idx), _qslice(self.values, self._idx)
 
-    # -- float decode mirror --
-
-    def float_kv(self) -> Optional[tuple[mx.array, mx.array]]:
-        """The mirror's (keys, values) up to the write index, or None when there is no mirror."""
-        if self._mirror is None:
-            return None
-        fk, fv = self._mirror
-        return fk[:, :, : self._idx], fv[:, :, : self._idx]
-
-    @property
-    def mirror_nbytes(self) -> int:
-        m = self._mirror
-        return 0 if m is None else m[0].nbytes + m[1].nbytes
-
-    def _set_mirror(self, mirror: Optional[tuple]) -> None:
-        self._mirror = mirror
-        self.float_copies.track_mirror(self, mirror is not None)
-
-    def _float_bytes(self, B: int, T: int, like: Optional["BatchQ4KVCache"] = None) -> int:
-        """Bytes of a float mirror of B rows and T tokens (K and V, the scales' dtype)."""
-        like = like or self
-        per = sum(q[0].shape[1] * (q[0].shape[3] * 32 // bits) * q[1].dtype.size
-                  for q, bits in ((like.keys, self.key_bits), (like.values, self.bits)))
-        return B * T * per
-
-    def _mirror_fits(self, nbytes: int, released: int = 0) -> bool:
-        """Whether `nbytes` more mirror bytes fit the budget once `released` bytes are given back."""
-        copies = self.float_copies
-        budget = copies.decode_float_budget_bytes()
-        return budget > 0 and copies.decode_float_bytes() - released + nbytes <= budget
-
     @property
     def key_bits(self) -> int:
         return key_bits(self)
-
-    def dequantize(self, q: QTuple, bits: Optional[int] = None) -> mx.array:
-        """Float values of packed components of `bits` (default: the values'; keys: `key_bits`)."""
-        bits = self.bits if bits is None else bits
-        if q[0].size == 0:  # mx.dequantize cannot reshape an empty array
-            B, H, T, P = q[0].shape
-            return mx.zeros((B, H, T, P * 32 // bits), dtype=q[1].dtype)
-        return dequantize(q, self.group_size, bits)
-
-    def dequantize_keys(self, q: QTuple) -> mx.array:
-        """Float keys, as stored (transformed, if the key format transforms them), in the values'
-        dtype (keys' scales kept in 16 bits are widened first, exactly)."""
-        return self.dequantize(widened(q, self.values), self.key_bits)
-
-    def _mirror_build(self) -> None:
-        if self.keys is None or self.float_copies.decode_float_budget_bytes() == 0:
-            return
-        B, _, cap, _ = self.keys[0].shape
-        if self._mirror_fits(self._float_bytes(B, cap)):
-            self._set_mirror((self.dequantize_keys(self.keys), self.dequantize(self.values)))
-            self.float_copies.mirror_counts["builds"] += 1
-            self._mirror_refused = False
-        elif not self._mirror_refused:
-            self.float_copies.mirror_counts["refused"] += 1
-            self._mirror_refused = True
-
-    def _mirror_write(self, prev: int, old_cap: int, qk: QTuple, qv: QTuple, drop: int = 0) -> None:
-        """Follow an update that wrote [prev - drop, _idx) after dropping `drop` leading columns,
-        the new tokens quantized as `qk`/`qv`: move and grow like the packed storage did, then
-        write their dequantized values."""
-        fk, fv = self._mirror
-        cap = self.keys[0].shape[2]
-        if cap != old_cap or drop:
-            if not self._mirror_fits(self._float_bytes(fk.shape[0], cap), released=self.mirror_nbytes):
-                self._set_mirror(None)
-                self.float_copies.mirror_counts["refused"] += 1
-                return
-            fk, fv = _regrow((fk, fv), drop, prev, cap)
-            self._set_mirror((fk, fv))
-        # K and V apart: with `dequantize`'s few ops, joining them for one call (3 concatenations and
-        # 2 slices) cost more than it saved.
-        dk, dv = self.dequantize_keys(qk), self.dequantize(qv)
-        fk[:, :, prev - drop : self._idx] = dk
-        fv[:, :, prev - drop : self._idx] = dv
-
-    def __deepcopy__(self, memo) -> "BatchQ4KVCache":
-        """A copy that shares the mirror's buffers, as it shares the packed ones (a deep copy of an
-        mx.array is a new array on the same data; MLX copies a shared buffer on its first write).
-        mlx-lm deep-copies a prompt batch when it splits it and then empties or filters the
-        original, so nothing is copied: copying the mirror here (`mx.array`) cost a full float copy
-        of the history per layer on every turn, and, when two copies did not fit the budget, a
-        second dequantization on the first decode step. Counted for each holder while both live."""
-        new = self.__class__.__new__(self.__class__)
-        memo[id(self)] = new
-        for k, v in self.__dict__.items():
-            if k != "_mirror":
-                setattr(new, k, copy.deepcopy(v, memo))
-        if self._mirror is not None:
-            new._set_mirror(tuple(copy.deepcopy(x, memo) for x in self._mirror))
-        return new
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None) -> None:
         if left_padding is not None:
@@ -798,20 +503,6 @@ class BatchQ4KVCache(_BaseCache):
             cache.floats = self._extract_floats(idx, pad)
         return cache
 
-    def _extract_floats(self, idx: int, pad: int) -> Optional[tuple[mx.array, mx.array]]:
-        """Row idx's mirror, for the pool to carry to the row's next turn (`CarriedFloats`). One row:
-        views (mlx-lm empties the batch right after extracting its last row, so they pin no more
-        than that row's buffer). Several: a copy, evaluated now so that it holds none of the batch's
-        buffer (its in-place decode writes would then copy the whole buffer every step); only when
-        the carry budget could keep it."""
-        fk, fv = self._mirror
-        if fk.shape[0] == 1:
-            return fk[..., pad : self._idx, :], fv[..., pad : self._idx, :]
-        if self._float_bytes(1, self._idx - pad) > self.float_copies.carry_float_budget_bytes():
-            return None
-        out = tuple(mx.contiguous(x[idx : idx + 1, :, pad : self._idx]) for x in (fk, fv))
-        mx.eval(out)
-        return out
 
     @classmethod
     def merge(cls, caches: Sequence[QuantizedKVCache]) -> "BatchQ4KVCache":
@@ -865,35 +556,6 @@ class BatchQ4KVCache(_BaseCache):
         cache._idx = max_length
         cache._adopt_floats(caches, padding, lengths)
         return cache
-
-    def _adopt_floats(self, caches: Sequence[QuantizedKVCache], padding: List[int], lengths: List[int]) -> None:
-        """Start the mirror from the rows' carried floats (`Q4KVCache.floats`) when any row has
-        them and it fits the decode budget: one row's as they are (views), several laid out like
-        the packed storage, the rows without any dequantized (what the first update would do)."""
-        rows = [getattr(c, "floats", None) if n else None for c, n in zip(caches, lengths)]
-        if self.window is not None or all(f is None for f in rows):
-            return
-        B, T = len(caches), self._idx
-        counts = self.float_copies.mirror_counts
-        if not self._mirror_fits(self._float_bytes(B, T)):
-            counts["refused"] += 1
-            self._mirror_refused = True
-            return
-        counts["carried"] += 1
-        if B == 1:
-            self._set_mirror(tuple(x[:, :, :T] for x in rows[0]))
-            return
-        dtype = self.keys[1].dtype
-        mirror = tuple(mx.zeros((B, q[0].shape[1], T, q[0].shape[3] * 32 // bits), dtype=dtype)
-                       for q, bits in ((self.keys, self.key_bits), (self.values, self.bits)))
-        for i, (f, c, p, n) in enumerate(zip(rows, caches, padding, lengths)):
-            if n == 0:
-                continue
-            if f is None:
-                f = (self.dequantize_keys(_qslice(c.keys, n)), self.dequantize(_qslice(c.values, n)))
-            for dst, x in zip(mirror, f):
-                dst[i : i + 1, :, p : p + n] = x[..., :n, :]
-        self._set_mirror(mirror)
 
     def _check_compatible(self, other: "BatchQ4KVCache") -> None:
         if not isinstance(other, BatchQ4KVCache):
