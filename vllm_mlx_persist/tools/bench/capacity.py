@@ -304,7 +304,7 @@ def _turn(s: Session, conv: Conversation, max_tokens: int, system: str) -> dict:
 
 
 def _grown_words(prompts: Prompts, tokens: int) -> int:
-    """Words of bench_kit's vocabulary that make a user turn of about `tokens` tokens."""
+    """Words of kit's vocabulary that make a user turn of about `tokens` tokens."""
     import random
 
     sample = Prompts.words(random.Random(0), 400)

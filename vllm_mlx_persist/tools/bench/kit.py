@@ -109,7 +109,7 @@ class Plan:
     capacity_size: str = "tiny"
     capacity_max_tokens: int = 8
     capacity_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
-    # edits (bench_edits.py): span directives. Re-prefill accounting over the whole grid (no model
+    # edits (edits.py): span directives. Re-prefill accounting over the whole grid (no model
     # forward); TTFT on real servers over a subset (histories x positions at one span and one edit, a
     # span sweep and a 1..n edits sweep at the largest history); a multi-turn truncation trace
     edit_size: str = "small"
