@@ -1,5 +1,6 @@
 """The parts every `vllm-mlx-persist bench` section shares: the plan, prompts of a given token length,
-conversations, servers of each system, one streamed turn, page-cache control. No section lives here."""
+conversations, servers of each system (tools/serving's, with the run's --persist-options), one
+streamed turn, page-cache control. No section lives here: each has its own module."""
 
 from __future__ import annotations
 
