@@ -10,11 +10,11 @@ from typing import Callable
 import pytest
 
 from vllm_mlx_persist import key_choice
-from vllm_mlx_persist.tools import forkserver
+from vllm_mlx_persist.tools.serving import forkserver
 from vllm_mlx_persist.tools.models.build import build_model_dir
 
-# Servers the tests start (tools/serving.Server) fork from a process that has imported vllm-mlx once
-# per worker instead of paying ~2 s of imports each (tools/forkserver.py; ~170 starts a run).
+# Servers the tests start (tools/serving's Server) fork from a process that has imported vllm-mlx once
+# per worker instead of paying ~2 s of imports each (tools/serving/forkserver.py; ~170 starts a run).
 # VLLM_MLX_PERSIST_FORKSERVER=0 starts each as a fresh `vllm-mlx serve` process.
 os.environ.setdefault(forkserver.ENV_SWITCH, "1")
 # Calibrated key formats stay in each test's cache root, never in the user's shared folder

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_persist.tools.bench.main import FAMILY_TURNS, STATES, classify
+from vllm_mlx_persist.tools.bench.kit import FAMILY_TURNS, STATES, classify
 
 QUICK_SECTIONS = ("ttft", "reload", "families", "long", "concurrency", "stall", "capacity", "edits")
 
@@ -89,7 +89,9 @@ def test_classify_reads_both_servers_log_lines():
 
 
 def test_families_table_from_samples():
-    from vllm_mlx_persist.tools.bench.main import QUICK, _md_families, headline, summarize_families
+    from vllm_mlx_persist.tools.bench.families import md_families, summarize_families
+    from vllm_mlx_persist.tools.bench.kit import QUICK
+    from vllm_mlx_persist.tools.bench.report import headline
 
     plan = dataclasses.replace(QUICK, family_archs=["gemma3_text"])
     samples = []
@@ -107,7 +109,7 @@ def test_families_table_from_samples():
     assert summary["gemma3_text"]["vllm_default"]["turns"]["3"]["reuse_ratio"] == 0.0
     h = headline({"families": {"summary": summary}})["families"]["gemma3_text"]
     assert h["vllm_default"]["reuse_turn2"] == 0.0 and h["persist_q4"]["reuse_restart"] == round(389 / 446, 3)
-    md = "\n".join(_md_families({"summary": summary, "models": {}}, dataclasses.asdict(plan)))
+    md = "\n".join(md_families({"summary": summary, "models": {}}, dataclasses.asdict(plan)))
     assert "| gemma3_text | persist_q4 | 84% (280/334) | 86% (334/389) | 87% (389/446) | 0.87 |" in md
     assert "| gemma3_text | vllm_default | 0% (0/334) | 0% (0/389) | 0% (0/446) |" in md
 
@@ -161,7 +163,7 @@ def test_quick_workload_sections(quick):
 
 
 def test_goal_ratios_read_each_section():
-    from vllm_mlx_persist.tools.bench.main import GOALS, _md_goals, goal_ratios
+    from vllm_mlx_persist.tools.bench.report import GOALS, goal_ratios, md_goals
 
     sections = {
         "ttft": {"summary": {"persist_q4": {"4096": {"hot": {"median_s": 1.0}, "restart_sigkill": {"median_s": 1.1},
@@ -175,7 +177,7 @@ def test_goal_ratios_read_each_section():
     got = {(GOALS.index(next(x for x in GOALS if x[0] == g)), where): x for g, where, x in goal_ratios(sections)}
     assert got == {(0, "4096 tokens"): 1.1, (1, "16384 tokens"): 1.5, (2, "4096 tokens"): 1.2, (3, "4 agents"): 0.95,
                    (4, "4096 tokens"): 1.25}
-    md = "\n".join(_md_goals(sections))
+    md = "\n".join(md_goals(sections))
     # met: restart at 4k (1.1 <= 1.2), reload (1.2 <= 1.3), batch (0.95 >= 0.95); not: long restart, hot turn
     assert md.count("| yes |") == 3 and md.count("| no |") == 2
 
@@ -254,7 +256,7 @@ def test_edit_accounting_follows_the_servers_cut():
     message): exact and forget re-prefill after the common prefix, vllm-mlx reuses nothing under 128
     tokens, and amortize prefills the stub and what the run leaves (the server always keeps the last
     prompt token to prefill, so a run reaching the end is cut by one)."""
-    from vllm_mlx_persist.tools.bench.edits import VLLM_MIN_PREFIX, reprefill
+    from vllm_mlx_persist.tools.bench.edits_accounting import VLLM_MIN_PREFIX, reprefill
 
     def msg(start: int, n: int) -> list[int]:
         return [7, *range(start, start + n - 1)]
@@ -283,8 +285,9 @@ def test_edit_conversations_and_truncation_policy(tiny_llama_dir):
     """The section's conversations, rendered with the tiny model's chat template: a grid point stubs
     whole tool outputs where it says, each edit is one splice moved by the tokens removed so far, and
     the truncation trace stubs exactly the outputs older than two turns, one more per turn."""
-    from vllm_mlx_persist.tools.bench.edits import (Chat, EditPoint, edit_history, edit_position, edited_turn,
-                                                    reprefill, stub_msg, trace_requests)
+    from vllm_mlx_persist.tools.bench.edits_accounting import reprefill
+    from vllm_mlx_persist.tools.bench.edits_chats import (Chat, EditPoint, edit_history, edit_position, edited_turn,
+                                                          stub_msg, trace_requests)
     from vllm_mlx_persist.tools.bench.kit import Prompts
 
     chat = Chat(Prompts(tiny_llama_dir))

@@ -1,4 +1,4 @@
-"""The fork server the tests start their servers through (tools/forkserver.py): a forked child is a
+"""The fork server the tests start their servers through (tools/serving/forkserver.py): a forked child is a
 process of its own, with its own exit status, output and signals, as Popen's would be. (Its own
 environment and working directory are what every end-to-end test's server relies on: its HOME, its
 cache dir, its injected faults.)"""
@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from vllm_mlx_persist.tools import forkserver
+from vllm_mlx_persist.tools.serving import forkserver
 from vllm_mlx_persist.tools.serving import VLLM_MLX
 
 pytestmark = pytest.mark.skipif(platform.system() != "Linux", reason="the fork server is Linux only")

@@ -59,7 +59,7 @@ def make_site(tmp_path: Path, numbers: tuple[str, ...], plugins: Optional[dict[s
     (in series order; each hunk's exact context is matched where it is, since the patches between
     are absent), the recorder plugin with its entry point, and `plugins` ({module name: source}),
     more plugin modules registered next to it. Made once per run for each (numbers, plugins), left
-    unchanged by the servers: tests that share one also share its fork server (tools/forkserver.py),
+    unchanged by the servers: tests that share one also share its fork server (tools/serving/forkserver.py),
     whose key is the servers' import-time environment, PYTHONPATH included."""
     key = (numbers, tuple(sorted((plugins or {}).items())))
     if key not in _SITES:

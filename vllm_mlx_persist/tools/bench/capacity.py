@@ -30,9 +30,8 @@ import traceback
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from .kit import (COMMON_ARGS, MB, PERSIST_OPTIONS, Conversation, Ctx, Prompts, Session, make_server, say,
-                        seed_of, send)
 from ..serving import Server
+from .kit import MB, Conversation, Ctx, Prompts, Session, make_server, say, seed_of, send
 
 GIB = 2**30
 BITS, GROUP = 4, 64
@@ -305,7 +304,7 @@ def _turn(s: Session, conv: Conversation, max_tokens: int, system: str) -> dict:
 
 
 def _grown_words(prompts: Prompts, tokens: int) -> int:
-    """Words of bench_kit's vocabulary that make a user turn of about `tokens` tokens."""
+    """Words of kit's vocabulary that make a user turn of about `tokens` tokens."""
     import random
 
     sample = Prompts.words(random.Random(0), 400)
@@ -335,12 +334,8 @@ def measure_family(ctx: Ctx, arch: str) -> dict:
     for system in plan.capacity_systems:
         home = ctx.work / f"capacity-{arch}-{system}"
         shutil.rmtree(home, ignore_errors=True)
-        if system == "persist_q4":
-            srv = Server(model, home, backend="persist_q4", extra_args=COMMON_ARGS,
-                         options={"hot_mb": plan.ttft_cache_mb, "block_size": block, **PERSIST_OPTIONS})
-        else:
-            srv = make_server(system, model, home, plan.ttft_cache_mb)
-        s = Session(system, srv, out["events"], f"capacity-{arch}")
+        s = Session(system, make_server(system, model, home, plan.ttft_cache_mb, {"block_size": block}),
+                    out["events"], f"capacity-{arch}")
         agents, grown = [], []
         try:
             s.start("fresh")

@@ -24,10 +24,10 @@ per token (with more `--max-tokens`, what a long answer costs per token), its pe
 median per-rep ratio of the process CPU time per token.
 
 `--servers` instead runs the same comparison through real servers: a persist_q4 server and a
-vllm-mlx server with its default prefix cache (the bench's own flags, bench_kit.make_server), side
+vllm-mlx server with its default prefix cache (the bench's own flags, kit.make_server), side
 by side, on a chat history of about T tokens (the model's template); one cold turn each, then
 `--reps` hot turns alternating between them, one request at a time, TTFT as a streaming client sees
-it. Each reply is recorded as a fixed text (bench_kit.FIXED_REPLY, as the bench's batch section does)
+it. Each reply is recorded as a fixed text (kit.FIXED_REPLY, as the bench's batch section does)
 so that both re-prefill the same few tokens. No warm-up request: the cold turn is the agent's first.
 
 `--profile` also splits a turn into stages, run one after the other with an `mx.eval` between them

@@ -1,5 +1,6 @@
 """The parts every `vllm-mlx-persist bench` section shares: the plan, prompts of a given token length,
-conversations, servers of each system, one streamed turn, page-cache control. No section lives here."""
+conversations, servers of each system (tools/serving's, with the run's --persist-options), one
+streamed turn, page-cache control. No section lives here: each has its own module."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import platform
 import random
 import re
-import shlex
 import signal
 import statistics
 import subprocess
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from ..serving import Server, cpu_name, openblas_path
+from ..serving import Server, cpu_name, openblas_path, system_flags, system_server
 
 SYSTEMS = ("persist_q4", "vllm_default", "vllm_q4_ssd")
 LABELS = {
@@ -110,7 +110,7 @@ class Plan:
     capacity_size: str = "tiny"
     capacity_max_tokens: int = 8
     capacity_systems: list[str] = field(default_factory=lambda: ["persist_q4", "vllm_default"])
-    # edits (bench_edits.py): span directives. Re-prefill accounting over the whole grid (no model
+    # edits (edits.py): span directives. Re-prefill accounting over the whole grid (no model
     # forward); TTFT on real servers over a subset (histories x positions at one span and one edit, a
     # span sweep and a 1..n edits sweep at the largest history); a multi-turn truncation trace
     edit_size: str = "small"
@@ -169,6 +169,11 @@ def say(msg: str) -> None:
 def median(xs: list[float]) -> Optional[float]:
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
+
+
+def fmt(x: Optional[float], nd: int = 3) -> str:
+    """`x` with `nd` decimals for a table, "–" for none."""
+    return "–" if x is None else f"{x:.{nd}f}"
 
 
 def seed_of(*parts: Any) -> int:
@@ -373,28 +378,19 @@ class Conversation:
 # which would turn a decoding benchmark into a prefill one. Both systems see the same prompts.
 FIXED_REPLY = "noted, continuing with the next step"
 
-COMMON_ARGS = ("--stream-interval", "1", "--timeout", "7200")
-
-
 # Extra persist_q4 options for every server of a run (bench --persist-options), e.g. to compare a setting.
 PERSIST_OPTIONS: dict = {}
 
 
-def make_server(system: str, model: Path, home: Path, cache_mb: float) -> Server:
-    if system == "persist_q4":
-        return Server(model, home, backend="persist_q4", options={"hot_mb": cache_mb, **PERSIST_OPTIONS},
-                      extra_args=COMMON_ARGS)
-    args = COMMON_ARGS + ("--cache-memory-mb", str(max(1, int(cache_mb))))
-    if system == "vllm_q4_ssd":
-        args += ("--kv-cache-quantization", "--kv-cache-quantization-bits", "4", "--ssd-cache-dir", str(home / "ssd"))
-    elif system != "vllm_default":
-        raise ValueError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
-    return Server(model, home, backend=None, extra_args=args)
+def make_server(system: str, model: Path, home: Path, cache_mb: float, options: Optional[dict] = None) -> Server:
+    """A server of `system` (tools/serving's system_server): persist_q4 with `options`, then the run's
+    --persist-options."""
+    return system_server(system, model, home, cache_mb, {**(options or {}), **PERSIST_OPTIONS})
 
 
-def server_flags(system: str, cache_mb: float) -> str:
-    s = make_server(system, Path("MODEL"), Path("/tmp/HOME"), cache_mb)
-    return " ".join(shlex.quote(a) for a in s.command()[2:] if a not in ("--port", "0", "--host", "127.0.0.1"))
+def server_flags(system: str, cache_mb: float, quote: bool = True) -> str:
+    """`system`'s command line from the model on, as the report shows it."""
+    return system_flags(system, cache_mb, PERSIST_OPTIONS, quote)
 
 
 def cache_paths(home: Path) -> list[Path]:

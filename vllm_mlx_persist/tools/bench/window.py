@@ -13,7 +13,7 @@ the way BatchGenerator merges them:
   `ModelCodec.for_model(model, bounded=True)` makes).
 
 Both 4-bit systems run with the float decode mirror budget the server uses (`--mirror-mb`, default
-"auto": 1024 MB on a CPU). Run as a file (`python path/to/window_bench.py --systems mlx-lm,q4-linear`)
+"auto": 1024 MB on a CPU). Run as a file (`python path/to/window.py --systems mlx-lm,q4-linear`)
 with PYTHONPATH pointing at another checkout to time that checkout's caches (`q4-window` needs this one).
 """
 

@@ -22,9 +22,9 @@ import threading
 import time
 from typing import Any, Optional
 
-from .kit import (FIXED_REPLY, Conversation, Ctx, Prompts, Session, _turn_record, at_once, cache_paths,
-                        drop_page_cache, make_server, median, say, section_failed, seed_of, send)
 from ..serving import RssSampler
+from .kit import (FIXED_REPLY, Conversation, Ctx, Prompts, Session, _turn_record, at_once, cache_paths,
+                  drop_page_cache, make_server, median, say, section_failed, seed_of, send)
 
 MB = 2**20
 

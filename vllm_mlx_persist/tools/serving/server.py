@@ -1,60 +1,36 @@
-"""Start, stop and watch a real `vllm-mlx serve` subprocess (benchmarks; tests can reuse it).
+"""Start, stop and watch one real `vllm-mlx serve` subprocess: what every tool (`vllm-mlx-persist
+bench`, `quality`, `reliability`) and the tests start their servers with.
 
 With VLLM_MLX_PERSIST_FORKSERVER=1 (the tests) the process is forked from one that has already
-imported vllm-mlx (tools/forkserver.py): the same server, without paying its ~2 s of imports per start.
+imported vllm-mlx (forkserver.py beside this file): the same server, without paying its ~2 s of
+imports per start.
 
 Each server gets its own HOME (vllm-mlx writes its prefix cache under ~/.cache on SIGTERM) and, on
-Linux, Debian's OpenBLAS preloaded when present (MLX's CPU backend is 15-35x faster with it).
+Linux, Debian's OpenBLAS preloaded when present (machine.openblas_path).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import platform
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Optional, Union
 
-from vllm_mlx_persist.tools import forkserver
+from . import forkserver
+from .machine import openblas_path
 
 VLLM_MLX = str(Path(sys.executable).with_name("vllm-mlx"))
 
 
-def openblas_path() -> Optional[str]:
-    """Debian's pthread OpenBLAS for this architecture, if installed (Linux only) and not turned off
-    (VLLM_MLX_PERSIST_OPENBLAS=0, as ./dev honours it)."""
-    if platform.system() != "Linux" or os.environ.get("VLLM_MLX_PERSIST_OPENBLAS", "1") == "0":
-        return None
-    path = f"/usr/lib/{platform.machine()}-linux-gnu/openblas-pthread/libblas.so.3"
-    return path if os.path.exists(path) else None
-
-
-def cpu_name() -> str:
-    """The CPU's marketing name (from /proc/cpuinfo or sysctl), else the architecture."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    if platform.system() == "Darwin":
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                                  text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return platform.processor() or platform.machine()
-
-
 def free_port() -> int:
+    """A local TCP port nobody listens on now (someone may take it before it is bound)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -178,52 +154,3 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-class RssSampler:
-    """Samples the resident set size (process + children) of a pid on a thread; keeps the peak."""
-
-    def __init__(self, interval: float = 0.1, window: float = 0.5):
-        self.interval, self.window = interval, window
-        self.pid: Optional[int] = None
-        self.peak = 0
-        self.series: list[tuple[float, int]] = []  # (seconds since start(), max bytes in the window)
-        self._stop = threading.Event()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
-
-    def start(self, pid: int) -> "RssSampler":
-        self.pid = pid
-        self._t0 = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def watch(self, pid: int) -> None:
-        """Follow a new process (after a restart); the peak carries over."""
-        self.pid = pid
-
-    def rss(self) -> int:
-        import psutil
-
-        try:
-            p = psutil.Process(self.pid)
-            return p.memory_info().rss + sum(c.memory_info().rss for c in p.children(recursive=True))
-        except (psutil.Error, TypeError):
-            return 0
-
-    def _run(self) -> None:
-        window_end, window_max = self.window, 0
-        while not self._stop.is_set():
-            v = self.rss()
-            self.peak = max(self.peak, v)
-            window_max = max(window_max, v)
-            t = time.perf_counter() - self._t0
-            if t >= window_end:  # one point per window: its maximum
-                self.series.append((round(t, 2), window_max))
-                window_end, window_max = t + self.window, 0
-            self._stop.wait(self.interval)
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join(5)
-        return self.peak

@@ -14,9 +14,9 @@ Only where that is the same process a fresh `vllm-mlx serve` would be:
   OpenBLAS and MLX settings, PYTHON*, ...) must equal the server's, so every variable except the ones
   read at run time (IMPORT_TIME_EXEMPT) is part of the key. Anything else starts a fresh process.
 
-This file runs as the fork server itself (`python forkserver.py`): it imports only the standard
-library at the top, so the fork server never imports our package (whose modules read the
-environment when they load).
+This file runs as the fork server itself (`python .../tools/serving/forkserver.py`): it imports only
+the standard library at the top, so the fork server never imports our package (whose modules read
+the environment when they load). server.py (Server) starts its servers through `spawn`.
 
 Protocol (one line each, JSON requests on the fork server's stdin, answers on its stdout):
 `{"id": ID, "argv": [...], "env": {...}, "cwd": "...", "log": "..."}` -> `pid ID N`; a child's end -> `exit N RC`
@@ -319,4 +319,6 @@ def _serve() -> None:
 
 
 if __name__ == "__main__":
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        del sys.path[0]  # this folder's modules (server.py, ...) are no top-level modules of the servers
     _serve()
