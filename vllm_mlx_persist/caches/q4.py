@@ -13,7 +13,7 @@ keeps on the CPU, and the floats a `Q4KVCache` carries from one turn to the agen
 cache takes its rows' and hands it to what it extracts; caches under different ones do not batch.
 `caches.kinds` decides which layers get these classes. Cache objects are built, updated and read on
 the worker thread only (MLX work). Their packed storage and its writes are `caches.packed`'s, the
-float values of it `caches.dequant`'s (`dequantize` and `widened` are importable from here too),
+float values of it `caches.dequant`'s,
 and the batch cache's decode mirror `caches.mirror`'s (`DecodeMirror`, its base).
 
 Sliding-window layers (`window=w` on both classes; `caches.ModelCodec(bounded=True)` sets it from
@@ -56,7 +56,6 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import QuantizedKVCache, _BaseCache, dynamic_roll
 
-from .dequant import dequantize, widened  # noqa: F401  (re-exported: tools import them from here)
 from .floats import DEFAULT, DEQUANT_MIN_QUERIES, MIRROR_PREFILL_MAX_QUERIES, FloatCopies
 from .key_formats import LayerKeys, key_bits
 from .kinds import Q4, UnsupportedModelError, layer_kinds, layer_windows, model_type_of

@@ -60,7 +60,8 @@ from vllm_mlx_persist.caches import ModelCodec
 from vllm_mlx_persist.caches.floats import FloatCopies
 from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.key_formats import LayerKeys
-from vllm_mlx_persist.caches.q4 import Q4KVCache, dequantize, widened
+from vllm_mlx_persist.caches.dequant import dequantize, widened
+from vllm_mlx_persist.caches.q4 import Q4KVCache
 from vllm_mlx_persist.pool import BlockPool
 from vllm_mlx_persist.store import DiskStore
 from vllm_mlx_persist.tools.models.build import SIZES, build_model
