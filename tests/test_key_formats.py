@@ -1,7 +1,7 @@
 """Served key formats (issue #33): 8-bit keys, per-channel scaled keys, Hadamard-rotated keys.
 
 Real MLX on CPU with tiny random float32 llamas. Each format: the served cache equals its
-simulation (a float cache holding exactly the values the format stores: tools/quality/main.py's
+simulation (a float cache holding exactly the values the format stores: tools/quality/kv_formats.py's
 method; on a one-layer model, so both are fed the same keys and values); batched (mlx-lm's
 BatchGenerator: batched prefill and decode) equals alone, tokens, logprobs and stored K/V bit for bit
 with the model's projections run per row (so on every BLAS kernel); blocks on disk rebuild
@@ -538,10 +538,10 @@ def test_formats_keep_their_own_blocks_and_old_caches_still_read(tiny, tok, tmp_
 def test_auto_stays_at_q4_bytes_for_plain_keys_and_fixes_outlier_keys(tiny, tok):
     """`auto` measures the model's keys on the calibration text: the plain tiny llama stays at q4's
     bytes (the best measured of that cost: every candidate of it is measured, issue #50); with
-    Qwen2-like outlier channels in its keys (tools/quality/main.py's Outliers) q4 is predicted past +1%
+    Qwen2-like outlier channels in its keys (tools/quality/outlier_keys.py's Outliers) q4 is predicted past +1%
     and a format within it is chosen; the report lists what was measured."""
     from vllm_mlx_persist.tools.models.build import build_model
-    from vllm_mlx_persist.tools.quality.main import Outliers, add_key_outliers
+    from vllm_mlx_persist.tools.quality.outlier_keys import Outliers, add_key_outliers
 
     codec = ModelCodec.for_model(tiny)
     fmts, report = resolve("auto", tiny, tok, codec)
@@ -566,7 +566,7 @@ def test_a_calibrated_choice_is_remembered_per_model_and_calibration(tiny, tok, 
     from vllm_mlx_persist import backend as backend_mod
     from vllm_mlx_persist import key_choice
     from vllm_mlx_persist.tools.models.build import build_model
-    from vllm_mlx_persist.tools.quality.main import Outliers, add_key_outliers
+    from vllm_mlx_persist.tools.quality.outlier_keys import Outliers, add_key_outliers
 
     outl = build_model("llama", "tiny", seed=0)[0]
     add_key_outliers(outl, Outliers(pairs=2, scale=32.0))
@@ -628,7 +628,7 @@ def test_a_choice_is_shared_by_the_cache_roots_of_a_user(tiny, tok, tmp_path, mo
     from vllm_mlx_persist import backend as backend_mod
     from vllm_mlx_persist import key_choice
     from vllm_mlx_persist.tools.models.build import build_model
-    from vllm_mlx_persist.tools.quality.main import Outliers, add_key_outliers
+    from vllm_mlx_persist.tools.quality.outlier_keys import Outliers, add_key_outliers
 
     shared = tmp_path / "shared"
     monkeypatch.setenv(key_choice.SHARED_ENV, str(shared))

@@ -31,8 +31,13 @@ import numpy as np
 import pytest
 
 from vllm_mlx_persist import cli
-from vllm_mlx_persist.tools.quality import main as Q
-from vllm_mlx_persist.tools.quality.main import FORMATS
+from vllm_mlx_persist.caches.key_formats import hadamard
+from vllm_mlx_persist.tools.quality import families
+from vllm_mlx_persist.tools.quality.families import FAMILIES, OUTLIER_SWEEP, add_cache_format, family_formats
+from vllm_mlx_persist.tools.quality.kv_formats import FORMATS, FULL, KVFormat, QSpec, fake_quantize, sim_factory
+from vllm_mlx_persist.tools.quality.mla_latents import _latent_cache_classes, latent_bytes, per_turn_latent_format
+from vllm_mlx_persist.tools.quality.outlier_keys import Outliers, add_key_outliers, key_channel_stats, outlier_channels
+from vllm_mlx_persist.tools.quality.train import family_overrides
 
 
 def test_quick_quality(tmp_path, capsys):
@@ -47,7 +52,7 @@ def test_quick_quality(tmp_path, capsys):
     md = (out / "quality.md").read_text()
     assert r["command"] in md and "## Summary: per family, against the seed paper" in md
     assert "## Written by hand\n\nkept." in md and "# old" not in md  # a full run keeps what it does not write
-    assert list(r["families"]) == list(Q.FAMILIES)
+    assert list(r["families"]) == list(FAMILIES)
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model_dir / name).is_file()
     for arch in ("gemma3_text", "qwen3_next", "deepseek_v3"):
@@ -107,7 +112,7 @@ def test_quick_quality(tmp_path, capsys):
     auto = fams["llama_outliers"]["key_format_auto"]
     assert auto["option"] == "auto" and auto["chosen"] in auto["measured"] or auto["chosen"] in ("mixed", "mixedr")
     sweep = r["outliers"]["sweep"]
-    assert [s["scale"] for s in sweep] == [1.0, *Q.OUTLIER_SWEEP]
+    assert [s["scale"] for s in sweep] == [1.0, *OUTLIER_SWEEP]
     # same windows: the outlier model's float perplexity is the plain llama's
     assert o["fp32"]["ppl"] == pytest.approx(sweep[0]["ppl"]["fp32"]["ppl"], rel=1e-4)
     assert sweep[-1]["key_max_over_median"] > 10 * sweep[0]["key_max_over_median"]
@@ -135,7 +140,7 @@ def test_quick_training_is_deterministic_and_reused(tmp_path):
     again = train(cfg, tmp_path / "a", log=logs.append)
     assert again.reused and again.losses == a.losses
     # another family is another model: not reused from a llama's directory
-    other = replace(cfg, arch="gemma3_text", overrides=Q.family_overrides("gemma3_text", 2, 32), steps=2)
+    other = replace(cfg, arch="gemma3_text", overrides=family_overrides("gemma3_text", 2, 32), steps=2)
     assert not train(other, tmp_path / "a", log=logs.append).reused
 
 
@@ -167,18 +172,18 @@ def _logits(model, tokens, cache):
 def test_hadamard_and_fake_quantize():
     import mlx.core as mx
 
-    h = Q.hadamard(64)
+    h = hadamard(64)
     np.testing.assert_allclose(h @ h.T, np.eye(64), atol=1e-6)
     with pytest.raises(ValueError):
-        Q.hadamard(48)
+        hadamard(48)
     x = mx.random.normal((1, 2, 5, 64), key=mx.random.key(0))
     x = x * mx.array(np.where(np.arange(64) % 31 == 0, 30.0, 1.0).astype(np.float32))  # outlier channels
-    plain = Q.fake_quantize(x, Q.QSpec(4, 64))
-    rot = Q.fake_quantize(x, Q.QSpec(4, 64, "hadamard"))
-    assert Q.fake_quantize(x, None) is x
+    plain = fake_quantize(x, QSpec(4, 64))
+    rot = fake_quantize(x, QSpec(4, 64, "hadamard"))
+    assert fake_quantize(x, None) is x
     # the rotated round trip is the rotation of a plain round trip of the rotated keys
     hx = x @ mx.array(h)
-    want = Q.fake_quantize(hx, Q.QSpec(4, 64)) @ mx.array(h).T
+    want = fake_quantize(hx, QSpec(4, 64)) @ mx.array(h).T
     assert mx.abs(rot - want).max().item() < 1e-4
     # and spreading the outliers makes the round trip far more accurate
     err = lambda y: mx.abs(y - x).mean().item()
@@ -192,11 +197,11 @@ def test_simulated_4bit_matches_the_served_cache(tiny_llama):
 
     install_attention_fix()
     tokens = list(range(5, 69))
-    served = Q.FORMATS[2].make_cache(tiny_llama)
-    sim = Q.sim_factory(Q.QSpec(4, 64), Q.QSpec(4, 64))(tiny_llama)
+    served = FORMATS[2].make_cache(tiny_llama)
+    sim = sim_factory(QSpec(4, 64), QSpec(4, 64))(tiny_llama)
     assert type(sim[0]).__name__ == "SimQuantCache" and type(served[0]).__name__ == "Q4KVCache"
     a, b = _logits(tiny_llama, tokens, served), _logits(tiny_llama, tokens, sim)
-    full = _logits(tiny_llama, tokens, Q.FULL.make_cache(tiny_llama))
+    full = _logits(tiny_llama, tokens, FULL.make_cache(tiny_llama))
     assert np.abs(a - b).max() < 1e-4
     assert np.abs(a - full).max() > 1e-3  # and 4-bit is not a no-op
     assert sim[0].stored_nbytes == served[0].nbytes * sim[0].offset // served[0].keys[0].shape[2]
@@ -210,46 +215,46 @@ def test_outlier_construction_keeps_the_float_model():
     model, _ = build_model("llama", "tiny", seed=3)
     tokens = list(range(5, 69))
     window = np.array([tokens])
-    before = _logits(model, tokens, Q.FULL.make_cache(model))
-    q4_before = np.abs(_logits(model, tokens, Q.FORMATS[2].make_cache(model)) - before).mean()
-    ratio0 = np.median(Q.key_channel_stats(model, window)["max_over_median"])
-    Q.add_key_outliers(model, Q.Outliers(pairs=2, scale=16.0))
-    after = _logits(model, tokens, Q.FULL.make_cache(model))
+    before = _logits(model, tokens, FULL.make_cache(model))
+    q4_before = np.abs(_logits(model, tokens, FORMATS[2].make_cache(model)) - before).mean()
+    ratio0 = np.median(key_channel_stats(model, window)["max_over_median"])
+    add_key_outliers(model, Outliers(pairs=2, scale=16.0))
+    after = _logits(model, tokens, FULL.make_cache(model))
     assert np.abs(after - before).max() < 1e-3 * np.abs(before).max()
-    stats = Q.key_channel_stats(model, window)
+    stats = key_channel_stats(model, window)
     assert np.median(stats["max_over_median"]) > 5 * ratio0
     # the outliers sit where outlier_channels says, in every head
     D = 64
     for scales in stats["scales"]:
         s = np.array(scales)[:, 0, :]
         top = set(np.argsort(-s, axis=1)[:, :4].ravel().tolist())
-        assert top == set(Q.outlier_channels(D, 2))
+        assert top == set(outlier_channels(D, 2))
     # and hurt 4-bit group 64 keys far more than before; rotated or 8-bit keys take most of it back
     # (measured 4.1x, 1.96x and 1.21x on every kernel the module docstring names)
     err = lambda factory: np.abs(_logits(model, tokens, factory(model)) - after).mean()
-    q4 = err(Q.FORMATS[2].make_cache)
+    q4 = err(FORMATS[2].make_cache)
     assert q4 > 3 * q4_before
-    assert err(Q.sim_factory(Q.QSpec(4, 64, "hadamard"), Q.QSpec(4, 64))) < q4 / 1.5
-    assert err(Q.sim_factory(Q.QSpec(8, 64), Q.QSpec(4, 64))) < q4_before
+    assert err(sim_factory(QSpec(4, 64, "hadamard"), QSpec(4, 64))) < q4 / 1.5
+    assert err(sim_factory(QSpec(8, 64), QSpec(4, 64))) < q4_before
     del mx
 
 
 def test_cache_format_hook_adds_a_row(tiny_llama, monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
 
-    monkeypatch.setattr(Q, "EXTRA_FORMATS", {})
+    monkeypatch.setattr(families, "EXTRA_FORMATS", {})
     made = []
 
     def factory(model):
         made.append(1)
         return make_prompt_cache(model)
 
-    Q.add_cache_format("gemma3_text", Q.KVFormat("bounded", "bounded to the window", factory=factory))
+    add_cache_format("gemma3_text", KVFormat("bounded", "bounded to the window", factory=factory))
     with pytest.raises(ValueError):
-        Q.add_cache_format("nope", Q.KVFormat("x", "x", factory=factory))
-    fmts = Q.family_formats(Q.FAMILIES["gemma3_text"], tiny_llama)
+        add_cache_format("nope", KVFormat("x", "x", factory=factory))
+    fmts = family_formats(FAMILIES["gemma3_text"], tiny_llama)
     assert fmts[-1].name == "bounded" and fmts[-1].make_cache(tiny_llama) and made
-    assert all(f.name != "bounded" for f in Q.family_formats(Q.FAMILIES["qwen3_next"], tiny_llama))
+    assert all(f.name != "bounded" for f in family_formats(FAMILIES["qwen3_next"], tiny_llama))
 
 
 def test_latent_caches_quantize_the_latent_only():
@@ -259,7 +264,7 @@ def test_latent_caches_quantize_the_latent_only():
     from mlx_lm.utils import _get_classes
 
     from vllm_mlx_persist.tools.models.build import Size, model_config
-    from vllm_mlx_persist.tools.quality.train import family_overrides, init_weights
+    from vllm_mlx_persist.tools.quality.train import init_weights
 
     size = Size(layers=2, hidden=128, heads=4, kv_heads=2, head_dim=64, intermediate=256, vocab=512)
     config = model_config("deepseek_v3", size)
@@ -268,27 +273,27 @@ def test_latent_caches_quantize_the_latent_only():
     model = mc(ac.from_dict(config))
     init_weights(model, config, 0)
     tokens = list(range(5, 69))
-    assert all(type(c).__name__ == "KVCache" for c in Q.sim_factory(Q.QSpec(4, 64), Q.QSpec(4, 64))(model))
-    sim = Q.sim_factory(Q.QSpec(8, 64), Q.QSpec(8, 64), latent=True)(model)
+    assert all(type(c).__name__ == "KVCache" for c in sim_factory(QSpec(4, 64), QSpec(4, 64))(model))
+    sim = sim_factory(QSpec(8, 64), QSpec(8, 64), latent=True)(model)
     assert all(type(c).__name__ == "SimQuantCache" for c in sim)
     _logits(model, tokens, sim)
     assert sim[0].stored_nbytes == 64 * (128 + 64 + 2 * 3 * 4)  # 8-bit codes + float32 scale, bias per group
-    PerTurn, EveryStep = Q._latent_cache_classes()
-    every = Q.sim_factory(Q.QSpec(8, method="minmax"), Q.QSpec(8, method="minmax"), latent=True)
+    PerTurn, EveryStep = _latent_cache_classes()
+    every = sim_factory(QSpec(8, method="minmax"), QSpec(8, method="minmax"), latent=True)
     # one call: the dequantize-every-step cache attends on exactly the simulation's values
     a = _logits(model, tokens, [EveryStep(8) for _ in range(2)])
     assert np.abs(a - _logits(model, tokens, every(model))).max() < 1e-5
     # per turn: the first call is all float (nothing packed yet); the second call sees it packed
-    fmt = Q.per_turn_latent_format("t", "t", 4)
-    turn, sim, full = fmt.make_cache(model), every(model), Q.FULL.make_cache(model)
+    fmt = per_turn_latent_format("t", "t", 4)
+    turn, sim, full = fmt.make_cache(model), every(model), FULL.make_cache(model)
     assert np.abs(_logits(model, tokens, turn) - _logits(model, tokens, full)).max() < 1e-5
     nxt = list(range(70, 90))
     t2, f2 = _logits(model, nxt, turn), _logits(model, nxt, full)
     assert turn[0].packed_upto == len(tokens) and np.abs(t2 - f2).max() > 1e-4
-    b4 = Q.sim_factory(Q.QSpec(4, method="minmax"), Q.QSpec(4, method="minmax"), latent=True)(model)
+    b4 = sim_factory(QSpec(4, method="minmax"), QSpec(4, method="minmax"), latent=True)(model)
     _logits(model, tokens, b4)
     assert np.abs(t2 - _logits(model, nxt, b4)).max() > 0  # the current turn stays float
     del sim
-    b = Q.latent_bytes(512, 64, 61, 2)
+    b = latent_bytes(512, 64, 61, 2)
     assert b["float"] == 61 * 576 * 2 and b["4-bit"] == 61 * (576 / 2 + 2 * 9 * 4)
     del mx

@@ -37,7 +37,8 @@ def _measure(model_dir: Path, options: list[str]) -> dict[str, dict]:
     from vllm_mlx_persist import key_calibration as kc
     from vllm_mlx_persist.caches import ModelCodec
     from vllm_mlx_persist.caches.attention import install_attention_fix
-    from vllm_mlx_persist.tools.quality.main import FULL, KVFormat, float_copies, perplexity
+    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat, float_copies
+    from vllm_mlx_persist.tools.quality.measure import perplexity
     from vllm_mlx_persist.tools.quality.real import heldout_text
 
     install_attention_fix()

@@ -68,7 +68,8 @@ def test_auto_predictions_agree_with_held_out_text_on_smollm2(smollm2_dir):
     from vllm_mlx_persist.caches import ModelCodec
     from vllm_mlx_persist.caches.attention import install_attention_fix
     from vllm_mlx_persist.kv_edit.rope_shift import probe_model
-    from vllm_mlx_persist.tools.quality.main import FULL, KVFormat, float_copies, perplexity
+    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat, float_copies
+    from vllm_mlx_persist.tools.quality.measure import perplexity
     from vllm_mlx_persist.tools.quality.real import heldout_text
 
     install_attention_fix()

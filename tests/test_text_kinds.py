@@ -142,7 +142,8 @@ def test_auto_predictions_hold_on_code_and_chat_on_smollm2(smollm2_dir):
     from vllm_mlx_persist.caches import ModelCodec
     from vllm_mlx_persist.caches.attention import install_attention_fix
     from vllm_mlx_persist.kv_edit.rope_shift import probe_model
-    from vllm_mlx_persist.tools.quality.main import FULL, KVFormat, float_copies, perplexity
+    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat, float_copies
+    from vllm_mlx_persist.tools.quality.measure import perplexity
 
     install_attention_fix()
     model, tok = load(str(smollm2_dir))

@@ -209,7 +209,7 @@ def balance_scales(keys: mx.array, query_rms: mx.array, center: mx.array) -> mx.
 def channel_scales(keys: mx.array) -> mx.array:
     """Per-channel key scales from calibration keys (n_kv_heads, T, D), as the cache holds them
     (after RoPE): each channel's RMS over the tokens, normalised to mean 1 per head and floored at
-    1e-3; (n_kv_heads, 1, D) float32 (what tools/quality/main.py simulates)."""
+    1e-3; (n_kv_heads, 1, D) float32 (what tools/quality/kv_formats.py simulates)."""
     k = keys.astype(mx.float32)
     rms = mx.sqrt(mx.mean(k * k, axis=1))  # (H, D)
     s = rms / mx.maximum(mx.mean(rms, axis=-1, keepdims=True), 1e-12)

@@ -36,7 +36,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from . import heldout
-from .main import FULL, KVFormat, float_copies, perplexity, served_key_formats, SERVED_KEY_CHOICES
+from .kv_formats import FULL, SERVED_KEY_CHOICES, KVFormat, served_key_formats
+from .measure import perplexity
 from ..serving import cpu_name
 
 

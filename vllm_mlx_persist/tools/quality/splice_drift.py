@@ -35,7 +35,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .main import OPENBLAS, _machine
+from .machine import OPENBLAS, machine_info
 from .train import EVAL_SOURCES, QUICK_CONFIG, TrainConfig, corpus, load_tokenizer, train
 
 PATHS = ("cold", "cold_q4", "splice", "splice_q4", "splice_q4_unmoved", "unedited")
@@ -764,7 +764,7 @@ def main(argv: Sequence[str]) -> int:
     command = "vllm-mlx-persist splice-drift" + "".join(" " + shlex.quote(a) for a in argv)
     if sys.platform == "linux":
         command = f"LD_PRELOAD={OPENBLAS} {command}"
-    res = {"command": command, "machine": _machine(), "model_dir": str(model_dir), "key_format": args.key_format,
+    res = {"command": command, "machine": machine_info(), "model_dir": str(model_dir), "key_format": args.key_format,
            "model": f"{model.args.model_type}, {model.args.num_hidden_layers} layers, {params / 1e6:.2f}M parameters, "
                     f"{next(v.dtype for _, v in tree_flatten(model.parameters()))}".replace("mlx.core.", ""),
            "heldout_files": files, **res}
