@@ -1,6 +1,6 @@
 """`vllm-mlx-persist batch-invariance`: does a prompt's answer depend on the prompts served with it?
 
-Through real `vllm-mlx serve` processes (tools/serving.py), per model family: the same prompts are
+Through real `vllm-mlx serve` processes (tools/serving/), per model family: the same prompts are
 sent to each server alone (one after another), then several at once, `together` (released at the
 same instant) and `staggered` (each released when the one before it has streamed its first token,
 so it joins a batch already decoding), in groups of `group`; greedy answers (streamed) are compared
