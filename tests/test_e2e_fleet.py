@@ -17,6 +17,7 @@ import json
 import signal
 import threading
 import time
+from contextlib import contextmanager
 
 import pytest
 
@@ -36,12 +37,25 @@ KEY = "test"
 SECRET = "e2e fleet secret, 32 bytes long!"
 
 
-def options(root, url: str) -> dict:
+def options(root, url: str, key_format: str = "q4") -> dict:
     # Matching by text off: these tests compare a served turn with another server's (or a cold) turn
     # on the same re-rendered messages, i.e. the same prompt tokens (see tests/test_e2e_server.py).
     return {"block_size": BLOCK, "hot_mb": 64, "cache_dir": str(root), "remote_url": url,
             "remote_wait_s": 10.0,  # generous: a bound checked elsewhere, not a timing
-            "match_text": False, "key_format": "q4"}  # what auto chooses here, without calibrating
+            "match_text": False, "key_format": key_format}  # q4: what auto chooses here, without calibrating
+
+
+@contextmanager
+def running(rds: RedisServer, *servers: Server):
+    """(rds, *servers) with the servers started; at exit every server stopped, then Redis."""
+    try:
+        for server in servers:
+            server.start()
+        yield (rds, *servers)
+    finally:
+        for server in servers:
+            server.stop()
+        rds.stop()
 
 
 @pytest.fixture(scope="module")
@@ -57,14 +71,8 @@ def fleet(tmp_path_factory):
                extra_args=("--api-key", KEY))
     b = Server(model, tmp / "b", options=options(tmp / "b-cache", rds.url), extra_args=("--api-key", KEY),
                env={SECRET_ENV: SECRET})
-    try:
-        a.start()
-        b.start()
-        yield rds, a, b
-    finally:
-        a.stop()
-        b.stop()
-        rds.stop()
+    with running(rds, a, b) as started:
+        yield started
 
 
 class Conversation:

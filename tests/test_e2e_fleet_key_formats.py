@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from test_e2e_fleet import BLOCK, Conversation, remote, wait_for
+from test_e2e_fleet import Conversation, options, remote, running, wait_for
 from test_e2e_lifecycle import call
 from vllm_mlx_persist.tools.models.build import build_model_dir
 from vllm_mlx_persist.tools.serving import Server
 
 redis = pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 from test_remote import RedisServer  # noqa: E402
-
-
-def options(root, url: str, key_format: str) -> dict:
-    return {"block_size": BLOCK, "hot_mb": 64, "cache_dir": str(root), "remote_url": url, "remote_wait_s": 10.0,
-            "match_text": False, "key_format": key_format}
 
 
 @pytest.fixture(scope="module")
@@ -29,14 +24,8 @@ def mixed(tmp_path_factory):
     rds = RedisServer(tmp)
     a = Server(model, tmp / "a", options=options(tmp / "a-cache", rds.url, "q4"))
     b = Server(model, tmp / "b", options=options(tmp / "b-cache", rds.url, "k8v4"))
-    try:
-        a.start()
-        b.start()
-        yield rds, a, b
-    finally:
-        a.stop()
-        b.stop()
-        rds.stop()
+    with running(rds, a, b) as started:
+        yield started
 
 
 def _health(server: Server) -> dict:

@@ -161,13 +161,20 @@ def test_tool_messages_in_a_row(servers):
     _splices(chat, servers["chatml"], conv(LONG), conv(STUB), "tool-row", boundary="line")
 
 
-def test_an_assistant_tool_call_argument(servers):
-    """A long write_file argument in the first of two calls, cut by the harness."""
-    conv = lambda text: [TASK, {"role": "assistant", "content": "Writing the fix.", "tool_calls": [  # noqa: E731
+def _write_then_run(text: str, said: str) -> list[dict]:
+    """The task, an assistant turn saying `said` that writes `text` (the argument a harness cuts) and runs
+    the tests, both calls' results, and a note."""
+    return [TASK, {"role": "assistant", "content": said, "tool_calls": [
         _call(1, "write_file", {"path": "src/parser.py", "text": text}), _call(2, "run", {"cmd": "pytest -x"})]},
         {"role": "tool", "tool_call_id": "call_1", "content": "written"},
         {"role": "tool", "tool_call_id": "call_2", "content": KEPT}, {"role": "user", "content": NOTE}]
-    _splices(chat, servers["chatml"], conv(LONG), conv(STUB), "tool-arg", boundary="line")
+
+
+def test_an_assistant_tool_call_argument(servers):
+    """A long write_file argument in the first of two calls, cut by the harness."""
+    said = "Writing the fix."
+    _splices(chat, servers["chatml"], _write_then_run(LONG, said), _write_then_run(STUB, said), "tool-arg",
+             boundary="line")
 
 
 def test_two_edits_in_one_request(servers):
@@ -250,8 +257,4 @@ def test_qwen_responses_function_call_outputs(servers):
 
 
 def test_qwen_tool_call_argument(servers):
-    conv = lambda text: [TASK, {"role": "assistant", "content": "", "tool_calls": [  # noqa: E731
-        _call(1, "write_file", {"path": "src/parser.py", "text": text}), _call(2, "run", {"cmd": "pytest -x"})]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "written"},
-        {"role": "tool", "tool_call_id": "call_2", "content": KEPT}, {"role": "user", "content": NOTE}]
-    _splices(chat, servers["qwen"], conv(LONG), conv(STUB), "q-arg", boundary="line")
+    _splices(chat, servers["qwen"], _write_then_run(LONG, ""), _write_then_run(STUB, ""), "q-arg", boundary="line")

@@ -53,6 +53,14 @@ def family(request):
     return arch, model, ModelCodec.for_model(model, bounded=bounded)
 
 
+@pytest.fixture(scope="module")
+def hybrid():
+    """(model, codec): the recurrent hybrid qwen3_next alone, for the tests of its states."""
+    model, _ = build_model("qwen3_next", SIZE, seed=0)
+    install_attention_fix()
+    return model, ModelCodec.for_model(model)
+
+
 def _prompt(n, seed):
     rng = random.Random(seed)
     return [rng.randrange(5, SIZE.vocab) for _ in range(n)]

@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 
-from test_fleet_partitions import fleet, model, model_server, redis_server, republish, settle  # noqa: E402,F401
-from test_remote import chain, fp, held, manifest  # noqa: E402,F401
+from fleet_pools import (fleet, fp, held, model, put_history, redis_server, republish, settle,  # noqa: E402,F401
+                         shared_history)
 
 SKEW_S = 60.0
 
@@ -29,54 +29,46 @@ class Clock:
 
 
 @pytest.mark.parametrize("how", ["skew", "step_back"])
-def test_a_forget_holds_when_the_forgetting_servers_clock_is_behind(fleet, model, fp, tmp_path, how):
+def test_a_forget_holds_when_the_forgetting_servers_clock_is_behind(fleet, model, how):
     """Item 2: `skew`: B's clock is 60 s ahead; B stores the history, A syncs it and forgets a span
     with its own clock (behind B's stamps). `step_back`: A stores the history, then A's clock steps
     back 60 s and A forgets. Either way B syncs the forget and publishes its record again, and A
     syncs: neither may hold the forgotten span (a removal is ordered after every write its record had
     seen, whatever the clock said)."""
-    from test_forget import _history, _turn
+    from test_forget import _turn
 
     from vllm_mlx_persist.kv_edit import FORGET
 
     ca, cb = Clock(), Clock(SKEW_S if how == "skew" else 0.0)
-    a = model_server(fleet, model, tmp_path / "a", fp, fleet.proxy(), clock=ca)
-    b = model_server(fleet, model, tmp_path / "b", fp, fleet.proxy(), clock=cb)
-    try:
-        head, span, tail = _history()
-        writer, other = (b, a) if how == "skew" else (a, b)
-        _turn(writer, model, "x", head + span + tail, "r1")
-        settle(writer)
-        other.fleet._sync_agent("x")
-        old = list(writer.agent("x").branches[-1].block_ids)
-        assert held(other, "x") == set(old)
+    a, _ = fleet.model_server("a", model, clock=ca)
+    b, _ = fleet.model_server("b", model, clock=cb)
+    writer, other = (b, a) if how == "skew" else (a, b)
+    head, span, tail, old = shared_history(writer, other, model)
+    assert held(other, "x") == set(old)
 
-        if how == "step_back":
-            ca.offset = -SKEW_S
-        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
-        settle(a)
-        (removal,) = a.agent("x").removals
-        gone = set(old[removal.index:])
-        assert not held(a, "x") & gone
+    if how == "step_back":
+        ca.offset = -SKEW_S
+    _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+    settle(a)
+    (removal,) = a.agent("x").removals
+    gone = set(old[removal.index:])
+    assert not held(a, "x") & gone
 
-        b.fleet._sync_agent("x")
-        assert not held(b, "x") & gone, "B kept the forgotten span"
-        republish(b, "x")
-        a.fleet._sync_agent("x")
-        assert not held(a, "x") & gone, "A serves the span it forgot again"
-        assert not set(fleet.tier().get_manifest("x").block_ids) & gone
-        # the client's next turn on A (a clock behind the removal's stamp) sends the span again: a new
-        # history, which stays (a removal spares what is written after it, on this server too)
-        _turn(a, model, "x", head + span + tail + [7, 8], "r3")
-        again = set(a.agent("x").branches[-1].block_ids)
-        assert again & gone
-        settle(a)
-        for pool in (b, a):
-            pool.fleet._sync_agent("x")
-            assert held(pool, "x") >= again, "the history sent again after the forget was dropped"
-    finally:
-        a.close()
-        b.close()
+    b.fleet._sync_agent("x")
+    assert not held(b, "x") & gone, "B kept the forgotten span"
+    republish(b, "x")
+    a.fleet._sync_agent("x")
+    assert not held(a, "x") & gone, "A serves the span it forgot again"
+    assert not set(fleet.tier().get_manifest("x").block_ids) & gone
+    # the client's next turn on A (a clock behind the removal's stamp) sends the span again: a new
+    # history, which stays (a removal spares what is written after it, on this server too)
+    _turn(a, model, "x", head + span + tail + [7, 8], "r3")
+    again = set(a.agent("x").branches[-1].block_ids)
+    assert again & gone
+    settle(a)
+    for pool in (b, a):
+        pool.fleet._sync_agent("x")
+        assert held(pool, "x") >= again, "the history sent again after the forget was dropped"
 
 
 @pytest.mark.parametrize("setting", ["forkable", "pinned"])
@@ -86,9 +78,7 @@ def test_a_later_refusal_wins_over_an_earlier_grant_whatever_the_clocks(fleet, f
     having synced the grant, refuses (forbids forks; unpins). `step_back`: G grants, its clock steps
     back 60 s, G refuses. After G's and R's syncs and publishes, every server (a third one too) holds
     the refusal: the later decision wins, whatever its server's clock said."""
-    w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    put_history(fleet.tier(), fp, "p")
     cg = Clock(SKEW_S if how == "skew" else 0.0)
     g, _ = fleet.server("g", clock=cg)
     r, _ = fleet.server("r")

@@ -10,27 +10,26 @@ import pytest
 
 pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 
-from test_fleet_partitions import fleet, redis_server, settle, wait_for  # noqa: E402,F401
-from test_remote import chain, fp, held, manifest  # noqa: E402,F401
+from fleet_pools import (SECRET, fleet, fleet_pool, fp, held, put_history, redis_server, settle,  # noqa: E402,F401
+                         tier_maker, wait_for)
 
 
-def published(fleet, fp, agent: str = "p") -> list:
-    """A history of `agent` in Redis, written by a server that is no pool here."""
-    w = fleet.tier()
-    hist = chain(fp, agent, 2)
-    assert w.put(manifest(agent, hist), {b.block_id: b for b in hist}) and w.flush(10)
-    return hist
+def refused_on_a(fleet, fp) -> tuple:
+    """P's history in Redis (put by a server that is no pool here); server A synced P and refused its
+    forks (published), server B never synced P: (A, B, B's proxy)."""
+    put_history(fleet.tier(), fp, "p")
+    a, _ = fleet.server("a")
+    b, proxy = fleet.server("b")
+    a.fleet._sync_agent("p")
+    assert a.set_forkable("p", False)
+    settle(a)
+    return a, b, proxy
 
 
 def test_a_server_that_never_served_the_parent_refuses_like_the_one_that_set_it(fleet, fp):
     """P set non-forkable on A; B never served P (nor synced it): a fork of P on B is refused, the
     answer A gives. Nothing of P is fetched by the answer itself."""
-    published(fleet, fp)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
-    a.fleet._sync_agent("p")
-    assert a.set_forkable("p", False)
-    settle(a)
+    a, b, _ = refused_on_a(fleet, fp)
     assert not a.may_fork("p")
     assert not b.may_fork("p"), "B allows a fork of P, which A refused (B never synced P)"
     assert not held(b, "p"), "the admission check fetched P's history"
@@ -43,7 +42,7 @@ def test_a_server_that_never_served_the_parent_refuses_like_the_one_that_set_it(
 def test_under_the_listed_policy_a_grant_travels_to_a_server_that_never_served_the_parent(fleet, fp):
     """fork_policy "listed": only agents set forkable may be forked. A grants P; B, which never
     served P, allows the fork too; an agent that no server knows is refused on both alike."""
-    published(fleet, fp)
+    put_history(fleet.tier(), fp, "p")
     a, _ = fleet.server("a")
     b, _ = fleet.server("b")
     for pool in (a, b):
@@ -60,11 +59,8 @@ def test_under_the_listed_policy_a_grant_travels_to_a_server_that_never_served_t
 def test_a_refusal_in_redis_wins_over_an_older_local_grant(fleet, fp):
     """B synced P while it was forkable and holds its record; A refuses forks later. B's admission
     answers by the merge of its record with Redis's (the later setting wins), without a sync first."""
-    published(fleet, fp)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
-    for pool in (a, b):
-        pool.fleet._sync_agent("p")
+    put_history(fleet.tier(), fp, "p")
+    a, b = fleet.synced_servers("p", "a", "b")
     assert a.set_forkable("p", True)
     settle(a)
     b.fleet._sync_agent("p")
@@ -77,11 +73,8 @@ def test_a_refusal_in_redis_wins_over_an_older_local_grant(fleet, fp):
 def test_an_erased_parent_is_answered_like_an_unknown_one(fleet, fp):
     """P refused forks, then was erased fleet-wide (a tombstone): a server that still holds P's old
     record answers like for any unknown agent (the policy), not by the erased record's setting."""
-    published(fleet, fp)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
-    for pool in (a, b):
-        pool.fleet._sync_agent("p")
+    put_history(fleet.tier(), fp, "p")
+    a, b = fleet.synced_servers("p", "a", "b")
     assert a.set_forkable("p", False)
     settle(a)
     b.fleet._sync_agent("p")
@@ -96,14 +89,13 @@ def test_a_history_begun_after_an_erasure_answers_by_its_own_settings(fleet, fp)
     begun on its tombstone, with no fork setting. B has not synced since: its record is of the past
     the erasure ended and does not count; B answers by the new history's settings (the policy)."""
     w = fleet.tier()
-    new = chain(fp, "p", 1, seed=5)
-    published(fleet, fp)
+    put_history(fleet.tier(), fp, "p")
     b, _ = fleet.server("b")
     b.fleet._sync_agent("p")
     assert b.set_forkable("p", False)
     settle(b)
     assert w.erase("p") and w.flush(10)
-    assert w.put(manifest("p", new), {x.block_id: x for x in new}) and w.flush(10)
+    put_history(w, fp, "p", 1, seed=5)
     m = w.get_manifest("p")
     assert not m.erased and m.era and m.forkable is None
     assert held(b, "p")  # B still holds its record of P's erased past
@@ -113,12 +105,7 @@ def test_a_history_begun_after_an_erasure_answers_by_its_own_settings(fleet, fp)
 def test_cut_off_from_redis_a_server_answers_from_what_it_knows(fleet, fp):
     """B cannot reach Redis: its answer is its own record's (here: none, so the policy's), within the
     read's bound; once healed it answers as A does."""
-    published(fleet, fp)
-    a, _ = fleet.server("a")
-    b, proxy = fleet.server("b")
-    a.fleet._sync_agent("p")
-    assert a.set_forkable("p", False)
-    settle(a)
+    _, b, proxy = refused_on_a(fleet, fp)
     proxy.cut()
     assert b.may_fork("p"), "cut off, B must answer from its local knowledge (the open policy)"
     proxy.heal()
@@ -128,12 +115,7 @@ def test_cut_off_from_redis_a_server_answers_from_what_it_knows(fleet, fp):
 def test_admission_checks_do_not_queue_behind_the_syncs_reads(fleet, fp):
     """Every reader of the syncs is taken (syncs stuck on a slow Redis): a fork's admission still reads
     the parent's settings, on the admission checks' own reader, and refuses as A does."""
-    published(fleet, fp)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
-    a.fleet._sync_agent("p")
-    assert a.set_forkable("p", False)
-    settle(a)
+    _, b, _ = refused_on_a(fleet, fp)
     slots = b.fleet.tier.reads._read_slots
     taken = 0
     while slots.acquire(blocking=False):
@@ -154,17 +136,12 @@ def test_the_answer_waits_at_most_the_fleets_bound_on_a_redis_that_never_answers
     import socket
     import time
 
-    from test_remote import SECRET, fleet_pool
-
-    from vllm_mlx_persist.fleet import FleetSettings, RemoteTier
-
     hung = socket.socket()
     hung.bind(("127.0.0.1", 0))
     hung.listen(16)  # accepted by the kernel, never read
     url = f"redis://127.0.0.1:{hung.getsockname()[1]}/0"
-    pool = fleet_pool(fp, tmp_path / "b", lambda **cb: RemoteTier(
-        FleetSettings(url, secret=SECRET, read_timeout_s=60.0, connect_timeout_s=60.0, wait_s=0.3,
-                     breaker_failures=1), fp, **cb))
+    pool = fleet_pool(fp, tmp_path / "b", tier_maker(url, fp, secret=SECRET, read_timeout_s=60.0,
+                                                     connect_timeout_s=60.0, wait_s=0.3, breaker_failures=1))
     try:
         t0 = time.monotonic()
         assert pool.may_fork("p")  # nothing known here: the open policy

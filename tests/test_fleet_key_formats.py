@@ -6,7 +6,6 @@ Pools hold synthetic 4-bit blocks (test_remote.chain) on one real redis-server."
 from __future__ import annotations
 
 import hashlib
-import time
 import logging
 from pathlib import Path
 
@@ -14,17 +13,10 @@ import pytest
 
 pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 
-from test_remote import SECRET, TOKENS_PER_BLOCK, RedisServer, chain, fp, held, manifest  # noqa: E402,F401
+from fleet_pools import (SECRET, fleet_pool, fp, held, put_history, redis_server, tier_maker,  # noqa: E402,F401
+                         wait_for)
 
 from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
-from vllm_mlx_persist.store import DiskStore  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture
@@ -34,17 +26,9 @@ def servers(redis_server, fp, tmp_path):
     made: list = []
 
     def make(name: str, key_format: str):
-        from vllm_mlx_persist.fleet import Fleet
-        from vllm_mlx_persist.pool import BlockPool
-
         own = fp if key_format == "q4" else hashlib.sha256(f"{fp}\n{key_format}".encode()).hexdigest()
-        settings = FleetSettings(redis_server.url, secret=SECRET, read_timeout_s=2.0)
-        fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
-        pool = BlockPool(fingerprint=own, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
-                         hot_bytes=1 << 30, store=DiskStore(tmp_path / name, own, {"test": True}, fmt),
-                         disk_budget=1 << 30,
-                         fleet=lambda p: Fleet(p, lambda **cb: RemoteTier(settings, own, **cb), (fp, key_format)))
-        pool.load_manifests()
+        pool = fleet_pool(own, tmp_path / name, tier_maker(redis_server.url, own, secret=SECRET, read_timeout_s=2.0),
+                          family=(fp, key_format))
         made.append(pool)
         assert pool.fleet.family.registered.wait(20)  # its keyspace claimed (a sync thread, at start)
         return pool, own
@@ -57,8 +41,7 @@ def servers(redis_server, fp, tmp_path):
 def publish(redis_server, fingerprint: str, agent: str, n: int = 2) -> set:
     """An agent's history written into the keyspace of `fingerprint` (as a server of it publishes one)."""
     t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fingerprint)
-    hist = chain(fingerprint, agent, n)
-    assert t.put(manifest(agent, hist), {b.block_id: b for b in hist}) and t.flush(10)
+    hist = put_history(t, fingerprint, agent, n)
     t.close(2)
     return {b.block_id for b in hist}
 
@@ -125,10 +108,7 @@ def _erasure_missing_a_keyspace(servers, redis_server, agent: str):
     client.set(key_b, b"not a manifest hash")
     a.erase(agent)
     assert a.fleet.tier.flush(20)
-    deadline = time.monotonic() + 20
-    while a.fleet.stats()["family_erasure_failures"] < 1:
-        assert time.monotonic() < deadline, "the failed erasure in B's keyspace was never seen"
-        time.sleep(0.02)
+    wait_for(lambda: a.fleet.stats()["family_erasure_failures"] >= 1, "the failed erasure in B's keyspace seen")
     return a, b, client, key_b
 
 
@@ -143,10 +123,7 @@ def test_an_erasure_that_misses_another_keyspace_stays_pending_and_is_sent_after
     a.close()
     a, _ = servers("a", "q4")  # the same disk: its outbox queues the erasure again
     assert a.fleet.tier.flush(20)
-    deadline = time.monotonic() + 20
-    while not list(outbox.glob("*.json")) == []:
-        assert time.monotonic() < deadline, "the erasure stayed pending after the restart"
-        time.sleep(0.02)
+    wait_for(lambda: list(outbox.glob("*.json")) == [], "the erasure let go of after the restart")
     m = b.fleet.tier.get_manifest("y")
     assert m is not None and m.erased
 

@@ -11,80 +11,10 @@ import pytest
 
 pytest.importorskip("redis", reason='the fleet extra is not installed: pip install -e ".[fleet]"')
 
-from test_remote import SECRET, RedisServer, chain, fleet_pool, fp, held, manifest  # noqa: E402,F401
+from fleet_pools import (SECRET, crash, fleet, fp, held, model, put_history, reaches_redis,  # noqa: E402,F401
+                         redis_server, republish, settle, shared_history, wait_for)
 
-from vllm_mlx_persist.fleet import FleetSettings, RemoteTier  # noqa: E402
 from vllm_mlx_persist.tools.reliability.partition import PartitionProxy  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    srv = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture
-def fleet(redis_server, fp, tmp_path):
-    """servers: make(name) -> (pool, proxy): a pool with its own disk under tmp_path/name and its own
-    proxy to the one Redis (cut one: that server alone is partitioned); `writer`: a plain tier."""
-    made: list = []
-    proxies: list = []
-
-    class Fleet:
-        redis = redis_server
-
-        def proxy(self) -> PartitionProxy:
-            p = PartitionProxy("127.0.0.1", redis_server.port)
-            proxies.append(p)
-            return p
-
-        def server(self, name: str, proxy: PartitionProxy | None = None, clock=None):
-            proxy = proxy or self.proxy()
-
-            def make_tier(**cb):
-                return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
-                                                backoff_s=0.05, backoff_max_s=0.2, read_timeout_s=1.0), fp, **cb)
-
-            pool = fleet_pool(fp, tmp_path / name, make_tier, **({"clock": clock} if clock else {}))
-            made.append(pool)
-            return pool, proxy
-
-        def tier(self) -> RemoteTier:
-            t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fp)
-            made.append(t)
-            return t
-
-    yield Fleet()
-    for p in proxies:
-        p.heal()
-    for x in made:
-        try:
-            x.close() if hasattr(x, "load_manifests") else x.close(2)
-        except Exception:
-            pass
-    for p in proxies:
-        p.close()
-
-
-def wait_for(cond, what: str, timeout: float = 20.0) -> None:
-    """Poll an observed condition (no fixed sleep decides anything)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.02)
-
-
-def settle(pool) -> None:
-    """The pool's queued disk writes and the fleet's queued puts done."""
-    pool.flush(30)
-    assert pool.fleet.tier.flush(30)
-
-
-def reaches_redis(pool, agent: str) -> None:
-    """Wait until the pool's tier reads the agent's manifest again (after a heal: its breaker closed)."""
-    wait_for(lambda: pool.fleet.tier.get_manifest(agent) is not None, "the healed server to reach Redis")
 
 
 def test_the_proxy_cuts_and_heals(fleet):
@@ -111,12 +41,9 @@ def test_a_fork_refusal_travels_and_survives_another_servers_publish(fleet, fp):
     never knew P refuses as well. A later grant on B wins over the earlier refusal (the latest setting
     wins; docs/fleet.md, "The merge rules")."""
     w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
+    hist = put_history(w, fp, "p")
+    a, b = fleet.synced_servers("p", "a", "b")
     for pool in (a, b):
-        pool.fleet._sync_agent("p")
         assert held(pool, "p") == {x.block_id for x in hist}
         assert pool.may_fork("p")  # the policy's default ("open")
 
@@ -133,24 +60,12 @@ def test_a_fork_refusal_travels_and_survives_another_servers_publish(fleet, fp):
     assert a.may_fork("p") and b.may_fork("p")
 
 
-def republish(pool, agent: str) -> None:
-    """What the agent's next turn's save does to its record: saved locally, then published."""
-    with pool.core.lock:
-        rec = pool.agent(agent)
-        pool.core.save(rec, [], {}, [], list(rec.branches))
-    settle(pool)
-
-
 def test_a_publish_of_another_server_keeps_the_refusal(fleet, fp):
     """Finding 2, the drop: B synced P before A's refusal and publishes P after it (B's record has no
     fork setting): Redis must keep A's refusal, and a third server refuses the fork."""
     w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
-    for pool in (a, b):
-        pool.fleet._sync_agent("p")
+    put_history(w, fp, "p")
+    a, b = fleet.synced_servers("p", "a", "b")
     assert a.set_forkable("p", False)
     settle(a)
     b.fleet._sync_agent("p")
@@ -166,25 +81,18 @@ def test_a_publish_of_another_server_keeps_the_refusal(fleet, fp):
 # ---- 3. an acknowledged erasure survives kill -9 ---------------------------------------------------------
 
 
-def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet, fp, tmp_path):
+def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet, fp):
     """Finding 3: A erases P (DELETE returns: the local erasure is durable) while A cannot reach Redis,
     then A dies before the tombstone is written (its writer's queue is lost, as with kill -9). A,
     restarted, must not fetch P back, and the erasure must reach Redis once A reaches it again."""
     w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    put_history(w, fp, "p")
     a, proxy = fleet.server("a")
     a.fleet._sync_agent("p")
     assert held(a, "p")
     proxy.cut()
     assert a.erase("p", 30)  # acknowledged: known locally
-    # kill -9: the tier's writer thread and queue vanish without a flush (no close())
-    a.fleet.stop()
-    a.fleet.tier.writer._state.stop = True
-    with a.fleet.tier.writer._cond:
-        a.fleet.tier.writer._q.clear()
-        a.fleet.tier.writer._cond.notify_all()
-    a.persister.close()
+    crash(a)  # kill -9: the tier's writer thread and queue vanish without a flush (no close())
     proxy.heal()
 
     again, _ = fleet.server("a", proxy)
@@ -201,71 +109,39 @@ def test_an_acknowledged_erasure_survives_a_crash_before_it_reaches_redis(fleet,
 # ---- 1. a forget holds against a server that served the agent while cut off ---------------------------
 
 
-@pytest.fixture(scope="module")
-def model():
-    from vllm_mlx_persist.tools.models.build import build_model
-
-    m, _ = build_model("llama", "tiny", seed=0)
-    return m
-
-
-def model_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy, clock=None):
-    """A pool of `model` (its turns made on real MLX) behind `proxy` (`clock`: the pool's, default time.time)."""
-    from test_pool import make_pool
-
-    from vllm_mlx_persist.fleet import Fleet
-
-    def make_tier(**cb):
-        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
-                                        backoff_s=0.05, backoff_max_s=0.2, max_attempts=2, read_timeout_s=1.0),
-                          fp, **cb)
-
-    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier),
-                     **({"clock": clock} if clock else {}))
-
-
-def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fleet, model, fp, tmp_path):
+def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off(fleet, model):
     """Finding 1: A forgets a span while B cannot reach Redis; the client's next request (which never
     sends the span again) lands on B, whose lookup serves the old branch's prefix (a use). After the
     heal B's sync must drop the old branch (its content was made before the removal; serving a prefix
     of it is no new history), B's next publish must not carry it, and A must never hold it again."""
-    from test_forget import _history, _turn
+    from test_forget import _turn
 
     from vllm_mlx_persist.kv_edit import FORGET
 
-    pa, pb = fleet.proxy(), fleet.proxy()
-    a = model_server(fleet, model, tmp_path / "a", fp, pa)
-    b = model_server(fleet, model, tmp_path / "b", fp, pb)
-    try:
-        head, span, tail = _history()
-        _, _, seq = _turn(a, model, "x", head + span + tail, "r1")
-        settle(a)
-        b.fleet._sync_agent("x")
-        old = list(a.agent("x").branches[-1].block_ids)
-        assert held(b, "x") == set(old)
+    a, pa = fleet.model_server("a", model)
+    b, pb = fleet.model_server("b", model)
+    head, span, tail, old = shared_history(a, b, model)
+    assert held(b, "x") == set(old)
 
-        pb.cut()
-        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
-        settle(a)
-        (removal,) = a.agent("x").removals
-        gone = set(old[removal.index:])
-        assert not held(a, "x") & gone
+    pb.cut()
+    _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+    settle(a)
+    (removal,) = a.agent("x").removals
+    gone = set(old[removal.index:])
+    assert not held(a, "x") & gone
 
-        # the client's next turn obeys the forget, and lands on B, cut off: B serves the prefix
-        m, _, _ = _turn(b, model, "x", head + tail + [7, 8, 9], "r3")
-        assert m.num_tokens > 0
-        b.flush(30)
-        pb.heal()
-        reaches_redis(b, "x")
-        b.fleet._sync_agent("x")
-        assert not held(b, "x") & gone, "B kept the forgotten branch after the heal"
-        republish(b, "x")
-        a.fleet._sync_agent("x")
-        assert not held(a, "x") & gone, "A serves the forgotten span again"
-        assert not set(fleet.tier().get_manifest("x").block_ids) & gone
-    finally:
-        a.close()
-        b.close()
+    # the client's next turn obeys the forget, and lands on B, cut off: B serves the prefix
+    m, _, _ = _turn(b, model, "x", head + tail + [7, 8, 9], "r3")
+    assert m.num_tokens > 0
+    b.flush(30)
+    pb.heal()
+    reaches_redis(b, "x")
+    b.fleet._sync_agent("x")
+    assert not held(b, "x") & gone, "B kept the forgotten branch after the heal"
+    republish(b, "x")
+    a.fleet._sync_agent("x")
+    assert not held(a, "x") & gone, "A serves the forgotten span again"
+    assert not set(fleet.tier().get_manifest("x").block_ids) & gone
 
 
 def test_a_use_moves_last_used_only_and_survives_the_manifest():
@@ -303,51 +179,42 @@ def test_settings_merge_by_the_latest_setting_and_a_tie_refuses():
 # ---- 4. a forget whose publish never reached Redis is published after the heal -------------------------
 
 
-def test_a_forget_whose_publish_never_reached_redis_is_republished(fleet, model, fp, tmp_path):
+def test_a_forget_whose_publish_never_reached_redis_is_republished(fleet, model):
     """Finding 4: A forgets a span while cut off (its put is given up), and restarts; after the heal
     A's sync finds its own record covering Redis's older copy. It must publish its removal (not
     adopt Redis's copy as unchanged and stop there), so B drops the span too."""
-    from test_forget import _history, _turn
+    from test_forget import _turn
 
     from vllm_mlx_persist.kv_edit import FORGET
 
-    pa, pb = fleet.proxy(), fleet.proxy()
-    a = model_server(fleet, model, tmp_path / "a", fp, pa)
-    b = model_server(fleet, model, tmp_path / "b", fp, pb)
-    try:
-        head, span, tail = _history()
-        _turn(a, model, "x", head + span + tail, "r1")
-        settle(a)
-        b.fleet._sync_agent("x")
-        old = list(a.agent("x").branches[-1].block_ids)
+    a, pa = fleet.model_server("a", model)
+    b, _ = fleet.model_server("b", model)
+    head, span, tail, old = shared_history(a, b, model)
 
-        pa.cut()
-        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
-        a.flush(30)
-        assert a.fleet.tier.flush(30)  # given up: the put never reached Redis
-        (removal,) = a.agent("x").removals
-        gone = set(old[removal.index:])
-        a.close()
-        pa.heal()
-        a = model_server(fleet, model, tmp_path / "a", fp, pa)
-        assert a.agent("x").removals == (removal,)
-        reaches_redis(a, "x")
-        a.fleet._sync_agent("x")
-        settle(a)
-        assert removal in fleet.tier().get_manifest("x").removals, "the removal never reached Redis"
-        a.fleet._sync_agent("x")  # published once: Redis holds it now, nothing more to publish
-        assert a.fleet.counts["syncs_republished"] == 1
-        b.fleet._sync_agent("x")
-        assert not held(b, "x") & gone, "B still serves the forgotten span"
-    finally:
-        a.close()
-        b.close()
+    pa.cut()
+    _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+    a.flush(30)
+    assert a.fleet.tier.flush(30)  # given up: the put never reached Redis
+    (removal,) = a.agent("x").removals
+    gone = set(old[removal.index:])
+    a.close()
+    pa.heal()
+    a, _ = fleet.model_server("a", model, pa)
+    assert a.agent("x").removals == (removal,)
+    reaches_redis(a, "x")
+    a.fleet._sync_agent("x")
+    settle(a)
+    assert removal in fleet.tier().get_manifest("x").removals, "the removal never reached Redis"
+    a.fleet._sync_agent("x")  # published once: Redis holds it now, nothing more to publish
+    assert a.fleet.counts["syncs_republished"] == 1
+    b.fleet._sync_agent("x")
+    assert not held(b, "x") & gone, "B still serves the forgotten span"
 
 
 # ---- 5. removals past the bound ------------------------------------------------------------------------
 
 
-def test_removals_past_the_bound_still_hold_against_an_old_copy(fleet, model, fp, tmp_path):
+def test_removals_past_the_bound_still_hold_against_an_old_copy(fleet, model):
     """Finding 5: an agent forgets one tool output per turn, 33 times (one more than MAX_REMOVALS
     records); B synced it before the first forget. B's sync must not keep (and B's publish must not
     bring back) the first forgotten output: the bound compacts removal records into the record's floor
@@ -358,29 +225,24 @@ def test_removals_past_the_bound_still_hold_against_an_old_copy(fleet, model, fp
     from vllm_mlx_persist.disk_format import MAX_REMOVALS
     from vllm_mlx_persist.kv_edit import FORGET
 
-    pa, pb = fleet.proxy(), fleet.proxy()
-    a = model_server(fleet, model, tmp_path / "a", fp, pa)
-    b = model_server(fleet, model, tmp_path / "b", fp, pb)
-    try:
-        head = tokens(40, seed=1)
-        _turn(a, model, "x", head + tokens(30, seed=100), "r0", out=2)
-        settle(a)
-        b.fleet._sync_agent("x")
-        first = list(a.agent("x").branches[-1].block_ids)
-        for i in range(1, MAX_REMOVALS + 2):
-            _turn(a, model, "x", head + tokens(30, seed=100 + i), f"r{i}", edit=FORGET, out=2)
-        settle(a)
-        assert len(a.agent("x").removals) <= MAX_REMOVALS
-        gone = set(first[2:])  # the first output's blocks (head: blocks 0-1 and half of 2)
-        assert not held(a, "x") & gone
-        b.fleet._sync_agent("x")
-        assert not held(b, "x") & gone, "B kept the first forgotten output"
-        republish(b, "x")
-        a.fleet._sync_agent("x")
-        assert not held(a, "x") & gone, "A serves the first forgotten output again"
-    finally:
-        a.close()
-        b.close()
+    a, _ = fleet.model_server("a", model)
+    b, _ = fleet.model_server("b", model)
+    head = tokens(40, seed=1)
+    _turn(a, model, "x", head + tokens(30, seed=100), "r0", out=2)
+    settle(a)
+    b.fleet._sync_agent("x")
+    first = list(a.agent("x").branches[-1].block_ids)
+    for i in range(1, MAX_REMOVALS + 2):
+        _turn(a, model, "x", head + tokens(30, seed=100 + i), f"r{i}", edit=FORGET, out=2)
+    settle(a)
+    assert len(a.agent("x").removals) <= MAX_REMOVALS
+    gone = set(first[2:])  # the first output's blocks (head: blocks 0-1 and half of 2)
+    assert not held(a, "x") & gone
+    b.fleet._sync_agent("x")
+    assert not held(b, "x") & gone, "B kept the first forgotten output"
+    republish(b, "x")
+    a.fleet._sync_agent("x")
+    assert not held(a, "x") & gone, "A serves the first forgotten output again"
 
 
 def test_bounded_removals_raise_a_floor_that_older_copies_cannot_cross():
@@ -407,53 +269,41 @@ def test_bounded_removals_raise_a_floor_that_older_copies_cannot_cross():
 # ---- 6. the era of an agent the tier's bounded memory forgot --------------------------------------------
 
 
-def test_a_forgotten_era_does_not_erase_a_valid_copy(fleet, fp, tmp_path):
+def test_a_forgotten_era_does_not_erase_a_valid_copy(fleet, fp):
     """Finding 6: X was erased elsewhere and recreated; A acted on the erasure and holds the new
     history (its era). Once A's tier forgets X's state (its `max_agents` bound), neither A's sync nor
     A's next publish of X may treat A's own copy as from before the erasure and erase it."""
     w = fleet.tier()
-    old, new = chain(fp, "x", 2), chain(fp, "x", 2, seed=7)
-    assert w.put(manifest("x", old), {b.block_id: b for b in old}) and w.flush(10)
-    proxy = fleet.proxy()
+    put_history(w, fp, "x")
+    a, _ = fleet.server("a", settings={"secret": SECRET, "max_agents": 2})
+    a.fleet._sync_agent("x")
+    assert w.erase("x") and w.flush(10)
+    new = put_history(w, fp, "x", seed=7)
+    a.fleet._sync_agent("x")
+    assert held(a, "x") == {b.block_id for b in new} and a.fleet.counts["erased_from_fleet"] == 1
+    era = a.fleet.tier.era("x")
+    assert era and a.store.read_manifest("x").era == era
 
-    def make_tier(**cb):
-        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, max_agents=2), fp, **cb)
+    for other in ("y", "z", "v"):  # other agents' states push X's out of the tier's memory
+        a.fleet.tier.get_manifest(other)
+    a.fleet._sync_agent("x")
+    assert a.fleet.counts["erased_from_fleet"] == 1, "A erased its valid copy (sync)"
+    assert held(a, "x") == {b.block_id for b in new} and a.fleet.tier.era("x") == era
 
-    a = fleet_pool(fp, tmp_path / "a", make_tier)
-    try:
-        a.fleet._sync_agent("x")
-        assert w.erase("x") and w.flush(10)
-        assert w.put(manifest("x", new), {b.block_id: b for b in new}) and w.flush(10)
-        a.fleet._sync_agent("x")
-        assert held(a, "x") == {b.block_id for b in new} and a.fleet.counts["erased_from_fleet"] == 1
-        era = a.fleet.tier.era("x")
-        assert era and a.store.read_manifest("x").era == era
-
-        for other in ("y", "z", "v"):  # other agents' states push X's out of the tier's memory
-            a.fleet.tier.get_manifest(other)
-        a.fleet._sync_agent("x")
-        assert a.fleet.counts["erased_from_fleet"] == 1, "A erased its valid copy (sync)"
-        assert held(a, "x") == {b.block_id for b in new} and a.fleet.tier.era("x") == era
-
-        for other in ("y", "z", "v"):
-            a.fleet.tier.get_manifest(other)
-        republish(a, "x")
-        assert a.fleet.tier.stats()["puts_erased"] == 0, "A's publish met its own era as an erasure"
-        assert a.fleet.counts["erased_from_fleet"] == 1 and held(a, "x") == {b.block_id for b in new}
-        assert a.store.read_manifest("x").era == era
-    finally:
-        a.close()
+    for other in ("y", "z", "v"):
+        a.fleet.tier.get_manifest(other)
+    republish(a, "x")
+    assert a.fleet.tier.stats()["puts_erased"] == 0, "A's publish met its own era as an erasure"
+    assert a.fleet.counts["erased_from_fleet"] == 1 and held(a, "x") == {b.block_id for b in new}
+    assert a.store.read_manifest("x").era == era
 
 
 _ERASE_AND_HANG = """
 import sys, time
 from pathlib import Path
-from test_remote import SECRET, fleet_pool
-from vllm_mlx_persist.fleet import FleetSettings, RemoteTier
+from fleet_pools import SECRET, fleet_pool, tier_maker
 fp, root, url = sys.argv[1:4]
-def make_tier(**cb):
-    return RemoteTier(FleetSettings(url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2), fp, **cb)
-pool = fleet_pool(fp, Path(root), make_tier)
+pool = fleet_pool(fp, Path(root), tier_maker(url, fp, secret=SECRET, breaker_failures=1, breaker_open_s=0.2))
 print("acked", pool.erase("p", 30), flush=True)
 time.sleep(600)
 """
@@ -469,8 +319,7 @@ def test_an_erasure_acknowledged_by_a_server_then_sigkilled_reaches_the_fleet(fl
     import sys
 
     w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    put_history(w, fp, "p")
     a, proxy = fleet.server("a")
     a.fleet._sync_agent("p")
     assert held(a, "p")
@@ -496,29 +345,25 @@ def test_an_erasure_acknowledged_by_a_server_then_sigkilled_reaches_the_fleet(fl
     wait_for(lambda: not again.fleet.outbox.pending(), "the outbox emptied")
 
 
-def test_a_fork_request_admitted_before_the_sync_is_refused_the_parents_history(fleet, model, fp, tmp_path):
+def test_a_fork_request_admitted_before_the_sync_is_refused_the_parents_history(fleet, model):
     """Finding 2 on the request path: a fork request's admission checks the parent's setting as the
     server holds it (before any sync); A refused forks of P since. The lookup syncs P first and must
     then serve nothing of P (a miss), its record as synced being what decides."""
     from test_forget import _turn
     from test_pool import tokens
 
-    a = model_server(fleet, model, tmp_path / "a", fp, fleet.proxy())
-    b = model_server(fleet, model, tmp_path / "b", fp, fleet.proxy())
-    try:
-        _, _, seq = _turn(a, model, "p", tokens(70, seed=4), "r1")
-        settle(a)
-        b.fleet._sync_agent("p")
-        assert b.may_fork("p")  # what B's admission sees
-        assert a.set_forkable("p", False)
-        settle(a)
-        m = b.match("child", seq + [9, 9], "r2", fork_from="p")
-        b.finish("r2")
-        assert m.num_tokens == 0, "B served the fork from a parent that refuses forks"
-        assert not b.may_fork("p") and b.stats["forks_refused_at_lookup"] == 1
-    finally:
-        a.close()
-        b.close()
+    a, _ = fleet.model_server("a", model)
+    b, _ = fleet.model_server("b", model)
+    _, _, seq = _turn(a, model, "p", tokens(70, seed=4), "r1")
+    settle(a)
+    b.fleet._sync_agent("p")
+    assert b.may_fork("p")  # what B's admission sees
+    assert a.set_forkable("p", False)
+    settle(a)
+    m = b.match("child", seq + [9, 9], "r2", fork_from="p")
+    b.finish("r2")
+    assert m.num_tokens == 0, "B served the fork from a parent that refuses forks"
+    assert not b.may_fork("p") and b.stats["forks_refused_at_lookup"] == 1
 
 
 def test_a_pin_travels_and_the_latest_pin_setting_wins(fleet, fp):
@@ -528,12 +373,8 @@ def test_a_pin_travels_and_the_latest_pin_setting_wins(fleet, fp):
     from vllm_mlx_persist.record_settings import merge_settings
 
     w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
-    a, _ = fleet.server("a")
-    b, _ = fleet.server("b")
-    for pool in (a, b):
-        pool.fleet._sync_agent("p")
+    put_history(w, fp, "p")
+    a, b = fleet.synced_servers("p", "a", "b")
     assert a.set_pinned("p", True)
     settle(a)
     assert w.get_manifest("p").pinned
@@ -602,126 +443,78 @@ def test_the_outbox_keeps_an_agents_latest_erasure_and_holds_no_lock_across_its_
 # ---- issue #53: a forget's publish and every pending removal are durable, drained and bounded -----------
 
 
-def crash(pool) -> None:
-    """kill -9, as far as the fleet can tell: its threads stop, the writer's queue vanishes unsent (no
-    close(), no flush), and the disk is left as it is."""
-    pool.fleet.stop()
-    writer = pool.fleet.tier.writer
-    with writer._cond:
-        writer._state.stop = True
-        writer._q.clear()
-        writer._cond.notify_all()
-    pool.persister.close()
-
-
-def drained_server(fleet, model, root: Path, fp: str, proxy: PartitionProxy, **settings):
-    """model_server whose outbox is sent again every 0.2 s (FleetSettings: `settings` over these)."""
-    from test_pool import make_pool
-
-    from vllm_mlx_persist.fleet import Fleet
-
-    def make_tier(**cb):
-        return RemoteTier(FleetSettings(proxy.url, **{
-            "secret": SECRET, "breaker_failures": 1, "breaker_open_s": 0.2, "backoff_s": 0.05, "backoff_max_s": 0.2,
-            "max_attempts": 2, "read_timeout_s": 1.0, "outbox_retry_s": 0.2, **settings}), fp, **cb)
-
-    return make_pool(model, root, fingerprint=fp, fleet=lambda p: Fleet(p, make_tier))
-
-
 def _removed_in_redis(w, agent: str, removal) -> bool:
     m = w.get_manifest(agent)
     return m is not None and not m.erased and removal in m.removals
 
 
-def test_a_forget_acknowledged_before_a_crash_reaches_the_fleet_after_the_restart(fleet, model, fp, tmp_path):
+def test_a_forget_acknowledged_before_a_crash_reaches_the_fleet_after_the_restart(fleet, model):
     """Issue #53, item 1: A, cut off from Redis, forgets a span (the turn is acknowledged: durable
     locally), and is killed before its put reaches Redis; Redis comes back and A restarts. Nothing
     asks A for the agent again, yet the removal must reach Redis from A's outbox, so B (which synced
     the agent before the forget) drops the forgotten span at its next sync."""
-    from test_forget import _history, _turn
+    from test_forget import _turn
 
     from vllm_mlx_persist.kv_edit import FORGET
 
-    pa, pb = fleet.proxy(), fleet.proxy()
-    a = drained_server(fleet, model, tmp_path / "a", fp, pa)
-    b = model_server(fleet, model, tmp_path / "b", fp, pb)
-    try:
-        head, span, tail = _history()
-        _turn(a, model, "x", head + span + tail, "r1")
-        settle(a)
-        b.fleet._sync_agent("x")
-        old = list(a.agent("x").branches[-1].block_ids)
-        pa.cut()
-        _turn(a, model, "x", head + tail, "r2", edit=FORGET)  # acknowledged: pool.commit waited for the disk
-        (removal,) = a.agent("x").removals
-        gone = set(old[removal.index:])
-        assert held(b, "x") & gone
-        crash(a)
-        pa.heal()
-        a = drained_server(fleet, model, tmp_path / "a", fp, pa)  # restarted; X is never asked for
-        w = fleet.tier()
-        wait_for(lambda: _removed_in_redis(w, "x", removal), "the forget's removal in Redis from the outbox")
-        wait_for(lambda: not a.fleet.outbox.forgets(), "the outbox letting go of the forget's publish")
-        b.fleet._sync_agent("x")
-        assert not held(b, "x") & gone, "B still serves the span A forgot"
-    finally:
-        a.close()
-        b.close()
+    a, pa = fleet.model_server("a", model, outbox_retry_s=0.2)  # its outbox sent again every 0.2 s
+    b, _ = fleet.model_server("b", model)
+    head, span, tail, old = shared_history(a, b, model)
+    pa.cut()
+    _turn(a, model, "x", head + tail, "r2", edit=FORGET)  # acknowledged: pool.commit waited for the disk
+    (removal,) = a.agent("x").removals
+    gone = set(old[removal.index:])
+    assert held(b, "x") & gone
+    crash(a)
+    pa.heal()
+    a, _ = fleet.model_server("a", model, pa, outbox_retry_s=0.2)  # restarted; X is never asked for
+    w = fleet.tier()
+    wait_for(lambda: _removed_in_redis(w, "x", removal), "the forget's removal in Redis from the outbox")
+    wait_for(lambda: not a.fleet.outbox.forgets(), "the outbox letting go of the forget's publish")
+    b.fleet._sync_agent("x")
+    assert not held(b, "x") & gone, "B still serves the span A forgot"
 
 
-def test_a_forget_whose_put_was_given_up_reaches_redis_while_the_server_runs(fleet, model, fp, tmp_path):
+def test_a_forget_whose_put_was_given_up_reaches_redis_while_the_server_runs(fleet, model):
     """Issue #53, item 2 for a forget: A's put of its forget is given up while A is cut off; after the
     heal, with no request of the agent and no restart, the outbox sends it again."""
     from test_forget import _history, _turn
 
     from vllm_mlx_persist.kv_edit import FORGET
 
-    pa = fleet.proxy()
-    a = drained_server(fleet, model, tmp_path / "a", fp, pa)
-    try:
-        head, span, tail = _history()
-        _turn(a, model, "x", head + span + tail, "r1")
-        settle(a)
-        pa.cut()
-        _turn(a, model, "x", head + tail, "r2", edit=FORGET)
-        (removal,) = a.agent("x").removals
-        pending = a.fleet.outbox.forgets()
-        assert list(pending) == ["x"] and pending["x"] >= removal.at, "the forget was acknowledged with no pending publish"
-        a.flush(30)
-        assert a.fleet.tier.flush(30)  # its put given up: Redis unreachable
-        assert not _removed_in_redis(fleet.tier(), "x", removal)
-        syncs = a.fleet.counts["syncs"]  # the turns' own
-        pa.heal()
-        w = fleet.tier()
-        wait_for(lambda: _removed_in_redis(w, "x", removal), "the forget's removal in Redis while A runs")
-        wait_for(lambda: not a.fleet.outbox.forgets(), "the outbox letting go of the forget's publish")
-        assert a.fleet.counts["forgets_sent_again"] >= 1 and a.fleet.counts["syncs"] == syncs, "a sync published it"
-    finally:
-        a.close()
+    a, pa = fleet.model_server("a", model, outbox_retry_s=0.2)  # its outbox sent again every 0.2 s
+    head, span, tail = _history()
+    _turn(a, model, "x", head + span + tail, "r1")
+    settle(a)
+    pa.cut()
+    _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+    (removal,) = a.agent("x").removals
+    pending = a.fleet.outbox.forgets()
+    assert list(pending) == ["x"] and pending["x"] >= removal.at, "the forget was acknowledged with no pending publish"
+    a.flush(30)
+    assert a.fleet.tier.flush(30)  # its put given up: Redis unreachable
+    assert not _removed_in_redis(fleet.tier(), "x", removal)
+    syncs = a.fleet.counts["syncs"]  # the turns' own
+    pa.heal()
+    w = fleet.tier()
+    wait_for(lambda: _removed_in_redis(w, "x", removal), "the forget's removal in Redis while A runs")
+    wait_for(lambda: not a.fleet.outbox.forgets(), "the outbox letting go of the forget's publish")
+    assert a.fleet.counts["forgets_sent_again"] >= 1 and a.fleet.counts["syncs"] == syncs, "a sync published it"
 
 
-def test_an_erasure_in_the_outbox_reaches_redis_while_the_server_runs(fleet, fp, tmp_path):
+def test_an_erasure_in_the_outbox_reaches_redis_while_the_server_runs(fleet, fp):
     """Issue #53, item 5: an erasure pending in the outbox that no write carries (the writer refused
     it, or let it go) was read only at the next start. Now the running server sends it again."""
     w = fleet.tier()
-    hist = chain(fp, "p", 2)
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
-    proxy = fleet.proxy()
-
-    def make_tier(**cb):
-        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, outbox_retry_s=0.2), fp, **cb)
-
-    a = fleet_pool(fp, tmp_path / "a", make_tier)
-    try:
-        a.fleet.outbox.add("p", "e" * 16)  # pending, not queued
-        wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased and m.ident == "e" * 16,
-                 "the pending erasure's tombstone in Redis while the server runs")
-        wait_for(lambda: not a.fleet.outbox.pending(), "the outbox letting go of it")
-    finally:
-        a.close()
+    put_history(w, fp, "p")
+    a, _ = fleet.server("a", settings={"secret": SECRET, "outbox_retry_s": 0.2})
+    a.fleet.outbox.add("p", "e" * 16)  # pending, not queued
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.erased and m.ident == "e" * 16,
+             "the pending erasure's tombstone in Redis while the server runs")
+    wait_for(lambda: not a.fleet.outbox.pending(), "the outbox letting go of it")
 
 
-def test_removals_past_the_bound_are_refused_with_503_not_acknowledged(fleet, fp, tmp_path, monkeypatch):
+def test_removals_past_the_bound_are_refused_with_503_not_acknowledged(fleet, fp, monkeypatch):
     """Issue #53, item 5: with `max_erasures` removals pending (A cut off from Redis), DELETE answered
     200, the writer refused to queue the erasure, and after the heal A fetched the agent back and
     served it. Now the next removal is refused (503, nothing removed: A still serves it), a forget
@@ -737,16 +530,9 @@ def test_removals_past_the_bound_are_refused_with_503_not_acknowledged(fleet, fp
 
     w = fleet.tier()
     for agent in ("p1", "p2", "p3"):
-        hist = chain(fp, agent, 2)
-        assert w.put(manifest(agent, hist), {b.block_id: b for b in hist})
-    assert w.flush(10)
-    proxy = fleet.proxy()
-
-    def make_tier(**cb):
-        return RemoteTier(FleetSettings(proxy.url, secret=SECRET, breaker_failures=1, breaker_open_s=0.2,
-                                        read_timeout_s=1.0, max_erasures=2, outbox_retry_s=0.2), fp, **cb)
-
-    a = fleet_pool(fp, tmp_path / "a", make_tier)
+        put_history(w, fp, agent)
+    a, proxy = fleet.server("a", settings={"secret": SECRET, "breaker_failures": 1, "breaker_open_s": 0.2,
+                                          "read_timeout_s": 1.0, "max_erasures": 2, "outbox_retry_s": 0.2})
 
     class Backend:  # what the admin routes and the namespace hook ask of the backend serving
         closed = False
@@ -775,33 +561,30 @@ def test_removals_past_the_bound_are_refused_with_503_not_acknowledged(fleet, fp
                                                headers={"x-agent-id": agent, "x-kv-edit": "forget"},
                                                endpoint="/v1/chat/completions")
 
-    try:
-        for agent in ("p1", "p2", "p3"):
-            a.fleet._sync_agent(agent)
-            assert held(a, agent)
-        proxy.cut()
-        for agent in ("p1", "p2"):
-            assert asyncio.run(delete(agent_id=agent)) == {"id": agent, "deleted": True}
-        refused = asyncio.run(delete(agent_id="p3"))
-        assert getattr(refused, "status_code", 200) == 503, "an erasure past the bound was acknowledged"
-        assert b"pending" in refused.body and refused.headers["retry-after"]
-        assert held(a, "p3"), "a refused erasure removed the agent"
-        with pytest.raises(HTTPException) as e:
-            forget("p3")
-        assert e.value.status_code == 503 and "pending" in e.value.detail
-        assert a.fleet.counts["removals_refused"] == 2
-        proxy.heal()
-        for agent in ("p1", "p2"):
-            wait_for(lambda: (m := w.get_manifest(agent)) is not None and m.erased, f"{agent}'s tombstone")
-        wait_for(lambda: a.fleet.removal_room(), "room again once the pending erasures are in Redis")
-        assert forget("p3") == "p3\0edit:forget"
-        assert asyncio.run(delete(agent_id="p3")) == {"id": "p3", "deleted": True}
-        wait_for(lambda: (m := w.get_manifest("p3")) is not None and m.erased, "p3's tombstone")
-        for agent in ("p1", "p2", "p3"):
-            a.fleet._sync_agent(agent)
-            assert a.fleet_view.branch_state(agent) is None, f"A fetched the erased {agent} back"
-    finally:
-        a.close()
+    for agent in ("p1", "p2", "p3"):
+        a.fleet._sync_agent(agent)
+        assert held(a, agent)
+    proxy.cut()
+    for agent in ("p1", "p2"):
+        assert asyncio.run(delete(agent_id=agent)) == {"id": agent, "deleted": True}
+    refused = asyncio.run(delete(agent_id="p3"))
+    assert getattr(refused, "status_code", 200) == 503, "an erasure past the bound was acknowledged"
+    assert b"pending" in refused.body and refused.headers["retry-after"]
+    assert held(a, "p3"), "a refused erasure removed the agent"
+    with pytest.raises(HTTPException) as e:
+        forget("p3")
+    assert e.value.status_code == 503 and "pending" in e.value.detail
+    assert a.fleet.counts["removals_refused"] == 2
+    proxy.heal()
+    for agent in ("p1", "p2"):
+        wait_for(lambda: (m := w.get_manifest(agent)) is not None and m.erased, f"{agent}'s tombstone")
+    wait_for(lambda: a.fleet.removal_room(), "room again once the pending erasures are in Redis")
+    assert forget("p3") == "p3\0edit:forget"
+    assert asyncio.run(delete(agent_id="p3")) == {"id": "p3", "deleted": True}
+    wait_for(lambda: (m := w.get_manifest("p3")) is not None and m.erased, "p3's tombstone")
+    for agent in ("p1", "p2", "p3"):
+        a.fleet._sync_agent(agent)
+        assert a.fleet_view.branch_state(agent) is None, f"A fetched the erased {agent} back"
 
 
 # ---- issue #53: the outbox's own promises, each guarding a defect injected by hand ----------------------
@@ -877,13 +660,12 @@ def test_outbox_times_go_on_from_the_files_after_a_restart_whatever_the_clock(tm
     assert again.pending() == [("b", "e2"), ("a", "e3")]
 
 
-def test_the_outbox_records_an_erasure_before_its_tombstone_is_queued(fleet, fp, tmp_path):
+def test_the_outbox_records_an_erasure_before_its_tombstone_is_queued(fleet, fp):
     """The tombstone is queued only once the erasure is durable in the outbox (a writer that reached
     Redis first could let go of a file not written yet, which then stays and is sent again forever)."""
     a, _ = fleet.server("a")
-    hist = chain(fp, "p", 2)
     w = fleet.tier()
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    put_history(w, fp, "p")
     a.fleet._sync_agent("p")
     queued_at_add = []
     real_add = a.fleet.outbox.add
@@ -899,15 +681,14 @@ def test_the_outbox_records_an_erasure_before_its_tombstone_is_queued(fleet, fp,
     wait_for(lambda: not a.fleet.outbox.pending(), "the outbox letting go of it")
 
 
-def test_the_writer_lets_an_erasure_go_only_once_its_tombstone_is_written(fleet, fp, tmp_path):
+def test_the_writer_lets_an_erasure_go_only_once_its_tombstone_is_written(fleet, fp):
     """The outbox file of an erasure stays while its tombstone's write fails (here the compare-and-set
     itself), and goes once it is written."""
     import redis
 
     a, _ = fleet.server("a")
-    hist = chain(fp, "p", 2)
     w = fleet.tier()
-    assert w.put(manifest("p", hist), {b.block_id: b for b in hist}) and w.flush(10)
+    put_history(w, fp, "p")
     a.fleet._sync_agent("p")
     writer = a.fleet.tier.writer
     real_cas, failures, failing = writer._cas_script, [], [True]

@@ -22,22 +22,13 @@ import logging
 import mlx.core as mx
 import pytest
 
-from test_families import SIZE, _pool
+from test_families import SIZE, _pool, hybrid  # noqa: F401 (a fixture)
 from vllm_mlx_persist.caches import ModelCodec, StateCache
 from vllm_mlx_persist.caches.recurrent import LOST
-from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.kinds import STATE
-from vllm_mlx_persist.tools.models.build import build_model
 
 STATE_TOL = 1e-4
 LOGIT_TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def hybrid():
-    model, _ = build_model("qwen3_next", SIZE, seed=0)
-    install_attention_fix()
-    return model, ModelCodec.for_model(model)
 
 
 def prompts(n: int, length: int) -> list[list[int]]:

@@ -15,22 +15,12 @@ from __future__ import annotations
 import random
 
 import mlx.core as mx
-import pytest
 
-from test_families import BLOCK, SIZE, _logits, _pool
+from test_families import BLOCK, SIZE, _logits, _pool, hybrid  # noqa: F401 (a fixture)
 from vllm_mlx_persist.caches import ModelCodec
-from vllm_mlx_persist.caches.attention import install_attention_fix
 from vllm_mlx_persist.caches.kinds import STATE
-from vllm_mlx_persist.tools.models.build import build_model
 
 LOGIT_TOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def hybrid():
-    model, _ = build_model("qwen3_next", SIZE, seed=0)
-    install_attention_fix()
-    return model, ModelCodec.for_model(model)
 
 
 def words(n: int, seed: int) -> list[int]:

@@ -1121,16 +1121,16 @@ def test_a_build_from_before_the_agent_record_refuses_a_record_with_spliced_bran
     assert _old_reader(old, server, fp, tmp_path / "cache")["local"] is None
 
 
-def fleet_pool(fp: str, root: Path, make_tier, **kw):
+def fleet_pool(fp: str, root: Path, make_tier, family: tuple[str, str] | None = None, **kw):
     """A pool with its disk tier at `root` and a fleet tier from `make_tier`, its agents loaded from disk
-    (`kw`: more BlockPool options, e.g. its `clock`)."""
+    (`family`: (weights' fingerprint, key format), fleet.Fleet's; `kw`: more BlockPool options, e.g. its `clock`)."""
     from vllm_mlx_persist.fleet import Fleet
     from vllm_mlx_persist.pool import BlockPool
 
     fmt = {"bits": 4, "group_size": 64, "block_size": TOKENS_PER_BLOCK}
     pool = BlockPool(fingerprint=fp, n_layers=2, bits=4, group_size=64, block_size=TOKENS_PER_BLOCK,
                      hot_bytes=1 << 30, store=DiskStore(root, fp, {"test": True}, fmt), disk_budget=1 << 30,
-                     fleet=lambda p: Fleet(p, make_tier), **kw)
+                     fleet=lambda p: Fleet(p, make_tier, family), **kw)
     pool.load_manifests()
     return pool
 
