@@ -14,7 +14,6 @@ pytest.importorskip("redis", reason='the fleet extra is not installed: pip insta
 from fleet_pools import (SECRET, crash, fleet, fp, held, model, put_history, reaches_redis,  # noqa: E402,F401
                          redis_server, republish, settle, shared_history, wait_for)
 
-from vllm_mlx_persist.tools.reliability.partition import PartitionProxy  # noqa: E402
 
 
 def test_the_proxy_cuts_and_heals(fleet):
