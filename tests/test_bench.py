@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from vllm_mlx_persist.tools.bench.fanout import worker_fetches
 from vllm_mlx_persist.tools.bench.kit import FAMILY_TURNS, STATES, classify
 
-QUICK_SECTIONS = ("ttft", "reload", "families", "long", "concurrency", "stall", "capacity", "edits")
+QUICK_SECTIONS = ("ttft", "reload", "families", "fanout", "long", "concurrency", "stall", "capacity", "edits")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +87,39 @@ def test_classify_reads_both_servers_log_lines():
     assert classify("[cache_fetch] request=1 MISS prompt_tokens=36 time=0.000s entries=0\n", "x") == ("cold", 0)
     ssd = "[ssd_promote] request=abc prefix promote: 900/1000 tokens from SSD in 0.1s\n"
     assert classify(hit.replace("HIT", "MISS") + ssd, "x") == ("disk", 900)
+
+
+def test_worker_fetches_reads_each_servers_lookup_lines():
+    """persist_q4's lookups by worker agent id (the seam logs no `[cache_fetch]` line for a backend,
+    and the coordinator's own line is not a worker's); vllm-mlx's one `[cache_fetch]` line per request."""
+    persist = ("INFO:vllm_mlx_persist:[persist_q4] agent=coord MISS prompt=509\n"
+               "INFO:vllm_mlx_persist:[persist_q4] agent=w1 MISS prompt=580\n"
+               "INFO:vllm_mlx_persist:[persist_q4] agent=w0 HIT hot from parent coord cached=517 prompt=576 in 0.6 ms\n")
+    assert worker_fetches(persist, ["w0", "w1"], persist=True) == [(576, 517), (580, 0)]
+    with pytest.raises(RuntimeError, match="1 .persist_q4. agent= lines for 2 workers"):
+        worker_fetches(persist, ["w0", "w2"], persist=True)
+    vllm = ("[cache_fetch] request=708bf183-9ca HIT prompt_tokens=578 cached=513 remaining=65 time=0.000s\n"
+            "[cache_fetch] request=1 MISS prompt_tokens=36 time=0.000s entries=0\n")
+    assert worker_fetches(vllm, ["w0", "w1"], persist=False) == [(578, 513), (36, 0)]
+    with pytest.raises(RuntimeError, match="0 .cache_fetch. lines for 1 workers"):
+        worker_fetches(persist, ["w0"], persist=False)
+
+
+def test_quick_fanout_section(quick):
+    """Forked workers on a real persist_q4 server: each worker's first turn reuses the coordinator's
+    document (at least half its tokens) from its parent's blocks, and every level has one lookup per
+    worker in both systems."""
+    res, out, _ = quick
+    f = res["sections"]["fanout"]
+    assert f["errors"] == {}
+    for system in ("persist_q4", "vllm_default"):
+        levels = f["systems"][system]["levels"]
+        assert [int(n) for n in levels] == res["plan"]["fanout_levels"]
+        for n, x in levels.items():
+            assert len(x["cached_tokens"]) == int(n) and x["prefill_tokens"] > 0
+    for x in f["systems"]["persist_q4"]["levels"].values():
+        assert all(k >= x["coordinator"]["prompt_tokens"] // 2 for k in x["cached_tokens"]), x
+    assert "## Fan-out" in (out / "bench.md").read_text()
 
 
 def test_families_table_from_samples():

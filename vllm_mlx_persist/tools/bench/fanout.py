@@ -25,14 +25,33 @@ def _document(prompts: Prompts, seed: int, n_tokens: int) -> list[dict]:
 
 
 _FETCH_TOKENS_RE = re.compile(r"\[cache_fetch\] request=\S+ \w+ prompt_tokens=(\d+)(?: cached=(\d+))?")
+_PERSIST_TOKENS_RE = re.compile(
+    r"\[persist_q4\] agent=(\S+) (?:HIT \w+(?: from parent \S+)? cached=(\d+) prompt=(\d+)|MISS prompt=(\d+))")
+
+
+def worker_fetches(log: str, agents: list[str], persist: bool) -> list[tuple[int, int]]:
+    """(prompt tokens, cached tokens) of each worker's lookup, from the server log its requests wrote.
+    persist_q4 (`persist`): its own `[persist_q4] agent=` lines, by agent id (the seam logs no
+    `[cache_fetch]` line for a backend); vllm-mlx's caches: one `[cache_fetch]` line per request.
+    Raises RuntimeError unless there is one lookup per worker."""
+    if persist:
+        found = {m[1]: (int(m[3] or m[4]), int(m[2] or 0)) for m in _PERSIST_TOKENS_RE.finditer(log)}
+        fetched = [found[a] for a in agents if a in found]
+        what = "[persist_q4] agent="
+    else:
+        fetched = [(int(p), int(k or 0)) for p, k in _FETCH_TOKENS_RE.findall(log)]
+        what = "[cache_fetch]"
+    if len(fetched) != len(agents):
+        raise RuntimeError(f"{len(fetched)} {what} lines for {len(agents)} workers")
+    return fetched
 
 
 def section_fanout(ctx: "Ctx") -> dict:
     """Per level N, on a fresh document: the coordinator reads it (one turn), then N workers, each with
     the coordinator's history plus a question of its own and `metadata.fork_from` = the coordinator,
     are sent at once. Prefill = prompt - cached tokens summed over the workers, from the server's
-    `[cache_fetch]` lines (vllm-mlx's own prefix cache reports its hits there but 0 in `usage`); time
-    to all first tokens = first send to the last worker's first streamed token."""
+    lookup lines (worker_fetches; vllm-mlx's own prefix cache reports its hits there but 0 in `usage`);
+    time to all first tokens = first send to the last worker's first streamed token."""
     import openai
 
     plan = ctx.plan
@@ -56,19 +75,18 @@ def section_fanout(ctx: "Ctx") -> dict:
                 msgs = [dict(m) for m in docs[n]]
                 c = send(s, msgs, coord, plan.fanout_max_tokens, classify_log=False)
                 history = msgs + [{"role": "assistant", "content": c["text"]}]
+                workers = [f"fanout-{n}-w{i}" for i in range(n)]
 
                 def question(i: int) -> dict:
                     rng = random.Random(seed_of("fanout-q", n, i))
                     return {"role": "user", "content": f"Worker {i}: " + Prompts.words(rng, plan.fanout_question_words)}
 
                 def ask(i: int, q: dict) -> dict:
-                    return send(s, history + [q], f"fanout-{n}-w{i}", plan.fanout_max_tokens, client=clients[i],
+                    return send(s, history + [q], workers[i], plan.fanout_max_tokens, client=clients[i],
                                 classify_log=False, metadata={"fork_from": coord} if fork else None)
 
                 res, seg = at_once(n, question, ask, s.server.log_path)
-                fetched = [(int(p), int(k or 0)) for p, k in _FETCH_TOKENS_RE.findall(seg)]
-                if len(fetched) != n:
-                    raise RuntimeError(f"{len(fetched)} [cache_fetch] lines for {n} workers")
+                fetched = worker_fetches(seg, workers, server_kind == "persist_q4")
                 t0 = min(r["t_send"] for r in res)
                 prompt = sorted(p for p, _ in fetched)
                 cached = sorted(k for _, k in fetched)
@@ -109,8 +127,9 @@ def md_fanout(f: dict, plan: dict) -> list[str]:
          "words), under its own agent id, with `metadata.fork_from` naming the coordinator (vllm-mlx's default "
          "cache ignores it and shares whatever its prefix cache finds; persist_q4_nofork: persist_q4 without "
          "`fork_from`, so each worker is an isolated agent). Prefill = prompt - cached tokens, summed over the "
-         "workers, from the server's `[cache_fetch]` lines (vllm-mlx's own prefix cache reports its hits there "
-         "but 0 in `usage.prompt_tokens_details`). All first = first send to the last worker's first streamed "
+         "workers, from the servers' lookup log lines (persist_q4's `[persist_q4] agent=` lines, vllm-mlx's "
+         "`[cache_fetch]` lines: vllm-mlx's own prefix cache reports its hits there but 0 in "
+         "`usage.prompt_tokens_details`). All first = first send to the last worker's first streamed "
          "token. Ratios: vllm_default / persist_q4 and persist_q4_nofork / persist_q4.", "",
          "| workers | " + " | ".join(f"{s} prefill tok | {s} all first s | {s} cached per worker"
                                      for s in f["systems"]) + " | prefill x vllm | all first x vllm | "
