@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as use_seed
 from hypothesis.stateful import run_state_machine_as_test
 
-from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine, Redis
+from vllm_mlx_persist.tools.reliability.machine_kit import Redis
+from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine
 
 SEED = int(os.environ.get("POOL_MACHINE_SEED", "0"))
 POOL_SEEDS = range(SEED, SEED + int(os.environ.get("POOL_MACHINE_SEEDS", "6")))

@@ -22,14 +22,14 @@ def _server(module: str, name: str) -> Callable:
 
 def _state_machine(trials: int, seed: int, work: Path) -> dict:
     """Every pool operation at random against a reference model (pool_machine.py), imported only when run."""
-    from .pool_machine import campaign
+    from .machine_campaign import campaign
 
     return campaign(trials, seed, work)
 
 
 def _fleet_machine(trials: int, seed: int, work: Path) -> dict:
     """The state machine with the fleet rules on every seed (partitions through tools/reliability/partition.py)."""
-    from .pool_machine import campaign
+    from .machine_campaign import campaign
 
     return campaign(trials, seed, work, fleet_only=True)
 

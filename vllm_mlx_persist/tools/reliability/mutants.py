@@ -272,7 +272,9 @@ def hunt(seconds: float, seed: int) -> dict:
     from hypothesis import seed as use_seed
     from hypothesis.stateful import run_state_machine_as_test
 
-    from .pool_machine import EXAMPLES_PER_SEED, STEPS, FleetMachine, PoolMachine, Redis
+    from .machine_campaign import EXAMPLES_PER_SEED, STEPS
+    from .machine_kit import Redis
+    from .pool_machine import FleetMachine, PoolMachine
 
     logging.getLogger("vllm_mlx_persist").setLevel(logging.CRITICAL)
     t0, s = time.monotonic(), seed
