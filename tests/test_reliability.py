@@ -101,7 +101,7 @@ def test_quick_interactions_campaign_finds_nothing(server_runs):
 
 
 def test_a_rewritten_report_keeps_the_state_machines_injected_defects(tmp_path):
-    """docs/reliability.md's last section (tools/reliability/mutants.py's table, written by hand) survives a campaign's
+    """docs/reliability.md's last section (tests/mutants.py's table, written by hand) survives a campaign's
     rewrite of the report."""
     from vllm_mlx_persist.tools.reliability.report import KEPT_SECTION, write_report
 

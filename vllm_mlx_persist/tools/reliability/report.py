@@ -256,7 +256,7 @@ def merged(results: dict, path: Path) -> dict:
 
 
 # A section written by hand at the end of reliability.md (the state machine's injected defects,
-# from tools/reliability/mutants.py): a rewrite of the report keeps it.
+# from tests/mutants.py): a rewrite of the report keeps it.
 KEPT_SECTION = "## The state machine against injected defects"
 
 
