@@ -551,17 +551,24 @@ class _Interactions:
             return f"write-point kill@{point} (restarted)"
         raise ValueError(op)
 
+    def admin(self, what: str, agent: str, path: str, method: str) -> Optional[tuple[int, bytes]]:
+        """An admin request (`what`, as failures name it) about `agent`: (status, body), or None when it
+        hung (a restart follows) or failed to connect, either recorded as a failure."""
+        try:
+            return request(self.srv.url, path, b"", method=method, timeout=I_TIMEOUT_S)
+        except (socket.timeout, TimeoutError):
+            self.fail("hung", f"{what} did not answer in {I_TIMEOUT_S} s", agent=agent)
+            self.pending_restart = "after-hung"
+        except OSError as e:
+            self.fail("admin", f"{what}: {e!r}", agent=agent)
+        return None
+
     def erase(self, c: IConv) -> None:
         self.refresh_log()
-        try:
-            code, raw = request(self.srv.url, f"/v1/agents/{c.agent}", b"", method="DELETE", timeout=I_TIMEOUT_S)
-        except (socket.timeout, TimeoutError):
-            self.fail("hung", f"DELETE /v1/agents/{c.agent} did not answer in {I_TIMEOUT_S} s", agent=c.agent)
-            self.pending_restart = "after-hung"
+        answer = self.admin(f"DELETE /v1/agents/{c.agent}", c.agent, f"/v1/agents/{c.agent}", "DELETE")
+        if answer is None:
             return
-        except OSError as e:
-            self.fail("admin", f"DELETE /v1/agents/{c.agent}: {e!r}", agent=c.agent)
-            return
+        code, raw = answer
         self.refresh_log()
         if code == 404 and c.last_prompt and not self.elog.since(c.agent, c.acks[-1][1]):
             self.fail("admin", f"DELETE /v1/agents/{c.agent} answered 404 for an agent with an acknowledged turn "
@@ -585,16 +592,10 @@ class _Interactions:
 
     def pin(self, c: IConv, on: bool) -> None:
         self.refresh_log()
-        try:
-            code, _ = request(self.srv.url, f"/v1/agents/{c.agent}/pin", b"", method="PUT" if on else "DELETE",
-                              timeout=I_TIMEOUT_S)
-        except (socket.timeout, TimeoutError):
-            self.fail("hung", f"pin {c.agent} did not answer in {I_TIMEOUT_S} s", agent=c.agent)
-            self.pending_restart = "after-hung"
+        answer = self.admin(f"pin {c.agent}", c.agent, f"/v1/agents/{c.agent}/pin", "PUT" if on else "DELETE")
+        if answer is None:
             return
-        except OSError as e:
-            self.fail("admin", f"pin {c.agent}: {e!r}", agent=c.agent)
-            return
+        code = answer[0]
         if code == 200:
             (self.pinned.add if on else self.pinned.discard)(c.agent)
             self.count("pins" if on else "unpins")
