@@ -12,10 +12,11 @@ from .store_crash import crash_campaign
 from .store_fuzz import fuzz_campaign
 
 
-def _server(module: str, name: str) -> Callable:
-    """A campaign against a real server (`module`.`name`_campaign), imported only when run."""
+def _server(name: str, module: str = "") -> Callable:
+    """A campaign against a real server (`name`_campaign in its module, named `name` unless given), imported
+    only when run."""
     def run(trials: int, seed: int, work: Path, **kw: Any) -> dict:
-        campaign = getattr(importlib.import_module(f".{module}", __package__), f"{name}_campaign")
+        campaign = getattr(importlib.import_module(f".{module or name}", __package__), f"{name}_campaign")
         return campaign(trials, seed, work, **kw)
     return run
 
@@ -38,8 +39,8 @@ def _fleet_machine(trials: int, seed: int, work: Path) -> dict:
 # state_machine and fleet examples
 CAMPAIGNS = {"crash": (crash_campaign, 1000, 60), "fuzz": (fuzz_campaign, 1000, 60),
              "state_machine": (_state_machine, 400, 20), "fleet": (_fleet_machine, 200, 10),
-             "server_crash": (_server("server_crash", "server_crash"), 100, 4), "disk": (_server("disk_faults", "disk"), 4, 1),
-             "storm": (_server("storm", "storm"), 300, 15), "soak": (_server("soak", "soak"), 3600, 40),
-             "interactions": (_server("interactions", "interactions"), 700, 100)}
+             "server_crash": (_server("server_crash"), 100, 4), "disk": (_server("disk", "disk_faults"), 4, 1),
+             "storm": (_server("storm"), 300, 15), "soak": (_server("soak"), 3600, 40),
+             "interactions": (_server("interactions"), 700, 100)}
 # Campaigns that report their figures so far while they run (`progress`), and return them when stopped.
 PROGRESS = {"interactions"}
