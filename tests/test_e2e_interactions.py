@@ -31,7 +31,7 @@ from typing import Iterator, Optional
 import openai
 import pytest
 
-from vllm_mlx_persist.tools.reliability.server_campaigns import BATCH_INVARIANT_ENV, user_text
+from vllm_mlx_persist.tools.reliability.server_kit import BATCH_INVARIANT_ENV, user_text
 from vllm_mlx_persist.tools.serving import Server
 
 MAX_TOKENS = 8

@@ -1,5 +1,5 @@
 """The merge rules and bounds that six defects once slipped past the whole suite (issue #44): each test
-here fails with its defect injected (tools/reliability/mutants.py lists them) and passes without it.
+here fails with its defect injected (tests/mutants.py lists them) and passes without it.
 
 - removal_older_wins:        two removal records of one block merged, the older one winning
 - sync_ignores_cleared:      a fetched copy's spliced_cleared ignored by the sync's merge

@@ -17,14 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_mlx_persist.tools.reliability.server_campaigns import I_MAX_TURNS
+from vllm_mlx_persist.tools.reliability.interaction_model import I_MAX_TURNS
 
 BIN = Path(sys.executable).parent
 # Trials per campaign (soak and storm: seconds; interactions: steps), each enough for every mode or
 # kind of step to occur with the campaigns' seed (12): measured, see the assertions below.
 # Measured with seed 12: storm 4 s sends 164 requests of every kind, soak 6 s runs 48 trials; the
 # interactions campaign makes every kind of step in any run of 30 or more (its last steps make the
-# kinds not drawn yet: server_campaigns.I_COVER), 60 were needed before that for a revisit.
+# kinds not drawn yet: interaction_model.I_COVER), 60 were needed before that for a revisit.
 SERVER_TRIALS = {"server_crash": 3, "disk": 1, "storm": 4, "soak": 6, "interactions": 30}
 
 
@@ -101,9 +101,9 @@ def test_quick_interactions_campaign_finds_nothing(server_runs):
 
 
 def test_a_rewritten_report_keeps_the_state_machines_injected_defects(tmp_path):
-    """docs/reliability.md's last section (tools/reliability/mutants.py's table, written by hand) survives a campaign's
+    """docs/reliability.md's last section (tests/mutants.py's table, written by hand) survives a campaign's
     rewrite of the report."""
-    from vllm_mlx_persist.tools.reliability.main import KEPT_SECTION, write_report
+    from vllm_mlx_persist.tools.reliability.report import KEPT_SECTION, write_report
 
     kept = f"{KEPT_SECTION}\n\n| defect | suite |\n|---|---|\n| lru_reversed | caught |\n"
     (tmp_path / "reliability.md").write_text("# old report\n\n" + kept)
@@ -171,7 +171,7 @@ def test_the_interactions_campaigns_histories_stay_bounded_through_fork_chains()
     step 10,000, and the campaign's step rate fell 4x with them."""
     import random
 
-    from vllm_mlx_persist.tools.reliability.server_campaigns import _Interactions
+    from vllm_mlx_persist.tools.reliability.interactions import _Interactions
 
     ops = (("turn", 30), ("concurrent", 14), ("fork", 12), ("branch", 8), ("rewind", 6), ("probe", 4),
            ("erase", 5), ("revisit", 4))
@@ -197,7 +197,8 @@ def test_a_cold_answer_that_differs_from_the_hot_reference_must_equal_the_cold_o
     """The campaign's reply check (no server: the reference's answers given): an answer computed
     without a cache is held to the reference's answer without one when its answer over a cached
     prefix differs (the two paths agree to float rounding); any other difference is a failure."""
-    from vllm_mlx_persist.tools.reliability.server_campaigns import _Interactions, _ISpec
+    from vllm_mlx_persist.tools.reliability.interaction_model import ISpec
+    from vllm_mlx_persist.tools.reliability.interactions import _Interactions
 
     class Reference:  # the never-killed reference's answer without a cache
         def cold(self, messages):
@@ -206,7 +207,7 @@ def test_a_cold_answer_that_differs_from_the_hot_reference_must_equal_the_cold_o
     camp = _Interactions.__new__(_Interactions)
     camp.sh, camp.failures, camp.seed, camp.step, camp.op, camp.steps = Reference(), [], 1, 0, "anonymous", []
     camp.st = {"answers": 0, "replies_compared": 0, "cold_replies_equal_to_cold_reference": 0}
-    sp = _ISpec("anonymous", None, [{"role": "user", "content": "x"}], "k")
+    sp = ISpec("anonymous", None, [{"role": "user", "content": "x"}], "k")
     sp.ref = "hot answer"
     camp.check(sp, "cold answer", 0, 100)  # computed without a cache: the cold reference's
     assert not camp.failures and camp.st["cold_replies_equal_to_cold_reference"] == 1

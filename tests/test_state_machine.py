@@ -11,7 +11,7 @@ Sized for CI (2 cores, the whole suite under 10 minutes): 6 seeds of the pool ma
 fleet one, 10 examples each (the fleet's 6), of up to 30 steps. This file, measured 2026-11-28 on 2
 cores shared with other work: about 31 s of CPU; 66 s of wall time at a load average of 5, 110 s at 11. The defects
 injected by hand that these runs catch, and how fast: docs/reliability.md, last section
-(`python -m vllm_mlx_persist.tools.reliability.mutants`)."""
+(`python tests/mutants.py`)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as use_seed
 from hypothesis.stateful import run_state_machine_as_test
 
-from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine, Redis
+from vllm_mlx_persist.tools.reliability.machine_kit import Redis
+from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine
 
 SEED = int(os.environ.get("POOL_MACHINE_SEED", "0"))
 POOL_SEEDS = range(SEED, SEED + int(os.environ.get("POOL_MACHINE_SEEDS", "6")))

@@ -1,7 +1,7 @@
 """Defects injected by hand, one at a time, into a temporary copy of the package: does the pool's state
-machine (tools/reliability/pool_machine.py) catch each, and how fast?
+machine (vllm_mlx_persist/tools/reliability/pool_machine.py) catch each, and how fast?
 
-    python -m vllm_mlx_persist.tools.reliability.mutants [--only NAME,...] [--hunt-seconds S] [--hunt-seed N]
+    python tests/mutants.py [--only NAME,...] [--hunt-seconds S] [--hunt-seed N]    (from the repository root)
 
 Per defect: the package is copied to a temporary directory with the defect applied as a text edit
 (the working tree is never touched), then
@@ -10,8 +10,9 @@ Per defect: the package is copied to a temporary directory with the defect appli
 - hunt (only when the suite missed it, with --hunt-seconds > 0): the campaign's way (a new seed every
   10 examples of up to 50 steps, every fourth seed with the fleet rules, seeds from --hunt-seed on, not
   the suite's) until a failure or the time is up.
-Prints a markdown table (docs/reliability.md, "The state machine's reference model"). Never imported
-by the runtime.
+Prints a markdown table (docs/reliability.md, "The state machine's reference model"). `--rules`: each of
+RULE_MUTANTS against the test written to catch it. A harness for the test suite, run by hand: no
+`vllm-mlx-persist` command runs it, and the wheel does not carry it.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]  # tests/ is at the repository root
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,9 @@ def hunt(seconds: float, seed: int) -> dict:
     from hypothesis import seed as use_seed
     from hypothesis.stateful import run_state_machine_as_test
 
-    from .pool_machine import EXAMPLES_PER_SEED, STEPS, FleetMachine, PoolMachine, Redis
+    from vllm_mlx_persist.tools.reliability.machine_campaign import EXAMPLES_PER_SEED, STEPS
+    from vllm_mlx_persist.tools.reliability.machine_kit import Redis
+    from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine
 
     logging.getLogger("vllm_mlx_persist").setLevel(logging.CRITICAL)
     t0, s = time.monotonic(), seed
@@ -291,7 +294,8 @@ def hunt(seconds: float, seed: int) -> dict:
 
 
 def hunt_in(root: Path, seconds: float, seed: int) -> dict:
-    p = subprocess.run([sys.executable, "-m", "vllm_mlx_persist.tools.reliability.mutants", "--hunt-here", str(seconds),
+    """hunt() in a process of its own that imports the copy's package (PYTHONPATH: the copy)."""
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--hunt-here", str(seconds),
                         "--hunt-seed", str(seed)], cwd=root, env=_env(root), capture_output=True, text=True,
                        timeout=seconds + 300)
     lines = [line for line in p.stdout.splitlines() if line.startswith("{")]
