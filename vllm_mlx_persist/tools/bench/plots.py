@@ -22,7 +22,7 @@ MISSING = ('the bench plots need matplotlib, which is not installed: pip install
            "(or pass --no-plots)")
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend. Nothing is installed at run time: without matplotlib,
     an ImportError names the extra that provides it."""
     try:
@@ -37,7 +37,7 @@ def _pyplot() -> Any:
 
 def write_plots(res: dict, out: Path) -> list[str]:
     """Write every plot the results have data for; returns the file names."""
-    plt = _pyplot()
+    plt = pyplot()
     secs = res["sections"]
     written = []
     for name, fn, file in (("ttft", plot_ttft, None), ("agents", plot_agents, None), ("batch", plot_batch, None),

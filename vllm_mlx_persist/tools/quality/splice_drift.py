@@ -633,9 +633,9 @@ def render_markdown(r: dict[str, Any]) -> str:
 
 
 def plot(r: dict[str, Any], path: Path) -> None:
-    from ..bench.plots import _pyplot
+    from ..bench.plots import pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     g = [x["generation"] for x in r["chain"]]
     for key, label in (("splice_q4_vs_cold", "4-bit splice vs cold float"),
