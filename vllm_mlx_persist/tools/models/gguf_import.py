@@ -421,7 +421,8 @@ def tokenizer_files(m: GGUFModel, config: dict[str, Any]) -> tuple[str, dict[str
 
 
 def _check_tokenizer_metadata(m: GGUFModel, n_tokens: int) -> None:
-    """The tokenizer keys transformers' builders read, each of the type (and length) they assume."""
+    """The tokenizer keys transformers' builders read, each of the type (and length) they assume; and
+    no add_eos_token, which generation cannot honour."""
     kind = m.value("tokenizer.ggml.model", str, None)
     m.value("tokenizer.ggml.pre", str, None)
     m.value("tokenizer.ggml.add_space_prefix", bool, None)
@@ -446,6 +447,15 @@ def _check_tokenizer_metadata(m: GGUFModel, n_tokens: int) -> None:
     for key in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "unknown_token_id",
                 "padding_token_id"):
         special_token_id(m, key)
+    if m.value("tokenizer.ggml.add_eos_token", bool, False):
+        # llama.cpp's tokenizer would end every prompt with EOS; its own generation tools refuse such a
+        # decoder-only model (llama-cli asserts !add_eos), as a generation server should: the model
+        # would answer after its end of text, and an agent's next prompt would no longer extend the
+        # cached one (the EOS sits where its new text goes). Such files are mostly embedding models.
+        raise GGUFImportError(f"{m.path}: metadata tokenizer.ggml.add_eos_token is true: every prompt would "
+                              "end with EOS, which a text-generation server cannot serve (an embedding "
+                              "model?); to import it for generation, drop the flag in a copy: "
+                              "gguf-new-metadata FILE COPY --remove-metadata tokenizer.ggml.add_eos_token")
 
 
 def add_bos(backend: Any, tok_config: dict[str, Any], bos_id: int) -> None:
