@@ -18,6 +18,28 @@ from fleet_pools import (PARTITIONED, chain, crash, fleet, fp, held, manifest, m
                          put_history, redis_server, settle, wait_for)
 
 
+def test_settings_acknowledged_before_a_crash_reach_the_fleet_after_the_restart(fleet, fp):
+    """A, cut off from Redis, refuses forks of P and pins it (both acknowledged: durable locally), and
+    is killed before its put reaches Redis; Redis comes back and A restarts. Nothing asks A for P
+    again, yet both settings must reach Redis from A's outbox."""
+    w = fleet.tier()
+    put_history(w, fp, "p")
+    settings = {**PARTITIONED, "outbox_retry_s": 0.2}
+    a, proxy = fleet.server("a", settings=settings)
+    a.fleet._sync_agent("p")
+    assert held(a, "p")
+    proxy.cut()
+    assert a.set_forkable("p", False) and a.set_pinned("p", True)
+    crash(a)
+    proxy.heal()
+    rm = w.get_manifest("p")
+    assert rm.forkable is None and not rm.pinned  # neither reached Redis before the kill
+    again, _ = fleet.server("a", proxy, settings=settings)  # restarted; P is never asked for
+    wait_for(lambda: (m := w.get_manifest("p")) is not None and m.forkable is False and m.pinned,
+             "the settings in Redis from the outbox", timeout=15)
+    wait_for(lambda: not again.fleet.outbox.forgets(), "the outbox letting go of the settings' publish")
+
+
 def test_an_outbox_file_that_cannot_be_removed_stays_counted(tmp_path, monkeypatch):
     """An entry whose file's unlink fails (EACCES) is still pending: it counts toward the bound, and
     the next done removes it."""
@@ -53,3 +75,28 @@ def test_a_publish_past_the_bound_is_refused_unless_it_supersedes_one(tmp_path):
         box.add_forget("c", 1.0)
     box.add_forget("b", 2.0)
     assert len(box) == len(list(box.dir.glob("*.json"))) == 2 and box.forgets() == {"b": 2.0}
+
+
+def test_a_restart_records_no_publish_of_what_redis_already_has(fleet, model):
+    """A forgets a span and its publish reaches Redis; A restarts (bound: one pending removal) and the
+    agent's next plain turn is saved while A is cut off. Its record still holds the old removal, which
+    Redis has: nothing enters the outbox, and the next removal is taken, not refused."""
+    from test_forget import _history, _turn
+    from test_pool import tokens
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    a, pa = fleet.model_server("a", model, max_erasures=1)
+    head, span, tail = _history()
+    _turn(a, model, "x", head + span + tail, "r1")
+    _, _, seq = _turn(a, model, "x", head + tail, "r2", edit=FORGET)
+    settle(a)
+    wait_for(lambda: not a.fleet.outbox.forgets(), "the forget's publish let go of once in Redis")
+    a.close()
+    a, _ = fleet.model_server("a", model, pa, max_erasures=1)  # restarted on the same disk
+    pa.cut()
+    _turn(a, model, "x", seq + tokens(20, seed=9), "r3")
+    a.flush(30)
+    assert len(a.fleet.outbox) == 0 and a.fleet.counts["forgets_recorded"] == 0, \
+        "the restart recorded again a publish Redis already had"
+    assert a.fleet.removal_room()
