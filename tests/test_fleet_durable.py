@@ -100,3 +100,35 @@ def test_a_restart_records_no_publish_of_what_redis_already_has(fleet, model):
     assert len(a.fleet.outbox) == 0 and a.fleet.counts["forgets_recorded"] == 0, \
         "the restart recorded again a publish Redis already had"
     assert a.fleet.removal_room()
+
+
+def test_an_erasure_sent_again_after_its_tombstone_leaves_a_newer_history_alone(fleet, fp):
+    """A erases P; its tombstone is written, and A is killed before its outbox lets the erasure go.
+    Another server reads the tombstone and starts a new history of P on it. A restarts and sends the
+    erasure again: it is in Redis already (the history follows it), so the new history stays."""
+    w = fleet.tier()
+    put_history(w, fp, "p")
+    a, proxy = fleet.server("a")
+    a.fleet._sync_agent("p")
+    assert held(a, "p")
+    a.fleet.outbox.done = lambda namespace, era: None  # killed before the outbox let it go
+    assert a.erase("p", 30)
+    settle(a)
+    tomb = w.get_manifest("p")
+    assert tomb.erased and a.fleet.outbox.pending() == [("p", tomb.ident)]
+    crash(a)
+
+    b = fleet.tier()  # another server: it erased its copy for the tombstone, then serves a new turn
+    assert b.get_manifest("p").erasure == tomb.ident and b.erased_locally("p", tomb.ident)
+    new = chain(fp, "p", 2, seed=7)
+    assert b.put(manifest("p", new), {x.block_id: x for x in new}) and b.flush(10)
+    m = w.get_manifest("p")
+    assert not m.erased and m.era == tomb.ident
+
+    again, _ = fleet.server("a", proxy)
+    wait_for(lambda: not again.fleet.outbox.pending(), "the erasure let go of after the restart")
+    m = w.get_manifest("p")
+    assert m is not None and not m.erased, "the erasure sent again ended the history begun on its tombstone"
+    assert set(m.block_ids) == {x.block_id for x in new}
+    again.fleet._sync_agent("p")
+    assert held(again, "p") == {x.block_id for x in new}
