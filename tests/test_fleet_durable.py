@@ -64,17 +64,23 @@ def test_an_outbox_file_that_cannot_be_removed_stays_counted(tmp_path, monkeypat
 
 
 def test_a_publish_past_the_bound_is_refused_unless_it_supersedes_one(tmp_path):
-    """add_forget refuses a new agent's entry at the bound (nothing grows the outbox past it); a later
-    publish of an agent already pending replaces its entry and is taken."""
+    """At the bound the outbox is full (admission answers 503), yet a save admitted before it filled
+    still lands (its removal was acknowledged); add_forget refuses a new agent's entry at twice the
+    bound (nothing grows the outbox past it); a later publish of an agent already pending replaces its
+    entry and is taken."""
     from vllm_mlx_persist.fleet import outbox as ob
 
     box = ob.Outbox(tmp_path / "outbox", bound=2)
     box.add("a", "e1")
     box.add_forget("b", 1.0)
+    assert box.full()
+    box.add_forget("c", 1.0)
+    box.add_forget("d", 1.0)
     with pytest.raises(ob.OutboxFull):
-        box.add_forget("c", 1.0)
+        box.add_forget("e", 1.0)
     box.add_forget("b", 2.0)
-    assert len(box) == len(list(box.dir.glob("*.json"))) == 2 and box.forgets() == {"b": 2.0}
+    assert len(box) == len(list(box.dir.glob("*.json"))) == 4
+    assert box.forgets() == {"b": 2.0, "c": 1.0, "d": 1.0}
 
 
 def test_a_restart_records_no_publish_of_what_redis_already_has(fleet, model):

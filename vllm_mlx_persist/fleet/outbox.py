@@ -21,8 +21,9 @@ publishes); a kill in between leaves both. A file that does not parse is set asi
 
 Bounded: `bound` entries pending (the tier's `max_erasures`), counted in memory (a file that could not
 be removed still counts); the callers refuse a new removal or setting at the bound (`full`: HTTP 503)
-rather than acknowledge one that may not reach Redis, and `add_forget` refuses one for an agent with no
-entry pending (`OutboxFull`).
+rather than acknowledge one that may not reach Redis. Removals admitted below the bound whose saves
+come after it filled (concurrent requests) still land, so an acknowledged removal stays durable; the
+hard cap is twice the bound, where `add_forget` refuses a new agent's entry (`OutboxFull`).
 
 Any thread, no lock across I/O: an entry is its own file, so concurrent adds and dones touch different
 files; a small lock guards the times and the count (no I/O under it).
@@ -71,6 +72,9 @@ def publish_mark(m: Manifest) -> float:
     """What a record's publish entry waits for: the newest of its removals (`removal_mark`) and of its
     settings' stamps (`settings_at`); 0.0: neither."""
     return max([removal_mark(m)] + [float(t) for t in (m.settings_at or {}).values()])
+
+
+HARD_CAP = 2  # x bound: room for the saves of removals admitted (503 at the bound) before it filled
 
 
 class OutboxFull(OSError):
@@ -139,12 +143,12 @@ class Outbox:
 
     def add_forget(self, namespace: str, mark: float) -> None:
         """Durably record that the agent's record, holding removals and settings up to `mark`, must
-        reach Redis; OSError if not (OutboxFull at the bound, unless it supersedes a pending one of
-        the agent's)."""
+        reach Redis; OSError if not (OutboxFull at twice the bound, unless it supersedes a pending one
+        of the agent's: admission refuses at the bound, saves admitted before it filled still land)."""
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("agent")
-        if self.full() and not any(e.forget for _, e in self._of(namespace)):
-            raise OutboxFull(f"{self.bound} entries pending")
+        if len(self) >= HARD_CAP * self.bound and not any(e.forget for _, e in self._of(namespace)):
+            raise OutboxFull(f"{len(self)} entries pending (bound {self.bound})")
         at = self._now()
         path = self.dir / f"{_digest(namespace, 32)}-f{secrets.token_hex(8)}.json"
         self._write(path, {"kind": "forget", "agent": namespace, "mark": float(mark), "at": at},
