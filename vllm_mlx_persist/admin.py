@@ -7,7 +7,8 @@
     GET    /v1/agents/{id}         one agent (404 if unknown)
     DELETE /v1/agents/{id}         erase it from memory and disk, durably, before the reply (404 if unknown;
                                    503 with a fleet tier whose pending removals are at their bound)
-    PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL
+    PUT    /v1/agents/{id}/pin     pin: exempt from hot-tier eviction, the disk budget and the TTL (a setting;
+                                   with a fleet tier, 503 like DELETE at the bound: settings are in its outbox too)
     DELETE /v1/agents/{id}/pin     unpin
     PUT    /v1/agents/{id}/forkable     other agents may fork it (whatever the fork_policy, but "none")
     DELETE /v1/agents/{id}/forkable     no other agent may fork it (requests naming it as parent get 403)
@@ -36,13 +37,22 @@ def _error(status: int, message: str, headers: Optional[dict] = None) -> JSONRes
 
 def removals_full_message(fleet: Any) -> str:
     """What a removal refused at the outbox's bound is told (HTTP 503)."""
-    return (f"this server has {fleet.settings.max_erasures} removals (erasures and forgets) pending for the "
-            "fleet tier, which cannot reach Redis: nothing was removed; retry once Redis is reachable")
+    return (f"this server has {fleet.settings.max_erasures} removals and settings pending for the "
+            "fleet tier, which cannot reach Redis: nothing was removed or set; retry once Redis is reachable")
 
 
 def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
     """Routes over the backend `get_backend()` returns."""
     router = APIRouter()
+
+    def outbox_full(pool) -> Optional[JSONResponse]:
+        """A 503 when the pool's fleet tier has no room for a new removal or setting (refused, not
+        acknowledged and left undone), else None."""
+        fleet = getattr(pool, "fleet", None)
+        if fleet is not None and not fleet.removal_room():
+            return _error(503, removals_full_message(fleet),
+                          {"Retry-After": str(max(1, round(fleet.settings.outbox_retry_s)))})
+        return None
 
     def pool_or_error():
         backend = get_backend()
@@ -86,10 +96,9 @@ def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
         pool, err = agent_and_pool(agent_id)
         if err:
             return err
-        fleet = getattr(pool, "fleet", None)
-        if fleet is not None and not fleet.removal_room():  # refused, not acknowledged and left undone
-            return _error(503, removals_full_message(fleet),
-                          {"Retry-After": str(max(1, round(fleet.settings.outbox_retry_s)))})
+        full = outbox_full(pool)
+        if full is not None:
+            return full
         if not await asyncio.to_thread(pool.erase, agent_id):
             return _error(404, f"no agent {agent_id!r}")
         return {"id": agent_id, "deleted": True}
@@ -99,6 +108,9 @@ def make_router(get_backend: Callable[[], Optional[Any]]) -> APIRouter:
         pool, err = agent_and_pool(agent_id)
         if err:
             return err
+        full = outbox_full(pool)
+        if full is not None:
+            return full
         setter = pool.set_pinned if name == "pinned" else pool.set_forkable
         if not await asyncio.to_thread(setter, agent_id, value):
             return _error(404, f"no agent {agent_id!r}")

@@ -160,7 +160,8 @@ class Eras:
         self.pending_erase[namespace] = self.pending_erase.get(namespace, 0) + 1
 
     def erased(self, namespace: str, version: int, ident: str) -> None:
-        """(lock held) The erasure's tombstone (`version`, `ident`) is in Redis."""
+        """(lock held) The erasure's tombstone (`version`, `ident`) is in Redis (`ident` "": and a history
+        begun on it since, which is not this server's)."""
         st = self.agent(namespace)
         st.seen_v, st.seen_id = version, ident  # puts queued after the erasure may recreate the agent
         st.tomb_v, st.tomb_id = -1, ""

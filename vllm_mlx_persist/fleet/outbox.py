@@ -1,25 +1,29 @@
-"""The fleet's pending removals on the local disk: a removal acknowledged to a client is durable here
-before the acknowledgement, and stays until it is in Redis, so a server killed (-9) before the writer
-reached Redis sends it again when it starts, and a server that runs sends it again until it is there
-(docs/fleet.md, "The merge rules").
+"""The fleet's pending removals and settings on the local disk: a removal or a setting acknowledged to
+a client is durable here before the acknowledgement, and stays until it is in Redis, so a server killed
+(-9) before the writer reached Redis sends it again when it starts, and a server that runs sends it
+again until it is there (docs/fleet.md, "The merge rules").
 
 Two kinds of entry, one small JSON file each, written atomically (temporary file, fsync, rename,
 directory fsync):
 
 - an erasure, `<sha256(agent)[:32]>-<sha256(era)[:16]>.json`: {"agent", "era": the erasure's tombstone
   id, chosen before it is queued, so a retry after a restart writes the same tombstone; "at"};
-- a forget's publish, `<sha256(agent)[:32]>-f<random 16 hex>.json`: {"kind": "forget", "agent",
-  "mark": the newest removal stamp of the record to publish (`removal_mark`), "at"}. What is sent is
-  the agent's record on the local disk (which holds the removal, and every later one), and the entry
-  goes once a put of a record whose mark is at least its own is in Redis.
+- a record's publish (a forget's or a setting's), `<sha256(agent)[:32]>-f<random 16 hex>.json`:
+  {"kind": "forget", "agent", "mark": the newest removal or setting stamp of the record to publish
+  (`publish_mark`), "at"}. What is sent is the agent's record on the local disk (which holds the
+  removal or setting, and every later one), and the entry goes once a put of a record whose mark is
+  at least its own is in Redis.
 
 "at" is when it was recorded, ns, and only grows (whatever the clock does): start-up queues erasures
 oldest first. A later entry of the same agent removes the earlier ones it supersedes once its own is
 durable (an erasure supersedes every earlier entry of the agent, a forget's publish the earlier
 publishes); a kill in between leaves both. A file that does not parse is set aside, logged.
 
-Bounded: `bound` entries pending (the tier's `max_erasures`), counted in memory; the callers refuse
-a new removal at the bound (`full`: HTTP 503) rather than acknowledge one that may not reach Redis.
+Bounded: `bound` entries pending (the tier's `max_erasures`), counted in memory (a file that could not
+be removed still counts); the callers refuse a new removal or setting at the bound (`full`: HTTP 503)
+rather than acknowledge one that may not reach Redis. Removals admitted below the bound whose saves
+come after it filled (concurrent requests) still land, so an acknowledged removal stays durable; the
+hard cap is twice the bound, where `add_forget` refuses a new agent's entry (`OutboxFull`).
 
 Any thread, no lock across I/O: an entry is its own file, so concurrent adds and dones touch different
 files; a small lock guards the times and the count (no I/O under it).
@@ -62,6 +66,19 @@ def removal_mark(m: Manifest) -> float:
     that entry's removal (or a floor that stands for it)."""
     return max([float(r["at"]) for r in m.removals or ()] + [float(m.spliced_cleared or 0.0),
                                                             float(m.removed_floor or 0.0)])
+
+
+def publish_mark(m: Manifest) -> float:
+    """What a record's publish entry waits for: the newest of its removals (`removal_mark`) and of its
+    settings' stamps (`settings_at`); 0.0: neither."""
+    return max([removal_mark(m)] + [float(t) for t in (m.settings_at or {}).values()])
+
+
+HARD_CAP = 2  # x bound: room for the saves of removals admitted (503 at the bound) before it filled
+
+
+class OutboxFull(OSError):
+    """A new entry refused at the outbox's bound."""
 
 
 @dataclass(frozen=True)
@@ -125,10 +142,13 @@ class Outbox:
         self._drop_older(namespace, path, at, forgets_only=False)  # it supersedes every earlier entry
 
     def add_forget(self, namespace: str, mark: float) -> None:
-        """Durably record that the agent's record, holding removals up to `mark`, must reach Redis;
-        OSError if not."""
+        """Durably record that the agent's record, holding removals and settings up to `mark`, must
+        reach Redis; OSError if not (OutboxFull at twice the bound, unless it supersedes a pending one
+        of the agent's: admission refuses at the bound, saves admitted before it filled still land)."""
         if not isinstance(namespace, str) or not namespace:
             raise ValueError("agent")
+        if len(self) >= HARD_CAP * self.bound and not any(e.forget for _, e in self._of(namespace)):
+            raise OutboxFull(f"{len(self)} entries pending (bound {self.bound})")
         at = self._now()
         path = self.dir / f"{_digest(namespace, 32)}-f{secrets.token_hex(8)}.json"
         self._write(path, {"kind": "forget", "agent": namespace, "mark": float(mark), "at": at},
@@ -168,13 +188,18 @@ class Outbox:
                 self._unlink(self.dir / name)
 
     def _unlink(self, path: Path) -> None:
+        """Remove an entry's file; one that stays (an OSError) stays counted, and is retried later."""
         try:
             path.unlink()
         except FileNotFoundError:
-            return
-        finally:
             with self._lock:
                 self._files.pop(path.name, None)
+            return
+        except OSError as e:
+            log.error("fleet: a pending entry %s could not be removed (%s); kept pending", path, e)
+            return
+        with self._lock:
+            self._files.pop(path.name, None)
         _fsync_dir(path.parent)
 
     # ---- reading --------------------------------------------------------------------------------------

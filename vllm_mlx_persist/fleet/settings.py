@@ -40,9 +40,9 @@ class FleetSettings:
     block_ttl_s: int = 7 * 86400
     manifest_ttl_s: int = 30 * 86400
     tombstone_ttl_s: Optional[int] = None
-    # This server's view of agents in Redis: how many it remembers; removals (erasures and forgets'
-    # publishes) pending in the outbox at once (more are refused: HTTP 503), and how often the outbox
-    # is sent again while the server runs.
+    # This server's view of agents in Redis: how many it remembers; removals and settings (erasures,
+    # forgets' and settings' publishes) pending in the outbox at once (more are refused: HTTP 503), and
+    # how often the outbox is sent again while the server runs.
     max_agents: int = 100_000
     max_erasures: int = 10_000
     outbox_retry_s: float = 10.0

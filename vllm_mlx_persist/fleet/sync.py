@@ -5,10 +5,11 @@
               rest from the local disk through block_source if it lacks them.
     erasure:  DELETE /v1/agents/ID (pool.erase) -> tier.erase, a tombstone fleet-wide. The disk
               budget and the TTL are this server's space decisions: they erase locally only.
-    removals: an erasure, and a forget's publish (a saved record holding a removal newer than any this
-              server recorded or published), are in the outbox (outbox.py) before they are
-              acknowledged; the outbox is sent again at start-up and every `outbox_retry_s` while the
-              server runs, and refuses new removals at its bound (`removal_room`: HTTP 503).
+    removals and settings: an erasure, and a record's publish (a saved record holding a removal or
+              a setting newer than any this server recorded or published: a forget, a pin, a fork
+              setting), are in the outbox (outbox.py) before they are acknowledged; the outbox is
+              sent again at start-up and every `outbox_retry_s` while the server runs, and refuses
+              new removals and settings at its bound (`removal_room`: HTTP 503).
     lookups:  a request's agent is known (HTTP thread, backend.prefetch) -> a sync job on this
               module's own threads: read the agent's manifest in Redis; an erasure this server has
               not acted on (a tombstone, or a history of a newer era: started on a tombstone this
@@ -28,7 +29,7 @@
               tier), and a restart tells the tier back (`loaded`), so it survives (docs/fleet.md, Erasure).
 
 It reaches the pool only through `FleetPool` (pool_api.py: BlockPool implements it); the pool calls
-`saved`, `superseded`, `era`, `loaded`, `released`, `erase`, `erase_queued`, `prefetch`, `wait`,
+`saved`, `superseded`, `era`, `loaded`, `released`, `erase`, `prefetch`, `wait`,
 `settings_of`, `agent_info`, `stop` and `close`, the backend `pending`, `wait_s` and `stats`.
 Numpy and bytes only, never MLX (the worker thread alone does MLX). Bounds (FleetSettings):
 `max_syncs` agents' jobs tracked at once (more are skipped and counted), `sync_threads` threads, the
@@ -52,7 +53,7 @@ from ..disk_format import BlockData, Manifest
 from ..record_settings import RemoteSettings
 from .family import Family
 from .manifests import RemoteManifest
-from .outbox import OUTBOX_DIR, Outbox, removal_mark
+from .outbox import OUTBOX_DIR, Outbox, publish_mark
 from .pool_api import FleetPool
 from .tier import RemoteTier
 
@@ -103,8 +104,9 @@ class Fleet:
             log.info("fleet: agent %r: its erasure did not reach Redis before the last stop; queued again",
                      namespace)
             self.tier.erase(namespace, era)
-        # The newest removal each agent's record holds that is in the outbox or in Redis (bounded):
-        # a save holding a newer one records its publish first.
+        # The newest removal or setting stamp each agent's record holds that is in the outbox or in
+        # Redis (bounded; seeded at start-up from the records on disk, see `loaded`): a save holding a
+        # newer one records its publish first.
         self._marks: "OrderedDict[str, float]" = OrderedDict()
         self._marks_lock = threading.Lock()
         self.wait_s = settings.wait_s
@@ -140,16 +142,17 @@ class Fleet:
             log.exception("fleet: queueing the upload of agent %r failed", manifest.namespace)
 
     def _record_removal(self, manifest: Manifest) -> None:
-        """A record holding a removal newer than any recorded or published for the agent (a forget,
-        saved): its publish is pending in the outbox, durably, before the put is queued."""
-        mark = removal_mark(manifest)
+        """A record holding a removal or a setting newer than any recorded or published for the agent
+        (a forget, a pin, a fork setting, saved): its publish is pending in the outbox, durably, before
+        the put is queued."""
+        mark = publish_mark(manifest)
         if mark <= 0.0 or mark <= self._mark(manifest.namespace):
             return
         try:
             self.outbox.add_forget(manifest.namespace, mark)
         except OSError as e:  # still queued: it reaches Redis unless this server dies first
-            log.error("fleet: agent %r: recording its forget's pending publish failed (%s); not kept across "
-                      "a restart", manifest.namespace, e)
+            log.error("fleet: agent %r: recording its removal's or setting's pending publish failed (%s); not "
+                      "kept across a restart", manifest.namespace, e)
             return
         self._count("forgets_recorded")
         self._set_mark(manifest.namespace, mark)
@@ -168,15 +171,15 @@ class Fleet:
 
     def _put_done(self, manifest: Manifest) -> None:
         """Tier writer thread: Redis holds the put's record (or the agent was erased since): the
-        forgets' publishes it carries are done."""
-        mark = removal_mark(manifest)
+        publishes it carries are done."""
+        mark = publish_mark(manifest)
         if mark > 0.0:
             self._set_mark(manifest.namespace, mark)
             self.outbox.forget_done(manifest.namespace, mark)
 
     def removal_room(self) -> bool:
-        """Whether a new removal (an erasure, a forget) may be acknowledged: False (counted) when the
-        outbox holds `max_erasures` pending ones; the caller answers 503. Any thread, no I/O."""
+        """Whether a new removal (an erasure, a forget) or setting may be acknowledged: False (counted)
+        when the outbox holds `max_erasures` pending ones; the caller answers 503. Any thread, no I/O."""
         if self.outbox.full():
             self._count("removals_refused")
             return False
@@ -234,7 +237,7 @@ class Fleet:
             if (not now and namespace not in seen) or self.tier.putting(namespace):
                 continue
             m = self.pool.read_record(namespace)
-            if m is None or removal_mark(m) < mark:
+            if m is None or publish_mark(m) < mark:
                 # erased since (here or by another server: nothing to send), or evicted by the disk
                 # budget or the TTL before its forget reached Redis (docs/fleet.md: a known limit)
                 log.warning("fleet: agent %r: its record left the local disk before its forget's publish "
@@ -263,8 +266,13 @@ class Fleet:
         return self.tier.era(namespace) or None
 
     def loaded(self, manifest: Manifest) -> None:
-        """Start-up: the agent's manifest found on the local disk (its era survives the restart)."""
+        """Start-up: the agent's manifest found on the local disk (its era survives the restart). What
+        it holds is in Redis or pending in the outbox (recorded before it was acknowledged): its next
+        save records no publish again for it."""
         self.tier.known_era(manifest.namespace, manifest.era)
+        mark = publish_mark(manifest)
+        if mark > 0.0:
+            self._set_mark(manifest.namespace, mark)
 
     def loaded_era(self, namespace: str, era: str) -> None:
         """The agent's record follows erasure `era`, which the tier forgot (its `max_agents` bound):
@@ -311,10 +319,6 @@ class Fleet:
         self.tier.erase(namespace, ident)
 
     # ---- lookups ------------------------------------------------------------------------------------
-
-    def erase_queued(self, namespace: str) -> None:
-        """Erase fleet-wide without reading Redis first (the pool's lock may be held)."""
-        self.tier.erase(namespace)
 
     def prefetch(self, namespace: str) -> None:
         """Start the agent's sync with Redis (any thread; never blocks)."""

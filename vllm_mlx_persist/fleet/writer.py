@@ -324,8 +324,16 @@ class Writer:
                 # The id erase() chose, of the latest erasure queued here: an earlier one retried
                 # after it writes the same tombstone, so this server's era is what Redis holds.
                 ident = st.era
+            seen = ident  # the value this server holds once done: its tombstone
             if cur.state == "ok" and cur.erased and cur.ident == ident:
                 version = cur.version  # written already (its reply was lost, or a later erasure's)
+                break
+            theirs = self.manifests.parse(cur.body, namespace) if cur.state == "ok" and not cur.erased else None
+            if theirs is not None and theirs.era == ident:
+                # written already, and a history begun on it since (the outbox sent it again after a
+                # restart): that history is newer than the erasure, and stays; not this server's, so
+                # its next put merges with it.
+                version, seen = cur.version, ""
                 break
             if cur.state in ("refused", "foreign"):
                 self.manifests.refused(cur, "replaced by an erasure")
@@ -338,7 +346,7 @@ class Writer:
         else:
             raise _Conflict(f"an agent's manifest changed under its erasure {_CAS_TRIES} times")
         with self._state.lock:
-            eras.erased(namespace, version, ident)
+            eras.erased(namespace, version, seen)
             self._state.c["erases_done"] += 1
         if self.on_erase_done is not None:
             try:
