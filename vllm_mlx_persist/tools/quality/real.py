@@ -330,7 +330,8 @@ def _usable(model: Any, formats: list[KVFormat]) -> tuple[list[KVFormat], dict[s
 # most MARGIN_POINTS points, or MARGIN_SHARE of the measured change where that is larger, plus twice
 # the measurement's own standard error over its windows (a few hundred tokens' perplexity change
 # swings by more than the prediction's error: stated in docs/quality.md; tests/test_real_quality.py
-# and tests/test_text_kinds.py check it on SmolLM2).
+# and tests/test_text_kinds.py check it on SmolLM2, tests/test_real_model_quality.py on both real
+# models).
 MARGIN_POINTS, MARGIN_SHARE = 0.75, 0.25
 
 
@@ -493,8 +494,8 @@ def render(r: dict[str, Any]) -> str:
                      f"within the margin ({MARGIN_POINTS} points or {100 * MARGIN_SHARE:.0f}%, + 2 s.e.): "
                      f"{'yes' if c['within'] else 'no'}")
     if r.get("front"):
-        lines.append("Measured Pareto front of the served formats (bytes per token against perplexity change): "
-                     + ", ".join(r["front"]))
+        lines += ["", "Measured Pareto front of the served formats (bytes per token against perplexity change): "
+                     + ", ".join(r["front"])]
     return "\n".join(lines)
 
 
