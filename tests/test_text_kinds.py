@@ -130,34 +130,21 @@ def test_served_front_keeps_only_formats_no_cheaper_one_beats():
 HELD_OUT_TOKENS = 384  # two windows per text: the test's budget
 
 
-def test_auto_predictions_hold_on_code_and_chat_on_smollm2(smollm2_dir):
+def test_auto_predictions_hold_on_code_and_chat_on_smollm2(smollm2_auto, smollm2_dir):
     """On the real SmolLM2-135M-Instruct, what auto predicts for its candidates on its measuring text
     (exp(KL) - 1; plain 4-bit and the centred 5- and 6-bit keys) agrees with the perplexity change
     each served cache measures on 2 x 384 tokens of held-out code and of a chat transcript: for the
     candidate auto's rule picks (the cheapest predicted within LIMIT_PCT: k6v4c, as auto serves),
     the perplexity change within the stated margin (real_quality.within_margin, + twice the s.e. over
     the windows); for every candidate, exp(KL) - 1 on those texts within the margin alone."""
-    from mlx_lm import load
-
-    from vllm_mlx_persist.caches import ModelCodec
-    from vllm_mlx_persist.caches.attention import install_attention_fix
-    from vllm_mlx_persist.kv_edit.rope_shift import probe_model
-    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat, float_copies
+    from vllm_mlx_persist.tools.quality.kv_formats import FULL, KVFormat
     from vllm_mlx_persist.tools.quality.measure import perplexity
 
-    install_attention_fix()
-    model, tok = load(str(smollm2_dir))
-    codec = ModelCodec.for_model(model, bits=4, group_size=64, bounded=True, float_copies=float_copies())
-    query_rms = {}
-    keys = kc.float_keys(model, kc.calibration_tokens(tok), query_rms)
-    keys.pop(-1)
-    shifts = probe_model(model)
-    candidates = {"q4": kc.uniform(codec, None),
-                  **{n: kc.centred_formats(codec, keys, query_rms, bits, shifts) for n, bits in kc.CENTRED.items()}}
-    measured_on = kc.calibration_tokens(tok, text=kc.MEASURE_TEXT)
-    ref = kc.float_keys(model, measured_on)[-1]
-    predicted = {n: kc.measure(model, codec, measured_on, f, ref)["predicted_pct"] for n, f in candidates.items()}
-    n_kv, D = kc._kv_shape(keys)
+    auto = smollm2_auto  # the model, its codec, the candidates and their predictions (tests/conftest.py)
+    model, tok, codec = auto.model, auto.tok, auto.codec
+    candidates = {n: auto.formats[n] for n in ("q4", *kc.CENTRED)}
+    predicted = auto.predicted(candidates)
+    n_kv, D = kc._kv_shape(auto.keys)
     ranked = sorted(candidates, key=lambda n: (kc.bytes_per_token(codec, candidates[n], n_kv, D), kc.ORDER.index(n)))
     assert next((n for n in ranked if predicted[n] <= kc.LIMIT_PCT), None) == "k6v4c", predicted
     rows = [FULL] + [KVFormat(n, n, 4, 64, factory=lambda m, f=f: codec.with_key_formats(f).make_cache())
