@@ -274,13 +274,13 @@ def hunt(seconds: float, seed: int) -> dict:
     from hypothesis.stateful import run_state_machine_as_test
 
     from vllm_mlx_persist.tools.reliability.machine_campaign import EXAMPLES_PER_SEED, STEPS
-    from vllm_mlx_persist.tools.reliability.machine_kit import Redis
+    from vllm_mlx_persist.tools.serving import RedisServer
     from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine
 
     logging.getLogger("vllm_mlx_persist").setLevel(logging.CRITICAL)
     t0, s = time.monotonic(), seed
     while time.monotonic() - t0 < seconds:
-        fleet = (s - seed) % 4 == 1 and Redis.available()
+        fleet = (s - seed) % 4 == 1 and RedisServer.available()
         machine = use_seed(s)(type(f"Hunt{s}", (FleetMachine if fleet else PoolMachine,), {}))
         try:
             run_state_machine_as_test(machine, settings=settings(

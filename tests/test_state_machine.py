@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as use_seed
 from hypothesis.stateful import run_state_machine_as_test
 
-from vllm_mlx_persist.tools.reliability.machine_kit import Redis
+from vllm_mlx_persist.tools.serving import RedisServer
 from vllm_mlx_persist.tools.reliability.pool_machine import FleetMachine, PoolMachine
 
 SEED = int(os.environ.get("POOL_MACHINE_SEED", "0"))
@@ -49,7 +49,7 @@ def test_pool_machine(seed: int) -> None:
     run_seeded(PoolMachine, seed, EXAMPLES)
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server: the fleet rules need one")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server: the fleet rules need one")
 @pytest.mark.parametrize("seed", FLEET_SEEDS)
 def test_fleet_machine(seed: int) -> None:
     run_seeded(FleetMachine, seed, max(1, EXAMPLES * 2 // 3))
@@ -76,7 +76,7 @@ def replay(steps: list[tuple[str, dict]], check: Optional[Callable[[PoolMachine]
         state.teardown()
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_shorter_turn_after_a_restart_survives_the_next_fleet_sync():
     """After a restart the fleet tier no longer knew which value it had published, so a turn that
     diverged to a shorter history lost to the longer one in Redis ('kept other'), and the sync after
@@ -94,7 +94,7 @@ def test_a_shorter_turn_after_a_restart_survives_the_next_fleet_sync():
         state.teardown()
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_turn_is_lost():
     """Server B held agent b with branches of 1, 4 and 9 tokens; A fetched them, served two parallel
     requests of b (its branches then of 7, 8 and 5 tokens, the 5 its last acknowledged turn) and
@@ -127,7 +127,7 @@ def test_branches_from_two_servers_are_merged_by_recency_and_no_acknowledged_tur
     replay(steps)
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_tombstone():
     """B held agent a when A erased it (a tombstone); A then served a new turn of a, a new history on top
     of the tombstone, before B synced. B never saw the tombstone: its next sync merged its erased copy
@@ -140,7 +140,7 @@ def test_an_erased_history_does_not_come_back_through_a_server_that_missed_the_t
             ("fleet_turn", dict(agent="a", new=[39, 20]))])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_turn_after_an_erasure_survives_a_restart_of_the_server_that_erased():
     """A erased agent a and served a new turn of it, a history of the erasure's era. After a restart A
     must still know that era (its local manifest carries it): else the history in Redis reads as a
@@ -159,7 +159,7 @@ def test_a_turn_after_an_erasure_survives_a_restart_of_the_server_that_erased():
             ("turn", dict(agent="a", pick=0, cut=1.0, new=[26]))], check)
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_fork_does_not_read_a_parent_erased_through_another_server():
     """b was erased through the other server; this one still held b's history when d forked from
     b. The lookup synced only the child, so d was served the first token of b's erased history
@@ -182,7 +182,7 @@ def test_a_turn_saved_after_its_agents_erasure_is_durable():
 # ---- issue #44: partitions, kills of a removal, removals past their bound --------------------------------
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off():
     """B synced agent a; B is cut off; A forgets part of a's history; a's next turn lands on B (which
     serves a prefix of the old branch: a use); healed, B's next sync must drop the old branch."""
@@ -197,7 +197,7 @@ def test_a_forget_holds_against_a_server_that_served_the_agent_while_cut_off():
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_forget_made_while_cut_off_is_published_after_the_heal():
     replay([
         ("turn", dict(agent="b", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30])),
@@ -209,7 +209,7 @@ def test_a_forget_made_while_cut_off_is_published_after_the_heal():
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 @pytest.mark.parametrize("stage", ["queued", "in_redis"])
 def test_an_acknowledged_erasure_survives_a_kill_at_each_step(stage):
     replay([
@@ -222,7 +222,7 @@ def test_an_acknowledged_erasure_survives_a_kill_at_each_step(stage):
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_forget_killed_before_its_publish_is_published_after_the_restart():
     replay([
         ("turn", dict(agent="a", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31])),
@@ -232,7 +232,7 @@ def test_a_forget_killed_before_its_publish_is_published_after_the_restart():
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_removals_past_their_bound_hold_on_a_server_that_synced_before_them():
     replay([
         ("turn", dict(agent="d", pick=0, cut=1.0, new=[20, 21, 22, 23, 24, 25, 26, 27, 28, 29])),
@@ -242,7 +242,7 @@ def test_removals_past_their_bound_hold_on_a_server_that_synced_before_them():
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_forget_made_while_cut_off_is_published_by_a_sync_that_merges():
     """Found by the machine's partition rule (seed 5, unshrunk): B, cut off, forgot part of agent c
     (its put given up) while A published a newer turn of c; healed, B's sync had something to fetch,
@@ -268,7 +268,7 @@ def test_a_forget_made_while_cut_off_is_published_by_a_sync_that_merges():
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_forget_holds_on_a_server_whose_disk_fails_during_the_sync():
     """Found by the fleet campaign (seed 1011, shrunk by hand): B forgot part of agent b and published
     the removal; A's next request of b synced, but the local save of the merge failed (the disk gave
@@ -282,7 +282,7 @@ def test_a_forget_holds_on_a_server_whose_disk_fails_during_the_sync():
     ])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_pin_that_meets_the_tombstone_erases_the_agent_before_the_next_step():
     """Found by the fleet campaign (seed 1001; not replayable: a race): B erased agent a while A held
     it; A's pin saved the record again, which published it, and that put met the tombstone, so A erased
@@ -298,7 +298,7 @@ def test_a_pin_that_meets_the_tombstone_erases_the_agent_before_the_next_step():
             ("pin", dict(agent="a", pin=False))], erased_here)
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_a_forget_on_a_server_without_spliced_branches_still_clears_the_fleets():
     """Found by the fleet campaign (seed 1011, its second failure, shrunk by hand): B, cut off, held
     only honest branches of agent c when it forgot part of it, so its record did not raise
@@ -314,7 +314,7 @@ def test_a_forget_on_a_server_without_spliced_branches_still_clears_the_fleets()
             ("partition", dict(cut=False))])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 def test_an_unpin_on_a_clock_stepped_back_wins_over_the_pin_before_it():
     """Issue #53, item 3 in the machine: A pins agent a, B syncs the pin (its turn), A's clock steps
     back 120 s and A unpins; B's next turn merges its pin with A's unpin and publishes, and A's next
@@ -328,7 +328,7 @@ def test_an_unpin_on_a_clock_stepped_back_wins_over_the_pin_before_it():
             ("turn", dict(agent="a", pick=0, cut=1.0, new=[28]))])
 
 
-@pytest.mark.skipif(not Redis.available(), reason="no redis-server")
+@pytest.mark.skipif(not RedisServer.available(), reason="no redis-server")
 @pytest.mark.parametrize("server", ["a", "b"])
 def test_a_forget_on_a_clock_behind_the_writes_it_removes_holds(server):
     """Issue #53, item 2 in the machine: agent c's history is stored on A and synced by B; then

@@ -4,40 +4,13 @@ local-disk hit, and Redis bytes per token."""
 
 from __future__ import annotations
 
-import shutil
 import signal
-import subprocess
 import time
 import traceback
-from pathlib import Path
-from typing import Any
 
-from ..serving import free_port
+from ..serving import RedisServer
 from .kit import (Conversation, Ctx, Session, _turn_record, cache_paths, drop_page_cache, make_server, median, say,
                   seed_of, send)
-
-
-def _start_redis(work: Path) -> tuple[subprocess.Popen, str, Any]:
-    """A redis-server on a free local port, no persistence, LRU over keys with a TTL (docs/fleet.md)."""
-    import redis
-
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server)")
-    port = free_port()
-    work.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(work), "--maxmemory", "4gb", "--maxmemory-policy", "volatile-lru"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port, socket_timeout=10)
-    for _ in range(200):
-        try:
-            client.ping()
-            return proc, f"redis://127.0.0.1:{port}/0", client
-        except redis.exceptions.ConnectionError:
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("redis-server did not start")
 
 
 def section_fleet(ctx: "Ctx") -> dict:
@@ -46,7 +19,11 @@ def section_fleet(ctx: "Ctx") -> dict:
     and serves one more turn from its own disk (disk). Redis memory and traffic per token stored."""
     plan = ctx.plan
     result: dict = {"samples": [], "events": [], "errors": {}, "redis": {}}
-    proc, url, rc = _start_redis(ctx.work / "fleet-redis")
+    import redis
+
+    # LRU over keys with a TTL, as docs/fleet.md asks of a fleet's Redis
+    server = RedisServer(ctx.work / "fleet-redis", ("--maxmemory", "4gb", "--maxmemory-policy", "volatile-lru"))
+    url, rc = server.url, redis.Redis(port=server.port, socket_timeout=10)
     sessions = {name: Session("persist_q4", make_server("persist_q4", ctx.model, ctx.work / f"fleet-{name}",
                                                         plan.ttft_cache_mb, {"remote_url": url}),
                               result["events"], f"fleet-{name}")
@@ -110,8 +87,7 @@ def section_fleet(ctx: "Ctx") -> dict:
     finally:
         a.stop(signal.SIGTERM, "end")
         b.stop(signal.SIGTERM, "end")
-        proc.kill()
-        proc.wait()
+        server.stop()
     summary: dict = {}
     for L in plan.fleet_contexts:
         row: dict = {}

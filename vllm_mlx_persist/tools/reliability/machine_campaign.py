@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .machine_kit import Redis
+from ..serving import RedisServer
 from .pool_machine import FleetMachine, PoolMachine
 
 STEPS = 50  # steps per example in the campaign (the suite's runs take 30)
@@ -43,7 +43,7 @@ def campaign(trials: int, seed: int, work: Path, steps: int = STEPS, fleet_only:
     left, s = trials, seed
     while left > 0:
         n = min(EXAMPLES_PER_SEED, left)
-        fleet = (fleet_only or (s - seed) % 4 == 1) and Redis.available()
+        fleet = (fleet_only or (s - seed) % 4 == 1) and RedisServer.available()
         if fleet_only and not fleet:
             raise RuntimeError("the fleet campaign needs a redis-server")
         machine = use_seed(s)(type(f"Seeded{s}", (FleetMachine if fleet else PoolMachine,), {}))

@@ -19,8 +19,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import shutil
-import socket
-import subprocess
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -149,37 +147,6 @@ def wait_until(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.005)
     return True
-
-
-class Redis:
-    """A throwaway redis-server on a free loopback port (no persistence)."""
-
-    def __init__(self, work: Path):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen(["redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no",
-                                      "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(10)
-
-    @staticmethod
-    def available() -> bool:
-        return shutil.which("redis-server") is not None
 
 
 class Clock:

@@ -24,8 +24,9 @@ from ...chain import Branch, Chains, lcp
 from ...kv_edit import AMORTIZE, FORGET
 from ...pool import BlockPool
 from .machine_kit import (AGENTS, BLOCK, BRANCHES, DISK_BUDGETS, FINGERPRINT, GONE_KEPT, HOT_BUDGETS, OP_TIMEOUT_S,
-                          WORDS, Clock, Redis, ServerClock, SyntheticKV, decode, open_pool, same_cache, spliced_mask,
+                          WORDS, Clock, ServerClock, SyntheticKV, decode, open_pool, same_cache, spliced_mask,
                           wait_until, watchdog)
+from ..serving import RedisServer
 from .partition import PartitionProxy
 
 
@@ -83,7 +84,7 @@ class PoolModel:
         self.clock = Clock()
         self.clocks = {n: ServerClock(self.clock) for n in "ab"}  # each server's, stepped by `clock_step`
         self.hot, self.disk = HOT_BUDGETS[0], DISK_BUDGETS[0]
-        self.redis = Redis(self.work) if self.fleet else None
+        self.redis = RedisServer(self.work) if self.fleet else None
         # Each pool reaches Redis through its own partition proxy (tools/reliability/partition.py): a rule cuts one
         # pool off and heals it. `cut`: the pools ("a", "b") cut off now.
         self.proxies = ({n: PartitionProxy("127.0.0.1", self.redis.port) for n in "ab"}
