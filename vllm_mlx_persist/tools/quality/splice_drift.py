@@ -363,6 +363,11 @@ def kind_paths(s: Setup, T: Sequence[int], j: int, span: int, stub: Sequence[int
     return {k: logprobs(s.model, c, ev) for k, c in caches.items()}
 
 
+def opening_ids(tokenizer: Any) -> list[int]:
+    """The ids `tokenizer` puts before any text (its BOS where its post-processor adds one)."""
+    return list(tokenizer.encode("").ids)
+
+
 def kinds_run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
               log: Callable[[str], None] = print) -> list[dict[str, Any]]:
     """Drift by where the run starts (KINDS) and by recomputed tokens k, per run length: `kind_seqs`
@@ -372,6 +377,9 @@ def kinds_run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
     text = lambda t: vocab.setdefault(t, tokenizer.decode([int(t)]))  # noqa: E731
     stub = tokenizer.encode(STUB_TEXT.strip(), add_special_tokens=False).ids
     tags = (tokenizer.token_to_id(IM_START), tokenizer.token_to_id(IM_END)) if cfg.chat else None
+    # what the tokenizer opens every sequence with (Gemma 3's BOS; none for SmolLM2 or ours): each window
+    # is a sequence of its own, and Gemma without its BOS reads text far worse than with it
+    lead = opening_ids(tokenizer)
     rows = []
     toks = [int(t) for t in tokens]
     for L in cfg.kind_runs:
@@ -383,10 +391,11 @@ def kinds_run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
             # a message point keeps the previous message's end tag and the newline after it
             keep = 2 if kind == "message" else 1
             before = cfg.prefix + cfg.kind_span + keep
-            for j in pts:  # a window of `prefix` tokens before the edit, the point at `before`
-                T = toks[j - before:j + after]
-                lps = kind_paths(s, T, before, cfg.kind_span, stub, L, cfg.kind_eval, cfg.recompute, keep)
-                targets = T[before + L + 1:][:cfg.kind_eval]
+            for j in pts:  # a window of `prefix` tokens before the edit, the point at `before` (after `lead`)
+                T = lead + toks[j - before:j + after]
+                at = len(lead) + before
+                lps = kind_paths(s, T, at, cfg.kind_span, stub, L, cfg.kind_eval, cfg.recompute, keep)
+                targets = T[at + L + 1:][:cfg.kind_eval]
                 m = {p: compare(lps["cold"][:-1], lps[p][:-1], targets) for p in lps if p != "cold"}
                 trials.append(m)
             row = {"run": L, "kind": kind, "points": len(pts), "candidates": len(found[kind]), **_summarise(trials)}
@@ -434,6 +443,7 @@ def run(s: Setup, tokens: np.ndarray, tokenizer: Any, cfg: DriftConfig,
     if "kinds" in parts:
         t0 = time.perf_counter()
         res["kinds"] = kinds_run(s, tokens, tokenizer, cfg, log)
+        res["kind_lead"] = opening_ids(tokenizer)
         res["seconds"]["kinds"] = time.perf_counter() - t0
     if "edits" not in parts:
         return res
@@ -545,7 +555,9 @@ def render_kinds(r: dict[str, Any]) -> list[str]:
                  "this model's analog of a message start); **line** = a line start inside a block (the planner's "
                  "line point); **mid** = inside a line (never a splice point). ")) + "KL in 10⁻³ nats per token against "
              "the cold float prefill of the edited prompt (mean ± s.e. over the points); k = the run's first "
-             "k tokens re-prefilled with the stub (boundary recomputation).", "",
+             "k tokens re-prefilled with the stub (boundary recomputation)."
+             + (f" Each window opens with the tokenizer's opening ids {r['kind_lead']} (its BOS), as a served "
+                "prompt does." if r.get("kind_lead") else ""), "",
              "| run | kind | points | cold 4-bit | " + " | ".join(f"float splice k={k}" for k in ks) + " | "
              + " | ".join(f"4-bit splice k={k}" for k in ks) + " |",
              "|---:|---|---:|---:|" + "---:|" * (2 * len(ks))]
