@@ -63,6 +63,30 @@ def test_an_outbox_file_that_cannot_be_removed_stays_counted(tmp_path, monkeypat
     assert len(box) == len(list(box.dir.glob("*.json"))) == 1 and not box.full()
 
 
+
+def test_an_older_erasure_left_on_disk_is_never_sent_again(tmp_path, monkeypatch):
+    """P erased (e1), written again, erased again (e2) while e1's file cannot be removed: only e2 is
+    ever pending to send, running or after a restart (sent again, e1 would end what was written after
+    e2); e2's done keeps e2 until e1's file is gone, so e1 never becomes P's newest."""
+    from vllm_mlx_persist.fleet import outbox as ob
+
+    box = ob.Outbox(tmp_path / "outbox", bound=10)
+    box.add("p", "e1")
+    real = Path.unlink
+
+    def refuse(self, *args, **kw):
+        raise PermissionError(errno.EACCES, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    box.add("p", "e2")  # e1's file stays
+    assert len(box) == 2 and box.erasures() == [("p", "e2")]
+    box.done("p", "e2")  # in Redis; e1's file still cannot go, so e2's stays too
+    assert box.erasures() == [("p", "e2")]
+    assert ob.Outbox(tmp_path / "outbox", bound=10).pending() == [("p", "e2")]  # a restart sends e2 only
+    monkeypatch.setattr(Path, "unlink", real)
+    box.done("p", "e2")
+    assert len(box) == 0 and box.erasures() == [] and not list(box.dir.glob("*.json"))
+
 def test_a_publish_past_the_bound_is_refused_unless_it_supersedes_one(tmp_path):
     """At the bound the outbox is full (admission answers 503), yet a save admitted before it filled
     still lands (its removal was acknowledged); add_forget refuses a new agent's entry at twice the
@@ -107,6 +131,32 @@ def test_a_restart_records_no_publish_of_what_redis_already_has(fleet, model):
         "the restart recorded again a publish Redis already had"
     assert a.fleet.removal_room()
 
+
+
+def test_an_adopted_record_records_no_publish_of_what_redis_already_has(fleet, model):
+    """B forgets a span of X and its publish reaches Redis; A adopts X from Redis, and X's next plain
+    turn on A is saved while A is cut off. The record holds B's removal, which Redis has: nothing
+    enters A's outbox (bound: one pending removal), and the next removal is taken, not refused."""
+    from test_forget import _history, _turn
+    from test_pool import tokens
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    b, _ = fleet.model_server("b", model)
+    head, span, tail = _history()
+    _turn(b, model, "x", head + span + tail, "r1")
+    _, _, seq = _turn(b, model, "x", head + tail, "r2", edit=FORGET)
+    settle(b)
+    wait_for(lambda: not b.fleet.outbox.forgets(), "the forget's publish let go of once in Redis")
+    a, pa = fleet.model_server("a", model, max_erasures=1)
+    a.fleet._sync_agent("x")
+    wait_for(lambda: held(a, "x"), "A adopting X from Redis")
+    pa.cut()
+    _turn(a, model, "x", seq + tokens(20, seed=9), "r3")
+    a.flush(30)
+    assert len(a.fleet.outbox) == 0 and a.fleet.counts["forgets_recorded"] == 0, \
+        "an adopted record's removal, which Redis has, was recorded as a pending publish"
+    assert a.fleet.removal_room()
 
 def test_an_erasure_sent_again_after_its_tombstone_leaves_a_newer_history_alone(fleet, fp):
     """A erases P; its tombstone is written, and A is killed before its outbox lets the erasure go.

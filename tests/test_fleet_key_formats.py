@@ -92,6 +92,37 @@ def test_an_erasure_on_one_key_format_reaches_the_others(servers, redis_server, 
     assert not list((Path(eraser_pool.fleet.outbox.dir)).glob("*.json"))
 
 
+def test_an_erasure_sent_again_leaves_a_history_begun_on_its_tombstone_in_another_keyspace(servers, redis_server):
+    """A (q4) erases X, which B (k8v4) holds: the tombstone reaches B's keyspace, where a new history of
+    X begins on it. The erasure sent to that keyspace again (a restart's outbox, a drain's retry) is
+    written already there: the newer history stays."""
+    import dataclasses
+    import secrets
+
+    import redis
+    from fleet_pools import chain, manifest
+    from test_remote import plant
+
+    a, _ = servers("a", "q4")
+    b, fp_b = servers("b", "k8v4")
+    publish(redis_server, fp_b, "x")
+    b.fleet._sync_agent("x")
+    assert a.erase("x") and a.fleet.tier.flush(20)
+    t = RemoteTier(FleetSettings(redis_server.url, secret=SECRET), fp_b)
+    try:
+        tomb = t.get_manifest("x")
+        assert tomb is not None and tomb.erased, tomb
+        hist = chain(fp_b, "x", 2, seed=5)  # B's new history, as a put of B's writes it (its blocks aside)
+        plant(redis.Redis.from_url(redis_server.url), t, "x", dataclasses.replace(manifest("x", hist), era=tomb.ident),
+              version=tomb.version + 1, ident=secrets.token_hex(8))
+        assert not t.get_manifest("x").erased
+        a.fleet.family.erase("x", tomb.ident)  # sent again
+        after = t.get_manifest("x")
+        assert after is not None and not after.erased, "the erasure sent again ended a newer history"
+    finally:
+        t.close(2)
+
+
 def test_an_unknown_agent_is_still_unknown_on_every_key_format(servers):
     a, _ = servers("a", "q4")
     servers("b", "k8v4")

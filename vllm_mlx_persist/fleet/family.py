@@ -166,6 +166,9 @@ class Family:
                 cur = manifests.judge(key, client.hmget(key, *FIELDS))
                 if cur.state == "ok" and cur.erased and cur.ident == ident:
                     break  # written already (even when absent a tombstone goes: a server cut off may hold a copy)
+                theirs = manifests.parse(cur.body, namespace) if cur.state == "ok" and not cur.erased else None
+                if theirs is not None and theirs.era == ident:
+                    break  # written already, and a history begun on it since: newer than the erasure, it stays
                 version = max(cur.version if cur.state == "ok" else -1, 0) + 1
                 fields = manifests.fields(key, version, ident, True)
                 if int(tier.writer._cas_script(client, [key], [cur.raw_id, tier.settings.tombstone_ttl_s, *fields])):

@@ -168,17 +168,31 @@ class Outbox:
         with self._lock:
             self._files[path.name] = entry
 
-    def _drop_older(self, namespace: str, path: Path, at: int, forgets_only: bool) -> None:
-        """After the entry at `path` is durable: the agent's earlier entries it supersedes go."""
+    def _drop_older(self, namespace: str, path: Path, at: int, forgets_only: bool,
+                    erasures_only: bool = False) -> bool:
+        """After the entry at `path` is durable: the agent's earlier entries it supersedes go; whether
+        all of them went."""
+        gone = True
         for name, entry in self._of(namespace):
-            if name != path.name and entry.at < at and (entry.forget or not forgets_only):
-                self._unlink(self.dir / name)
+            if name != path.name and entry.at < at and (entry.forget or not forgets_only) \
+                    and not (erasures_only and entry.forget):
+                gone = self._unlink(self.dir / name) and gone
+        return gone
 
     # ---- letting go (once in Redis) ----------------------------------------------------------------
 
     def done(self, namespace: str, era: str) -> None:
-        """The tombstone `era` of `namespace` is in Redis: forget it (a later erasure's file stays)."""
-        self._unlink(self._path(namespace, era))
+        """The tombstone `era` of `namespace` is in Redis: forget it, and first any older erasure of the
+        agent still on disk (its removal failed earlier). If one of those stays, this one stays too, so
+        the older is never the agent's newest, never sent again (done again at a later drain); a later
+        erasure's file stays."""
+        path = self._path(namespace, era)
+        with self._lock:
+            this = self._files.get(path.name)
+        if this is not None and not self._drop_older(namespace, path, this.at, forgets_only=False,
+                                                     erasures_only=True):
+            return
+        self._unlink(path)
 
     def forget_done(self, namespace: str, mark: float) -> None:
         """A put of the agent's record holding removals up to `mark` is in Redis (or the agent was
@@ -187,20 +201,22 @@ class Outbox:
             if entry.forget and entry.mark <= mark:
                 self._unlink(self.dir / name)
 
-    def _unlink(self, path: Path) -> None:
-        """Remove an entry's file; one that stays (an OSError) stays counted, and is retried later."""
+    def _unlink(self, path: Path) -> bool:
+        """Remove an entry's file; one that stays (an OSError) stays counted, and is retried later.
+        Whether it is gone."""
         try:
             path.unlink()
         except FileNotFoundError:
             with self._lock:
                 self._files.pop(path.name, None)
-            return
+            return True
         except OSError as e:
             log.error("fleet: a pending entry %s could not be removed (%s); kept pending", path, e)
-            return
+            return False
         with self._lock:
             self._files.pop(path.name, None)
         _fsync_dir(path.parent)
+        return True
 
     # ---- reading --------------------------------------------------------------------------------------
 
@@ -235,14 +251,16 @@ class Outbox:
         return sorted(out, key=lambda e: e.at)
 
     def pending(self) -> list[tuple[str, str]]:
-        """Every pending erasure, oldest first: (agent, era)."""
-        return [(e.agent, e.era) for e in self.entries() if not e.forget]
+        """Each agent's newest pending erasure, oldest first: (agent, era). An older one still on disk
+        (a kill between a newer erasure's write and its removal, or a removal that failed) is
+        superseded: sent again it would end what was written after the newer one."""
+        return _newest_erasures(self.entries())
 
     def erasures(self) -> list[tuple[str, str]]:
-        """Every pending erasure, oldest first: (agent, era) (no I/O)."""
+        """Each agent's newest pending erasure, oldest first: (agent, era) (no I/O; see `pending`)."""
         with self._lock:
-            entries = sorted(self._files.values(), key=lambda e: e.at)
-        return [(e.agent, e.era) for e in entries if not e.forget]
+            entries = list(self._files.values())
+        return _newest_erasures(entries)
 
     def forgets(self) -> dict[str, float]:
         """The agents whose forget's publish is pending: agent -> the highest mark pending (no I/O)."""
@@ -253,6 +271,15 @@ class Outbox:
             if e.forget:
                 out[e.agent] = max(out.get(e.agent, 0.0), e.mark)
         return out
+
+
+def _newest_erasures(entries: list[Entry]) -> list[tuple[str, str]]:
+    """Each agent's newest erasure among `entries`, oldest first: (agent, era)."""
+    newest: dict[str, Entry] = {}
+    for e in entries:
+        if not e.forget and (e.agent not in newest or e.at > newest[e.agent].at):
+            newest[e.agent] = e
+    return [(e.agent, e.era) for e in sorted(newest.values(), key=lambda e: e.at)]
 
 
 def _read(path: Path) -> Optional[Entry]:

@@ -551,6 +551,9 @@ class Fleet:
             self.counts["tokens_fetched"] += manifest.n_tokens
         if version is not None:  # this server now holds that version: its next put succeeds it
             self.tier.adopt(manifest.namespace, version)
+        mark = publish_mark(manifest)  # what Redis holds: its next save records no publish of it
+        if mark > 0.0:
+            self._set_mark(manifest.namespace, mark)
         # read the blocks back while the request waits for the worker (page cache: cheap)
         self.pool.prefetch(manifest.namespace)
 
