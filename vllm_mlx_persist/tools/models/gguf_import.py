@@ -486,10 +486,13 @@ def without_leading_bos(template: str) -> str:
     it (`{{ bos_token }}` first, after `{% set %}` statements, or `bos_token + ...` on the first
     message); a BOS it writes later (Llama 2's, before each user turn) stays. The `+` marks keep
     transformers' trim_blocks / lstrip_blocks off the template's own edges; one trailing newline is
-    dropped, as Jinja drops it at the end of a template."""
+    dropped, as Jinja drops it at the end of a template. Whitespace before that BOS goes with it (a
+    template's layout, which the old pattern match removed too; llama.cpp would keep it and send two
+    BOS), and a renderer that passes no bos_token gets the text as rendered."""
     body = template[:-1] if template.endswith("\n") else template
     return ("{% set gguf_chat +%}" + body + "{%+ endset -%}\n"
-            "{{- gguf_chat[bos_token | length:] if gguf_chat.startswith(bos_token) else gguf_chat }}")
+            "{{- gguf_chat.lstrip()[bos_token | length:] if bos_token and gguf_chat.lstrip().startswith(bos_token)"
+            " else gguf_chat }}")
 
 
 def resolve_dtype(dtype: str) -> str:
