@@ -107,56 +107,57 @@ def test_a_publish_past_the_bound_is_refused_unless_it_supersedes_one(tmp_path):
     assert box.forgets() == {"b": 2.0, "c": 1.0, "d": 1.0}
 
 
+def _forget_published(server, model) -> list[int]:
+    """X's history on `server`, a span of it forgotten, and the forget's publish in Redis (let go of by
+    the outbox); X's tokens after the forget."""
+    from test_forget import _history, _turn
+
+    from vllm_mlx_persist.kv_edit import FORGET
+
+    head, span, tail = _history()
+    _turn(server, model, "x", head + span + tail, "r1")
+    _, _, seq = _turn(server, model, "x", head + tail, "r2", edit=FORGET)
+    settle(server)
+    wait_for(lambda: not server.fleet.outbox.forgets(), "the forget's publish let go of once in Redis")
+    return seq
+
+
+def _cut_off_turn_records_nothing(server, proxy, model, seq: list[int], why: str) -> None:
+    """X's next plain turn on `server`, saved while it is cut off from Redis: its record's removal is
+    in Redis already, so nothing enters the outbox (bound: one) and the next removal is taken."""
+    from test_forget import _turn
+    from test_pool import tokens
+
+    proxy.cut()
+    _turn(server, model, "x", seq + tokens(20, seed=9), "r3")
+    server.flush(30)
+    assert len(server.fleet.outbox) == 0 and server.fleet.counts["forgets_recorded"] == 0, why
+    assert server.fleet.removal_room()
+
+
 def test_a_restart_records_no_publish_of_what_redis_already_has(fleet, model):
     """A forgets a span and its publish reaches Redis; A restarts (bound: one pending removal) and the
     agent's next plain turn is saved while A is cut off. Its record still holds the old removal, which
     Redis has: nothing enters the outbox, and the next removal is taken, not refused."""
-    from test_forget import _history, _turn
-    from test_pool import tokens
-
-    from vllm_mlx_persist.kv_edit import FORGET
-
     a, pa = fleet.model_server("a", model, max_erasures=1)
-    head, span, tail = _history()
-    _turn(a, model, "x", head + span + tail, "r1")
-    _, _, seq = _turn(a, model, "x", head + tail, "r2", edit=FORGET)
-    settle(a)
-    wait_for(lambda: not a.fleet.outbox.forgets(), "the forget's publish let go of once in Redis")
+    seq = _forget_published(a, model)
     a.close()
     a, _ = fleet.model_server("a", model, pa, max_erasures=1)  # restarted on the same disk
-    pa.cut()
-    _turn(a, model, "x", seq + tokens(20, seed=9), "r3")
-    a.flush(30)
-    assert len(a.fleet.outbox) == 0 and a.fleet.counts["forgets_recorded"] == 0, \
-        "the restart recorded again a publish Redis already had"
-    assert a.fleet.removal_room()
-
+    _cut_off_turn_records_nothing(a, pa, model, seq, "the restart recorded again a publish Redis already had")
 
 
 def test_an_adopted_record_records_no_publish_of_what_redis_already_has(fleet, model):
     """B forgets a span of X and its publish reaches Redis; A adopts X from Redis, and X's next plain
     turn on A is saved while A is cut off. The record holds B's removal, which Redis has: nothing
     enters A's outbox (bound: one pending removal), and the next removal is taken, not refused."""
-    from test_forget import _history, _turn
-    from test_pool import tokens
-
-    from vllm_mlx_persist.kv_edit import FORGET
-
     b, _ = fleet.model_server("b", model)
-    head, span, tail = _history()
-    _turn(b, model, "x", head + span + tail, "r1")
-    _, _, seq = _turn(b, model, "x", head + tail, "r2", edit=FORGET)
-    settle(b)
-    wait_for(lambda: not b.fleet.outbox.forgets(), "the forget's publish let go of once in Redis")
+    seq = _forget_published(b, model)
     a, pa = fleet.model_server("a", model, max_erasures=1)
     a.fleet._sync_agent("x")
     wait_for(lambda: held(a, "x"), "A adopting X from Redis")
-    pa.cut()
-    _turn(a, model, "x", seq + tokens(20, seed=9), "r3")
-    a.flush(30)
-    assert len(a.fleet.outbox) == 0 and a.fleet.counts["forgets_recorded"] == 0, \
-        "an adopted record's removal, which Redis has, was recorded as a pending publish"
-    assert a.fleet.removal_room()
+    _cut_off_turn_records_nothing(a, pa, model, seq,
+                                  "an adopted record's removal, which Redis has, was recorded as a pending publish")
+
 
 def test_an_erasure_sent_again_after_its_tombstone_leaves_a_newer_history_alone(fleet, fp):
     """A erases P; its tombstone is written, and A is killed before its outbox lets the erasure go.
